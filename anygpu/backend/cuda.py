@@ -1,0 +1,97 @@
+"""The CUDA backend (NVIDIA GPUs through a CUDA build of torch)."""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from .base import Backend, common_versions
+from .targets import cuda_arch, lookup
+from .visible import hidden_message
+
+NAME = "cuda"
+
+
+def present() -> tuple[bool, str]:
+    if torch.version.hip:
+        return False, f"torch {torch.__version__} is a ROCm build (HIP {torch.version.hip}), not a CUDA build"
+    if not torch.version.cuda:
+        return False, f"torch {torch.__version__} is a CPU-only build (torch.version.cuda is None)"
+    n = device_count()
+    if n == 0:
+        hidden = hidden_message(os.environ, NAME)
+        return False, f"torch is a CUDA {torch.version.cuda} build but no GPU is visible" + (f": {hidden}" if hidden else "")
+    return True, f"torch is a CUDA {torch.version.cuda} build and {n} GPU(s) are visible"
+
+
+def device_count() -> int:
+    # torch counts through NVML when it can, which leaves the CUDA runtime uninitialised (safe before fork).
+    return torch.cuda.device_count() if torch.cuda.is_built() else 0
+
+
+def describe(index: int = 0, props=None) -> Backend:
+    props = props if props is not None else torch.cuda.get_device_properties(index)
+    arch = cuda_arch(props.major, props.minor)
+    target = lookup(arch)
+    return Backend(
+        name=NAME,
+        device=torch.device("cuda", index),
+        device_name=props.name,
+        arch=arch,
+        target=target,
+        warp_size=getattr(props, "warp_size", 32) or 32,
+        multiprocessor_count=props.multi_processor_count,
+        shared_memory_per_block=getattr(props, "shared_memory_per_block_optin", 0) or target.shared_per_block,
+        total_memory=props.total_memory,
+        fp8_dtypes=target.fp8_dtypes(),
+        versions=versions(),
+        raw_arch=arch,
+    )
+
+
+def versions() -> dict:
+    v = common_versions()
+    v["cuda_runtime"] = torch.version.cuda or "none"
+    if torch.backends.cudnn.is_available():
+        v["cudnn"] = str(torch.backends.cudnn.version())
+    try:
+        v["blas_preferred"] = str(torch.backends.cuda.preferred_blas_library()).split(".")[-1]
+    except Exception:  # noqa: BLE001 - older torch has no preference API
+        pass
+    return v
+
+
+def synchronize() -> None:
+    torch.cuda.synchronize()
+
+
+# ---- memory: torch's caching allocator; ROCm builds route the same calls to HIP --------------------
+
+def total_memory() -> int:
+    return torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory
+
+
+def active_memory() -> int:
+    return torch.cuda.memory_allocated()
+
+
+def peak_memory() -> int:
+    return torch.cuda.max_memory_allocated()
+
+
+def cache_memory() -> int:
+    return torch.cuda.memory_reserved() - torch.cuda.memory_allocated()
+
+
+def reset_peak_memory() -> None:
+    torch.cuda.reset_peak_memory_stats()
+
+
+def clear_cache() -> None:
+    torch.cuda.empty_cache()
+
+
+def apply_memory_limit(limit: int) -> None:
+    # The allocator raises OutOfMemoryError past this fraction of the device, as MLX's limit does.
+    torch.cuda.set_per_process_memory_fraction(min(1.0, limit / total_memory()))

@@ -1,0 +1,112 @@
+"""The ROCm backend (AMD GPUs through a ROCm build of torch).
+
+torch reuses its ``cuda`` namespace on ROCm: the device is ``cuda:N``, the allocator and streams are
+``torch.cuda``'s.  What differs is identity: the arch comes from ``gcnArchName`` (not the compute
+capability, which is the GFX IP on ROCm), the wave size is 64 on CDNA and 32 on RDNA, and gfx942 uses
+the fnuz fp8 formats.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+
+import torch
+
+from . import cuda as _torch_cuda_allocator
+from .base import Backend, common_versions
+from .targets import lookup, parse_gcn_arch
+from .visible import hidden_message
+
+NAME = "rocm"
+
+
+def present() -> tuple[bool, str]:
+    if not torch.version.hip:
+        kind = f"a CUDA {torch.version.cuda} build" if torch.version.cuda else "a CPU-only build"
+        return False, (f"torch {torch.__version__} is {kind} (torch.version.hip is None); "
+                       "ROCm needs torch from the PyTorch ROCm wheel index")
+    n = device_count()
+    if n == 0:
+        hidden = hidden_message(os.environ, NAME)
+        return False, f"torch is a ROCm build (HIP {torch.version.hip}) but no GPU is visible" + (f": {hidden}" if hidden else "")
+    return True, f"torch is a ROCm build (HIP {torch.version.hip}) and {n} GPU(s) are visible"
+
+
+def device_count() -> int:
+    # On ROCm torch counts through amdsmi when it can, leaving HIP uninitialised (safe before fork).
+    return torch.cuda.device_count() if torch.cuda.is_built() else 0
+
+
+def describe(index: int = 0, props=None) -> Backend:
+    fake = props is not None
+    props = props if fake else torch.cuda.get_device_properties(index)
+    raw = props.gcnArchName
+    arch = parse_gcn_arch(raw)
+    target = lookup(arch)
+    # Never infer 64 from "is ROCm": RDNA is wave32.  Older torch lacks props.warp_size; the arch decides then.
+    warp = getattr(props, "warp_size", 0) or target.warp_size
+    return Backend(
+        name=NAME,
+        device=torch.device("cuda", index),
+        device_name=props.name,
+        arch=arch,
+        target=target,
+        warp_size=warp,
+        multiprocessor_count=props.multi_processor_count,
+        shared_memory_per_block=getattr(props, "shared_memory_per_block", 0) or target.shared_per_block,
+        total_memory=props.total_memory,
+        fp8_dtypes=target.fp8_dtypes(),
+        versions=common_versions() if fake else versions(),
+        raw_arch=raw,
+    )
+
+
+def versions() -> dict:
+    v = common_versions()
+    v["hip_runtime"] = torch.version.hip or "none"
+    v.update(_blas_versions())
+    return v
+
+
+def _blas_versions() -> dict:
+    """rocBLAS / hipBLASLt versions, as PyTorch's TunableOp records them in its validators."""
+    found = {}
+    try:
+        validators = dict(torch.cuda.tunable.get_validators())
+        for key, name in (("ROCBLAS_VERSION", "rocblas"), ("HIPBLASLT_VERSION", "hipblaslt")):
+            if validators.get(key):
+                found[name] = validators[key]
+    except Exception:  # noqa: BLE001 - older torch: fall through to asking the library itself
+        pass
+    if "rocblas" not in found:
+        version = rocblas_version_from_library()
+        if version:
+            found["rocblas"] = version
+    return found
+
+
+def rocblas_version_from_library(loader=ctypes.CDLL) -> str | None:
+    for lib_name in ("librocblas.so", "librocblas.so.5", "librocblas.so.4"):
+        try:
+            lib = loader(lib_name)
+        except OSError:
+            continue
+        size = ctypes.c_size_t(0)
+        if lib.rocblas_get_version_string_size(ctypes.byref(size)) != 0 or size.value == 0:
+            return None
+        buf = ctypes.create_string_buffer(size.value)
+        if lib.rocblas_get_version_string(buf, size) != 0:
+            return None
+        return buf.value.decode(errors="replace")
+    return None
+
+
+synchronize = _torch_cuda_allocator.synchronize
+total_memory = _torch_cuda_allocator.total_memory
+active_memory = _torch_cuda_allocator.active_memory
+peak_memory = _torch_cuda_allocator.peak_memory
+cache_memory = _torch_cuda_allocator.cache_memory
+reset_peak_memory = _torch_cuda_allocator.reset_peak_memory
+clear_cache = _torch_cuda_allocator.clear_cache
+apply_memory_limit = _torch_cuda_allocator.apply_memory_limit

@@ -1,0 +1,146 @@
+"""The GPU targets anygpu knows, with the limits kernels must respect.
+
+One table serves two purposes: at run time it gives the limits of the GPU we are on (torch does not
+report LDS caps or fp8 flavours), and in CI it is the list of targets every kernel is cross-compiled
+for.  Arch predicates are data here, not string tests scattered through the code, so they can be
+unit-tested (a hand-written ``"gfx1200" or "gfx1201" in arch`` is always true; see torchao's bug).
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, replace
+
+KiB = 1024
+
+
+@dataclass(frozen=True)
+class Target:
+    arch: str  # "gfx942", "sm_90"
+    vendor: str  # "amd" | "nvidia"
+    family: str  # "cdna3", "rdna3", "hopper", ...
+    warp_size: int  # threads per wavefront / warp
+    shared_per_block: int  # bytes of LDS / shared memory one program may use
+    shared_per_cu: int  # bytes per CU / SM (occupancy)
+    max_threads_per_cu: int  # resident threads per CU / SM (occupancy)
+    max_blocks_per_cu: int
+    fp8: tuple[str, ...]  # torch dtype names of the hardware's fp8 formats, () if none
+    matrix_unit: str  # "mfma" | "wmma" | "mma" | "wgmma" | "tcgen05"
+    products: str
+    known: bool = True  # False for a target synthesised from an arch name we have no row for
+
+    @property
+    def is_amd(self) -> bool:
+        return self.vendor == "amd"
+
+    @property
+    def max_num_warps(self) -> int:
+        """num_warps counts wavefronts on AMD: 16 x wave64 is already the 1024-thread block limit."""
+        return 1024 // self.warp_size
+
+    @property
+    def fp8_fnuz(self) -> bool:
+        return "float8_e4m3fnuz" in self.fp8
+
+    def fp8_dtypes(self):
+        import torch
+
+        return tuple(getattr(torch, n) for n in self.fp8 if hasattr(torch, n))
+
+    def triton_target(self):
+        """A ``triton.backends.compiler.GPUTarget`` for cross-compiling to this target."""
+        from triton.backends.compiler import GPUTarget
+
+        if self.is_amd:
+            return GPUTarget("hip", self.arch, self.warp_size)
+        return GPUTarget("cuda", int(self.arch[3:]), 32)
+
+
+_OCP = ("float8_e4m3fn", "float8_e5m2")
+_FNUZ = ("float8_e4m3fnuz", "float8_e5m2fnuz")
+
+
+def _amd(arch, family, warp, lds, waves_per_cu, fp8, unit, products):
+    # AMD has no fixed "blocks per CU"; waves are the limit, so allow one block per resident wave.
+    return Target(arch, "amd", family, warp, lds, lds, waves_per_cu * warp, waves_per_cu, fp8, unit, products)
+
+
+def _nv(cc, family, smem_block, smem_sm, threads_sm, blocks_sm, fp8, unit, products):
+    return Target(f"sm_{cc}", "nvidia", family, 32, smem_block, smem_sm, threads_sm, blocks_sm, fp8, unit, products)
+
+
+# LDS: 64 KiB per workgroup on CDNA2/3 and RDNA; 160 KiB on gfx950 (ROCm GPU specs).  CDNA CUs hold
+# 4 SIMDs x 8 waves; RDNA WGPs report as the "multiprocessor" and hold 4 SIMDs x 16 wave32.
+# NVIDIA numbers are the opt-in per-block shared memory and per-SM limits of the CUDA guide.
+TARGETS: dict[str, Target] = {
+    t.arch: t
+    for t in [
+        _amd("gfx90a", "cdna2", 64, 64 * KiB, 32, (), "mfma", "MI210, MI250, MI250X"),
+        _amd("gfx942", "cdna3", 64, 64 * KiB, 32, _FNUZ, "mfma", "MI300X, MI300A, MI325X"),
+        _amd("gfx950", "cdna4", 64, 160 * KiB, 32, _OCP, "mfma", "MI350X, MI355X"),
+        _amd("gfx1100", "rdna3", 32, 64 * KiB, 64, (), "wmma", "RX 7900 XTX / XT, PRO W7900"),
+        _amd("gfx1101", "rdna3", 32, 64 * KiB, 64, (), "wmma", "RX 7800 XT, 7700 XT"),
+        _amd("gfx1200", "rdna4", 32, 64 * KiB, 64, _OCP, "wmma", "RX 9060 XT"),
+        _amd("gfx1201", "rdna4", 32, 64 * KiB, 64, _OCP, "wmma", "RX 9070 XT, AI PRO R9700"),
+        _nv(80, "ampere", 163 * KiB, 164 * KiB, 2048, 32, (), "mma", "A100, A800"),
+        _nv(86, "ampere", 99 * KiB, 100 * KiB, 1536, 16, (), "mma", "RTX 3090, A10, A40"),
+        _nv(89, "ada", 99 * KiB, 100 * KiB, 1536, 24, _OCP, "mma", "L4, L40S, RTX 4090"),
+        _nv(90, "hopper", 227 * KiB, 228 * KiB, 2048, 32, _OCP, "wgmma", "H100, H200, GH200"),
+        _nv(100, "blackwell", 227 * KiB, 228 * KiB, 2048, 32, _OCP, "tcgen05", "B200, GB200"),
+    ]
+}
+
+# What CI cross-compiles every kernel config for.
+CI_TARGETS = ("gfx942", "gfx90a", "gfx1100", "gfx950", "sm_80", "sm_90")
+
+_GFX = re.compile(r"^gfx([0-9]{1,2})([0-9a-f])([0-9a-f])$")
+_SM = re.compile(r"^sm_([0-9]{2,3})a?$")
+
+
+def parse_gcn_arch(gcn_arch_name: str) -> str:
+    """``"gfx942:sramecc+:xnack-"`` -> ``"gfx942"``.  Raises ValueError on anything that is not a gfx name."""
+    arch = str(gcn_arch_name).strip().split(":")[0].lower()
+    if not _GFX.match(arch):
+        raise ValueError(f"gcnArchName: expected a name like 'gfx942:sramecc+:xnack-', got {gcn_arch_name!r}")
+    return arch
+
+
+def cuda_arch(major: int, minor: int) -> str:
+    return f"sm_{major}{minor}"
+
+
+def lookup(arch: str) -> Target:
+    """The table row for ``arch``; for an arch we have no row for, a conservative guess marked ``known=False``."""
+    if arch in TARGETS:
+        return TARGETS[arch]
+    m = _GFX.match(arch)
+    if m:
+        major = int(m.group(1))
+        # Triton derives the wave size from the arch the same way: gfx10 and later are wave32.
+        if major >= 10:
+            # RDNA1/2 (gfx10) have no matrix cores; WMMA arrived with RDNA3 (gfx11).
+            family = f"rdna{major - 8}" if major <= 12 else f"gfx{major}"
+            warp, waves, unit = 32, 64, ("wmma" if major >= 11 else "none")
+        else:
+            family, warp, waves, unit = "gcn/cdna", 64, 32, "mfma"
+        return replace(_amd(arch, family, warp, 64 * KiB, waves, (), unit, "unknown"), known=False)
+    m = _SM.match(arch)
+    if m:
+        cc = int(m.group(1))
+        base = max((t for t in TARGETS.values() if t.vendor == "nvidia" and int(t.arch[3:]) <= cc),
+                   key=lambda t: int(t.arch[3:]), default=TARGETS["sm_80"])
+        # Consumer parts of a generation have less shared memory and fewer threads than the datacenter
+        # rows, so cap the guess at the smallest values in the table rather than trusting the nearest row.
+        return replace(base, arch=arch, products="unknown", known=False, shared_per_block=min(base.shared_per_block, 99 * KiB),
+                       shared_per_cu=min(base.shared_per_cu, 100 * KiB), max_threads_per_cu=min(base.max_threads_per_cu, 1536))
+    raise ValueError(f"arch: expected a gfx name (e.g. 'gfx942') or an sm name (e.g. 'sm_90'), got {arch!r}")
+
+
+def parse_target_list(text: str) -> list[Target]:
+    """``"gfx942,sm_90"`` -> targets; ``"all"`` -> every row; ``"ci"`` -> CI's list."""
+    text = text.strip()
+    if text in ("all", ""):
+        return list(TARGETS.values())
+    if text == "ci":
+        return [TARGETS[a] for a in CI_TARGETS]
+    return [lookup(a.strip()) for a in text.split(",") if a.strip()]

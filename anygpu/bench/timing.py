@@ -1,0 +1,99 @@
+"""Median wall time of one call, in milliseconds, on a GPU or the CPU.
+
+GPUs: ``triton.testing.do_bench`` (CUDA/HIP events, the L2 flushed before every call), else CUDA
+events around each call with the same flush.  CPU: ``time.perf_counter`` around each call.
+The median, not the mean: one preempted call or clock ramp should not move the result.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import statistics
+import time
+from collections.abc import Callable
+
+import torch
+
+# Bigger than any GPU's last-level cache (MI300X's Infinity Cache is 256 MiB), as do_bench uses.
+FLUSH_BYTES = 256 * 2**20
+
+
+def _check_ms(arg: str, value, minimum_exclusive: bool) -> float:
+    ok = isinstance(value, (int, float)) and not isinstance(value, bool)
+    if not ok or value < 0 or (minimum_exclusive and value == 0):
+        bound = "a positive" if minimum_exclusive else "a non-negative"
+        raise ValueError(f"{arg}: expected {bound} number of milliseconds, got {value!r}")
+    return float(value)
+
+
+def measure(fn: Callable[[], object], *, device: torch.device, warmup_ms: float = 25, rep_ms: float = 100) -> float:
+    """Run ``fn`` for about ``warmup_ms``, then time it for about ``rep_ms``; the median ms per call."""
+    warmup_ms = _check_ms("warmup_ms", warmup_ms, minimum_exclusive=False)
+    rep_ms = _check_ms("rep_ms", rep_ms, minimum_exclusive=True)
+    device = torch.device(device)
+    if device.type == "cpu":
+        return _measure_cpu(fn, warmup_ms, rep_ms)
+    if device.type != "cuda":  # ROCm GPUs are "cuda" devices in torch too
+        raise ValueError(f"device: expected a cpu or cuda device, got {device}")
+    with torch.cuda.device(device):
+        do_bench = _do_bench()
+        if do_bench is not None:
+            return float(do_bench(fn, warmup_ms, rep_ms))
+        return _measure_cuda_events(fn, warmup_ms, rep_ms)
+
+
+@functools.lru_cache(maxsize=1)
+def _do_bench():
+    """A ``do_bench(fn, warmup, rep) -> median ms`` over whichever triton is installed, or None."""
+    try:
+        from triton.testing import do_bench
+    except Exception:  # noqa: BLE001 - triton is optional; any import failure means "use CUDA events"
+        return None
+    params = inspect.signature(do_bench).parameters
+    if "return_mode" in params:  # triton >= 2.1, including 3.6 .. 3.9
+        return lambda fn, warmup, rep: do_bench(fn, warmup=warmup, rep=rep, return_mode="median")
+    if "quantiles" in params:
+        return lambda fn, warmup, rep: do_bench(fn, warmup=warmup, rep=rep, quantiles=[0.5])[0]
+    return None  # an interface we do not know: CUDA events are always right
+
+
+def _measure_cpu(fn, warmup_ms: float, rep_ms: float) -> float:
+    fn()  # at least one warm call, even with warmup_ms=0
+    deadline = time.perf_counter() + warmup_ms / 1e3
+    while time.perf_counter() < deadline:
+        fn()
+    times = []
+    deadline = time.perf_counter() + rep_ms / 1e3
+    while len(times) < 3 or time.perf_counter() < deadline:
+        start = time.perf_counter()
+        fn()
+        times.append((time.perf_counter() - start) * 1e3)
+    return statistics.median(times)
+
+
+def _measure_cuda_events(fn, warmup_ms: float, rep_ms: float) -> float:
+    flush = torch.empty(FLUSH_BYTES, dtype=torch.uint8, device="cuda")
+    fn()
+    torch.cuda.synchronize()
+    # Estimate one call (with its flush) to turn the time budgets into call counts, as do_bench does.
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(5):
+        flush.zero_()
+        fn()
+    end.record()
+    torch.cuda.synchronize()
+    estimate_ms = max(start.elapsed_time(end) / 5, 1e-3)
+    for _ in range(max(1, int(warmup_ms / estimate_ms))):
+        fn()
+    n = max(3, int(rep_ms / estimate_ms))
+    starts = [torch.cuda.Event(enable_timing=True) for _ in range(n)]
+    ends = [torch.cuda.Event(enable_timing=True) for _ in range(n)]
+    for s, e in zip(starts, ends):
+        flush.zero_()  # every call starts from a cold cache, as on a real model's step
+        s.record()
+        fn()
+        e.record()
+    torch.cuda.synchronize()
+    return statistics.median(s.elapsed_time(e) for s, e in zip(starts, ends))

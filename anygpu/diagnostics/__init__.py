@@ -1,0 +1,5 @@
+"""Diagnostics: ``anygpu doctor`` / ``python -m anygpu``."""
+
+from .doctor import collect, render
+
+__all__ = ["collect", "render"]

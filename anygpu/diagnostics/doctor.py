@@ -1,0 +1,176 @@
+"""``anygpu doctor``: what backend anygpu chose and why, the GPUs, versions, whether Triton works here,
+and the cross-compile table; problems come with a fix.  Exit status is non-zero when one is an error.
+"""
+
+from __future__ import annotations
+
+import os
+import platform
+import subprocess
+import sys
+
+import torch
+from tabulate import tabulate
+
+from .. import backend
+from .._version import __version__
+from ..backend.base import triton_info
+from ..backend.targets import Target, parse_target_list
+from .checks import Problem, check_arch, check_triton, check_visible
+
+# Run in a child process: the interpreter is chosen when kernels are decorated, at import.
+_INTERPRETER_PROBE = """
+import torch
+from anygpu.kernels.silu_and_mul import silu_and_mul
+from anygpu.ops.silu_and_mul import reference
+x = torch.randn(5, 2 * 37)
+assert torch.allclose(silu_and_mul(x), reference(x), atol=1e-5), "wrong result"
+print("ok")
+"""
+
+
+def _build() -> str:
+    return "rocm" if torch.version.hip else ("cuda" if torch.version.cuda else "cpu")
+
+
+def _triton_backends() -> tuple:
+    try:
+        from triton.backends import backends
+
+        return tuple(backends)
+    except Exception:  # noqa: BLE001 - a broken triton shows up in check_triton
+        return ()
+
+
+def _probe_gpu_kernel(be) -> str | None:
+    """Compile and run one kernel on the GPU against its reference.  Returns an error string or None."""
+    from ..kernels.silu_and_mul import silu_and_mul
+    from ..ops.silu_and_mul import reference
+
+    try:
+        x = torch.randn(5, 2 * 37, device=be.device)
+        if not torch.allclose(silu_and_mul(x), reference(x), atol=1e-5):
+            return "kernel ran but gave a wrong result"
+    except Exception as e:  # noqa: BLE001 - reported as the diagnosis
+        return f"{type(e).__name__}: {e}"
+    return None
+
+
+def _probe_interpreter() -> str | None:
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    try:
+        out = subprocess.run([sys.executable, "-c", _INTERPRETER_PROBE], env=env, capture_output=True, text=True,
+                             timeout=120)
+    except subprocess.TimeoutExpired:
+        return "interpreter probe timed out"
+    if out.returncode != 0 or "ok" not in out.stdout:
+        return (out.stderr.strip().splitlines() or ["failed"])[-1]
+    return None
+
+
+def collect(targets: list[Target] | None = None, probe: bool = True) -> dict:
+    """Everything the doctor knows, as plain data (what ``--json`` prints)."""
+    info = triton_info()
+    build = _build()
+    report = {"anygpu": __version__, "python": platform.python_version(), "platform": platform.platform(),
+              "torch_build": build, "problems": [], "gpus": [], "cross_compile": []}
+    problems: list[Problem] = []
+    problems += check_triton(build, info["version"], _triton_backends(), info["distributions"])
+    count = backend.MODULES[build].device_count() if build != "cpu" else 0
+    problems += check_visible(os.environ, build, count)
+    try:
+        choice = backend.choice()
+    except (ValueError, backend.BackendUnavailable) as e:
+        problems.append(Problem("error", str(e), f"unset {backend.ENV_VAR} or install what it asks for"))
+        choice = None
+    if choice is not None:
+        report["backend"] = {"name": choice.name, "reason": choice.reason,
+                             "found": {k: {"present": v[0], "detail": v[1]} for k, v in choice.found.items()}}
+        be = backend.current()
+        report["versions"] = be.versions
+        report["memory"] = {"active": backend.get_active_memory(), "peak": backend.get_peak_memory(),
+                            "cached": backend.get_cache_memory(), "limit": backend.get_memory_limit()}
+        if be.is_gpu:
+            for i in range(backend.module().device_count()):
+                d = backend.module().describe(i)
+                report["gpus"].append({"index": i, "name": d.device_name, "arch": d.arch, "raw_arch": d.raw_arch,
+                                       "warp_size": d.warp_size, "multiprocessors": d.multiprocessor_count,
+                                       "memory_bytes": d.total_memory, "shared_per_block": d.shared_memory_per_block,
+                                       "fp8": [str(t).replace("torch.", "") for t in d.fp8_dtypes]})
+            targets = targets if targets is not None else [be.target]
+        else:
+            report["cpu"] = {"name": be.device_name, "arch": be.arch, "cores": be.multiprocessor_count,
+                             "memory_bytes": be.total_memory}
+        if probe and info["version"]:
+            error = _probe_gpu_kernel(be) if be.is_gpu else _probe_interpreter()
+            report["triton_runs_here"] = {"ok": error is None, "how": "GPU" if be.is_gpu else "interpreter",
+                                          "error": error}
+            if error and be.is_gpu:
+                problems.append(Problem("error", f"Triton could not run a kernel on {be.arch}: {error}",
+                                        "see the cross-compile table below; upgrade torch/triton if the arch is new"))
+    if targets and info["version"]:
+        from ..kernels.aot import cross_compile
+
+        reports = cross_compile(targets)
+        report["cross_compile"] = [r.as_dict() for r in reports]
+        for t in targets:
+            failed = [r for r in reports if r.target == t.arch and not r.ok]
+            compile_errors = [r.error for r in failed if "over the" not in r.error]
+            problems += check_arch(t.arch, t.known, compile_errors[0] if compile_errors else None)
+            problems += [Problem("error", f"{r.kernel} [{r.config}] on {t.arch}: {r.error}") for r in failed
+                         if "over the" in r.error]
+    report["problems"] = [p.__dict__ for p in problems]
+    report["ok"] = not any(p.severity == "error" for p in problems)
+    return report
+
+
+def _gib(n) -> str:
+    return f"{n / 2**30:.1f} GiB"
+
+
+def render(report: dict) -> str:
+    lines = [f"anygpu {report['anygpu']}  python {report['python']}  {report['platform']}"]
+    b = report.get("backend")
+    if b:
+        lines.append(f"backend: {b['name']}  ({b['reason']})")
+        for name, f in b["found"].items():
+            lines.append(f"  {name:5s} {'yes' if f['present'] else 'no ':3s}  {f['detail']}")
+    if report.get("versions"):
+        lines.append("versions: " + "  ".join(f"{k} {v}" for k, v in report["versions"].items()))
+    if report["gpus"]:
+        rows = [[g["index"], g["name"], g["arch"], g["warp_size"], g["multiprocessors"], _gib(g["memory_bytes"]),
+                 f"{g['shared_per_block'] // 1024} KiB", ",".join(g["fp8"]) or "-"] for g in report["gpus"]]
+        lines.append(tabulate(rows, ["#", "GPU", "arch", "wave", "CUs/SMs", "memory", "LDS/smem", "fp8"]))
+    elif report.get("cpu"):
+        c = report["cpu"]
+        lines.append(f"cpu: {c['name']} ({c['arch']}, {c['cores']} cores, {_gib(c['memory_bytes'])})")
+    if report.get("memory"):
+        m = report["memory"]
+        lines.append(f"memory: active {_gib(m['active'])}  peak {_gib(m['peak'])}  cached {_gib(m['cached'])}  "
+                     f"limit {_gib(m['limit'])}")
+    run = report.get("triton_runs_here")
+    if run:
+        lines.append(f"triton runs a kernel here ({run['how']}): {'yes' if run['ok'] else 'NO: ' + str(run['error'])}")
+    if report["cross_compile"]:
+        lines.append("cross-compile:")
+        lines.append(render_cross_compile(report["cross_compile"]))
+    for p in report["problems"]:
+        lines.append(f"{p['severity'].upper()}: {p['message']}" + (f"\n  fix: {p['fix']}" if p["fix"] else ""))
+    lines.append("status: " + ("OK" if report["ok"] else "BROKEN (see the errors above)"))
+    return "\n".join(lines)
+
+
+def render_cross_compile(rows: list[dict]) -> str:
+    def fmt(v, suffix=""):
+        return "-" if v is None else f"{v}{suffix}"
+
+    table = [[r["kernel"], r["target"], r["dtype"], r["config"], "ok" if r["ok"] else "FAIL", fmt(r["registers"]),
+              fmt(r["sgprs"]), fmt(r["spills"]), fmt(r["scratch"]),
+              "-" if r["shared"] is None else f"{r['shared']}/{r['shared_limit']}",
+              "-" if r["occupancy"] is None else f"{r['occupancy']:.0%}", r["error"][:60]] for r in rows]
+    return tabulate(table, ["kernel", "target", "dtype", "config", "status", "regs", "sgprs", "spills", "scratch B",
+                            "shared B/limit", "occupancy", "error"])
+
+
+def target_list(text: str | None) -> list[Target] | None:
+    return None if text is None else parse_target_list(text)

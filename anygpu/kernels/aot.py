@@ -1,0 +1,163 @@
+"""Ahead-of-time cross-compilation of every registered kernel for GPU targets we do not have.
+
+``triton.compile(ASTSource(...), target=GPUTarget(...))`` runs Triton's whole pipeline in-process for an
+AMD or NVIDIA target, no GPU or ROCm install needed.  From the output we read what decides whether a
+kernel can launch and how well it will run:
+
+- AMD: the ``amdhsa.kernels`` metadata in the assembly (VGPRs, SGPRs, spill counts, scratch) and the
+  compiler's ``; Occupancy:`` (waves per SIMD).
+- NVIDIA: ``cuobjdump -res-usage`` on the cubin (registers, local memory = spills / stack).
+- Both: ``metadata.shared``, Triton's dynamic shared memory / LDS per program (the ELF's static LDS is 0),
+  checked against the target's per-block limit: over it, the kernel compiles but fails at launch.
+
+A compile error or shared memory over the limit is a failure; spills are reported, not failed.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import subprocess
+import tempfile
+import time
+from dataclasses import asdict, dataclass
+
+import torch
+
+from ..backend.targets import Target
+from .config import KernelSpec, LaunchConfig, select
+
+
+@dataclass
+class CompileReport:
+    kernel: str
+    target: str
+    dtype: str
+    config: str
+    ok: bool
+    error: str = ""
+    registers: int | None = None  # VGPRs on AMD, registers per thread on NVIDIA
+    sgprs: int | None = None  # AMD only
+    spills: int | None = None  # AMD: VGPR+SGPR spill count; NVIDIA: local-memory bytes per thread
+    scratch: int | None = None  # bytes of private / local memory per thread
+    shared: int | None = None  # bytes of LDS / shared memory per program
+    shared_limit: int | None = None
+    occupancy: float | None = None  # resident waves (warps) / the most the CU (SM) can hold
+    seconds: float = 0.0
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+_AMD_KEYS = {"vgpr_count": "registers", "sgpr_count": "sgprs", "vgpr_spill_count": "vgpr_spills",
+             "sgpr_spill_count": "sgpr_spills", "private_segment_fixed_size": "scratch"}
+
+
+def parse_amdgcn(asm: str) -> dict:
+    """Resource fields of the (single) kernel in an amdgcn assembly listing."""
+    found = {}
+    for key, name in _AMD_KEYS.items():
+        m = re.search(rf"^\s*\.{key}:\s*(\d+)", asm, re.M)
+        if m:
+            found[name] = int(m.group(1))
+    m = re.search(r"^; Occupancy:\s*(\d+)", asm, re.M)
+    if m:
+        found["waves_per_simd"] = int(m.group(1))
+    return found
+
+
+def parse_res_usage(text: str) -> dict:
+    """``cuobjdump -res-usage`` output -> {"registers", "local", "stack"} for the first function."""
+    m = re.search(r"REG:(\d+)\s+STACK:(\d+)\s+SHARED:(\d+)\s+LOCAL:(\d+)", text)
+    if not m:
+        return {}
+    return {"registers": int(m.group(1)), "stack": int(m.group(2)), "local": int(m.group(4))}
+
+
+def _cuobjdump() -> str | None:
+    import triton
+
+    bundled = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+    return bundled if os.path.exists(bundled) else shutil.which("cuobjdump")
+
+
+def nvidia_occupancy(target: Target, num_warps: int, registers: int, shared: int) -> float:
+    """Resident warps per SM over the SM's maximum, from the CUDA occupancy rules."""
+    threads = num_warps * 32
+    regs_per_warp = -(-max(registers, 1) * 32 // 256) * 256  # allocated per warp in units of 256
+    by_regs = 65536 // (regs_per_warp * num_warps)
+    by_smem = target.shared_per_cu // (shared + 1024) if shared else target.max_blocks_per_cu  # 1 KiB reserved/block
+    by_threads = target.max_threads_per_cu // threads
+    blocks = min(by_regs, by_smem, by_threads, target.max_blocks_per_cu)
+    return blocks * threads / target.max_threads_per_cu
+
+
+def amd_occupancy(target: Target, num_warps: int, waves_per_simd: int, shared: int) -> float:
+    """Waves per SIMD (the compiler's register-limited figure, further limited by LDS) over the maximum."""
+    max_per_simd = target.max_threads_per_cu // target.warp_size // 4  # 4 SIMDs per CU (WGP on RDNA)
+    if shared:
+        groups = target.shared_per_cu // shared
+        waves_per_simd = min(waves_per_simd, groups * num_warps // 4)
+    return min(waves_per_simd, max_per_simd) / max_per_simd
+
+
+def compile_one(spec: KernelSpec, target: Target, config: LaunchConfig, dtype: torch.dtype) -> CompileReport:
+    import triton
+    from triton.compiler import ASTSource
+
+    report = CompileReport(spec.name, target.arch, str(dtype).replace("torch.", ""), config.label(), ok=False,
+                           shared_limit=target.shared_per_block)
+    start = time.perf_counter()
+    options = config.options(target)
+    try:
+        src = ASTSource(fn=spec.fn, signature=spec.signature(dtype), constexprs=dict(config.constexprs))
+        compiled = triton.compile(src, target=target.triton_target(), options=options)
+    except Exception as e:  # noqa: BLE001 - any compiler failure is the report's content
+        report.error = f"{type(e).__name__}: {str(e).strip().splitlines()[-1] if str(e).strip() else ''}"[:500]
+        report.seconds = time.perf_counter() - start
+        return report
+    report.shared = int(compiled.metadata.shared)
+    num_warps = options.get("num_warps", 4)
+    if target.is_amd:
+        res = parse_amdgcn(compiled.asm["amdgcn"])
+        report.registers, report.sgprs = res.get("registers"), res.get("sgprs")
+        report.spills = res.get("vgpr_spills", 0) + res.get("sgpr_spills", 0)
+        report.scratch = res.get("scratch")
+        if "waves_per_simd" in res:
+            report.occupancy = amd_occupancy(target, num_warps, res["waves_per_simd"], report.shared)
+    else:
+        res = _nvidia_resources(compiled.asm["cubin"])
+        if res:
+            report.registers, report.spills, report.scratch = res["registers"], res["local"], res["local"] + res["stack"]
+            report.occupancy = nvidia_occupancy(target, num_warps, res["registers"], report.shared)
+    report.ok = report.shared <= target.shared_per_block
+    if not report.ok:
+        report.error = f"shared memory {report.shared} B over the {target.arch} limit of {target.shared_per_block} B"
+    report.seconds = time.perf_counter() - start
+    return report
+
+
+def _nvidia_resources(cubin: bytes) -> dict:
+    tool = _cuobjdump()
+    if tool is None:
+        return {}
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(cubin)
+        f.flush()
+        out = subprocess.run([tool, "-res-usage", f.name], capture_output=True, text=True, timeout=60)
+    return parse_res_usage(out.stdout)
+
+
+def cross_compile(targets: list[Target], specs: dict[str, KernelSpec] | None = None) -> list[CompileReport]:
+    """Compile every config of every kernel for every dtype and target."""
+    from . import load_all
+
+    specs = load_all() if specs is None else specs
+    reports = []
+    for target in targets:
+        for spec in specs.values():
+            for config in select(spec.configs, target):
+                for dtype in spec.dtypes:
+                    reports.append(compile_one(spec, target, config, dtype))
+    return reports

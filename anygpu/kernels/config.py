@@ -1,0 +1,101 @@
+"""Launch configurations per target, and the registry of Triton kernels for cross-compilation.
+
+A kernel declares a ``ConfigTable``: keys are an arch ("gfx942"), a family ("cdna3"), a vendor
+("amd" | "nvidia") or "default"; the most specific key present wins.  ``LaunchConfig.options(target)``
+turns a config into Triton launch / compile options that are legal on that target: AMD-only options
+are dropped on NVIDIA, and num_warps is capped at 1024 threads per program (16 wavefronts on wave64).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+
+import torch
+
+from ..backend.targets import Target
+
+AMD_ONLY_OPTIONS = ("waves_per_eu", "matrix_instr_nonkdim", "kpack")
+
+
+@dataclass(frozen=True)
+class LaunchConfig:
+    constexprs: Mapping[str, int] = field(default_factory=dict)  # tile sizes etc., passed as kernel constexprs
+    num_warps: int = 4
+    num_stages: int | None = None
+    waves_per_eu: int | None = None  # AMD: occupancy hint, caps VGPRs so N waves fit per SIMD
+    matrix_instr_nonkdim: int | None = None  # AMD: MFMA tile (16 or 32) for tl.dot
+    kpack: int | None = None  # AMD: K packing for MFMA (gfx942; ignored on gfx950)
+
+    def __post_init__(self):
+        if self.num_warps < 1 or self.num_warps & (self.num_warps - 1):
+            raise ValueError(f"num_warps: expected a power of two, got {self.num_warps}")
+
+    def options(self, target: Target | None) -> dict:
+        """Triton options for ``target`` (None: the interpreter, which takes no compile options)."""
+        if target is None:
+            return {}
+        opts = {"num_warps": min(self.num_warps, target.max_num_warps)}
+        if self.num_stages is not None:
+            opts["num_stages"] = self.num_stages
+        if target.is_amd:
+            for name in AMD_ONLY_OPTIONS:
+                value = getattr(self, name)
+                if value is not None and not (name == "kpack" and target.arch == "gfx950"):
+                    opts[name] = value
+        return opts
+
+    def label(self) -> str:
+        parts = [f"{k}={v}" for k, v in self.constexprs.items()] + [f"warps={self.num_warps}"]
+        parts += [f"{n}={getattr(self, n)}" for n in ("num_stages", *AMD_ONLY_OPTIONS) if getattr(self, n) is not None]
+        return " ".join(parts)
+
+
+ConfigTable = Mapping[str, tuple]  # key -> tuple[LaunchConfig, ...]
+
+
+def select(table: ConfigTable, target: Target | None) -> tuple:
+    """The configs for ``target``: exact arch, then family, then vendor, then "default"."""
+    keys = ["default"] if target is None else [target.arch, target.family, target.vendor, "default"]
+    for key in keys:
+        if key in table:
+            return table[key]
+    raise KeyError(f"config table has none of {keys}")
+
+
+def device_target(device: torch.device) -> Target | None:
+    """The targets-table row of the GPU a tensor lives on; None for CPU tensors (the interpreter)."""
+    if device.type != "cuda":
+        return None
+    from .. import backend
+
+    return backend.current(device.index if device.index is not None else torch.cuda.current_device()).target
+
+
+@dataclass(frozen=True)
+class KernelSpec:
+    """What cross-compilation needs to know about one Triton kernel."""
+
+    name: str
+    fn: object  # the @triton.jit function
+    signature: Callable[[torch.dtype], dict]  # dtype -> {arg name: triton type ("*fp16", "i32", "constexpr")}
+    dtypes: tuple  # the dtypes it supports; each is compiled
+    configs: ConfigTable
+
+
+_REGISTRY: dict[str, KernelSpec] = {}
+
+
+def register(spec: KernelSpec) -> KernelSpec:
+    if spec.name in _REGISTRY and _REGISTRY[spec.name].fn is not spec.fn:
+        raise ValueError(f"kernel name {spec.name!r} registered twice")
+    _REGISTRY[spec.name] = spec
+    return spec
+
+
+def registered() -> dict[str, KernelSpec]:
+    return dict(_REGISTRY)
+
+
+TRITON_DTYPE = {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "fp32", torch.int8: "i8",
+                torch.uint8: "u8", torch.int32: "i32", torch.int64: "i64"}

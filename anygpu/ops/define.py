@@ -1,0 +1,96 @@
+"""One way to define an op: a torch.library custom op with a reference, a fake and a Triton kernel.
+
+    silu_and_mul = define_op(
+        "silu_and_mul(Tensor x) -> Tensor",
+        check=...,        # validates arguments, raises ValueError naming the bad one (runs on every path)
+        reference=...,    # pure PyTorch: the CPU backend, and the oracle every test compares against
+        fake=...,         # shapes and dtypes only, so torch.compile and meta tensors work
+        gpu=...,          # Triton launcher for CUDA and ROCm tensors (imported lazily: Triton is optional)
+        backward=..., setup_context=...,   # optional autograd formula
+    )
+
+torch's dispatcher cannot tell ROCm from CUDA (both are the CUDA key), so the GPU implementation is one
+function; the per-arch differences are in the kernel's config table (``kernels/config.py``).
+``ANYGPU_KERNELS=reference`` runs the reference on GPUs too, to tell a kernel bug from a model bug.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+import os
+import warnings
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+NAMESPACE = "anygpu"
+_LIB = torch.library.Library(NAMESPACE, "FRAGMENT")  # noqa: TOR901 - the namespace's owner for all defs
+
+
+@dataclass(frozen=True)
+class Op:
+    name: str
+    schema: str
+    reference: Callable
+    check: Callable
+    gpu_kernel: str | None  # "module:function" in anygpu.kernels
+
+    @property
+    def qualname(self) -> str:
+        return f"{NAMESPACE}::{self.name}"
+
+    @property
+    def overload(self):
+        return getattr(getattr(torch.ops, NAMESPACE), self.name).default
+
+    def __call__(self, *args, **kwargs):
+        return self.overload(*args, **kwargs)
+
+
+def _resolve(path: str) -> Callable | None:
+    from ..kernels import HAS_TRITON
+
+    if not HAS_TRITON:
+        return None
+    module, fn = path.split(":")
+    return getattr(importlib.import_module(f"anygpu.kernels.{module}"), fn)
+
+
+def define_op(schema: str, *, check: Callable, reference: Callable, fake: Callable, gpu: str | None = None,
+              backward: Callable | None = None, setup_context: Callable | None = None) -> Op:
+    name = schema.split("(", 1)[0].strip()
+    op = Op(name, schema, reference, check, gpu)
+    qualname = op.qualname
+    torch.library.define(qualname, schema.split(name, 1)[1].strip(), lib=_LIB)
+
+    @functools.wraps(reference)
+    def checked_reference(*args):
+        check(*args)
+        return reference(*args)
+
+    def fake_impl(*args):
+        check(*args)
+        return fake(*args)
+
+    torch.library.register_fake(qualname, fake_impl, lib=_LIB)
+    torch.library.impl(qualname, "cpu", checked_reference, lib=_LIB)
+
+    @functools.lru_cache(maxsize=1)
+    def kernel():
+        k = _resolve(gpu) if gpu else None
+        if k is None:
+            warnings.warn(f"anygpu: {qualname} has no Triton kernel here (triton missing); using the PyTorch reference",
+                          stacklevel=3)
+        return k
+
+    def gpu_impl(*args):
+        check(*args)
+        k = None if os.environ.get("ANYGPU_KERNELS") == "reference" else kernel()
+        return (k or reference)(*args)
+
+    torch.library.impl(qualname, "cuda", gpu_impl, lib=_LIB)
+    if backward is not None:
+        torch.library.register_autograd(qualname, backward, setup_context=setup_context, lib=_LIB)
+    return op

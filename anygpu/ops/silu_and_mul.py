@@ -1,0 +1,53 @@
+"""``silu_and_mul(x) = silu(x[..., :d]) * x[..., d:]`` for x of shape [..., 2*d] (the SwiGLU gate).
+
+Kernel: ``anygpu/kernels/silu_and_mul.py``.  Numerics: computed in fp32, rounded once to x's dtype.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from .define import define_op
+
+DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+
+def check(x: torch.Tensor) -> None:
+    if x.dim() < 1 or x.shape[-1] % 2:
+        raise ValueError(f"x: expected a last dimension of even size 2*d, got shape {tuple(x.shape)}")
+    if x.dtype not in DTYPES:
+        raise ValueError(f"x: expected dtype float16, bfloat16 or float32, got {x.dtype}")
+
+
+def reference(x: torch.Tensor) -> torch.Tensor:
+    gate, up = x.float().chunk(2, dim=-1)
+    return (F.silu(gate) * up).to(x.dtype)
+
+
+def fake(x: torch.Tensor) -> torch.Tensor:
+    return x.new_empty(*x.shape[:-1], x.shape[-1] // 2)
+
+
+def _setup_context(ctx, inputs, output):
+    (ctx.x,) = inputs
+
+
+def _backward(ctx, grad):
+    gate, up = ctx.x.float().chunk(2, dim=-1)
+    sig = torch.sigmoid(gate)
+    g = grad.float()
+    d_gate = g * up * sig * (1 + gate * (1 - sig))
+    d_up = g * gate * sig
+    return torch.cat([d_gate, d_up], dim=-1).to(ctx.x.dtype)
+
+
+silu_and_mul = define_op(
+    "silu_and_mul(Tensor x) -> Tensor",
+    check=check,
+    reference=reference,
+    fake=fake,
+    gpu="silu_and_mul:silu_and_mul",
+    backward=_backward,
+    setup_context=_setup_context,
+)

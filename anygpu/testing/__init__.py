@@ -1,0 +1,86 @@
+"""Test helpers shared by every kernel's tests.
+
+The accuracy rule, one for all floating-point kernels (flash-attention's rule): our max error against a
+higher-precision reference is at most ``factor`` (2) times the max error of PyTorch's own computation
+in the same dtype.  The reference runs in fp32 for fp16/bf16 inputs and in fp64 for fp32 inputs.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+
+
+def reference_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype the oracle computes in for inputs of ``dtype``."""
+    return torch.float64 if dtype in (torch.float32, torch.float64) else torch.float32
+
+
+@dataclass(frozen=True)
+class ErrorReport:
+    ours: float  # max |ours - oracle|
+    torch: float  # max |torch same-dtype - oracle|
+    allowed: float
+
+    @property
+    def ratio(self) -> float:
+        return self.ours / self.torch if self.torch else (0.0 if self.ours == 0 else float("inf"))
+
+    @property
+    def ok(self) -> bool:
+        return self.ours <= self.allowed
+
+
+def _max_err(x: torch.Tensor, oracle: torch.Tensor) -> float:
+    if x.numel() == 0:
+        return 0.0
+    diff = (x.double() - oracle.double()).abs()
+    # A NaN where the oracle is finite is an infinite error, never a pass.
+    diff = torch.where(torch.isnan(diff) & ~torch.isnan(oracle.double()), torch.full_like(diff, float("inf")), diff)
+    return float(diff.nan_to_num(nan=0.0).max())
+
+
+def error_report(ours: torch.Tensor, torch_same_dtype: torch.Tensor, oracle: torch.Tensor,
+                 factor: float = 2.0) -> ErrorReport:
+    """Compare ``ours`` and PyTorch's same-dtype result against ``oracle`` (computed in higher precision).
+
+    Where PyTorch happens to be exact (its error is 0), we allow one unit in the last place of the
+    output dtype at the oracle's largest magnitude, so a reordering of exact fp32 sums is not a failure.
+    """
+    if ours.shape != oracle.shape:
+        raise AssertionError(f"shape: ours {tuple(ours.shape)} vs reference {tuple(oracle.shape)}")
+    e_ours, e_torch = _max_err(ours, oracle), _max_err(torch_same_dtype, oracle)
+    scale = float(oracle.double().abs().nan_to_num(0.0).max()) if oracle.numel() else 0.0
+    ulp = torch.finfo(ours.dtype).eps * scale if ours.dtype.is_floating_point else 0.0
+    return ErrorReport(e_ours, e_torch, max(factor * e_torch, ulp))
+
+
+def assert_accurate(ours: torch.Tensor, torch_same_dtype: torch.Tensor, oracle: torch.Tensor,
+                    factor: float = 2.0, what: str = "") -> ErrorReport:
+    report = error_report(ours, torch_same_dtype, oracle, factor)
+    assert ours.dtype == torch_same_dtype.dtype, f"{what}: dtype {ours.dtype}, expected {torch_same_dtype.dtype}"
+    assert report.ok, (f"{what}: max error {report.ours:.3g} vs fp-reference exceeds {factor}x PyTorch's "
+                       f"same-dtype error {report.torch:.3g} (allowed {report.allowed:.3g})")
+    return report
+
+
+def interpreter_active() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+def kernel_device() -> torch.device | None:
+    """Where Triton kernels can run in this test process: a GPU, the CPU under TRITON_INTERPRET=1, or None."""
+    if torch.cuda.is_available() and not interpreter_active():
+        return torch.device("cuda")
+    from ..kernels import HAS_TRITON
+
+    if HAS_TRITON and interpreter_active():
+        return torch.device("cpu")
+    return None
+
+
+def poison_(t: torch.Tensor) -> torch.Tensor:
+    """Fill with NaN (floats) or a sentinel so an unwritten output element cannot pass a comparison."""
+    return t.fill_(float("nan") if t.dtype.is_floating_point else -1)
