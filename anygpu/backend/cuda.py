@@ -27,7 +27,7 @@ def present() -> tuple[bool, str]:
 
 def device_count() -> int:
     # torch counts through NVML when it can, which leaves the CUDA runtime uninitialised (safe before fork).
-    return torch.cuda.device_count() if torch.cuda.is_built() else 0
+    return torch.cuda.device_count() if torch.backends.cuda.is_built() else 0
 
 
 def describe(index: int = 0, props=None) -> Backend:

@@ -35,7 +35,7 @@ def present() -> tuple[bool, str]:
 
 def device_count() -> int:
     # On ROCm torch counts through amdsmi when it can, leaving HIP uninitialised (safe before fork).
-    return torch.cuda.device_count() if torch.cuda.is_built() else 0
+    return torch.cuda.device_count() if torch.backends.cuda.is_built() else 0
 
 
 def describe(index: int = 0, props=None) -> Backend:

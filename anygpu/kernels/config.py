@@ -72,6 +72,21 @@ def device_target(device: torch.device) -> Target | None:
     return backend.current(device.index if device.index is not None else torch.cuda.current_device()).target
 
 
+_LAUNCH_CACHE: dict = {}
+
+
+def launch_config(table: ConfigTable, device: torch.device) -> tuple[LaunchConfig, dict]:
+    """The first config for ``device``'s target and its Triton options, cached: launchers call this on every
+    call, and small (decode-sized) launches are bound by host time."""
+    key = (id(table), device.type, device.index)
+    hit = _LAUNCH_CACHE.get(key)
+    if hit is None:
+        target = device_target(device)
+        cfg = select(table, target)[0]
+        hit = _LAUNCH_CACHE[key] = (cfg, cfg.options(target))
+    return hit
+
+
 @dataclass(frozen=True)
 class KernelSpec:
     """What cross-compilation needs to know about one Triton kernel."""

@@ -1,0 +1,38 @@
+# The two commands of the README:
+#   make run    set up, then run the main job (anygpu doctor)
+#   make test   set up, then run the tests (twice: in Triton's interpreter, then the cross-compile tests)
+# Setup makes a virtualenv in .venv with anygpu and its test extras.  torch is installed only if the
+# venv has none: TORCH_SPEC (default the CPU build this project's CI uses) -- on a GPU machine, install
+# your CUDA or ROCm torch into the venv first, or pass VENV_FLAGS=--system-site-packages.
+
+PYTHON ?= python3
+VENV ?= .venv
+VENV_FLAGS ?=
+TORCH_SPEC ?= torch==2.13.0
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.anygpu-installed
+
+.PHONY: run test setup doctor test-interpreter test-aot clean
+
+run: setup
+	$(VENV)/bin/anygpu doctor
+
+test: setup test-interpreter test-aot
+
+test-interpreter:
+	TRITON_INTERPRET=1 $(PY) -m pytest -q -m "not aot"
+
+test-aot:
+	TRITON_INTERPRET=0 $(PY) -m pytest -q -m aot
+
+setup: $(STAMP)
+
+$(STAMP): pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV_FLAGS) $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q "$(TORCH_SPEC)"
+	$(PY) -m pip install -q -e ".[test,bench]"
+	touch $(STAMP)
+
+clean:
+	rm -rf $(VENV) build *.egg-info .pytest_cache bench-results

@@ -1,0 +1,54 @@
+"""Test setup.
+
+The suite runs twice (see the Makefile): once with TRITON_INTERPRET=1, where Triton kernels run on the
+CPU in the interpreter, and once without, for the cross-compile tests (marked ``aot``), which need real
+@triton.jit functions.  Triton decides between the two when a kernel is decorated, at import time, so
+one process cannot do both.  On a GPU machine run without TRITON_INTERPRET: kernels run on the GPU.
+"""
+
+import os
+import warnings
+
+import pytest
+import torch
+
+warnings.filterwarnings("ignore", message="TRITON_DEFAULT_FP_FUSION is unset")
+
+INTERPRET = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+def pytest_collection_modifyitems(config, items):
+    skip_aot = pytest.mark.skip(reason="cross-compilation needs a process without TRITON_INTERPRET=1")
+    skip_gpu = pytest.mark.skip(reason="needs a CUDA or ROCm GPU")
+    has_gpu = torch.cuda.is_available()
+    for item in items:
+        if "aot" in item.keywords and INTERPRET:
+            item.add_marker(skip_aot)
+        if "gpu" in item.keywords and not has_gpu:
+            item.add_marker(skip_gpu)
+
+
+@pytest.fixture(autouse=True)
+def _seed():
+    torch.manual_seed(0)
+
+
+@pytest.fixture
+def kdevice():
+    """The device Triton kernels run on in this process (GPU, or CPU under the interpreter)."""
+    from anygpu.testing import kernel_device
+
+    dev = kernel_device()
+    if dev is None:
+        pytest.skip("no GPU and TRITON_INTERPRET is not set: Triton kernels cannot run here")
+    return dev
+
+
+@pytest.fixture
+def fresh_backend(monkeypatch):
+    """Forget the cached backend choice before and after a test that changes what detection sees."""
+    import anygpu.backend as backend
+
+    backend.reset()
+    yield backend
+    backend.reset()

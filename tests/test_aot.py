@@ -1,0 +1,129 @@
+"""Cross-compilation for AMD and NVIDIA targets without their hardware (run without TRITON_INTERPRET)."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from anygpu.backend.targets import CI_TARGETS, TARGETS, parse_target_list
+from anygpu.kernels.aot import amd_occupancy, nvidia_occupancy, parse_amdgcn, parse_res_usage
+from anygpu.kernels.config import KernelSpec, LaunchConfig
+
+AMDGCN_SAMPLE = """
+; NumVgprs: 116
+; ScratchSize: 0
+; Occupancy: 4
+amdhsa.kernels:
+  - .agpr_count:     0
+    .private_segment_fixed_size: 48
+    .sgpr_count:     38
+    .sgpr_spill_count: 0
+    .vgpr_count:     256
+    .vgpr_spill_count: 12
+"""
+
+
+def test_parse_amdgcn():
+    assert parse_amdgcn(AMDGCN_SAMPLE) == {"registers": 256, "sgprs": 38, "vgpr_spills": 12, "sgpr_spills": 0,
+                                           "scratch": 48, "waves_per_simd": 4}
+
+
+def test_parse_res_usage():
+    text = " Function k:\n  REG:168 STACK:16 SHARED:0 LOCAL:24 CONSTANT[0]:400 TEXTURE:0"
+    assert parse_res_usage(text) == {"registers": 168, "stack": 16, "local": 24}
+    assert parse_res_usage("garbage") == {}
+
+
+def test_occupancy_models():
+    h = TARGETS["sm_90"]
+    assert nvidia_occupancy(h, 4, 32, 0) == 1.0  # 16 blocks x 128 threads = 2048
+    assert nvidia_occupancy(h, 8, 255, 0) == 0.125  # 256 regs x 256 threads = the whole file: 1 block
+    assert nvidia_occupancy(h, 4, 32, 100 * 1024) == 2 * 128 / 2048  # two 100 KiB blocks fit in 228 KiB
+    m = TARGETS["gfx942"]
+    assert amd_occupancy(m, 4, 8, 0) == 1.0
+    assert amd_occupancy(m, 4, 8, 64 * 1024) == 1 / 8  # one workgroup (4 waves over 4 SIMDs) per CU
+
+
+
+def _dot_spec(block_m, block_n, block_k, configs):
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def mm_kernel(a_ptr, b_ptr, c_ptr, K, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+        rm, rn, rk = tl.arange(0, BM), tl.arange(0, BN), tl.arange(0, BK)
+        acc = tl.zeros((BM, BN), dtype=tl.float32)
+        for k in range(0, K, BK):
+            a = tl.load(a_ptr + rm[:, None] * K + (k + rk)[None, :])
+            b = tl.load(b_ptr + (k + rk)[:, None] * BN + rn[None, :])
+            acc += tl.dot(a, b)
+        tl.store(c_ptr + rm[:, None] * BN + rn[None, :], acc.to(tl.float16))
+
+    sig = {"a_ptr": "*fp16", "b_ptr": "*fp16", "c_ptr": "*fp16", "K": "i32", "BM": "constexpr", "BN": "constexpr",
+           "BK": "constexpr"}
+    return KernelSpec("test_mm", mm_kernel, lambda dtype: sig, (torch.float16,), configs)
+
+
+@pytest.mark.aot
+def test_every_registered_kernel_compiles_for_every_ci_target():
+    from anygpu.kernels import load_all
+    from anygpu.kernels.aot import cross_compile
+
+    specs = load_all()
+    reports = cross_compile(parse_target_list("ci"), specs)
+    expected = sum(len(s.dtypes) for s in specs.values()) * len(CI_TARGETS)
+    assert len(reports) == expected
+    failed = [r for r in reports if not r.ok]
+    assert not failed, failed
+    for r in reports:
+        assert r.registers and r.registers > 0, r
+        assert r.shared is not None and r.shared <= r.shared_limit
+        assert 0 < r.occupancy <= 1
+        if r.spills:
+            print(f"SPILLS: {r.kernel} {r.target} {r.config}: {r.spills}")
+
+
+@pytest.mark.aot
+@pytest.mark.parametrize("nonkdim,instr", [(16, "v_mfma_f32_16x16x16"), (32, "v_mfma_f32_32x32x8")])
+def test_amd_options_reach_the_compiler(nonkdim, instr):
+    import triton
+    from triton.compiler import ASTSource
+
+    from anygpu.kernels.aot import compile_one
+
+    cfg = LaunchConfig({"BM": 64, "BN": 64, "BK": 32}, num_warps=4, waves_per_eu=2, matrix_instr_nonkdim=nonkdim)
+    spec = _dot_spec(64, 64, 32, {"default": (cfg,)})
+    gfx942 = TARGETS["gfx942"]
+    report = compile_one(spec, gfx942, cfg, torch.float16)
+    assert report.ok, report
+    assert report.occupancy == 2 / 8  # waves_per_eu=2 pins 2 waves per SIMD of CDNA3's 8
+    src = ASTSource(fn=spec.fn, signature=spec.signature(None), constexprs=dict(cfg.constexprs))
+    asm = triton.compile(src, target=gfx942.triton_target(), options=cfg.options(gfx942)).asm["amdgcn"]
+    assert instr in asm
+
+
+@pytest.mark.aot
+def test_shared_memory_over_the_limit_fails():
+    from anygpu.kernels.aot import compile_one
+
+    cfg = LaunchConfig({"BM": 256, "BN": 256, "BK": 128}, num_warps=8, num_stages=2)
+    spec = _dot_spec(256, 256, 128, {"default": (cfg,)})
+    small = compile_one(spec, TARGETS["gfx1100"], cfg, torch.float16)
+    assert not small.ok and small.shared > 64 * 1024 and "over the gfx1100 limit" in small.error
+    cfg = LaunchConfig({"BM": 256, "BN": 256, "BK": 64}, num_warps=8, num_stages=2)
+    spec = _dot_spec(256, 256, 64, {"default": (cfg,)})
+    big = compile_one(spec, TARGETS["gfx950"], cfg, torch.float16)  # gfx950 has 160 KiB of LDS
+    assert big.ok and 64 * 1024 < big.shared <= 160 * 1024, big
+
+
+@pytest.mark.aot
+def test_doctor_cross_compile_table_and_json():
+    cmd = [sys.executable, "-m", "anygpu.cli", "doctor", "--targets", "gfx942,sm_90", "--no-probe"]
+    text = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert text.returncode == 0, text.stdout + text.stderr
+    assert "cross-compile:" in text.stdout and "gfx942" in text.stdout and "sm_90" in text.stdout
+    out = subprocess.run(cmd + ["--json"], capture_output=True, text=True, timeout=300)
+    report = json.loads(out.stdout)
+    assert report["ok"] and {r["target"] for r in report["cross_compile"]} == {"gfx942", "sm_90"}

@@ -1,0 +1,143 @@
+"""The benchmark harness on the CPU: what it records and how it reports.  Never asserts on how fast
+anything is: times depend on the machine and its neighbours."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from anygpu import bench
+from anygpu.bench import Case, Report
+from anygpu.bench.timing import measure
+
+CPU = torch.device("cpu")
+FAST = {"progress": False, "device": CPU, "warmup_ms": 2, "rep_ms": 10}  # keeps the file quick
+
+
+@pytest.fixture(scope="module")
+def report() -> Report:
+    return bench.run("elementwise", quick=True, **FAST)
+
+
+@pytest.fixture
+def throwaway_suite():
+    """Register suites under test-only names, and remove them afterwards."""
+    names = []
+
+    def register(name, make):
+        bench.suite(name, "test only")(make)
+        names.append(name)
+
+    yield register
+    for name in names:
+        bench.SUITES.pop(name, None)
+
+
+def test_rows_have_positive_times_and_ratios_from_them(report):
+    assert report.suite == "elementwise" and report.quick
+    assert report.rows and all(row["op"] == "silu_and_mul" for row in report.rows)
+    assert report.copy_bandwidth_Bps > 0
+    assert report.matmul_peak_flops is None  # no case counts FLOPs, so the peak is not measured
+    for row in report.rows:
+        ours = row["ours"]
+        assert ours["ms"] > 0
+        assert ours["GBps"] == pytest.approx(row["bytes"] / (ours["ms"] / 1e3) / 1e9)
+        assert ours["copy_bw_fraction"] == pytest.approx(ours["GBps"] * 1e9 / report.copy_bandwidth_Bps)
+        assert ours["TFLOPs"] is None and ours["matmul_peak_fraction"] is None
+        assert set(row["baselines"]) == {"torch", "copy"}
+        for entry in row["baselines"].values():
+            assert entry["ms"] > 0
+            assert entry["ratio"] == pytest.approx(entry["ms"] / ours["ms"])
+
+
+def test_bytes_count_input_read_and_output_written_once(report):
+    for row in report.rows:
+        tokens, width = (int(n) for n in row["shape"].split()[0].split("x"))
+        assert row["bytes"] == (tokens * width + tokens * width // 2) * 4  # fp32 on the CPU
+
+
+def test_table_has_headers_and_rows(report):
+    text = report.table()
+    for header in ("op", "shape", "ours ms", "torch ms", "copy ms", "vs torch", "vs copy", "GB/s", "% copy BW"):
+        assert header in text
+    assert "TFLOP/s" not in text  # no case counts FLOPs: no empty columns
+    assert "silu_and_mul" in text and "copy bandwidth" in text
+    assert text.count("silu_and_mul") == len(report.rows)
+    ratio = report.rows[0]["baselines"]["torch"]["ratio"]
+    assert f"{ratio:.2f}x" in text
+
+
+def test_json_round_trips_and_is_written(report, tmp_path):
+    path = report.write_json(tmp_path / "sub" / "elementwise.json")
+    assert path.exists()
+    assert [p.name for p in path.parent.iterdir()] == ["elementwise.json"]  # no temp file left behind
+    data = json.loads(path.read_text())
+    assert data == json.loads(json.dumps(report.to_json()))
+    assert data["backend"]["name"] == "cpu" and data["versions"]["torch"] == torch.__version__
+    assert Report.from_json(data).table() == report.table()
+
+
+def test_png_is_written_with_matplotlib(report, tmp_path):
+    pytest.importorskip("matplotlib")
+    path = tmp_path / "elementwise.png"
+    assert report.write_png(path) is True
+    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_unknown_suite_names_the_argument_and_the_known_suites():
+    with pytest.raises(ValueError, match=r"suite: unknown suite 'no_such_suite'.*elementwise"):
+        bench.run("no_such_suite", **FAST)
+
+
+def test_failing_baseline_is_recorded_not_raised(throwaway_suite):
+    n = 64
+    a, b = torch.randn(n, n), torch.randn(n, n)
+
+    def broken():
+        raise RuntimeError("baseline broke\nsecond line")
+
+    throwaway_suite("_test_broken_baseline", lambda device, quick: [
+        Case("mm", f"{n}^3", lambda: a @ b, {"broken": broken, "torch": lambda: torch.mm(a, b)},
+             bytes=3 * n * n * 4, flops=2 * n**3)])
+    report = bench.run("_test_broken_baseline", **FAST)
+    (row,) = report.rows
+    assert row["baselines"]["broken"] == {"error": "RuntimeError: baseline broke"}
+    assert row["baselines"]["torch"]["ratio"] > 0
+    # A case that counts FLOPs makes the run measure the matmul peak, and the table report against it.
+    assert report.matmul_peak_flops > 0 and report.matmul_peak_dtype == "float32"
+    assert row["ours"]["matmul_peak_fraction"] == pytest.approx(row["ours"]["TFLOPs"] * 1e12 / report.matmul_peak_flops)
+    text = report.table()
+    assert "error" in text and "baseline broke" in text and "% matmul peak" in text
+
+
+def test_failing_ours_raises(throwaway_suite):
+    def broken():
+        raise RuntimeError("ours broke")
+
+    throwaway_suite("_test_broken_ours", lambda device, quick: [Case("x", "1", broken, {"copy": lambda: None})])
+    with pytest.raises(RuntimeError, match="ours broke"):
+        bench.run("_test_broken_ours", **FAST)
+
+
+def test_case_checks_its_arguments():
+    with pytest.raises(ValueError, match="bytes"):
+        Case("x", "1", lambda: None, bytes=-1)
+    with pytest.raises(ValueError, match="baselines"):
+        Case("x", "1", lambda: None, {"ours": lambda: None})
+    with pytest.raises(ValueError, match="ours"):
+        Case("x", "1", None)
+
+
+def test_suite_name_is_checked():
+    with pytest.raises(ValueError, match="name"):
+        bench.suite("not a name", "bad")
+
+
+def test_measure_returns_a_median_and_checks_its_arguments():
+    assert measure(lambda: None, device=CPU, warmup_ms=0, rep_ms=1) >= 0
+    with pytest.raises(ValueError, match="rep_ms"):
+        measure(lambda: None, device=CPU, rep_ms=0)
+    with pytest.raises(ValueError, match="warmup_ms"):
+        measure(lambda: None, device=CPU, warmup_ms=-1)

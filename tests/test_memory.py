@@ -1,0 +1,77 @@
+import pytest
+import torch
+
+import anygpu
+from anygpu import backend
+
+
+@pytest.fixture(autouse=True)
+def restore_limits():
+    import anygpu.backend.memory as m
+
+    saved = (m._memory_limit, m._cache_limit)
+    yield
+    m._memory_limit, m._cache_limit = saved
+    if backend.is_gpu():
+        backend.module().apply_memory_limit(backend.module().total_memory())
+
+
+def test_api_is_exported_at_top_level():
+    for fn in ("get_active_memory", "get_peak_memory", "reset_peak_memory", "get_cache_memory", "set_memory_limit",
+               "set_cache_limit", "clear_cache"):
+        assert callable(getattr(anygpu, fn))
+
+
+def _device():
+    return backend.device()
+
+
+def test_peak_tracks_a_large_allocation_and_resets():
+    backend.reset_peak_memory()
+    before = anygpu.get_peak_memory()
+    x = torch.ones(64 * 2**20 // 4, device=_device())  # 64 MiB, touched so the CPU really maps it
+    assert anygpu.get_active_memory() >= 60 * 2**20
+    peak = anygpu.get_peak_memory()
+    assert peak >= before + 60 * 2**20 or peak >= anygpu.get_active_memory()
+    del x
+    anygpu.clear_cache()
+    anygpu.reset_peak_memory()
+    assert anygpu.get_peak_memory() < peak
+
+
+def test_setters_return_previous_value():
+    total = anygpu.get_memory_limit()
+    assert total > 0
+    assert anygpu.set_memory_limit(total // 2) == total
+    assert anygpu.set_memory_limit(total) == total // 2
+    first = anygpu.get_cache_limit()
+    assert anygpu.set_cache_limit(2**20) == first
+    assert anygpu.set_cache_limit(0) == 2**20
+    assert anygpu.get_cache_memory() == 0  # set_cache_limit trims at once
+
+
+@pytest.mark.parametrize("bad", [-1, 1.5, "1GB", True, None])
+def test_setters_reject_bad_values(bad):
+    with pytest.raises(ValueError, match="limit: expected a non-negative int"):
+        anygpu.set_memory_limit(bad)
+    with pytest.raises(ValueError, match="limit: expected a non-negative int"):
+        anygpu.set_cache_limit(bad)
+
+
+def test_memory_limit_above_device_rejected():
+    with pytest.raises(ValueError, match="limit: expected at most"):
+        anygpu.set_memory_limit(anygpu.get_memory_limit() * 4 + 2**40)
+
+
+@pytest.mark.gpu
+def test_gpu_memory_limit_is_enforced_and_cache_trimmed():
+    total = backend.module().total_memory()
+    anygpu.set_memory_limit(4 * 2**30)
+    with pytest.raises(torch.OutOfMemoryError):
+        torch.empty(8 * 2**30, dtype=torch.uint8, device="cuda")
+    anygpu.set_memory_limit(total)
+    x = torch.empty(256 * 2**20, dtype=torch.uint8, device="cuda")
+    del x
+    assert anygpu.get_cache_memory() >= 256 * 2**20  # freed but cached by the allocator
+    anygpu.set_cache_limit(2**20)
+    assert anygpu.get_cache_memory() <= 2**20

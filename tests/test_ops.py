@@ -1,0 +1,76 @@
+"""Every op: torch.library registration (opcheck), reference accuracy, argument errors, autograd."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from anygpu.ops import ALL_OPS, silu_and_mul
+from anygpu.testing import assert_accurate, reference_dtype
+
+DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+
+def test_registered_in_torch_library():
+    assert torch.ops.anygpu.silu_and_mul.default is silu_and_mul.overload
+    assert set(ALL_OPS) == {"silu_and_mul"}
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_opcheck(device, dtype):
+    x = torch.randn(3, 5, 2 * 24, device=device, dtype=dtype, requires_grad=True)
+    torch.library.opcheck(silu_and_mul.overload, (x,))
+
+
+def torch_same_dtype(x):
+    d = x.shape[-1] // 2
+    return F.silu(x[..., :d]) * x[..., d:]
+
+
+def oracle(x):
+    return torch_same_dtype(x.to(reference_dtype(x.dtype)))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape", [(1, 2), (7, 2 * 37), (2, 3, 2 * 1000)])
+def test_reference_within_rule(dtype, shape):
+    x = torch.randn(shape, dtype=dtype) * 3
+    assert_accurate(silu_and_mul(x), torch_same_dtype(x), oracle(x), what=f"{dtype} {shape}")
+
+
+def test_bad_arguments_name_the_argument():
+    with pytest.raises(ValueError, match=r"x: expected a last dimension of even size 2\*d, got shape \(3, 7\)"):
+        silu_and_mul(torch.randn(3, 7))
+    with pytest.raises(ValueError, match="x: expected dtype float16, bfloat16 or float32, got torch.int32"):
+        silu_and_mul(torch.ones(3, 8, dtype=torch.int32))
+    with pytest.raises(ValueError, match="x: expected a last dimension"):
+        silu_and_mul(torch.tensor(1.0))
+
+
+def test_meta_and_compile():
+    y = silu_and_mul(torch.empty(4, 10, device="meta", dtype=torch.bfloat16))
+    assert y.shape == (4, 5) and y.dtype == torch.bfloat16
+    compiled = torch.compile(lambda t: silu_and_mul(t) * 2, fullgraph=True, backend="eager")
+    x = torch.randn(4, 10)
+    torch.testing.assert_close(compiled(x), silu_and_mul(x) * 2)
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_backward_matches_autograd_of_the_math(device):
+    x = torch.randn(6, 2 * 33, device=device, requires_grad=True)
+    g = torch.randn(6, 33, device=device)
+    silu_and_mul(x).backward(g)
+    x2 = x.detach().double().requires_grad_()
+    torch_same_dtype(x2).backward(g.double())
+    torch.testing.assert_close(x.grad.double(), x2.grad, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_gpu_dispatch_runs_the_triton_kernel(dtype, monkeypatch):
+    from anygpu.kernels.silu_and_mul import silu_and_mul as kernel
+
+    x = torch.randn(33, 2 * 1000, device="cuda", dtype=dtype)
+    torch.testing.assert_close(silu_and_mul(x), kernel(x), rtol=0, atol=0)
+    monkeypatch.setenv("ANYGPU_KERNELS", "reference")
+    assert_accurate(silu_and_mul(x), torch_same_dtype(x), oracle(x))
