@@ -1,6 +1,9 @@
-"""``python -m anygpu`` is ``anygpu doctor``."""
+"""``python -m anygpu`` is ``anygpu doctor``; ``python -m anygpu COMMAND ...`` runs any command."""
 
-from .cli import main
+import sys
+
+from .cli import cli, main
 
 if __name__ == "__main__":
-    main(["doctor", *__import__("sys").argv[1:]])
+    args = sys.argv[1:]
+    main(args if args and args[0] in cli.commands else ["doctor", *args])

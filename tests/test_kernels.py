@@ -48,3 +48,22 @@ def test_silu_and_mul_kernel_rejects_bad_out(kdevice):
     x = torch.randn(4, 16, device=kdevice)
     with pytest.raises(ValueError, match="out: expected a contiguous torch.float32 tensor of shape"):
         silu_and_mul(x, out=torch.empty(4, 9, device=kdevice))
+
+
+from hypothesis import given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+
+
+@settings(max_examples=25, deadline=None)
+@given(rows=st.integers(0, 9), d=st.integers(1, 700), lead=st.integers(1, 3),
+       dtype=st.sampled_from(DTYPES), scale=st.floats(0.01, 30.0))
+def test_silu_and_mul_kernel_any_shape(rows, d, lead, dtype, scale):
+    from anygpu.kernels.silu_and_mul import silu_and_mul
+    from anygpu.testing import kernel_device
+
+    dev = kernel_device()
+    if dev is None:
+        pytest.skip("Triton kernels cannot run here")
+    x = (torch.randn(lead, rows, 2 * d) * scale).to(dtype).to(dev)
+    oracle = torch_silu_and_mul(x.to(reference_dtype(dtype)))
+    assert_accurate(silu_and_mul(x), torch_silu_and_mul(x), oracle, what=f"{dtype} {tuple(x.shape)}")

@@ -74,3 +74,13 @@ def test_parse_target_list():
 
 def test_cuda_arch():
     assert cuda_arch(9, 0) == "sm_90" and cuda_arch(10, 0) == "sm_100"
+
+
+from hypothesis import given  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+
+
+@given(arch=st.sampled_from([a for a in TARGETS if a.startswith("gfx")]),
+       features=st.lists(st.sampled_from(["sramecc+", "sramecc-", "xnack+", "xnack-"]), max_size=2))
+def test_parse_gcn_arch_strips_any_feature_suffix(arch, features):
+    assert parse_gcn_arch(":".join([arch, *features])) == arch

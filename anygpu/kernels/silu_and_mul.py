@@ -51,21 +51,21 @@ SPEC = register(KernelSpec("silu_and_mul", _silu_and_mul_kernel, _signature, DTY
 
 def silu_and_mul(x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
     """Launch on ``x``'s device (a GPU, or the CPU under TRITON_INTERPRET=1).  ``x``: [..., 2*d]."""
-    d = x.shape[-1] // 2
-    rows = x.numel() // max(x.shape[-1], 1)
+    two_d = x.shape[-1]
+    d = two_d // 2
     if out is None:
-        out = torch.empty(*x.shape[:-1], d, dtype=x.dtype, device=x.device)
+        out = x.new_empty(*x.shape[:-1], d)
     elif not out.is_contiguous() or out.shape != (*x.shape[:-1], d) or out.dtype != x.dtype:
         raise ValueError(f"out: expected a contiguous {x.dtype} tensor of shape {(*x.shape[:-1], d)}, "
                          f"got {out.dtype} {tuple(out.shape)}")
-    if rows == 0 or d == 0:
+    rows = out.numel() // d if d else 0
+    if rows == 0:
         return out
-    x2 = x.reshape(rows, 2 * d)
+    x2 = x if x.dim() == 2 else x.reshape(rows, two_d)
     if x2.stride(-1) != 1:
         x2 = x2.contiguous()
-    out2 = out.view(rows, d)
     cfg, options = launch_config(CONFIGS, x.device)
     block = min(cfg.constexprs["BLOCK"], triton.next_power_of_2(d))
-    grid = (rows, triton.cdiv(d, block))
-    _silu_and_mul_kernel[grid](x2, out2, d, x2.stride(0), out2.stride(0), BLOCK=block, **options)
+    # out is contiguous, so its row stride is d whatever its rank.
+    _silu_and_mul_kernel[(rows, triton.cdiv(d, block))](x2, out, d, x2.stride(0), d, BLOCK=block, **options)
     return out
