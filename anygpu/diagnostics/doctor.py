@@ -29,6 +29,13 @@ print("ok")
 """
 
 
+# Variables that change what anygpu, torch or Triton do on a GPU; the doctor shows those that are set.
+ENV_VARS = ("ANYGPU_BACKEND", "ANYGPU_KERNELS", "CUDA_VISIBLE_DEVICES", "HIP_VISIBLE_DEVICES", "ROCR_VISIBLE_DEVICES",
+            "HSA_OVERRIDE_GFX_VERSION", "TRITON_INTERPRET", "TRITON_OVERRIDE_ARCH", "TRITON_DEFAULT_BACKEND",
+            "PYTORCH_ALLOC_CONF", "PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_HIP_ALLOC_CONF", "PYTORCH_NO_HIP_MEMORY_CACHING",
+            "PYTORCH_NVML_BASED_CUDA_CHECK", "TORCH_BLAS_PREFER_HIPBLASLT", "TORCH_BLAS_PREFER_CUBLASLT")
+
+
 def _build() -> str:
     return "rocm" if torch.version.hip else ("cuda" if torch.version.cuda else "cpu")
 
@@ -73,7 +80,8 @@ def collect(targets: list[Target] | None = None, probe: bool = True) -> dict:
     info = triton_info()
     build = _build()
     report = {"anygpu": __version__, "python": platform.python_version(), "platform": platform.platform(),
-              "torch_build": build, "problems": [], "gpus": [], "cross_compile": []}
+              "torch_build": build, "problems": [], "gpus": [], "cross_compile": [],
+              "environment": {k: os.environ[k] for k in ENV_VARS if k in os.environ}}
     problems: list[Problem] = []
     problems += check_triton(build, info["version"], _triton_backends(), info["distributions"])
     count = backend.MODULES[build].device_count() if build != "cpu" else 0
@@ -135,6 +143,8 @@ def render(report: dict) -> str:
         lines.append(f"backend: {b['name']}  ({b['reason']})")
         for name, f in b["found"].items():
             lines.append(f"  {name:5s} {'yes' if f['present'] else 'no ':3s}  {f['detail']}")
+    if report["environment"]:
+        lines.append("environment: " + "  ".join(f"{k}={v!r}" for k, v in report["environment"].items()))
     if report.get("versions"):
         lines.append("versions: " + "  ".join(f"{k} {v}" for k, v in report["versions"].items()))
     if report["gpus"]:

@@ -65,7 +65,8 @@ def silu_and_mul(x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tens
     if x2.stride(-1) != 1:
         x2 = x2.contiguous()
     cfg, options = launch_config(CONFIGS, x.device)
-    block = min(cfg.constexprs["BLOCK"], triton.next_power_of_2(d))
+    # Plain int arithmetic: triton.next_power_of_2 and triton.cdiv cost ~4 us of host time per call.
+    block = min(cfg.constexprs["BLOCK"], 1 << (d - 1).bit_length())
     # out is contiguous, so its row stride is d whatever its rank.
-    _silu_and_mul_kernel[(rows, triton.cdiv(d, block))](x2, out, d, x2.stride(0), d, BLOCK=block, **options)
+    _silu_and_mul_kernel[(rows, -(-d // block))](x2, out, d, x2.stride(0), d, BLOCK=block, **options)
     return out

@@ -1,0 +1,68 @@
+"""The house rules that code review would otherwise have to remember."""
+
+import ast
+import pathlib
+import re
+
+from anygpu.backend.targets import TARGETS
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+PKG = ROOT / "anygpu"
+
+# Imports go downward only.  A layer may import itself and the layers listed before it.
+LAYERS = ["backend", "kernels", "ops", "testing", "bench", "diagnostics", "cli"]
+RANK = {name: i for i, name in enumerate(LAYERS)}
+RANK.update({"diagnostics": RANK["bench"], "_version": -1, "__init__": len(LAYERS), "__main__": len(LAYERS)})
+
+
+def _layer_of(path: pathlib.Path) -> str:
+    rel = path.relative_to(PKG).parts
+    return rel[0].removesuffix(".py")
+
+
+def _imported_layers(path: pathlib.Path):
+    tree = ast.parse(path.read_text())
+    depth = len(path.relative_to(PKG).parts) - 1  # how many packages below anygpu/
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom):
+            if node.level:  # relative: climb to anygpu/ and read the first component
+                if node.level - 1 < depth:
+                    continue  # inside the same layer
+                target = (node.module or "").split(".")[0] or (node.names[0].name if node.names else "")
+            elif node.module and node.module.startswith("anygpu."):
+                target = node.module.split(".")[1]
+            else:
+                continue
+            yield node.lineno, target
+        elif isinstance(node, ast.Import):
+            for alias in node.names:
+                if alias.name.startswith("anygpu."):
+                    yield node.lineno, alias.name.split(".")[1]
+
+
+def test_imports_go_downward_only():
+    bad = []
+    for path in PKG.rglob("*.py"):
+        layer = _layer_of(path)
+        for line, target in _imported_layers(path):
+            if target in RANK and RANK[target] > RANK[layer]:
+                bad.append(f"{path.relative_to(ROOT)}:{line} ({layer}) imports {target}")
+    assert not bad, "\n".join(bad)
+
+
+def test_kernel_and_op_files_pair_up():
+    from anygpu.kernels import KERNEL_MODULES
+    from anygpu.ops import ALL_OPS
+
+    for name, op in ALL_OPS.items():
+        assert (PKG / "ops" / f"{name}.py").exists()
+        if op.gpu_kernel:
+            assert op.gpu_kernel.split(":")[0] in KERNEL_MODULES
+
+
+def test_readme_lists_every_target_and_the_two_commands():
+    readme = (ROOT / "README.md").read_text()
+    for arch in TARGETS:
+        assert re.search(rf"^\| {arch} \|", readme, re.M), arch
+    assert "make run" in readme and "make test" in readme
+    assert "make test" in (ROOT / ".ci" / "run").read_text()
