@@ -36,3 +36,26 @@ def test_select_most_specific_key():
     assert select(table, None) == (a,)
     with pytest.raises(KeyError):
         select({"amd": (b,)}, TARGETS["sm_90"])
+
+
+def test_launch_config_on_faked_rocm_devices(monkeypatch):
+    """Config selection end to end: faked device properties -> Backend -> target -> config and options."""
+    import torch
+
+    import anygpu.backend as backend
+    from anygpu.backend import rocm
+    from anygpu.kernels import config as kconfig
+    from tests.test_backend import mi300x
+
+    table = {"default": (LaunchConfig({"B": 1}, num_warps=32),),
+             "cdna3": (LaunchConfig({"B": 3}, num_warps=32, waves_per_eu=1, matrix_instr_nonkdim=16),)}
+    devices = {0: rocm.describe(0, props=mi300x()),
+               1: rocm.describe(1, props=mi300x(name="Radeon RX 7900 XTX", gcnArchName="gfx1100", warp_size=32))}
+    monkeypatch.setattr(backend, "current", lambda index=None: devices[index])
+    monkeypatch.setattr(kconfig, "_LAUNCH_CACHE", {})
+    cfg, opts = kconfig.launch_config(table, torch.device("cuda", 0))
+    assert cfg.constexprs == {"B": 3}
+    assert opts == {"num_warps": 16, "waves_per_eu": 1, "matrix_instr_nonkdim": 16}  # wave64: 16 x 64 threads
+    cfg, opts = kconfig.launch_config(table, torch.device("cuda", 1))
+    assert cfg.constexprs == {"B": 1} and opts == {"num_warps": 32}  # RDNA3 is wave32
+    assert kconfig.launch_config(table, torch.device("cpu")) == (table["default"][0], {})  # the interpreter

@@ -8,7 +8,7 @@ import torch
 
 from .base import Backend, common_versions
 from .targets import cuda_arch, lookup
-from .visible import hidden_message
+from .visible import presence
 
 NAME = "cuda"
 
@@ -18,15 +18,12 @@ def present() -> tuple[bool, str]:
         return False, f"torch {torch.__version__} is a ROCm build (HIP {torch.version.hip}), not a CUDA build"
     if not torch.version.cuda:
         return False, f"torch {torch.__version__} is a CPU-only build (torch.version.cuda is None)"
-    n = device_count()
-    if n == 0:
-        hidden = hidden_message(os.environ, NAME)
-        return False, f"torch is a CUDA {torch.version.cuda} build but no GPU is visible" + (f": {hidden}" if hidden else "")
-    return True, f"torch is a CUDA {torch.version.cuda} build and {n} GPU(s) are visible"
+    return presence(NAME, f"a CUDA {torch.version.cuda} build", device_count(), os.environ)
 
 
 def device_count() -> int:
-    # torch counts through NVML when it can, which leaves the CUDA runtime uninitialised (safe before fork).
+    # torch counts through NVML (amdsmi on ROCm) when it can, which leaves the GPU runtime uninitialised:
+    # safe before fork.
     return torch.cuda.device_count() if torch.backends.cuda.is_built() else 0
 
 

@@ -13,10 +13,10 @@ import os
 
 import torch
 
-from . import cuda as _torch_cuda_allocator
+from . import cuda as _cuda
 from .base import Backend, common_versions
 from .targets import lookup, parse_gcn_arch
-from .visible import hidden_message
+from .visible import presence
 
 NAME = "rocm"
 
@@ -26,16 +26,7 @@ def present() -> tuple[bool, str]:
         kind = f"a CUDA {torch.version.cuda} build" if torch.version.cuda else "a CPU-only build"
         return False, (f"torch {torch.__version__} is {kind} (torch.version.hip is None); "
                        "ROCm needs torch from the PyTorch ROCm wheel index")
-    n = device_count()
-    if n == 0:
-        hidden = hidden_message(os.environ, NAME)
-        return False, f"torch is a ROCm build (HIP {torch.version.hip}) but no GPU is visible" + (f": {hidden}" if hidden else "")
-    return True, f"torch is a ROCm build (HIP {torch.version.hip}) and {n} GPU(s) are visible"
-
-
-def device_count() -> int:
-    # On ROCm torch counts through amdsmi when it can, leaving HIP uninitialised (safe before fork).
-    return torch.cuda.device_count() if torch.backends.cuda.is_built() else 0
+    return presence(NAME, f"a ROCm build (HIP {torch.version.hip})", device_count(), os.environ)
 
 
 def describe(index: int = 0, props=None) -> Backend:
@@ -102,11 +93,13 @@ def rocblas_version_from_library(loader=ctypes.CDLL) -> str | None:
     return None
 
 
-synchronize = _torch_cuda_allocator.synchronize
-total_memory = _torch_cuda_allocator.total_memory
-active_memory = _torch_cuda_allocator.active_memory
-peak_memory = _torch_cuda_allocator.peak_memory
-cache_memory = _torch_cuda_allocator.cache_memory
-reset_peak_memory = _torch_cuda_allocator.reset_peak_memory
-clear_cache = _torch_cuda_allocator.clear_cache
-apply_memory_limit = _torch_cuda_allocator.apply_memory_limit
+# Counting, synchronising and memory are torch.cuda's calls, which ROCm builds route to HIP.
+device_count = _cuda.device_count
+synchronize = _cuda.synchronize
+total_memory = _cuda.total_memory
+active_memory = _cuda.active_memory
+peak_memory = _cuda.peak_memory
+cache_memory = _cuda.cache_memory
+reset_peak_memory = _cuda.reset_peak_memory
+clear_cache = _cuda.clear_cache
+apply_memory_limit = _cuda.apply_memory_limit

@@ -34,3 +34,11 @@ def conflict_message(env: Mapping[str, str]) -> str | None:
         return (f"HIP_VISIBLE_DEVICES={hip!r} and CUDA_VISIBLE_DEVICES={cuda!r} disagree; "
                 "ROCm applies both, so set only one (CUDA_VISIBLE_DEVICES is portable)")
     return None
+
+
+def presence(backend: str, build: str, count: int, env: Mapping[str, str]) -> tuple[bool, str]:
+    """A GPU backend's ``present()`` answer once torch's build matches: are any GPUs visible, and if not, why."""
+    if count == 0:
+        hidden = hidden_message(env, backend)
+        return False, f"torch is {build} but no GPU is visible" + (f": {hidden}" if hidden else "")
+    return True, f"torch is {build} and {count} GPU(s) are visible"
