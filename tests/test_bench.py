@@ -141,3 +141,27 @@ def test_measure_returns_a_median_and_checks_its_arguments():
         measure(lambda: None, device=CPU, rep_ms=0)
     with pytest.raises(ValueError, match="warmup_ms"):
         measure(lambda: None, device=CPU, warmup_ms=-1)
+
+
+def test_graph_timing_is_eager_on_the_cpu(throwaway_suite):
+    x = torch.randn(8, 16)
+    throwaway_suite("_test_graph_cpu", lambda device, quick: [Case("silu", "8x16", lambda: torch.nn.functional.silu(x),
+                                                                   bytes=2 * x.nbytes, graph=True)])
+    (row,) = bench.run("_test_graph_cpu", **FAST).rows
+    assert row["timing"] == "eager"
+
+
+@pytest.mark.gpu
+def test_graph_timing_on_the_gpu(throwaway_suite):
+    from anygpu.bench.timing import measure_graph
+    from anygpu.ops import silu_and_mul
+
+    x = torch.randn(1, 2 * 4096, device="cuda", dtype=torch.bfloat16)
+    assert measure_graph(lambda: silu_and_mul(x), device=x.device, warmup_ms=2, rep_ms=10) > 0
+    throwaway_suite("_test_graph_gpu", lambda device, quick: [Case("silu_and_mul", "1x8192", lambda: silu_and_mul(x),
+                                                                   {"torch": lambda: x[:, :4096] * 2},
+                                                                   bytes=x.nbytes * 3 // 2, graph=True)])
+    report = bench.run("_test_graph_gpu", progress=False, warmup_ms=2, rep_ms=10)
+    (row,) = report.rows
+    assert row["timing"] == "graph" and row["baselines"]["torch"]["ratio"] > 0
+    assert "[graph]" in report.table()

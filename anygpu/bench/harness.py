@@ -21,7 +21,7 @@ from tqdm import tqdm
 from .. import backend
 from . import ceilings
 from .report import Report
-from .timing import measure
+from .timing import measure, measure_graph
 
 
 @dataclass
@@ -32,6 +32,7 @@ class Case:
     baselines: dict[str, Callable[[], Any]] = field(default_factory=dict)
     bytes: int | None = None  # the fewest bytes the op must move: each input read once, each output written once
     flops: int | None = None  # the op's arithmetic (2*m*n*k for a matmul), None where memory bound
+    graph: bool = False  # on GPUs, time replays of a CUDA/HIP graph: for launches bound by host time
 
     def __post_init__(self):
         if not callable(self.ours):
@@ -124,8 +125,10 @@ def run(name: str, *, quick: bool = False, device: torch.device | None = None, p
 
 
 def _run_case(case: Case, timing: dict, copy_bw: float, peak: float | None) -> dict:
+    timing = dict(timing, graph=case.graph and timing["device"].type == "cuda")
     ours_ms = _time(case.ours, **timing)  # if ours fails, the benchmark means nothing: let it raise
     row = {"op": case.op, "shape": case.shape, "bytes": case.bytes, "flops": case.flops,
+           "timing": "graph" if timing["graph"] else "eager",
            "ours": _rates(ours_ms, case, copy_bw, peak), "baselines": {}}
     for name, fn in case.baselines.items():
         try:
@@ -137,11 +140,12 @@ def _run_case(case: Case, timing: dict, copy_bw: float, peak: float | None) -> d
     return row
 
 
-def _time(fn: Callable[[], Any], *, device: torch.device, warmup_ms: float, rep_ms: float) -> float:
+def _time(fn: Callable[[], Any], *, device: torch.device, warmup_ms: float, rep_ms: float, graph: bool) -> float:
     fn()  # once untimed: compiles kernels, and raises here, before the timing loop, if fn is broken
     if device.type == "cuda":
         torch.cuda.synchronize(device)  # surface asynchronous launch errors now
-    return measure(fn, device=device, warmup_ms=warmup_ms, rep_ms=rep_ms)
+    timer = measure_graph if graph else measure
+    return timer(fn, device=device, warmup_ms=warmup_ms, rep_ms=rep_ms)
 
 
 def _rates(ms: float, case: Case, copy_bw: float, peak: float | None) -> dict:

@@ -2,7 +2,7 @@
 
 Each row is a dict (the JSON shape):
 
-    {"op", "shape", "bytes", "flops",
+    {"op", "shape", "bytes", "flops", "timing": "eager" | "graph" (CUDA/HIP graph replays),
      "ours": {"ms", "GBps", "TFLOPs", "copy_bw_fraction", "matmul_peak_fraction"},
      "baselines": {name: {same keys, "ratio": baseline ms / ours ms} or {"error": "..."}}}
 
@@ -57,7 +57,8 @@ class Report:
         body = []
         for row in self.rows:
             ours, base = row["ours"], row["baselines"]
-            cells = [row["op"], row["shape"], _ms(ours["ms"])]
+            shape = row["shape"] + (" [graph]" if row.get("timing") == "graph" else "")
+            cells = [row["op"], shape, _ms(ours["ms"])]
             cells += ["error" if "error" in base.get(n, {}) else _ms(base.get(n, {}).get("ms")) for n in names]
             cells += [_fmt(base.get(n, {}).get("ratio"), "{:.2f}x") for n in names]
             if any_bytes:
@@ -71,6 +72,9 @@ class Report:
         errors = [f"  {n} on {row['op']} {row['shape']}: {e['error']}"
                   for row in self.rows for n, e in row["baselines"].items() if "error" in e]
         footer = ("\n\nbaselines that failed:\n" + "\n".join(errors)) if errors else ""
+        if any(row.get("timing") == "graph" for row in self.rows):
+            footer += ("\n\n[graph]: timed as CUDA/HIP graph replays (host launch cost excluded), as a decode step "
+                       "runs them")
         return f"{self.header()}\n\n{text}{footer}"
 
     def __str__(self) -> str:

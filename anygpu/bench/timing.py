@@ -43,6 +43,30 @@ def measure(fn: Callable[[], object], *, device: torch.device, warmup_ms: float 
         return _measure_cuda_events(fn, warmup_ms, rep_ms)
 
 
+def measure_graph(fn: Callable[[], object], *, device: torch.device, warmup_ms: float = 25, rep_ms: float = 100,
+                  calls: int = 20) -> float:
+    """Median ms per call of ``fn`` captured ``calls`` times in one CUDA/HIP graph and replayed.
+
+    For launches so small that the host's launch cost, not the GPU, sets the pace: ``measure`` would
+    time Python.  A model's decode step replays such kernels from a graph, which is what this times.
+    """
+    device = torch.device(device)
+    if device.type != "cuda":
+        raise ValueError(f"device: graph timing needs a cuda device, got {device}")
+    with torch.cuda.device(device):
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):  # warm up (compiles, allocator pools) off the capture stream
+            for _ in range(3):
+                fn()
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            for _ in range(calls):
+                fn()
+        return measure(graph.replay, device=device, warmup_ms=warmup_ms, rep_ms=rep_ms) / calls
+
+
 @functools.lru_cache(maxsize=1)
 def _do_bench():
     """A ``do_bench(fn, warmup, rep) -> median ms`` over whichever triton is installed, or None."""
