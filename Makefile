@@ -2,8 +2,10 @@
 #   make run    set up, then run the main job (anygpu doctor)
 #   make test   set up, then run the tests (twice: in Triton's interpreter, then the cross-compile tests)
 # Setup makes a virtualenv in .venv with anygpu and its test extras.  torch is installed only if the
-# venv has none: TORCH_SPEC (default the CPU build this project's CI uses) -- on a GPU machine, install
-# your CUDA or ROCm torch into the venv first, or pass VENV_FLAGS=--system-site-packages.
+# venv has none, as TORCH_SPEC: torch==2.13.0 is the CPU build on CI's machines (a local wheel); elsewhere
+# pass TORCH_SPEC="torch --index-url https://download.pytorch.org/whl/cpu" to avoid a CUDA download.
+# On a GPU machine install your CUDA or ROCm torch into the venv first, or pass
+# VENV_FLAGS=--system-site-packages; triton is then left alone (the test-own-triton extra).
 
 PYTHON ?= python3
 VENV ?= .venv
@@ -30,8 +32,9 @@ setup: $(STAMP)
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV_FLAGS) $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q "$(TORCH_SPEC)"
-	$(PY) -m pip install -q -e ".[test,bench]"
+	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q $(TORCH_SPEC)
+	if $(PY) -c "import triton" 2>/dev/null; then extra=test-own-triton; else extra=test; fi; \
+	  $(PY) -m pip install -q -e ".[$$extra,bench]"
 	touch $(STAMP)
 
 clean:

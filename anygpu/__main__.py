@@ -6,4 +6,6 @@ from .cli import cli, main
 
 if __name__ == "__main__":
     args = sys.argv[1:]
-    main(args if args and args[0] in cli.commands else ["doctor", *args])
+    # A command, or the group's own --help / --version, goes to the group; anything else is doctor's.
+    passthrough = args and (args[0] in cli.commands or args[0] in ("--help", "-h", "--version"))
+    main(args if passthrough else ["doctor", *args])

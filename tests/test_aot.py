@@ -3,6 +3,7 @@
 import json
 import subprocess
 import sys
+import warnings
 
 import pytest
 import torch
@@ -73,7 +74,7 @@ def test_every_registered_kernel_compiles_for_every_ci_target():
 
     specs = load_all()
     reports = cross_compile(parse_target_list("ci"), specs)
-    expected = sum(len(s.dtypes) for s in specs.values()) * len(CI_TARGETS)
+    expected = sum(len(s.dtypes) for s in specs.values()) * len(CI_TARGETS) * 2  # aligned and unaligned
     assert len(reports) == expected
     failed = [r for r in reports if not r.ok]
     assert not failed, failed
@@ -81,8 +82,9 @@ def test_every_registered_kernel_compiles_for_every_ci_target():
         assert r.registers and r.registers > 0, r
         assert r.shared is not None and r.shared <= r.shared_limit
         assert 0 < r.occupancy <= 1
-        if r.spills:
-            print(f"SPILLS: {r.kernel} {r.target} {r.config}: {r.spills}")
+        if r.spills:  # reported, not failed: pytest shows warnings in its summary
+            warnings.warn(f"spills: {r.kernel} on {r.target} [{r.config}, {r.dtype}, {r.variant}]: {r.spills}",
+                          stacklevel=1)
 
 
 @pytest.mark.aot
@@ -116,7 +118,7 @@ def test_shared_memory_over_the_limit_fails():
     # gfx950 has 160 KiB: a 128x128x128 double-buffered tile (128 KiB with triton 3.9) fits there.
     cfg = LaunchConfig({"BM": 128, "BN": 128, "BK": 128}, num_warps=4, num_stages=2)
     big = compile_one(_dot_spec(128, 128, 128, {"default": (cfg,)}), TARGETS["gfx950"], cfg, torch.float16)
-    assert big.shared_limit == 160 * 1024 and big.ok == (big.shared <= 160 * 1024), big
+    assert big.ok and 64 * 1024 < big.shared <= 160 * 1024, big
 
 
 @pytest.mark.aot

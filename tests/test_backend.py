@@ -9,7 +9,14 @@ import pytest
 import torch
 
 from anygpu.backend import BackendUnavailable, choose, cpu, cuda, rocm
-from anygpu.backend.visible import conflict_message, hidden_message
+from anygpu.backend.visible import (
+    amd_kfd_gpus,
+    conflict_message,
+    count_gpus,
+    hidden_message,
+    nvidia_driver_gpus,
+    visible_count,
+)
 
 
 @pytest.fixture
@@ -20,7 +27,10 @@ def fake_torch(monkeypatch):
         monkeypatch.setattr(torch.version, "hip", "6.4.43482" if build == "rocm" else None)
         monkeypatch.setattr(torch.version, "cuda", "12.8" if build == "cuda" else None)
         monkeypatch.setattr(torch.backends.cuda, "is_built", lambda: build != "cpu")
-        monkeypatch.setattr(torch.cuda, "device_count", lambda: n)
+        # NVML / amdsmi answer (they apply the visible-device variables themselves).
+        monkeypatch.setattr(torch.cuda, "_device_count_nvml", lambda: n if build == "cuda" else -1)
+        monkeypatch.setattr(torch.cuda, "_device_count_amdsmi", lambda: n if build == "rocm" else -1)
+        monkeypatch.setattr(torch.cuda, "device_count", lambda: pytest.fail("detection used the GPU runtime"))
 
     return apply
 
@@ -44,10 +54,9 @@ def test_cuda_chosen_when_cuda_build_sees_gpus(fake_torch):
     assert choose(env={}).name == "cuda"
 
 
-def test_cpu_when_gpu_build_sees_none_names_the_variable(fake_torch, monkeypatch):
+def test_cpu_when_gpu_build_sees_none_names_the_variable(fake_torch):
     fake_torch("rocm", 0)
-    monkeypatch.setenv("HIP_VISIBLE_DEVICES", "")
-    c = choose(env={})
+    c = choose(env={"HIP_VISIBLE_DEVICES": ""})
     assert c.name == "cpu"
     assert "HIP_VISIBLE_DEVICES=''" in c.reason and "no GPU is visible" in c.reason
 
@@ -130,8 +139,48 @@ def test_visible_device_messages():
     assert hidden_message({"HIP_VISIBLE_DEVICES": ""}, "cuda") is None  # CUDA does not read HIP's variable
     assert "CUDA_VISIBLE_DEVICES" in hidden_message({"CUDA_VISIBLE_DEVICES": "-1,0"}, "cuda")
     assert hidden_message({"CUDA_VISIBLE_DEVICES": "0,1"}, "cuda") is None
-    assert "disagree" in conflict_message({"HIP_VISIBLE_DEVICES": "0", "CUDA_VISIBLE_DEVICES": "1"})
+    # On ROCm a set HIP_VISIBLE_DEVICES wins: an empty CUDA_VISIBLE_DEVICES beside it is ignored.
+    assert hidden_message({"HIP_VISIBLE_DEVICES": "0", "CUDA_VISIBLE_DEVICES": ""}, "rocm") is None
+    assert "HIP_VISIBLE_DEVICES wins" in conflict_message({"HIP_VISIBLE_DEVICES": "0", "CUDA_VISIBLE_DEVICES": "1"})
     assert conflict_message({"HIP_VISIBLE_DEVICES": "0,1", "CUDA_VISIBLE_DEVICES": "0,1"}) is None
+
+
+@pytest.mark.parametrize("env,backend,physical,count", [
+    ({}, "cuda", 4, 4),
+    ({"CUDA_VISIBLE_DEVICES": "0,1"}, "cuda", 4, 2),
+    ({"CUDA_VISIBLE_DEVICES": "1,7,0"}, "cuda", 4, 1),  # CUDA stops at the first invalid index
+    ({"CUDA_VISIBLE_DEVICES": "2,2"}, "cuda", 4, 1),
+    ({"CUDA_VISIBLE_DEVICES": "GPU-5f3c,GPU-9a1b"}, "cuda", 4, 2),
+    ({"CUDA_VISIBLE_DEVICES": "7"}, "cuda", 1, 0),  # an index past the last GPU hides it
+    ({"ROCR_VISIBLE_DEVICES": "0,1,2", "HIP_VISIBLE_DEVICES": "1"}, "rocm", 8, 1),
+    ({"HIP_VISIBLE_DEVICES": "0,1", "CUDA_VISIBLE_DEVICES": "0"}, "rocm", 8, 2),
+    ({"CUDA_VISIBLE_DEVICES": "0"}, "rocm", 8, 1),
+])
+def test_visible_count(env, backend, physical, count):
+    assert visible_count(env, backend, physical) == count
+
+
+def test_count_gpus_prefers_library_then_driver_then_runtime():
+    def runtime():
+        raise AssertionError("runtime asked although another way could count")
+
+    assert count_gpus("cuda", {}, lambda: 2, lambda: 8, runtime) == (2, "library")
+    assert count_gpus("cuda", {"CUDA_VISIBLE_DEVICES": "3"}, lambda: -1, lambda: 8, runtime) == (1, "driver")
+    assert count_gpus("rocm", {}, lambda: -1, lambda: None, lambda: 5) == (5, "runtime")
+
+
+def test_driver_listings(tmp_path):
+    gpus = tmp_path / "gpus"
+    for bus in ("0000:18:00.0", "0000:2a:00.0"):
+        (gpus / bus).mkdir(parents=True)
+    assert nvidia_driver_gpus(str(gpus)) == 2
+    assert nvidia_driver_gpus(str(tmp_path / "absent")) is None
+    nodes = tmp_path / "nodes"
+    for i, version in enumerate((0, 90402, 90402)):  # node 0 is the CPU
+        (nodes / str(i)).mkdir(parents=True)
+        (nodes / str(i) / "properties").write_text(f"cpu_cores_count 0\ngfx_target_version {version}\nsimd_count 1216\n")
+    assert amd_kfd_gpus(str(nodes)) == 2
+    assert amd_kfd_gpus(str(tmp_path / "absent")) is None
 
 
 def test_cpu_backend_description():
@@ -141,17 +190,24 @@ def test_cpu_backend_description():
 
 
 _NO_INIT = """
-import anygpu.backend as b, torch
+import torch
+
+def runtime_count():
+    raise SystemExit("detection asked the GPU runtime for the device count (initialises it)")
+
+torch._C._cuda_getDeviceCount = runtime_count
+import anygpu.backend as b
 name = b.name()
-print(name, torch.cuda.is_initialized())
+print(name, torch.cuda.is_initialized(), b.module(name).count_devices()[1] if name != "cpu" else "-")
 """
 
 
 def test_asking_the_backend_does_not_initialise_the_gpu_runtime():
-    out = subprocess.run([sys.executable, "-c", _NO_INIT], capture_output=True, text=True, check=True,
+    out = subprocess.run([sys.executable, "-c", _NO_INIT], capture_output=True, text=True,
                          env={k: v for k, v in os.environ.items() if k != "ANYGPU_BACKEND"})
-    name, initialised = out.stdout.split()
-    assert name in ("rocm", "cuda", "cpu") and initialised == "False"
+    assert out.returncode == 0, out.stdout + out.stderr
+    name, initialised, how = out.stdout.split()
+    assert name in ("rocm", "cuda", "cpu") and initialised == "False" and how in ("library", "driver", "-")
 
 
 _FORK = """

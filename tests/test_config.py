@@ -51,7 +51,7 @@ def test_launch_config_on_faked_rocm_devices(monkeypatch):
              "cdna3": (LaunchConfig({"B": 3}, num_warps=32, waves_per_eu=1, matrix_instr_nonkdim=16),)}
     devices = {0: rocm.describe(0, props=mi300x()),
                1: rocm.describe(1, props=mi300x(name="Radeon RX 7900 XTX", gcnArchName="gfx1100", warp_size=32))}
-    monkeypatch.setattr(backend, "current", lambda index=None: devices[index])
+    monkeypatch.setattr(backend, "describe_gpu", lambda index: devices[index])
     monkeypatch.setattr(kconfig, "_LAUNCH_CACHE", {})
     cfg, opts = kconfig.launch_config(table, torch.device("cuda", 0))
     assert cfg.constexprs == {"B": 3}

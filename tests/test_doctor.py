@@ -90,3 +90,30 @@ def test_doctor_on_a_gpu_machine():
     assert report["triton_runs_here"]["ok"]
     own = report["gpus"][0]["arch"]
     assert report["cross_compile"] and all(r["ok"] and r["target"] == own for r in report["cross_compile"])
+
+
+def test_triton_must_match_the_one_torch_was_built_with():
+    from anygpu.diagnostics.checks import check_triton_matches_torch, torch_triton_requirement
+
+    reqs = ["filelock", "triton==3.6.0; platform_system == \"Linux\" and platform_machine == \"x86_64\"",
+            "sympy>=1.13.3", "optree>=0.13.0; extra == \"optree\""]
+    assert torch_triton_requirement(reqs) == ("triton", "3.6.0")
+    assert torch_triton_requirement(["pytorch-triton-rocm==3.5.1"]) == ("pytorch-triton-rocm", "3.5.1")
+    assert torch_triton_requirement(["filelock"]) is None
+    (p,) = check_triton_matches_torch(("pytorch-triton-rocm", "3.5.1"), "3.9.0")
+    assert p.severity == "error" and "built with pytorch-triton-rocm 3.5.1 but triton 3.9.0" in p.message
+    assert check_triton_matches_torch(("triton", "3.6.0"), "3.6.1") == []
+
+
+def test_doctor_reports_a_device_that_cannot_be_described(fresh_backend, monkeypatch):
+    from anygpu.diagnostics.doctor import collect
+
+    def broken(index=0, props=None):
+        raise RuntimeError("CUDA driver version is insufficient for CUDA runtime version")
+
+    monkeypatch.setattr(fresh_backend.module("cpu"), "describe", broken)
+    monkeypatch.setenv("ANYGPU_BACKEND", "cpu")
+    report = collect(probe=False)
+    assert not report["ok"]
+    assert any("describing the device failed" in p["message"] and "insufficient" in p["message"]
+               for p in report["problems"])

@@ -42,6 +42,20 @@ def test_silu_and_mul_kernel_non_contiguous_input(kdevice):
     torch.testing.assert_close(silu_and_mul(x), silu_reference(x))
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
+def test_kernel_runs_on_the_tensors_gpu_not_the_current_one():
+    from anygpu.kernels.silu_and_mul import silu_and_mul
+
+    x = torch.randn(7, 2 * 300, device="cuda:1")
+    assert torch.cuda.current_device() == 0
+    y = silu_and_mul(x)
+    assert y.device == x.device
+    torch.testing.assert_close(y, silu_reference(x))
+    with pytest.raises(ValueError, match="out: expected .* on cuda:1"):
+        silu_and_mul(x, out=torch.empty(7, 300, device="cuda:0"))
+
+
 def test_silu_and_mul_kernel_rejects_bad_out(kdevice):
     from anygpu.kernels.silu_and_mul import silu_and_mul
 
@@ -65,5 +79,6 @@ def test_silu_and_mul_kernel_any_shape(rows, d, lead, dtype, scale):
     if dev is None:
         pytest.skip("Triton kernels cannot run here")
     x = (torch.randn(lead, rows, 2 * d) * scale).to(dtype).to(dev)
+    out = poison_(torch.empty(lead, rows, d, dtype=dtype, device=dev))
     oracle = torch_silu_and_mul(x.to(reference_dtype(dtype)))
-    assert_accurate(silu_and_mul(x), torch_silu_and_mul(x), oracle, what=f"{dtype} {tuple(x.shape)}")
+    assert_accurate(silu_and_mul(x, out=out), torch_silu_and_mul(x), oracle, what=f"{dtype} {tuple(x.shape)}")

@@ -31,6 +31,10 @@ def _imported_layers(path: pathlib.Path):
                 target = (node.module or "").split(".")[0] or (node.names[0].name if node.names else "")
             elif node.module and node.module.startswith("anygpu."):
                 target = node.module.split(".")[1]
+            elif node.module == "anygpu":
+                for alias in node.names:
+                    yield node.lineno, alias.name
+                continue
             else:
                 continue
             yield node.lineno, target
@@ -58,6 +62,14 @@ def test_kernel_and_op_files_pair_up():
         assert (PKG / "ops" / f"{name}.py").exists()
         if op.gpu_kernel:
             assert op.gpu_kernel.split(":")[0] in KERNEL_MODULES
+
+
+def test_every_kernel_module_has_interpreter_tests():
+    from anygpu.kernels import KERNEL_MODULES
+
+    tested = (ROOT / "tests" / "test_kernels.py").read_text()
+    for name in KERNEL_MODULES:
+        assert f"anygpu.kernels.{name} import" in tested, f"kernels/{name}.py has no test in tests/test_kernels.py"
 
 
 def test_readme_lists_every_target_and_the_two_commands():

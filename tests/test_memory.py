@@ -32,7 +32,7 @@ def test_peak_tracks_a_large_allocation_and_resets():
     x = torch.ones(64 * 2**20 // 4, device=_device())  # 64 MiB, touched so the CPU really maps it
     assert anygpu.get_active_memory() >= 60 * 2**20
     peak = anygpu.get_peak_memory()
-    assert peak >= before + 60 * 2**20 or peak >= anygpu.get_active_memory()
+    assert peak >= before + 60 * 2**20
     del x
     anygpu.clear_cache()
     anygpu.reset_peak_memory()
@@ -67,7 +67,7 @@ def test_memory_limit_above_device_rejected():
 def test_gpu_memory_limit_is_enforced_and_cache_trimmed():
     total = backend.module().total_memory()
     anygpu.set_memory_limit(4 * 2**30)
-    with pytest.raises(torch.OutOfMemoryError):
+    with pytest.raises(torch.cuda.OutOfMemoryError):  # torch.OutOfMemoryError is 2.5+
         torch.empty(8 * 2**30, dtype=torch.uint8, device="cuda")
     anygpu.set_memory_limit(total)
     x = torch.empty(256 * 2**20, dtype=torch.uint8, device="cuda")

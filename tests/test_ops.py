@@ -74,3 +74,42 @@ def test_gpu_dispatch_runs_the_triton_kernel(dtype, monkeypatch):
     torch.testing.assert_close(silu_and_mul(x), kernel(x), rtol=0, atol=0)
     monkeypatch.setenv("ANYGPU_KERNELS", "reference")
     assert_accurate(silu_and_mul(x), torch_same_dtype(x), oracle(x))
+
+
+def test_accuracy_rule_cannot_be_passed_by_garbage_when_torch_overflows():
+    from anygpu.testing import error_report
+
+    x = torch.tensor([[300.0, 2.0, 300.0, 3.0]], dtype=torch.float16)  # silu(300) * 300 overflows fp16
+    ours, theirs, exact = silu_and_mul(x), torch_same_dtype(x), oracle(x)
+    assert torch.isinf(theirs[0, 0])
+    assert error_report(ours, theirs, exact).ok
+    assert not error_report(torch.full_like(ours, float("nan")), theirs, exact).ok
+    assert not error_report(torch.zeros_like(ours), theirs, exact).ok
+    garbage = ours.clone()
+    garbage[0, 1] = 7.0  # finite where torch is finite, but wrong
+    assert not error_report(garbage, theirs, exact).ok
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_in_place_change_after_forward_is_caught(device):
+    x = torch.randn(4, 16, device=device, requires_grad=True)
+    b = x * 1.0
+    y = silu_and_mul(b)
+    b.mul_(2)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        y.sum().backward()
+
+
+@pytest.mark.gpu
+def test_vmap_and_trace_go_through_the_dispatcher():
+    x = torch.randn(3, 5, 2 * 40, device="cuda")
+    torch.testing.assert_close(torch.func.vmap(silu_and_mul)(x), silu_and_mul(x))
+    traced = torch.jit.trace(lambda t: silu_and_mul(t), (x,))
+    torch.testing.assert_close(traced(x), silu_and_mul(x))
+
+
+@pytest.mark.gpu
+def test_bad_kernels_choice_names_the_variable(monkeypatch):
+    monkeypatch.setenv("ANYGPU_KERNELS", "fast")
+    with pytest.raises(ValueError, match="ANYGPU_KERNELS='fast': expected 'triton'"):
+        silu_and_mul(torch.randn(2, 8, device="cuda"))

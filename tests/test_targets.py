@@ -50,13 +50,22 @@ def test_lds_limits():
 
 def test_lookup_unknown_arch_is_guessed_and_marked():
     t = lookup("gfx1030")
-    assert not t.known and t.warp_size == 32 and t.vendor == "amd" and t.matrix_unit == "none"
+    assert not t.known and t.warp_size == 32 and t.vendor == "amd" and t.matrix_unit == "none" and t.family == "rdna2"
+    assert lookup("gfx1010").family == "rdna1" and lookup("gfx1151").family == "rdna3"
     t = lookup("gfx908")
     assert not t.known and t.warp_size == 64
+    # Unknown NVIDIA parts get limits every GPU since Volta meets (a T4, sm_75, has 64 KiB per SM).
+    t = lookup("sm_75")
+    assert not t.known and t.shared_per_block == 48 * 1024 and t.max_threads_per_cu == 1024 and t.fp8 == ()
     t = lookup("sm_120")
-    assert not t.known and t.shared_per_block <= 99 * 1024
+    assert not t.known and t.shared_per_block <= 99 * 1024 and t.fp8_dtypes()[0] == torch.float8_e4m3fn
     with pytest.raises(ValueError, match="arch"):
         lookup("tpu_v5")
+
+
+def test_lookup_normalises_names():
+    assert lookup("sm_90a") is TARGETS["sm_90"] and lookup("SM_90") is TARGETS["sm_90"]
+    assert lookup(" GFX942 ") is TARGETS["gfx942"]
 
 
 def test_triton_target_of_each_row():

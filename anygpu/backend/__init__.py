@@ -39,7 +39,7 @@ ENV_VAR = "ANYGPU_BACKEND"
 
 __all__ = [
     "BACKEND_NAMES", "Backend", "BackendUnavailable", "CI_TARGETS", "Choice", "TARGETS", "Target", "choose",
-    "clear_cache", "current", "device", "get_active_memory", "get_cache_limit", "get_cache_memory",
+    "clear_cache", "current", "describe_gpu", "device", "get_active_memory", "get_cache_limit", "get_cache_memory",
     "get_memory_limit", "get_peak_memory", "is_gpu", "lookup", "module", "name", "parse_gcn_arch", "reset",
     "reset_peak_memory", "set_cache_limit", "set_memory_limit", "synchronize", "trim_cache",
 ]
@@ -59,7 +59,7 @@ def choose(env: Mapping[str, str] | None = None, modules: Mapping | None = None)
     requested = env.get(ENV_VAR, "").strip().lower()
     if requested and requested not in BACKEND_NAMES:
         raise ValueError(f"{ENV_VAR}={env[ENV_VAR]!r}: expected one of {', '.join(BACKEND_NAMES)} (or unset for automatic)")
-    found = {n: modules[n].present() for n in BACKEND_NAMES}
+    found = {n: modules[n].present(env) for n in BACKEND_NAMES}
     gpus = [n for n in ("rocm", "cuda") if found[n][0]]
     if requested:
         ok, what = found[requested]
@@ -76,7 +76,7 @@ def choose(env: Mapping[str, str] | None = None, modules: Mapping | None = None)
 
 _lock = threading.Lock()
 _choice: Choice | None = None
-_described: dict[int, Backend] = {}
+_described: dict[tuple, Backend] = {}
 
 
 def _get_choice() -> Choice:
@@ -104,15 +104,27 @@ def is_gpu() -> bool:
     return name() != "cpu"
 
 
+def _describe(mod, index: int) -> Backend:
+    key = (mod.NAME, index)
+    hit = _described.get(key)  # read without the lock: launchers call this on every call
+    if hit is None:
+        with _lock:
+            hit = _described.get(key) or _described.setdefault(key, mod.describe(index))
+    return hit
+
+
 def current(index: int | None = None) -> Backend:
     """The active backend's description of device ``index`` (default: torch's current device)."""
     mod = module()
     if index is None:
         index = torch.cuda.current_device() if mod is not cpu else 0
-    with _lock:
-        if index not in _described:
-            _described[index] = mod.describe(index)
-        return _described[index]
+    return _describe(mod, index)
+
+
+def describe_gpu(index: int) -> Backend:
+    """The description of GPU ``index`` whatever backend is active (a GPU tensor can exist under
+    ANYGPU_BACKEND=cpu, and its kernels still need its arch)."""
+    return _describe(rocm if torch.version.hip else cuda, index)
 
 
 def device(index: int | None = None) -> torch.device:

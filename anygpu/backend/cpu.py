@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import platform
+import warnings
 
 import torch
 
@@ -16,7 +17,7 @@ from .base import Backend, common_versions
 NAME = "cpu"
 
 
-def present() -> tuple[bool, str]:
+def present(env=None) -> tuple[bool, str]:
     return True, "the CPU is always present"
 
 
@@ -102,8 +103,9 @@ def reset_peak_memory() -> None:
     try:
         with open("/proc/self/clear_refs", "w") as f:
             f.write("5")
-    except OSError:
-        pass
+    except OSError as e:
+        warnings.warn(f"anygpu: cannot reset the CPU peak memory here ({e}); get_peak_memory() keeps the "
+                      "process's high-water mark", stacklevel=3)
 
 
 def clear_cache() -> None:

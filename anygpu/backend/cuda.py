@@ -3,28 +3,38 @@
 from __future__ import annotations
 
 import os
+from collections.abc import Mapping
 
 import torch
 
 from .base import Backend, common_versions
 from .targets import cuda_arch, lookup
-from .visible import presence
+from .visible import count_gpus, nvidia_driver_gpus, presence
 
 NAME = "cuda"
 
 
-def present() -> tuple[bool, str]:
+def present(env: Mapping[str, str] | None = None) -> tuple[bool, str]:
+    env = os.environ if env is None else env
     if torch.version.hip:
         return False, f"torch {torch.__version__} is a ROCm build (HIP {torch.version.hip}), not a CUDA build"
     if not torch.version.cuda:
         return False, f"torch {torch.__version__} is a CPU-only build (torch.version.cuda is None)"
-    return presence(NAME, f"a CUDA {torch.version.cuda} build", device_count(), os.environ)
+    return presence(NAME, f"a CUDA {torch.version.cuda} build", device_count(env), env)
 
 
-def device_count() -> int:
-    # torch counts through NVML (amdsmi on ROCm) when it can, which leaves the GPU runtime uninitialised:
-    # safe before fork.
-    return torch.cuda.device_count() if torch.backends.cuda.is_built() else 0
+def count_devices(env: Mapping[str, str] | None = None) -> tuple[int, str]:
+    """(visible GPUs, how counted): through NVML or the driver's /proc listing, leaving the CUDA runtime
+    uninitialised (safe before fork); through the runtime only when neither is there."""
+    if not torch.backends.cuda.is_built():
+        return 0, "not built"
+    env = os.environ if env is None else env
+    nvml = getattr(torch.cuda, "_device_count_nvml", lambda: -1)
+    return count_gpus(NAME, env, nvml, nvidia_driver_gpus, torch.cuda.device_count)
+
+
+def device_count(env: Mapping[str, str] | None = None) -> int:
+    return count_devices(env)[0]
 
 
 def describe(index: int = 0, props=None) -> Backend:

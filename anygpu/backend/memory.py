@@ -1,6 +1,7 @@
 """Memory API in MLX's shape, over torch's allocator (so the same calls work on ROCm, CUDA and CPU).
 
-Setters return the previous value.  What each backend enforces:
+Setters return the previous value.  On GPUs every figure and limit is for torch's current device (set
+it with ``torch.cuda.set_device``), as torch's allocator keeps them per device.  What each backend enforces:
 
 - memory limit: on GPUs the caching allocator raises ``torch.OutOfMemoryError`` past it (torch's
   per-process memory fraction).  torch cannot cap CPU allocations, so on the CPU the limit is a budget

@@ -10,23 +10,39 @@ from __future__ import annotations
 
 import ctypes
 import os
+from collections.abc import Mapping
 
 import torch
 
 from . import cuda as _cuda
 from .base import Backend, common_versions
 from .targets import lookup, parse_gcn_arch
-from .visible import presence
+from .visible import amd_kfd_gpus, count_gpus, presence
 
 NAME = "rocm"
 
 
-def present() -> tuple[bool, str]:
+def present(env: Mapping[str, str] | None = None) -> tuple[bool, str]:
+    env = os.environ if env is None else env
     if not torch.version.hip:
         kind = f"a CUDA {torch.version.cuda} build" if torch.version.cuda else "a CPU-only build"
         return False, (f"torch {torch.__version__} is {kind} (torch.version.hip is None); "
                        "ROCm needs torch from the PyTorch ROCm wheel index")
-    return presence(NAME, f"a ROCm build (HIP {torch.version.hip})", device_count(), os.environ)
+    return presence(NAME, f"a ROCm build (HIP {torch.version.hip})", device_count(env), env)
+
+
+def count_devices(env: Mapping[str, str] | None = None) -> tuple[int, str]:
+    """(visible GPUs, how counted): through amdsmi or the KFD topology in sysfs, leaving HIP uninitialised
+    (safe before fork; ROCm wheels of torch do not bring amdsmi); through HIP only when neither is there."""
+    if not torch.backends.cuda.is_built():
+        return 0, "not built"
+    env = os.environ if env is None else env
+    amdsmi = getattr(torch.cuda, "_device_count_amdsmi", lambda: -1)
+    return count_gpus(NAME, env, amdsmi, amd_kfd_gpus, torch.cuda.device_count)
+
+
+def device_count(env: Mapping[str, str] | None = None) -> int:
+    return count_devices(env)[0]
 
 
 def describe(index: int = 0, props=None) -> Backend:
@@ -93,8 +109,7 @@ def rocblas_version_from_library(loader=ctypes.CDLL) -> str | None:
     return None
 
 
-# Counting, synchronising and memory are torch.cuda's calls, which ROCm builds route to HIP.
-device_count = _cuda.device_count
+# Synchronising and memory are torch.cuda's calls, which ROCm builds route to HIP.
 synchronize = _cuda.synchronize
 total_memory = _cuda.total_memory
 active_memory = _cuda.active_memory

@@ -62,7 +62,9 @@ _FNUZ = ("float8_e4m3fnuz", "float8_e5m2fnuz")
 
 def _amd(arch, family, warp, lds, waves_per_cu, fp8, unit, products):
     # AMD has no fixed "blocks per CU"; waves are the limit, so allow one block per resident wave.
-    return Target(arch, "amd", family, warp, lds, lds, waves_per_cu * warp, waves_per_cu, fp8, unit, products)
+    # RDNA reports WGPs as its multiprocessors (WGP mode), and a WGP holds 128 KiB of LDS, 64 KiB per group.
+    lds_per_cu = 2 * lds if warp == 32 else lds
+    return Target(arch, "amd", family, warp, lds, lds_per_cu, waves_per_cu * warp, waves_per_cu, fp8, unit, products)
 
 
 def _nv(cc, family, smem_block, smem_sm, threads_sm, blocks_sm, fp8, unit, products):
@@ -111,6 +113,10 @@ def cuda_arch(major: int, minor: int) -> str:
 
 def lookup(arch: str) -> Target:
     """The table row for ``arch``; for an arch we have no row for, a conservative guess marked ``known=False``."""
+    arch = str(arch).strip().lower()
+    m = _SM.match(arch)
+    if m:
+        arch = f"sm_{m.group(1)}"  # sm_90a is sm_90 with arch-specific instructions, which Triton picks itself
     if arch in TARGETS:
         return TARGETS[arch]
     m = _GFX.match(arch)
@@ -118,8 +124,8 @@ def lookup(arch: str) -> Target:
         major = int(m.group(1))
         # Triton derives the wave size from the arch the same way: gfx10 and later are wave32.
         if major >= 10:
-            # RDNA1/2 (gfx10) have no matrix cores; WMMA arrived with RDNA3 (gfx11).
-            family = f"rdna{major - 8}" if major <= 12 else f"gfx{major}"
+            # gfx101x is RDNA1, gfx103x RDNA2 (no matrix cores); WMMA arrived with RDNA3 (gfx11).
+            family = {10: "rdna1" if m.group(2) in "01" else "rdna2", 11: "rdna3", 12: "rdna4"}.get(major, f"gfx{major}")
             warp, waves, unit = 32, 64, ("wmma" if major >= 11 else "none")
         else:
             family, warp, waves, unit = "gcn/cdna", 64, 32, "mfma"
@@ -127,12 +133,10 @@ def lookup(arch: str) -> Target:
     m = _SM.match(arch)
     if m:
         cc = int(m.group(1))
-        base = max((t for t in TARGETS.values() if t.vendor == "nvidia" and int(t.arch[3:]) <= cc),
-                   key=lambda t: int(t.arch[3:]), default=TARGETS["sm_80"])
-        # Consumer parts of a generation have less shared memory and fewer threads than the datacenter
-        # rows, so cap the guess at the smallest values in the table rather than trusting the nearest row.
-        return replace(base, arch=arch, products="unknown", known=False, shared_per_block=min(base.shared_per_block, 99 * KiB),
-                       shared_per_cu=min(base.shared_per_cu, 100 * KiB), max_threads_per_cu=min(base.max_threads_per_cu, 1536))
+        # The limits every CUDA GPU since Volta meets: 48 KiB of shared memory per block without opt-in,
+        # 64 KiB per SM and 1024 resident threads (Turing's).  fp8 from Ada (sm_89) on.
+        return Target(arch, "nvidia", "unknown", 32, 48 * KiB, 64 * KiB, 1024, 16, _OCP if cc >= 89 else (), "mma",
+                      "unknown", known=False)
     raise ValueError(f"arch: expected a gfx name (e.g. 'gfx942') or an sm name (e.g. 'sm_90'), got {arch!r}")
 
 

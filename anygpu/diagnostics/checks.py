@@ -36,6 +36,9 @@ def check_triton(build: str, triton_version: str | None, triton_backends: tuple,
     if build == "cuda" and "nvidia" not in triton_backends:
         problems.append(Problem("error", f"torch is a CUDA build but triton {triton_version} has no NVIDIA backend",
                                 "reinstall torch and triton from the same index"))
+    required = torch_triton_requirement()
+    if required is not None:
+        problems += check_triton_matches_torch(required, triton_version)
     names = [d for d in distributions if d != "import_error"]
     if len(names) > 1:
         problems.append(Problem("warning", f"several distributions install the 'triton' package: {', '.join(names)}; "
@@ -73,3 +76,32 @@ def check_arch(arch: str, known_to_anygpu: bool, triton_error: str | None) -> li
         problems.append(Problem("warning", f"{arch} is not in anygpu's targets table; its limits (LDS, wave size) are "
                                 "guessed from the arch family", "report the GPU's gfx/sm name to the anygpu issue tracker"))
     return problems
+
+
+def torch_triton_requirement(requires=None) -> tuple[str, str] | None:
+    """(distribution, version) of the triton this torch build was made with, from torch's metadata:
+    "triton==3.6.0; platform_system == 'Linux'" or "pytorch-triton-rocm==3.5.1"; None if it names none."""
+    import importlib.metadata
+    import re
+
+    if requires is None:
+        try:
+            requires = importlib.metadata.requires("torch") or []
+        except importlib.metadata.PackageNotFoundError:
+            return None
+    for req in requires:
+        m = re.match(r"^\s*(triton|pytorch-triton-rocm|pytorch-triton)\s*(==|~=|>=)\s*([0-9][0-9.]*)", req)
+        if m and "extra ==" not in req:
+            return m.group(1), m.group(3)
+    return None
+
+
+def check_triton_matches_torch(required: tuple[str, str], installed: str | None) -> list:
+    """A triton of another minor version than torch was built with breaks torch.compile and our kernels."""
+    dist, version = required
+    if installed is None:
+        return []
+    if installed.split(".")[:2] != version.split(".")[:2]:
+        return [Problem("error", f"torch was built with {dist} {version} but triton {installed} is installed",
+                        f"pip install '{dist}=={version}' (or reinstall torch from its index, which brings it)")]
+    return []

@@ -94,7 +94,19 @@ def collect(targets: list[Target] | None = None, probe: bool = True) -> dict:
     if choice is not None:
         report["backend"] = {"name": choice.name, "reason": choice.reason,
                              "found": {k: {"present": v[0], "detail": v[1]} for k, v in choice.found.items()}}
-        be = backend.current()
+        try:
+            be = backend.current()
+        except Exception as e:  # noqa: BLE001 - a driver or runtime that fails here is the diagnosis
+            problems.append(Problem("error", f"{choice.name} is present but describing the device failed: "
+                                    f"{type(e).__name__}: {e}", "check the driver (nvidia-smi / rocm-smi) and that "
+                                    f"torch's {choice.name} runtime matches it; ANYGPU_BACKEND=cpu runs on the CPU"))
+            report["problems"] = [p.__dict__ for p in problems]
+            report["ok"] = False
+            return report
+        if be.is_gpu and backend.module().count_devices()[1] == "runtime":
+            problems.append(Problem("warning", "GPUs were counted through the GPU runtime (no NVML / amdsmi and no "
+                                    "driver listing readable), so detection is not safe before fork",
+                                    "pip install nvidia-ml-py (NVIDIA) or amdsmi (ROCm)"))
         report["versions"] = be.versions
         report["memory"] = {"active": backend.get_active_memory(), "peak": backend.get_peak_memory(),
                             "cached": backend.get_cache_memory(), "limit": backend.get_memory_limit()}
@@ -123,10 +135,10 @@ def collect(targets: list[Target] | None = None, probe: bool = True) -> dict:
         report["cross_compile"] = [r.as_dict() for r in reports]
         for t in targets:
             failed = [r for r in reports if r.target == t.arch and not r.ok]
-            compile_errors = [r.error for r in failed if "over the" not in r.error]
+            compile_errors = [r.error for r in failed if r.failure == "compile"]
             problems += check_arch(t.arch, t.known, compile_errors[0] if compile_errors else None)
-            problems += [Problem("error", f"{r.kernel} [{r.config}] on {t.arch}: {r.error}") for r in failed
-                         if "over the" in r.error]
+            problems += [Problem("error", f"{r.kernel} [{r.config}, {r.variant}] on {t.arch}: {r.error}")
+                         for r in failed if r.failure == "shared"]
     report["problems"] = [p.__dict__ for p in problems]
     report["ok"] = not any(p.severity == "error" for p in problems)
     return report
@@ -171,15 +183,15 @@ def render(report: dict) -> str:
 
 
 def render_cross_compile(rows: list[dict]) -> str:
-    def fmt(v, suffix=""):
-        return "-" if v is None else f"{v}{suffix}"
+    def fmt(v):
+        return "-" if v is None else str(v)
 
-    table = [[r["kernel"], r["target"], r["dtype"], r["config"], "ok" if r["ok"] else "FAIL", fmt(r["registers"]),
-              fmt(r["sgprs"]), fmt(r["spills"]), fmt(r["scratch"]),
+    table = [[r["kernel"], r["target"], r["dtype"], r["config"], r["variant"], "ok" if r["ok"] else "FAIL",
+              fmt(r["registers"]), fmt(r["sgprs"]), fmt(r["spills"]), fmt(r["scratch"]),
               "-" if r["shared"] is None else f"{r['shared']}/{r['shared_limit']}",
               "-" if r["occupancy"] is None else f"{r['occupancy']:.0%}", r["error"][:60]] for r in rows]
-    return tabulate(table, ["kernel", "target", "dtype", "config", "status", "regs", "sgprs", "spills", "scratch B",
-                            "shared B/limit", "occupancy", "error"])
+    return tabulate(table, ["kernel", "target", "dtype", "config", "variant", "status", "regs", "sgprs", "spills",
+                            "scratch B", "shared B/limit", "occupancy", "error"])
 
 
 def target_list(text: str | None) -> list[Target] | None:

@@ -35,9 +35,11 @@ class CompileReport:
     target: str
     dtype: str
     config: str
+    variant: str  # "aligned" (16-byte pointers and sizes, the common case) or "unaligned"
     ok: bool
+    failure: str = ""  # "" | "compile" (the compiler failed) | "shared" (over the LDS / shared memory limit)
     error: str = ""
-    registers: int | None = None  # VGPRs on AMD, registers per thread on NVIDIA
+    registers: int | None = None  # VGPRs (+AGPRs on CDNA, one register file) on AMD; per thread on NVIDIA
     sgprs: int | None = None  # AMD only
     spills: int | None = None  # AMD: VGPR+SGPR spill count; NVIDIA: local-memory bytes per thread
     scratch: int | None = None  # bytes of private / local memory per thread
@@ -50,7 +52,7 @@ class CompileReport:
         return asdict(self)
 
 
-_AMD_KEYS = {"vgpr_count": "registers", "sgpr_count": "sgprs", "vgpr_spill_count": "vgpr_spills",
+_AMD_KEYS = {"vgpr_count": "registers", "agpr_count": "agprs", "sgpr_count": "sgprs", "vgpr_spill_count": "vgpr_spills",
              "sgpr_spill_count": "sgpr_spills", "private_segment_fixed_size": "scratch"}
 
 
@@ -98,31 +100,38 @@ def amd_occupancy(target: Target, num_warps: int, waves_per_simd: int, shared: i
     max_per_simd = target.max_threads_per_cu // target.warp_size // 4  # 4 SIMDs per CU (WGP on RDNA)
     if shared:
         groups = target.shared_per_cu // shared
-        waves_per_simd = min(waves_per_simd, groups * num_warps // 4)
+        waves_per_simd = min(waves_per_simd, groups * num_warps / 4)  # an average: a group's waves spread over SIMDs
     return min(waves_per_simd, max_per_simd) / max_per_simd
 
 
-def compile_one(spec: KernelSpec, target: Target, config: LaunchConfig, dtype: torch.dtype) -> CompileReport:
+def compile_one(spec: KernelSpec, target: Target, config: LaunchConfig, dtype: torch.dtype,
+                aligned: bool = True) -> CompileReport:
+    """Compile one (kernel, config, dtype) for ``target``.  ``aligned``: with the divisibility-by-16 hints
+    Triton specializes on at run time for aligned tensors; without, the variant odd sizes and views get."""
     import triton
     from triton.compiler import ASTSource
 
-    report = CompileReport(spec.name, target.arch, str(dtype).replace("torch.", ""), config.label(), ok=False,
-                           shared_limit=target.shared_per_block)
+    report = CompileReport(spec.name, target.arch, str(dtype).replace("torch.", ""), config.label(),
+                           "aligned" if aligned else "unaligned", ok=False, shared_limit=target.shared_per_block)
     start = time.perf_counter()
     options = config.options(target)
     try:
         src = ASTSource(fn=spec.fn, signature=spec.signature(dtype), constexprs=dict(config.constexprs),
-                        attrs=spec.attrs(dtype))
+                        attrs=spec.attrs(dtype) if aligned else None)
         compiled = triton.compile(src, target=target.triton_target(), options=options)
     except Exception as e:  # noqa: BLE001 - any compiler failure is the report's content
-        report.error = f"{type(e).__name__}: {str(e).strip().splitlines()[-1] if str(e).strip() else ''}"[:500]
+        lines = [line.strip() for line in str(e).splitlines() if line.strip()]
+        report.failure = "compile"
+        report.error = f"{type(e).__name__}: {' | '.join(lines[:2] + lines[-2:]) if len(lines) > 4 else ' | '.join(lines)}"[:500]
         report.seconds = time.perf_counter() - start
         return report
     report.shared = int(compiled.metadata.shared)
     num_warps = options.get("num_warps", 4)
     if target.is_amd:
         res = parse_amdgcn(compiled.asm["amdgcn"])
-        report.registers, report.sgprs = res.get("registers"), res.get("sgprs")
+        if "registers" in res:
+            report.registers = res["registers"] + res.get("agprs", 0)
+        report.sgprs = res.get("sgprs")
         report.spills = res.get("vgpr_spills", 0) + res.get("sgpr_spills", 0)
         report.scratch = res.get("scratch")
         if "waves_per_simd" in res:
@@ -134,6 +143,7 @@ def compile_one(spec: KernelSpec, target: Target, config: LaunchConfig, dtype: t
             report.occupancy = nvidia_occupancy(target, num_warps, res["registers"], report.shared)
     report.ok = report.shared <= target.shared_per_block
     if not report.ok:
+        report.failure = "shared"
         report.error = f"shared memory {report.shared} B over the {target.arch} limit of {target.shared_per_block} B"
     report.seconds = time.perf_counter() - start
     return report
@@ -151,7 +161,7 @@ def _nvidia_resources(cubin: bytes) -> dict:
 
 
 def cross_compile(targets: list[Target], specs: dict[str, KernelSpec] | None = None) -> list[CompileReport]:
-    """Compile every config of every kernel for every dtype and target."""
+    """Compile every config of every kernel for every dtype and target, aligned and unaligned."""
     from . import load_all
 
     specs = load_all() if specs is None else specs
@@ -160,5 +170,6 @@ def cross_compile(targets: list[Target], specs: dict[str, KernelSpec] | None = N
         for spec in specs.values():
             for config in select(spec.configs, target):
                 for dtype in spec.dtypes:
-                    reports.append(compile_one(spec, target, config, dtype))
+                    for aligned in (True, False):
+                        reports.append(compile_one(spec, target, config, dtype, aligned))
     return reports

@@ -8,6 +8,7 @@ are dropped on NVIDIA, and num_warps is capped at 1024 threads per program (16 w
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
@@ -69,7 +70,15 @@ def device_target(device: torch.device) -> Target | None:
         return None
     from .. import backend
 
-    return backend.current(device.index if device.index is not None else torch.cuda.current_device()).target
+    return backend.describe_gpu(device.index if device.index is not None else torch.cuda.current_device()).target
+
+
+def on_device(device: torch.device):
+    """Triton launches on torch's current device: make it ``device`` (a tensor on cuda:1 while cuda:0 is
+    current, as with accelerate's device_map) for the launch.  A no-op in the common case."""
+    if device.type == "cuda" and device.index is not None and device.index != torch.cuda.current_device():
+        return torch.cuda.device(device)
+    return contextlib.nullcontext()
 
 
 _LAUNCH_CACHE: dict = {}

@@ -11,7 +11,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .config import TRITON_DTYPE, KernelSpec, LaunchConfig, launch_config, register
+from .config import TRITON_DTYPE, KernelSpec, LaunchConfig, launch_config, on_device, register
 
 
 @triton.jit
@@ -55,9 +55,10 @@ def silu_and_mul(x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tens
     d = two_d // 2
     if out is None:
         out = x.new_empty(*x.shape[:-1], d)
-    elif not out.is_contiguous() or out.shape != (*x.shape[:-1], d) or out.dtype != x.dtype:
-        raise ValueError(f"out: expected a contiguous {x.dtype} tensor of shape {(*x.shape[:-1], d)}, "
-                         f"got {out.dtype} {tuple(out.shape)}")
+    elif (not out.is_contiguous() or out.shape != (*x.shape[:-1], d) or out.dtype != x.dtype
+          or out.device != x.device):
+        raise ValueError(f"out: expected a contiguous {x.dtype} tensor of shape {(*x.shape[:-1], d)} on {x.device}, "
+                         f"got {out.dtype} {tuple(out.shape)} on {out.device}")
     rows = out.numel() // d if d else 0
     if rows == 0:
         return out
@@ -67,6 +68,6 @@ def silu_and_mul(x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tens
     cfg, options = launch_config(CONFIGS, x.device)
     # Plain int arithmetic: triton.next_power_of_2 and triton.cdiv cost ~4 us of host time per call.
     block = min(cfg.constexprs["BLOCK"], 1 << (d - 1).bit_length())
-    # out is contiguous, so its row stride is d whatever its rank.
-    _silu_and_mul_kernel[(rows, -(-d // block))](x2, out, d, x2.stride(0), d, BLOCK=block, **options)
+    with on_device(x.device):  # out is contiguous, so its row stride is d whatever its rank
+        _silu_and_mul_kernel[(rows, -(-d // block))](x2, out, d, x2.stride(0), d, BLOCK=block, **options)
     return out

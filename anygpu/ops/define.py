@@ -30,11 +30,12 @@ _LIB = torch.library.Library(NAMESPACE, "FRAGMENT")  # noqa: TOR901 - the namesp
 
 
 def _plain_eager_gpu_call(args) -> bool:
-    """True when going through torch's dispatcher would change nothing: eager mode, no autograd, no
-    tensor subclass (FakeTensor, functorch wrappers) and no torch-function or dispatch mode active."""
-    if torch.compiler.is_compiling() or torch._C._is_torch_function_mode_enabled():
+    """True when going through torch's dispatcher would change nothing: eager mode, not tracing, no
+    autograd, no functorch transform (vmap, grad), no tensor subclass (FakeTensor) and no torch-function
+    or dispatch mode active."""
+    if torch.compiler.is_compiling() or torch.jit.is_tracing() or torch._C._is_torch_function_mode_enabled():
         return False
-    if torch._C._len_torch_dispatch_stack():
+    if torch._C._len_torch_dispatch_stack() or torch._C._are_functorch_transforms_active():
         return False
     grad = torch.is_grad_enabled()
     for a in args:
@@ -67,6 +68,13 @@ class Op:
         if _plain_eager_gpu_call(args):
             return self.gpu_impl(*args)
         return self.overload(*args)
+
+
+def _kernels_choice() -> str:
+    value = os.environ.get("ANYGPU_KERNELS", "triton").strip().lower() or "triton"
+    if value not in ("triton", "reference"):
+        raise ValueError(f"ANYGPU_KERNELS={value!r}: expected 'triton' (the default) or 'reference'")
+    return value
 
 
 def _resolve(path: str) -> Callable | None:
@@ -106,7 +114,7 @@ def define_op(schema: str, *, check: Callable, reference: Callable, fake: Callab
 
     def gpu_impl(*args):
         check(*args)
-        k = None if os.environ.get("ANYGPU_KERNELS") == "reference" else kernel()
+        k = None if _kernels_choice() == "reference" else kernel()
         return (k or reference)(*args)
 
     torch.library.impl(qualname, "cuda", gpu_impl, lib=_LIB)

@@ -30,16 +30,17 @@ def fake(x: torch.Tensor) -> torch.Tensor:
 
 
 def _setup_context(ctx, inputs, output):
-    (ctx.x,) = inputs
+    ctx.save_for_backward(*inputs)  # not ctx.x = x: saved tensors catch an in-place change before backward
 
 
 def _backward(ctx, grad):
-    gate, up = ctx.x.float().chunk(2, dim=-1)
+    (x,) = ctx.saved_tensors
+    gate, up = x.float().chunk(2, dim=-1)
     sig = torch.sigmoid(gate)
     g = grad.float()
     d_gate = g * up * sig * (1 + gate * (1 - sig))
     d_up = g * gate * sig
-    return torch.cat([d_gate, d_up], dim=-1).to(ctx.x.dtype)
+    return torch.cat([d_gate, d_up], dim=-1).to(x.dtype)
 
 
 silu_and_mul = define_op(

@@ -33,26 +33,42 @@ class ErrorReport:
         return self.ours <= self.allowed
 
 
-def _max_err(x: torch.Tensor, oracle: torch.Tensor) -> float:
-    if x.numel() == 0:
+def _max_err(x: torch.Tensor, oracle: torch.Tensor, where: torch.Tensor) -> float:
+    if not bool(where.any()):
         return 0.0
-    diff = (x.double() - oracle.double()).abs()
-    # A NaN where the oracle is finite is an infinite error, never a pass.
-    diff = torch.where(torch.isnan(diff) & ~torch.isnan(oracle.double()), torch.full_like(diff, float("inf")), diff)
-    return float(diff.nan_to_num(nan=0.0).max())
+    return float((x.double() - oracle.double()).abs()[where].max())
+
+
+def _nonfinite_mismatch(ours: torch.Tensor, torch_same_dtype: torch.Tensor) -> int:
+    """Elements where ours and PyTorch differ in being non-finite, or in which inf or NaN they hold."""
+    a, b = ours.double(), torch_same_dtype.double()
+    finite_a, finite_b = torch.isfinite(a), torch.isfinite(b)
+    differ = finite_a != finite_b
+    both = ~finite_a & ~finite_b
+    differ |= both & ~((a == b) | (torch.isnan(a) & torch.isnan(b)))
+    return int(differ.sum())
 
 
 def error_report(ours: torch.Tensor, torch_same_dtype: torch.Tensor, oracle: torch.Tensor,
                  factor: float = 2.0) -> ErrorReport:
     """Compare ``ours`` and PyTorch's same-dtype result against ``oracle`` (computed in higher precision).
 
-    Where PyTorch happens to be exact (its error is 0), we allow one unit in the last place of the
-    output dtype at the oracle's largest magnitude, so a reordering of exact fp32 sums is not a failure.
+    Errors are measured where PyTorch's result is finite; where it is not (an overflow of the dtype, a
+    NaN input), ours must hold the same inf or NaN: an output full of NaN or garbage cannot pass because
+    PyTorch overflowed somewhere.  Where PyTorch happens to be exact (its error is 0), we allow one unit
+    in the last place of the output dtype at the oracle's largest magnitude, so a reordering of exact
+    fp32 sums is not a failure.
     """
-    if ours.shape != oracle.shape:
-        raise AssertionError(f"shape: ours {tuple(ours.shape)} vs reference {tuple(oracle.shape)}")
-    e_ours, e_torch = _max_err(ours, oracle), _max_err(torch_same_dtype, oracle)
-    scale = float(oracle.double().abs().nan_to_num(0.0).max()) if oracle.numel() else 0.0
+    if ours.shape != oracle.shape or torch_same_dtype.shape != oracle.shape:
+        raise AssertionError(f"shape: ours {tuple(ours.shape)}, torch {tuple(torch_same_dtype.shape)}, "
+                             f"reference {tuple(oracle.shape)}")
+    if ours.numel() == 0:
+        return ErrorReport(0.0, 0.0, 0.0)
+    mismatched = _nonfinite_mismatch(ours, torch_same_dtype)
+    where = torch.isfinite(torch_same_dtype.double()) & torch.isfinite(oracle.double())
+    e_ours = float("inf") if mismatched else _max_err(ours, oracle, where)
+    e_torch = _max_err(torch_same_dtype, oracle, where)
+    scale = float(oracle.double().abs()[where].max()) if bool(where.any()) else 0.0
     ulp = torch.finfo(ours.dtype).eps * scale if ours.dtype.is_floating_point else 0.0
     return ErrorReport(e_ours, e_torch, max(factor * e_torch, ulp))
 
