@@ -117,3 +117,8 @@ def test_doctor_reports_a_device_that_cannot_be_described(fresh_backend, monkeyp
     assert not report["ok"]
     assert any("describing the device failed" in p["message"] and "insufficient" in p["message"]
                for p in report["problems"])
+
+
+def test_check_triton_reports_a_mismatch_with_torch():
+    (p,) = check_triton("cuda", "3.9.0", ("amd", "nvidia"), {"triton": "3.9.0"}, ("triton", "3.6.0"))
+    assert p.severity == "error" and "built with triton 3.6.0" in p.message

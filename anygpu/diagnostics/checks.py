@@ -19,8 +19,10 @@ class Problem:
     fix: str = ""
 
 
-def check_triton(build: str, triton_version: str | None, triton_backends: tuple, distributions: Mapping) -> list:
-    """``build``: "rocm", "cuda" or "cpu" (what torch was built for)."""
+def check_triton(build: str, triton_version: str | None, triton_backends: tuple, distributions: Mapping,
+                 torch_requires: tuple[str, str] | None = None) -> list:
+    """``build``: "rocm", "cuda" or "cpu" (what torch was built for); ``torch_requires``: the triton torch's
+    metadata names (``torch_triton_requirement()``), if any."""
     problems = []
     if triton_version is None:
         if build == "cpu":
@@ -36,9 +38,8 @@ def check_triton(build: str, triton_version: str | None, triton_backends: tuple,
     if build == "cuda" and "nvidia" not in triton_backends:
         problems.append(Problem("error", f"torch is a CUDA build but triton {triton_version} has no NVIDIA backend",
                                 "reinstall torch and triton from the same index"))
-    required = torch_triton_requirement()
-    if required is not None:
-        problems += check_triton_matches_torch(required, triton_version)
+    if torch_requires is not None:
+        problems += check_triton_matches_torch(torch_requires, triton_version)
     names = [d for d in distributions if d != "import_error"]
     if len(names) > 1:
         problems.append(Problem("warning", f"several distributions install the 'triton' package: {', '.join(names)}; "

@@ -16,7 +16,7 @@ from .. import backend
 from .._version import __version__
 from ..backend.base import triton_info
 from ..backend.targets import Target, parse_target_list
-from .checks import Problem, check_arch, check_triton, check_visible
+from .checks import Problem, check_arch, check_triton, check_visible, torch_triton_requirement
 
 # Run in a child process: the interpreter is chosen when kernels are decorated, at import.
 _INTERPRETER_PROBE = """
@@ -83,7 +83,8 @@ def collect(targets: list[Target] | None = None, probe: bool = True) -> dict:
               "torch_build": build, "problems": [], "gpus": [], "cross_compile": [],
               "environment": {k: os.environ[k] for k in ENV_VARS if k in os.environ}}
     problems: list[Problem] = []
-    problems += check_triton(build, info["version"], _triton_backends(), info["distributions"])
+    problems += check_triton(build, info["version"], _triton_backends(), info["distributions"],
+                             torch_triton_requirement())
     count = backend.MODULES[build].device_count() if build != "cpu" else 0
     problems += check_visible(os.environ, build, count)
     try:
