@@ -9,7 +9,7 @@ import torch
 
 from .base import Backend, common_versions
 from .targets import cuda_arch, lookup
-from .visible import count_gpus, nvidia_driver_gpus, presence
+from .visible import count_torch_gpus, nvidia_driver_gpus, presence
 
 NAME = "cuda"
 
@@ -26,11 +26,7 @@ def present(env: Mapping[str, str] | None = None) -> tuple[bool, str]:
 def count_devices(env: Mapping[str, str] | None = None) -> tuple[int, str]:
     """(visible GPUs, how counted): through NVML or the driver's /proc listing, leaving the CUDA runtime
     uninitialised (safe before fork); through the runtime only when neither is there."""
-    if not torch.backends.cuda.is_built():
-        return 0, "not built"
-    env = os.environ if env is None else env
-    nvml = getattr(torch.cuda, "_device_count_nvml", lambda: -1)
-    return count_gpus(NAME, env, nvml, nvidia_driver_gpus, torch.cuda.device_count)
+    return count_torch_gpus(NAME, "_device_count_nvml", nvidia_driver_gpus, env)
 
 
 def device_count(env: Mapping[str, str] | None = None) -> int:

@@ -17,7 +17,7 @@ import torch
 from . import cuda as _cuda
 from .base import Backend, common_versions
 from .targets import lookup, parse_gcn_arch
-from .visible import amd_kfd_gpus, count_gpus, presence
+from .visible import amd_kfd_gpus, count_torch_gpus, presence
 
 NAME = "rocm"
 
@@ -34,11 +34,7 @@ def present(env: Mapping[str, str] | None = None) -> tuple[bool, str]:
 def count_devices(env: Mapping[str, str] | None = None) -> tuple[int, str]:
     """(visible GPUs, how counted): through amdsmi or the KFD topology in sysfs, leaving HIP uninitialised
     (safe before fork; ROCm wheels of torch do not bring amdsmi); through HIP only when neither is there."""
-    if not torch.backends.cuda.is_built():
-        return 0, "not built"
-    env = os.environ if env is None else env
-    amdsmi = getattr(torch.cuda, "_device_count_amdsmi", lambda: -1)
-    return count_gpus(NAME, env, amdsmi, amd_kfd_gpus, torch.cuda.device_count)
+    return count_torch_gpus(NAME, "_device_count_amdsmi", amd_kfd_gpus, env)
 
 
 def device_count(env: Mapping[str, str] | None = None) -> int:

@@ -84,6 +84,17 @@ def count_gpus(backend: str, env: Mapping[str, str], library_count, driver_count
     return runtime_count(), "runtime"
 
 
+def count_torch_gpus(backend: str, library: str, driver_count, env: Mapping[str, str] | None) -> tuple[int, str]:
+    """``count_gpus`` with torch's pieces: its private NVML / amdsmi counter ``torch.cuda.<library>``
+    (absent in some versions: treated as unavailable) and, last, torch's runtime count."""
+    import torch
+
+    if not torch.backends.cuda.is_built():
+        return 0, "not built"
+    library_count = getattr(torch.cuda, library, lambda: -1)
+    return count_gpus(backend, os.environ if env is None else env, library_count, driver_count, torch.cuda.device_count)
+
+
 def nvidia_driver_gpus(root: str = "/proc/driver/nvidia/gpus") -> int | None:
     """GPUs the NVIDIA kernel driver lists, or None where it lists nothing we can read."""
     return len(os.listdir(root)) if os.path.isdir(root) else None

@@ -170,7 +170,7 @@ def _backend_of(device: torch.device):
     # Describe the device benchmarked, which is the CPU when asked for on a GPU machine.
     if device.type == "cpu":
         return backend.module("cpu").describe(0)
-    return backend.current(device.index if device.index is not None else torch.cuda.current_device())
+    return backend.describe_gpu(device.index if device.index is not None else torch.cuda.current_device())
 
 
 def _describe(device: torch.device) -> dict:

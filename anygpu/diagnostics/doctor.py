@@ -19,14 +19,7 @@ from ..backend.targets import Target, parse_target_list
 from .checks import Problem, check_arch, check_triton, check_visible, torch_triton_requirement
 
 # Run in a child process: the interpreter is chosen when kernels are decorated, at import.
-_INTERPRETER_PROBE = """
-import torch
-from anygpu.kernels.silu_and_mul import silu_and_mul
-from anygpu.ops.silu_and_mul import reference
-x = torch.randn(5, 2 * 37)
-assert torch.allclose(silu_and_mul(x), reference(x), atol=1e-5), "wrong result"
-print("ok")
-"""
+_INTERPRETER_PROBE = "from anygpu.diagnostics.doctor import probe_kernel; print(probe_kernel('cpu') or 'ok')"
 
 
 # Variables that change what anygpu, torch or Triton do on a GPU; the doctor shows those that are set.
@@ -49,13 +42,14 @@ def _triton_backends() -> tuple:
         return ()
 
 
-def _probe_gpu_kernel(be) -> str | None:
-    """Compile and run one kernel on the GPU against its reference.  Returns an error string or None."""
+def probe_kernel(device) -> str | None:
+    """Compile and run one kernel on ``device`` (a GPU, or the CPU under TRITON_INTERPRET=1) against its
+    reference.  Returns an error string or None."""
     from ..kernels.silu_and_mul import silu_and_mul
     from ..ops.silu_and_mul import reference
 
     try:
-        x = torch.randn(5, 2 * 37, device=be.device)
+        x = torch.randn(5, 2 * 37, device=device)
         if not torch.allclose(silu_and_mul(x), reference(x), atol=1e-5):
             return "kernel ran but gave a wrong result"
     except Exception as e:  # noqa: BLE001 - reported as the diagnosis
@@ -70,8 +64,8 @@ def _probe_interpreter() -> str | None:
                              timeout=120)
     except subprocess.TimeoutExpired:
         return "interpreter probe timed out"
-    if out.returncode != 0 or "ok" not in out.stdout:
-        return (out.stderr.strip().splitlines() or ["failed"])[-1]
+    if out.returncode != 0 or out.stdout.strip() != "ok":
+        return (out.stdout.strip() or (out.stderr.strip().splitlines() or ["failed"])[-1])
     return None
 
 
@@ -85,7 +79,7 @@ def collect(targets: list[Target] | None = None, probe: bool = True) -> dict:
     problems: list[Problem] = []
     problems += check_triton(build, info["version"], _triton_backends(), info["distributions"],
                              torch_triton_requirement())
-    count = backend.MODULES[build].device_count() if build != "cpu" else 0
+    count, counted_by = backend.MODULES[build].count_devices() if build != "cpu" else (0, "-")
     problems += check_visible(os.environ, build, count)
     try:
         choice = backend.choice()
@@ -104,7 +98,7 @@ def collect(targets: list[Target] | None = None, probe: bool = True) -> dict:
             report["problems"] = [p.__dict__ for p in problems]
             report["ok"] = False
             return report
-        if be.is_gpu and backend.module().count_devices()[1] == "runtime":
+        if be.is_gpu and counted_by == "runtime":
             problems.append(Problem("warning", "GPUs were counted through the GPU runtime (no NVML / amdsmi and no "
                                     "driver listing readable), so detection is not safe before fork",
                                     "pip install nvidia-ml-py (NVIDIA) or amdsmi (ROCm)"))
@@ -112,8 +106,8 @@ def collect(targets: list[Target] | None = None, probe: bool = True) -> dict:
         report["memory"] = {"active": backend.get_active_memory(), "peak": backend.get_peak_memory(),
                             "cached": backend.get_cache_memory(), "limit": backend.get_memory_limit()}
         if be.is_gpu:
-            for i in range(backend.module().device_count()):
-                d = backend.module().describe(i)
+            for i in range(count):
+                d = backend.current(i)
                 report["gpus"].append({"index": i, "name": d.device_name, "arch": d.arch, "raw_arch": d.raw_arch,
                                        "warp_size": d.warp_size, "multiprocessors": d.multiprocessor_count,
                                        "memory_bytes": d.total_memory, "shared_per_block": d.shared_memory_per_block,
@@ -123,7 +117,7 @@ def collect(targets: list[Target] | None = None, probe: bool = True) -> dict:
             report["cpu"] = {"name": be.device_name, "arch": be.arch, "cores": be.multiprocessor_count,
                              "memory_bytes": be.total_memory}
         if probe and info["version"]:
-            error = _probe_gpu_kernel(be) if be.is_gpu else _probe_interpreter()
+            error = probe_kernel(be.device) if be.is_gpu else _probe_interpreter()
             report["triton_runs_here"] = {"ok": error is None, "how": "GPU" if be.is_gpu else "interpreter",
                                           "error": error}
             if error and be.is_gpu:
