@@ -1,7 +1,7 @@
 """Suites of benchmark cases, and running one: ``run("elementwise")`` -> a ``Report``.
 
 A suite is a function ``(device, quick) -> list[Case]`` in its own module under ``anygpu/bench/suites``,
-registered with ``@suite(name, description)``; ``SUITE_MODULES`` in ``suites/__init__.py`` lists them.
+registered with ``@suite(name, description)``; ``suites/__init__.py`` finds the modules.
 A case is one op at one shape: our implementation, the baselines it must beat, and the bytes and FLOPs
 the op cannot avoid, which turn a time into GB/s and TFLOP/s and a fraction of what this device can do.
 """
