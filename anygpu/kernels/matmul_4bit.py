@@ -1,0 +1,333 @@
+"""4-bit (NF4 / FP4) matmul: ``out = x @ dequant(W).T (+ bias)`` straight from bitsandbytes' packed layout.
+
+W [N, K] is stored as bitsandbytes stores it: row-major, two codes per byte (element 2i in the high
+nibble, 2i+1 in the low one), one fp32 absmax per ``blocksize`` consecutive elements (or, with double
+quantization, one uint8 code per block decoded as ``code2[q] * absmax2[b // 256] + offset``).  A value
+is ``code[c] * absmax[block]``.  Three paths, chosen by ``plan`` (the single place the choice is made):
+
+* ``gemv``: one row of x at a time (decode).  Bound by the instructions that decode each weight
+  element, not by memory: each thread owns whole 4-bit blocks, looks codes up in the 16-entry table
+  (64 bytes: every lane's lookup hits the same cache line), sums code x activation over the block and
+  applies the block's scale once, so the per-element cost is a shift or mask, a lookup and an FMA.
+* ``gemm``: a dequant-fused tensor-core GEMM for a few dozen to a few hundred rows: each weight tile is
+  decoded once into registers and fed to ``tl.dot``.
+* ``dequant``: dequantize W to x's dtype and call the vendor GEMM: for long prompts the GEMM's FLOPs
+  dwarf the one pass over W.
+
+The pure-PyTorch reference and the op are in ``anygpu/ops/matmul_4bit.py``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from .config import TRITON_DTYPE, KernelSpec, LaunchConfig, device_target, on_device, register, select
+
+
+@triton.jit
+def _block_scales(absmax_ptr, nested_code_ptr, nested_absmax_ptr, nested_offset_ptr, idx, mask,
+                  NESTED: tl.constexpr):
+    """fp32 absmax of the 4-bit blocks at ``idx`` (double quantization decoded on the fly)."""
+    if NESTED:
+        q = tl.load(absmax_ptr + idx, mask=mask, other=0).to(tl.int32)
+        scale = tl.load(nested_code_ptr + q) * tl.load(nested_absmax_ptr + idx // 256, mask=mask, other=0.0)
+        scale += tl.load(nested_offset_ptr)
+    else:
+        scale = tl.load(absmax_ptr + idx, mask=mask, other=0.0).to(tl.float32)
+    return scale
+
+
+@triton.jit
+def _lookup(code_ptr, lut, idx, LUT_GATHER: tl.constexpr):
+    """code[idx]: from a copy of the 16-entry table held by the program (tl.gather), or from global memory
+    (all 16 entries share one cache line, so a warp's lookups are one L1 transaction)."""
+    if LUT_GATHER:
+        return tl.gather(lut, idx.reshape(idx.numel), 0).reshape(idx.shape)
+    return tl.load(code_ptr + idx)
+
+
+@triton.jit
+def _gemv_4bit_kernel(x_ptr, w_ptr, absmax_ptr, code_ptr, bias_ptr, out_ptr,
+                      nested_code_ptr, nested_absmax_ptr, nested_offset_ptr,
+                      N, K, stride_xm, stride_om,
+                      BLOCKSIZE: tl.constexpr, BLOCK_N: tl.constexpr, CHUNK: tl.constexpr,
+                      SPLIT_K: tl.constexpr, NESTED: tl.constexpr, HAS_BIAS: tl.constexpr,
+                      LUT_GATHER: tl.constexpr):
+    # One program: BLOCK_N output features of one row of x, over 1/SPLIT_K of K, CHUNK elements (within
+    # one 4-bit block) per step: each row's chunk is CHUNK // 2 contiguous bytes, one scale, and the
+    # code x activation products are summed before the scale is applied once.
+    m = tl.program_id(1)
+    pid_k = tl.program_id(2)
+    n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_mask = n < N
+    n64 = n.to(tl.int64)
+    chunks = K // CHUNK
+    per_split = tl.cdiv(chunks, SPLIT_K)
+    c_start = pid_k * per_split
+    c_end = tl.minimum(c_start + per_split, chunks)
+    blocks_per_row = K // BLOCKSIZE
+    lut = tl.load(code_ptr + tl.arange(0, 16))
+    x_row = x_ptr + m.to(tl.int64) * stride_xm
+    w_rows = w_ptr + n64[:, None] * (K // 2) + tl.arange(0, CHUNK // 2)[None, :]
+    acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    for c in range(c_start, c_end):
+        k0 = c * CHUNK
+        # Activations split into the even and the odd elements, matching the high and low nibbles.
+        xv = tl.load(x_row + k0 + tl.arange(0, CHUNK)).to(tl.float32)
+        x_even, x_odd = tl.split(tl.reshape(xv, (CHUNK // 2, 2)))
+        packed = tl.load(w_rows + k0 // 2, mask=n_mask[:, None], other=0).to(tl.int32)
+        hi = _lookup(code_ptr, lut, packed >> 4, LUT_GATHER)
+        lo = _lookup(code_ptr, lut, packed & 15, LUT_GATHER)
+        scale = _block_scales(absmax_ptr, nested_code_ptr, nested_absmax_ptr, nested_offset_ptr,
+                              n64 * blocks_per_row + k0 // BLOCKSIZE, n_mask, NESTED)
+        acc += tl.sum(hi * x_even[None, :] + lo * x_odd[None, :], axis=1) * scale
+    out = out_ptr + m.to(tl.int64) * stride_om + n
+    if SPLIT_K == 1:
+        if HAS_BIAS:
+            acc += tl.load(bias_ptr + n, mask=n_mask, other=0.0).to(tl.float32)
+        tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=n_mask)
+    else:
+        tl.atomic_add(out, acc, mask=n_mask)
+
+
+@triton.jit
+def _gemm_4bit_kernel(x_ptr, w_ptr, absmax_ptr, code_ptr, bias_ptr, out_ptr,
+                      nested_code_ptr, nested_absmax_ptr, nested_offset_ptr,
+                      M, N, K, stride_xm, stride_om,
+                      BLOCKSIZE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                      SUB: tl.constexpr, NESTED: tl.constexpr, HAS_BIAS: tl.constexpr, GROUP_M: tl.constexpr,
+                      DOT_IN_FP32: tl.constexpr, LUT_GATHER: tl.constexpr, SPLIT_K: tl.constexpr):
+    # Grouped ordering: programs that run together share weight tiles in L2.
+    pid = tl.program_id(0)
+    num_m = tl.cdiv(M, BLOCK_M)
+    num_n = tl.cdiv(N, BLOCK_N)
+    group = pid // (GROUP_M * num_n)
+    first_m = group * GROUP_M
+    group_size = tl.minimum(num_m - first_m, GROUP_M)
+    pid_m = first_m + (pid % (GROUP_M * num_n)) % group_size
+    pid_n = (pid % (GROUP_M * num_n)) // group_size
+
+    rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    m_mask = rm < M
+    n_mask = n < N
+    n64 = n.to(tl.int64)
+    sub = tl.arange(0, BLOCK_K // SUB)
+    byte = tl.arange(0, SUB // 2)
+    rk = tl.arange(0, BLOCK_K)
+    blocks_per_row = K // BLOCKSIZE
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    lut = tl.load(code_ptr + tl.arange(0, 16))
+    dot_dtype = tl.float32 if DOT_IN_FP32 else x_ptr.dtype.element_ty
+    # Split K: one weight tile per program is too little work to hide latency when N / BLOCK_N programs
+    # do not fill the GPU; partial sums meet in an fp32 buffer.
+    k_per_split = tl.cdiv(tl.cdiv(K, SPLIT_K), BLOCK_K) * BLOCK_K
+    k_begin = tl.program_id(1) * k_per_split
+    for k0 in range(k_begin, tl.minimum(k_begin + k_per_split, K), BLOCK_K):
+        k = k0 + rk
+        x = tl.load(x_ptr + rm.to(tl.int64)[:, None] * stride_xm + k[None, :], mask=m_mask[:, None] & (k < K)[None, :],
+                    other=0.0).to(dot_dtype)
+        k_sub = k0 + sub * SUB
+        sub_mask = k_sub < K
+        packed = tl.load(w_ptr + n64[:, None, None] * (K // 2) + (k_sub[:, None] // 2 + byte[None, :])[None, :, :],
+                         mask=n_mask[:, None, None] & sub_mask[None, :, None], other=0).to(tl.int32)
+        scale = _block_scales(absmax_ptr, nested_code_ptr, nested_absmax_ptr, nested_offset_ptr,
+                              n64[:, None] * blocks_per_row + (k_sub // BLOCKSIZE)[None, :],
+                              n_mask[:, None] & sub_mask[None, :], NESTED)
+        hi = _lookup(code_ptr, lut, packed >> 4, LUT_GATHER) * scale[:, :, None]
+        lo = _lookup(code_ptr, lut, packed & 15, LUT_GATHER) * scale[:, :, None]
+        # DOT_IN_FP32: Triton's interpreter (how Triton runs on CPU tensors) gets bf16 tl.dot wrong, as numpy
+        # has no bf16; the launcher sets it there, and fp32 tiles are exact for bf16 values.
+        w = tl.reshape(tl.join(hi, lo), (BLOCK_N, BLOCK_K)).to(dot_dtype)  # element order: high nibble first
+        acc = tl.dot(x, tl.trans(w), acc)
+    out = out_ptr + rm.to(tl.int64)[:, None] * stride_om + n[None, :]
+    if SPLIT_K == 1:
+        if HAS_BIAS:
+            acc += tl.load(bias_ptr + n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
+        tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=m_mask[:, None] & n_mask[None, :])
+    else:
+        tl.atomic_add(out, acc, mask=m_mask[:, None] & n_mask[None, :])
+
+
+# ---- configs: per target, per path ---------------------------------------------------------------
+# GEMV: BLOCK_N rows per program, one 64-element chunk per row per step; K split so partial sums of
+# 8 programs meet in fp32 (tools/sweep_matmul_4bit.py on the H200: 64 rows, 4 warps, split 8 won for
+# N, K in {8192, 28672}).  GEMM: BLOCK_M 16 for tensor cores / MFMA / WMMA; decoding the weight tile,
+# not the dot, bounds it, so more programs (split K) help.  RDNA3: wave32 WMMA and 64 KiB of LDS.
+GEMV_CONFIGS = {
+    "default": (LaunchConfig({"BLOCK_N": 64, "MAX_CHUNK": 64, "LUT_GATHER": True, "MAX_SPLIT": 8}, num_warps=4),),
+}
+GEMM_CONFIGS = {
+    "default": (LaunchConfig({"BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 64, "LUT_GATHER": True, "SPLIT_K": 2},
+                             num_warps=4),),
+    "nvidia": (LaunchConfig({"BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 128, "LUT_GATHER": True, "SPLIT_K": 4},
+                            num_warps=4, num_stages=3),),
+    "cdna3": (LaunchConfig({"BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 128, "LUT_GATHER": True, "SPLIT_K": 4},
+                           num_warps=4, num_stages=2, matrix_instr_nonkdim=16),),
+    "amd": (LaunchConfig({"BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 64, "LUT_GATHER": True, "SPLIT_K": 4},
+                         num_warps=4, num_stages=2),),
+    "rdna3": (LaunchConfig({"BLOCK_M": 16, "BLOCK_N": 32, "BLOCK_K": 64, "LUT_GATHER": True, "SPLIT_K": 4},
+                           num_warps=4, num_stages=1),),
+}
+# The most rows of x each path takes.  The fused GEMM decodes W once per BLOCK_M rows, so past one
+# tile dequantizing W once and calling the vendor GEMM wins (H200: fused M=16 55 us vs ~75 us).
+PATH_LIMITS = {
+    "default": {"gemv": 1, "gemm": 16},
+}
+
+
+@dataclass(frozen=True)
+class Plan:
+    path: str  # "gemv" | "gemm" | "dequant"
+    config: LaunchConfig | None = None
+    split_k: int = 1
+
+
+_PLAN_OVERRIDE = None
+
+
+def set_plan_override(fn):
+    """Install ``fn(m, n, k, dtype, target) -> Plan | None`` (the tuner's hook); None removes it."""
+    global _PLAN_OVERRIDE
+    _PLAN_OVERRIDE = fn
+
+
+def plan(m: int, n: int, k: int, blocksize: int, dtype: torch.dtype, device: torch.device) -> Plan:
+    """Which path and config run an [m, k] x [n, k]^T 4-bit matmul on ``device``: the one place it is decided."""
+    target = device_target(device)
+    if _PLAN_OVERRIDE is not None:
+        chosen = _PLAN_OVERRIDE(m, n, k, dtype, target)
+        if chosen is not None:
+            return chosen
+    if k % blocksize or k % 2:
+        return Plan("dequant")  # blocks straddle rows: rare; the dequantize kernel handles any layout
+    limits = select(PATH_LIMITS, target)
+    if m <= limits["gemv"]:
+        cfg = select(GEMV_CONFIGS, target)[0]
+        # Split K (up to MAX_SPLIT) while each split keeps >= 16 chunks: more programs in flight hide
+        # the latency of the lookups, and narrow layers (TP shards, small models) need the parallelism.
+        split, chunk = 1, min(blocksize, cfg.constexprs["MAX_CHUNK"])
+        while split < cfg.constexprs["MAX_SPLIT"] and k // (2 * split) >= 16 * chunk:
+            split *= 2
+        return Plan("gemv", cfg, split)
+    if limits["gemm"] is None or m <= limits["gemm"]:
+        cfg = select(GEMM_CONFIGS, target)[0]
+        split = cfg.constexprs["SPLIT_K"]
+        while split > 1 and k // split < cfg.constexprs["BLOCK_K"]:
+            split //= 2
+        return Plan("gemm", cfg, split)
+    return Plan("dequant")
+
+
+def dequantize_weight(w, absmax, code, blocksize, n, k, dtype, nested_absmax=None, nested_code=None,
+                      nested_offset=None) -> torch.Tensor:
+    """W [n, k] in ``dtype``, for the vendor-GEMM path."""
+    numel = n * k
+    codes = torch.stack([w.reshape(-1) >> 4, w.reshape(-1) & 15], dim=-1).reshape(-1)[:numel].long()
+    scale = absmax
+    if nested_absmax is not None:
+        idx = torch.arange(absmax.shape[0], device=absmax.device) // 256
+        scale = nested_code[absmax.long()] * nested_absmax[idx] + nested_offset.reshape(())
+    return (code[codes] * scale.repeat_interleave(blocksize)[:numel]).reshape(n, k).to(dtype)
+
+
+def _sub(blocksize: int, block_k: int) -> int:
+    return min(blocksize, block_k)
+
+
+def matmul_4bit(x: torch.Tensor, weight: torch.Tensor, absmax: torch.Tensor, code: torch.Tensor, blocksize: int,
+                n: int, k: int, bias: torch.Tensor | None = None, nested_absmax: torch.Tensor | None = None,
+                nested_code: torch.Tensor | None = None, nested_offset: torch.Tensor | None = None,
+                plan_: Plan | None = None) -> torch.Tensor:
+    """Launch on x's device.  x: [..., k] fp16/bf16 (fp32 works); weight: the packed bytes (any shape and
+    storage dtype, viewed as uint8); the caller (the op) has checked every argument."""
+    lead = x.shape[:-1]
+    x2 = x.reshape(-1, k)
+    if x2.stride(-1) != 1:
+        x2 = x2.contiguous()
+    m = x2.shape[0]
+    out = torch.empty(*lead, n, dtype=x.dtype, device=x.device)
+    if m == 0 or n == 0:
+        return out
+    if k == 0:
+        return out.zero_() if bias is None else out.copy_(bias.expand_as(out))
+    w = weight.view(torch.uint8) if weight.dtype != torch.uint8 else weight
+    p = plan_ or plan(m, n, k, blocksize, x.dtype, x.device)
+    nested = nested_absmax is not None
+    dummy = absmax
+    nest = (nested_code, nested_absmax, nested_offset) if nested else (dummy, dummy, dummy)
+    b = bias if bias is not None else dummy
+    out2 = out.view(m, n)
+    if p.path == "dequant" or (p.path == "gemm" and x.dtype == torch.float32):
+        wd = dequantize_weight(w, absmax, code, blocksize, n, k, x.dtype, nested_absmax, nested_code, nested_offset)
+        return torch.nn.functional.linear(x, wd, bias)
+    cfg = p.config
+    c = cfg.constexprs
+    options = cfg.options(device_target(x.device))
+    with on_device(x.device):
+        if p.path == "gemv":
+            target = out2 if p.split_k == 1 else torch.zeros(m, n, dtype=torch.float32, device=x.device)
+            grid = (-(-n // c["BLOCK_N"]), m, p.split_k)
+            _gemv_4bit_kernel[grid](x2, w, absmax, code, b, target, *nest, n, k, x2.stride(0), target.stride(0),
+                                    BLOCKSIZE=blocksize, BLOCK_N=c["BLOCK_N"], CHUNK=min(blocksize, c["MAX_CHUNK"]),
+                                    SPLIT_K=p.split_k, NESTED=nested, HAS_BIAS=bias is not None,
+                                    LUT_GATHER=c["LUT_GATHER"], **options)
+        else:
+            block_k = c["BLOCK_K"]
+            target = out2 if p.split_k == 1 else torch.zeros(m, n, dtype=torch.float32, device=x.device)
+            grid = (-(-m // c["BLOCK_M"]) * -(-n // c["BLOCK_N"]), p.split_k)
+            _gemm_4bit_kernel[grid](x2, w, absmax, code, b, target, *nest, m, n, k, x2.stride(0), target.stride(0),
+                                    BLOCKSIZE=blocksize, SUB=_sub(blocksize, block_k), NESTED=nested,
+                                    HAS_BIAS=bias is not None, GROUP_M=8, BLOCK_M=c["BLOCK_M"],
+                                    BLOCK_N=c["BLOCK_N"], BLOCK_K=block_k, LUT_GATHER=c["LUT_GATHER"], SPLIT_K=p.split_k,
+                                    DOT_IN_FP32=x.device.type == "cpu" and x.dtype == torch.bfloat16, **options)
+        if p.split_k > 1:
+            if bias is not None:
+                target += bias.float()
+            out2.copy_(target)
+    return out
+
+
+DTYPES = (torch.float16, torch.bfloat16)
+
+
+def _signature(kernel: str):
+    def sig(dtype: torch.dtype) -> dict:
+        t = TRITON_DTYPE[dtype]
+        s = {"x_ptr": f"*{t}", "w_ptr": "*u8", "absmax_ptr": "*fp32", "code_ptr": "*fp32", "bias_ptr": f"*{t}",
+             "out_ptr": f"*{t}", "nested_code_ptr": "*fp32", "nested_absmax_ptr": "*fp32",
+             "nested_offset_ptr": "*fp32"}
+        s.update({"M": "i32"} if kernel == "gemm" else {})
+        s.update({"N": "i32", "K": "i32", "stride_xm": "i32", "stride_om": "i32", "BLOCKSIZE": "constexpr"})
+        if kernel == "gemm":
+            s.update({"BLOCK_M": "constexpr", "BLOCK_N": "constexpr", "BLOCK_K": "constexpr", "SUB": "constexpr",
+                      "NESTED": "constexpr", "HAS_BIAS": "constexpr", "GROUP_M": "constexpr",
+                      "DOT_IN_FP32": "constexpr", "LUT_GATHER": "constexpr",
+                      "SPLIT_K": "constexpr"})
+        else:
+            s.update({"BLOCK_N": "constexpr", "CHUNK": "constexpr", "SPLIT_K": "constexpr",
+                      "NESTED": "constexpr", "HAS_BIAS": "constexpr", "LUT_GATHER": "constexpr"})
+        return s
+    return sig
+
+
+def _with_defaults(table, extra, drop=()):
+    """Cross-compile with the common 4-bit layout: blocksize 64 (and nested, or with a bias)."""
+    return {key: tuple(LaunchConfig({**{k: v for k, v in cfg.constexprs.items() if k not in drop}, **extra(cfg)},
+                                    cfg.num_warps, cfg.num_stages, cfg.waves_per_eu,
+                                    cfg.matrix_instr_nonkdim, cfg.kpack) for cfg in cfgs)
+            for key, cfgs in table.items()}
+
+
+GEMV_SPEC = register(KernelSpec(
+    "gemv_4bit", _gemv_4bit_kernel, _signature("gemv"), DTYPES,
+    _with_defaults(GEMV_CONFIGS, lambda c: {"BLOCKSIZE": 64, "CHUNK": 64, "SPLIT_K": 1, "NESTED": False,
+                                            "HAS_BIAS": True}, drop=("MAX_CHUNK", "MAX_SPLIT"))))
+GEMM_SPEC = register(KernelSpec(
+    "gemm_4bit", _gemm_4bit_kernel, _signature("gemm"), DTYPES,
+    _with_defaults(GEMM_CONFIGS, lambda c: {"BLOCKSIZE": 64, "SUB": 64, "NESTED": True, "HAS_BIAS": False,
+                                            "GROUP_M": 8, "DOT_IN_FP32": False, "SPLIT_K": 1})))
