@@ -1,0 +1,155 @@
+"""4-bit matmul: the Triton paths (GEMV, fused GEMM) against the dequantize-then-linear reference, the
+op's checks, autograd, and the plan that picks a path."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from anygpu.ops import matmul_4bit
+from anygpu.ops.matmul_4bit import dequantize_weight
+from anygpu.testing import assert_accurate
+
+NF4 = torch.tensor([-1.0, -0.6961928009986877, -0.5250730514526367, -0.39491748809814453, -0.28444138169288635,
+                    -0.18477343022823334, -0.09105003625154495, 0.0, 0.07958029955625534, 0.16093020141124725,
+                    0.24611230194568634, 0.33791524171829224, 0.44070982933044434, 0.5626170039176941,
+                    0.7229568362236023, 1.0])
+
+
+def make_weight(n, k, blocksize, nested, device="cpu"):
+    """Random packed codes and scales in bitsandbytes' layout (the kernels do not care how they arose)."""
+    g = torch.Generator().manual_seed(n * 7 + k)
+    w = torch.randint(0, 256, ((n * k + 1) // 2,), dtype=torch.uint8, generator=g)
+    blocks = -(-n * k // blocksize)
+    if nested:
+        absmax = torch.randint(0, 256, (blocks,), dtype=torch.uint8, generator=g)
+        nest = (torch.rand(-(-blocks // 256), generator=g) * 0.1, torch.linspace(-1, 1, 256), torch.tensor(0.05))
+    else:
+        absmax, nest = torch.rand(blocks, generator=g) * 0.1 + 0.01, (None, None, None)
+    to = lambda t: None if t is None else t.to(device)  # noqa: E731
+    return to(w), to(absmax), NF4.to(device), tuple(to(t) for t in nest)
+
+
+def check_close(y, x, w, absmax, code, bs, n, k, bias, nest, what):
+    wd = dequantize_weight(w, absmax, code, bs, n, k, torch.float32, *nest)
+    oracle = F.linear(x.float(), wd, None if bias is None else bias.float())
+    torch_same = F.linear(x, wd.to(x.dtype), bias)
+    assert_accurate(y, torch_same, oracle, what=what)
+
+
+CASES = [  # m, n, k, blocksize, nested, bias
+    (1, 40, 576, 64, False, True),  # SmolLM2's K
+    (1, 33, 256, 32, True, False),
+    (1, 8, 4096, 4096, False, False),
+    (3, 24, 384, 128, True, True),
+    (16, 64, 128, 64, False, True),
+    (17, 70, 256, 64, True, False),
+]
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("m,n,k,bs,nested,bias", CASES)
+def test_kernel_paths_match_reference(kdevice, dtype, m, n, k, bs, nested, bias):
+    from anygpu.kernels.matmul_4bit import GEMM_CONFIGS, GEMV_CONFIGS, Plan, matmul_4bit as kernel, select
+
+    w, absmax, code, nest = make_weight(n, k, bs, nested, kdevice)
+    x = torch.randn(m, k, device=kdevice).to(dtype)
+    b = torch.randn(n, device=kdevice).to(dtype) if bias else None
+    plans = [Plan("gemv", select(GEMV_CONFIGS, None)[0], s) for s in (1, 2)] if m <= 3 else []
+    plans += [Plan("gemm", select(GEMM_CONFIGS, None)[0], s) for s in (1, 2)]
+    for plan in plans:
+        y = kernel(x, w, absmax, code, bs, n, k, b, *nest, plan_=plan)
+        assert y.shape == (m, n) and y.dtype == dtype
+        check_close(y, x, w, absmax, code, bs, n, k, b, nest, f"{plan.path} split={plan.split_k} {dtype}")
+
+
+def test_leading_dims_and_empty_batch(kdevice):
+    from anygpu.kernels.matmul_4bit import matmul_4bit as kernel
+
+    w, absmax, code, nest = make_weight(16, 128, 64, False, kdevice)
+    x = torch.randn(2, 1, 128, device=kdevice, dtype=torch.float16)
+    y = kernel(x, w, absmax, code, 64, 16, 128)
+    assert y.shape == (2, 1, 16)
+    check_close(y.reshape(2, 16), x.reshape(2, 128), w, absmax, code, 64, 16, 128, None, nest, "3-D x")
+    assert kernel(x[:0], w, absmax, code, 64, 16, 128).shape == (0, 1, 16)
+
+
+def test_plan_picks_paths_and_takes_an_override():
+    from anygpu.kernels import matmul_4bit as K
+
+    cpu = torch.device("cpu")
+    assert K.plan(1, 8192, 8192, 64, torch.float16, cpu).path == "gemv"
+    assert K.plan(1, 8192, 8192, 64, torch.float16, cpu).split_k == 8
+    assert K.plan(1, 64, 576, 64, torch.float16, cpu).split_k == 1  # 9 chunks: nothing to split
+    assert K.plan(16, 8192, 8192, 64, torch.float16, cpu).path == "gemm"
+    assert K.plan(4096, 8192, 8192, 64, torch.float16, cpu).path == "dequant"
+    assert K.plan(1, 10, 100, 64, torch.float16, cpu).path == "dequant"  # blocks straddle rows
+    try:
+        K.set_plan_override(lambda m, n, k, dtype, target: K.Plan("dequant") if m == 1 else None)
+        assert K.plan(1, 8192, 8192, 64, torch.float16, cpu).path == "dequant"
+        assert K.plan(16, 8192, 8192, 64, torch.float16, cpu).path == "gemm"
+    finally:
+        K.set_plan_override(None)
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+@pytest.mark.parametrize("nested", [False, True])
+def test_opcheck(device, nested):
+    w, absmax, code, nest = make_weight(24, 128, 64, nested, device)
+    x = torch.randn(5, 128, device=device, dtype=torch.float16, requires_grad=True)
+    bias = torch.randn(24, device=device, dtype=torch.float16)
+    torch.library.opcheck(matmul_4bit.overload, (x, w, absmax, code, 64, 24, 128, bias, *nest))
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+@pytest.mark.parametrize("m", [1, 16, 300])
+def test_op_on_every_path(device, m):
+    w, absmax, code, nest = make_weight(96, 256, 64, True, device)
+    x = torch.randn(m, 256, device=device, dtype=torch.bfloat16)
+    bias = torch.randn(96, device=device, dtype=torch.bfloat16)
+    check_close(matmul_4bit(x, w, absmax, code, 64, 96, 256, bias, *nest), x, w, absmax, code, 64, 96, 256, bias,
+                nest, f"m={m}")
+
+
+def test_gradient_flows_to_the_input_through_the_frozen_weight():
+    w, absmax, code, nest = make_weight(32, 64, 32, True)
+    x = torch.randn(4, 64, dtype=torch.float32, requires_grad=True)
+    bias = torch.randn(32, requires_grad=True)
+    y = matmul_4bit(x, w, absmax, code, 32, 32, 64, bias, *nest)
+    g = torch.randn_like(y)
+    y.backward(g)
+    wd = dequantize_weight(w, absmax, code, 32, 32, 64, torch.float32, *nest)
+    x2, b2 = x.detach().clone().requires_grad_(), bias.detach().clone().requires_grad_()
+    F.linear(x2, wd, b2).backward(g)
+    torch.testing.assert_close(x.grad, x2.grad)
+    torch.testing.assert_close(bias.grad, b2.grad)
+
+
+def test_meta_and_compile():
+    w, absmax, code, nest = make_weight(24, 128, 64, False)
+    y = matmul_4bit(torch.empty(3, 128, device="meta", dtype=torch.float16), w.to("meta"), absmax.to("meta"),
+                    code.to("meta"), 64, 24, 128)
+    assert y.shape == (3, 24)
+    f = torch.compile(lambda t: matmul_4bit(t, w, absmax, code, 64, 24, 128) + 1, fullgraph=True, backend="eager")
+    x = torch.randn(3, 128)
+    torch.testing.assert_close(f(x), matmul_4bit(x, w, absmax, code, 64, 24, 128) + 1)
+
+
+def test_bad_arguments_name_the_argument():
+    w, absmax, code, nest = make_weight(24, 128, 64, False)
+    x = torch.randn(2, 128, dtype=torch.float16)
+    with pytest.raises(ValueError, match=r"x: expected a last dimension of in_features=128"):
+        matmul_4bit(torch.randn(2, 100, dtype=torch.float16), w, absmax, code, 64, 24, 128)
+    with pytest.raises(ValueError, match="x: expected dtype float16, bfloat16 or float32"):
+        matmul_4bit(x.int(), w, absmax, code, 64, 24, 128)
+    with pytest.raises(ValueError, match="blocksize: expected one of"):
+        matmul_4bit(x, w, absmax, code, 48, 24, 128)
+    with pytest.raises(ValueError, match="weight: expected 1536 bytes"):
+        matmul_4bit(x, w[:-1], absmax, code, 64, 24, 128)
+    with pytest.raises(ValueError, match=r"absmax: expected torch.float32 of shape \(48,\)"):
+        matmul_4bit(x, w, absmax[:-1], code, 64, 24, 128)
+    with pytest.raises(ValueError, match="code: expected the float32 16-entry table"):
+        matmul_4bit(x, w, absmax, code[:8], 64, 24, 128)
+    with pytest.raises(ValueError, match="nested_absmax, nested_code, nested_offset: expected all three"):
+        matmul_4bit(x, w, absmax, code, 64, 24, 128, None, torch.rand(1))
+    with pytest.raises(ValueError, match=r"bias: expected torch.float16 of shape \(24,\)"):
+        matmul_4bit(x, w, absmax, code, 64, 24, 128, torch.randn(24))
