@@ -49,13 +49,15 @@ CASES = [  # m, n, k, blocksize, nested, bias
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("m,n,k,bs,nested,bias", CASES)
 def test_kernel_paths_match_reference(kdevice, dtype, m, n, k, bs, nested, bias):
+    from anygpu.kernels.config import device_target
     from anygpu.kernels.matmul_4bit import GEMM_CONFIGS, GEMV_CONFIGS, Plan, matmul_4bit as kernel, select
 
+    target = device_target(kdevice)  # None under the interpreter: the portable configs
     w, absmax, code, nest = make_weight(n, k, bs, nested, kdevice)
     x = torch.randn(m, k, device=kdevice).to(dtype)
     b = torch.randn(n, device=kdevice).to(dtype) if bias else None
-    plans = [Plan("gemv", select(GEMV_CONFIGS, None)[0], s) for s in (1, 2)] if m <= 3 else []
-    plans += [Plan("gemm", select(GEMM_CONFIGS, None)[0], s) for s in (1, 2)]
+    plans = [Plan("gemv", select(GEMV_CONFIGS, target)[0], s) for s in (1, 2)] if m <= 3 else []
+    plans += [Plan("gemm", select(GEMM_CONFIGS, target)[0], s) for s in (1, 2)]
     for plan in plans:
         y = kernel(x, w, absmax, code, bs, n, k, b, *nest, plan_=plan)
         assert y.shape == (m, n) and y.dtype == dtype

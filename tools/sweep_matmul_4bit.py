@@ -33,9 +33,10 @@ def t(fn):
 
 def plans(m):
     if m == 1:
-        for bn, warps, gather, split in itertools.product((32, 64, 128), (4, 8), (True,), (1, 2, 4, 8)):
-            yield K.Plan("gemv", LaunchConfig({"BLOCK_N": bn, "MAX_CHUNK": 64, "LUT_GATHER": gather}, num_warps=warps),
-                         split)
+        for bn, chunk, warps, split in itertools.product((16, 32, 64), (64, 128, 256, 512), (2, 4), (2, 4, 8, 16)):
+            if bn * chunk // 8 // (32 * warps) >= 2:
+                yield K.Plan("gemv", LaunchConfig({"BLOCK_N": bn, "MAX_CHUNK": chunk, "LUT_GATHER": True,
+                                                   "DECODE_PTX": True}, num_warps=warps), split)
     else:
         for bn, bk, warps, split, stages in itertools.product((16, 32, 64), (64, 128, 256), (4,), (1, 2, 4, 8), (2, 3)):
             yield K.Plan("gemm", LaunchConfig({"BLOCK_M": 16, "BLOCK_N": bn, "BLOCK_K": bk, "LUT_GATHER": True},
@@ -68,7 +69,7 @@ def run(n, k, m, dtype, nested, candidates):
     return [r[1] for r in results]
 
 
-for m in (16,) if "--gemm" in sys.argv else (1, 16):
+for m in (16,) if "--gemm" in sys.argv else (1,) if "--gemv" in sys.argv else (1, 16):
     ranked = run(8192, 8192, m, torch.float16, False, list(plans(m)))
     best = ranked[:6]
     for (n, k), dtype, nested in [((8192, 8192), torch.bfloat16, False), ((8192, 8192), torch.float16, True),
