@@ -81,7 +81,8 @@ def test_plan_picks_paths_and_takes_an_override():
     cpu = torch.device("cpu")
     assert K.plan(1, 8192, 8192, 64, torch.float16, cpu).path == "gemv"
     assert K.plan(1, 8192, 8192, 64, torch.float16, cpu).split_k == 8
-    assert K.plan(1, 64, 576, 64, torch.float16, cpu).split_k == 1  # 9 chunks: nothing to split
+    assert K.plan(1, 64, 576, 64, torch.float16, cpu).split_k == 2  # 9 chunks: split while each keeps 4
+    assert K.plan(1, 64, 256, 64, torch.float16, cpu).split_k == 1
     assert K.plan(16, 8192, 8192, 64, torch.float16, cpu).path == "gemm"
     assert K.plan(4096, 8192, 8192, 64, torch.float16, cpu).path == "dequant"
     assert K.plan(1, 10, 100, 64, torch.float16, cpu).path == "dequant"  # blocks straddle rows

@@ -33,14 +33,13 @@ def t(fn):
 
 def plans(m):
     if m == 1:
-        for bn, chunk, warps, split in itertools.product((16, 32, 64), (64, 128, 256, 512), (2, 4), (2, 4, 8, 16)):
-            if bn * chunk // 8 // (32 * warps) >= 2:
-                yield K.Plan("gemv", LaunchConfig({"BLOCK_N": bn, "MAX_CHUNK": chunk, "LUT_GATHER": True,
-                                                   "DECODE_PTX": True}, num_warps=warps), split)
+        for bn, warps, split in itertools.product((32, 64, 128), (2, 4), (4, 8, 16)):
+            yield K.Plan("gemv", LaunchConfig({"BLOCK_N": bn, "MAX_CHUNK": 64, "LUT_GATHER": True,
+                                               "DECODE_PTX": True}, num_warps=warps), split)
     else:
-        for bn, bk, warps, split, stages in itertools.product((16, 32, 64), (64, 128, 256), (4,), (1, 2, 4, 8), (2, 3)):
-            yield K.Plan("gemm", LaunchConfig({"BLOCK_M": 16, "BLOCK_N": bn, "BLOCK_K": bk, "LUT_GATHER": True},
-                                              num_warps=warps, num_stages=stages), split)
+        for bn, bk, warps, split, ptx in itertools.product((32, 64, 128), (128, 256), (4, 8), (2, 4, 8), (True, False)):
+            yield K.Plan("gemm", LaunchConfig({"BLOCK_M": 16, "BLOCK_N": bn, "BLOCK_K": bk, "LUT_GATHER": True,
+                                               "DECODE_PTX": ptx}, num_warps=warps, num_stages=3), split)
 
 
 def run(n, k, m, dtype, nested, candidates):

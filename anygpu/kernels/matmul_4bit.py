@@ -139,7 +139,6 @@ def _gemv_4bit_kernel(x_ptr, w_ptr, absmax_ptr, code_ptr, bias_ptr, out_ptr,
     if DECODE_PTX:
         t0, t1, t2, t3, u0, u1, u2, u3 = _tables(code_ptr)
         words = w_ptr.to(tl.pointer_type(tl.int32)) + n64[:, None] * (K // 8) + tl.arange(0, CHUNK // 8)[None, :]
-        xw = x_row + 8 * tl.arange(0, CHUNK // 8)
     else:
         lut = tl.load(code_ptr + tl.arange(0, 16))
         w_rows = w_ptr + n64[:, None] * (K // 2) + tl.arange(0, CHUNK // 2)[None, :]
@@ -148,11 +147,17 @@ def _gemv_4bit_kernel(x_ptr, w_ptr, absmax_ptr, code_ptr, bias_ptr, out_ptr,
         if DECODE_PTX:
             packed = tl.load(words + k0 // 8, mask=n_mask[:, None], other=0)
             v1, v0, v3, v2, v5, v4, v7, v6 = _decode8(packed, t0, t1, t2, t3, u0, u1, u2, u3)
-            xk = xw + k0
-            prod = v0 * tl.load(xk).to(tl.float32)[None, :] + v1 * tl.load(xk + 1).to(tl.float32)[None, :]
-            prod += v2 * tl.load(xk + 2).to(tl.float32)[None, :] + v3 * tl.load(xk + 3).to(tl.float32)[None, :]
-            prod += v4 * tl.load(xk + 4).to(tl.float32)[None, :] + v5 * tl.load(xk + 5).to(tl.float32)[None, :]
-            prod += v6 * tl.load(xk + 6).to(tl.float32)[None, :] + v7 * tl.load(xk + 7).to(tl.float32)[None, :]
+            # One 16-byte load of 8 activations per word, split in registers into the 8 element positions.
+            xv = tl.reshape(tl.load(x_row + k0 + tl.arange(0, CHUNK)).to(tl.float32), (CHUNK // 8, 4, 2))
+            x_even, x_odd = tl.split(xv)  # [words, 4]: elements 0 2 4 6 and 1 3 5 7
+            e04, e26 = tl.split(tl.reshape(x_even, (CHUNK // 8, 2, 2)))
+            e15, e37 = tl.split(tl.reshape(x_odd, (CHUNK // 8, 2, 2)))
+            x0, x4 = tl.split(e04)
+            x2, x6 = tl.split(e26)
+            x1, x5 = tl.split(e15)
+            x3, x7 = tl.split(e37)
+            prod = v0 * x0[None, :] + v1 * x1[None, :] + v2 * x2[None, :] + v3 * x3[None, :]
+            prod += v4 * x4[None, :] + v5 * x5[None, :] + v6 * x6[None, :] + v7 * x7[None, :]
             partial = tl.sum(prod, axis=1)
         else:
             # Activations split into the even and the odd elements, matching the high and low nibbles.
@@ -180,7 +185,8 @@ def _gemm_4bit_kernel(x_ptr, w_ptr, absmax_ptr, code_ptr, bias_ptr, out_ptr,
                       M, N, K, stride_xm, stride_om,
                       BLOCKSIZE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                       SUB: tl.constexpr, NESTED: tl.constexpr, HAS_BIAS: tl.constexpr, GROUP_M: tl.constexpr,
-                      DOT_IN_FP32: tl.constexpr, LUT_GATHER: tl.constexpr, SPLIT_K: tl.constexpr):
+                      DOT_IN_FP32: tl.constexpr, LUT_GATHER: tl.constexpr, SPLIT_K: tl.constexpr,
+                      DECODE_PTX: tl.constexpr):
     # Grouped ordering: programs that run together share weight tiles in L2.
     pid = tl.program_id(0)
     num_m = tl.cdiv(M, BLOCK_M)
@@ -201,8 +207,13 @@ def _gemm_4bit_kernel(x_ptr, w_ptr, absmax_ptr, code_ptr, bias_ptr, out_ptr,
     rk = tl.arange(0, BLOCK_K)
     blocks_per_row = K // BLOCKSIZE
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    lut = tl.load(code_ptr + tl.arange(0, 16))
     dot_dtype = tl.float32 if DOT_IN_FP32 else x_ptr.dtype.element_ty
+    if DECODE_PTX:
+        t0, t1, t2, t3, u0, u1, u2, u3 = _tables(code_ptr)
+        word = tl.arange(0, BLOCK_K // 8)
+        words = w_ptr.to(tl.pointer_type(tl.int32)) + n64[:, None] * (K // 8) + word[None, :]
+    else:
+        lut = tl.load(code_ptr + tl.arange(0, 16))
     # Split K: one weight tile per program is too little work to hide latency when N / BLOCK_N programs
     # do not fill the GPU; partial sums meet in an fp32 buffer.
     k_per_split = tl.cdiv(tl.cdiv(K, SPLIT_K), BLOCK_K) * BLOCK_K
@@ -211,19 +222,45 @@ def _gemm_4bit_kernel(x_ptr, w_ptr, absmax_ptr, code_ptr, bias_ptr, out_ptr,
         k = k0 + rk
         x = tl.load(x_ptr + rm.to(tl.int64)[:, None] * stride_xm + k[None, :], mask=m_mask[:, None] & (k < K)[None, :],
                     other=0.0).to(dot_dtype)
-        k_sub = k0 + sub * SUB
-        sub_mask = k_sub < K
-        packed = tl.load(w_ptr + n64[:, None, None] * (K // 2) + (k_sub[:, None] // 2 + byte[None, :])[None, :, :],
-                         mask=n_mask[:, None, None] & sub_mask[None, :, None], other=0).to(tl.int32)
-        scale = _block_scales(absmax_ptr, nested_code_ptr, nested_absmax_ptr, nested_offset_ptr,
-                              n64[:, None] * blocks_per_row + (k_sub // BLOCKSIZE)[None, :],
-                              n_mask[:, None] & sub_mask[None, :], NESTED)
-        hi = _lookup(code_ptr, lut, packed >> 4, LUT_GATHER) * scale[:, :, None]
-        lo = _lookup(code_ptr, lut, packed & 15, LUT_GATHER) * scale[:, :, None]
-        # DOT_IN_FP32: Triton's interpreter (how Triton runs on CPU tensors) gets bf16 tl.dot wrong, as numpy
-        # has no bf16; the launcher sets it there, and fp32 tiles are exact for bf16 values.
-        w = tl.reshape(tl.join(hi, lo), (BLOCK_N, BLOCK_K)).to(dot_dtype)  # element order: high nibble first
-        acc = tl.dot(x, tl.trans(w), acc)
+        if DECODE_PTX:
+            # Eight dots over the words of the tile, one per element position e in a word: the sum over
+            # words of x[:, 8w+e] * W[:, 8w+e] for all e is the full product, with no interleaving of
+            # the decoded values.  Each word looks up its block's scale.
+            kw = k0 + 8 * word
+            wmask = n_mask[:, None] & (kw < K)[None, :]
+            packed = tl.load(words + k0 // 8, mask=wmask, other=0)
+            v1, v0, v3, v2, v5, v4, v7, v6 = _decode8(packed, t0, t1, t2, t3, u0, u1, u2, u3)
+            scale = _block_scales(absmax_ptr, nested_code_ptr, nested_absmax_ptr, nested_offset_ptr,
+                                  n64[:, None] * blocks_per_row + (kw // BLOCKSIZE)[None, :], wmask, NESTED)
+            x_even, x_odd = tl.split(tl.reshape(x, (BLOCK_M, BLOCK_K // 8, 4, 2)))
+            e04, e26 = tl.split(tl.reshape(x_even, (BLOCK_M, BLOCK_K // 8, 2, 2)))
+            e15, e37 = tl.split(tl.reshape(x_odd, (BLOCK_M, BLOCK_K // 8, 2, 2)))
+            x0, x4 = tl.split(e04)
+            x2, x6 = tl.split(e26)
+            x1, x5 = tl.split(e15)
+            x3, x7 = tl.split(e37)
+            acc = tl.dot(x0, tl.trans((v0 * scale).to(dot_dtype)), acc)
+            acc = tl.dot(x1, tl.trans((v1 * scale).to(dot_dtype)), acc)
+            acc = tl.dot(x2, tl.trans((v2 * scale).to(dot_dtype)), acc)
+            acc = tl.dot(x3, tl.trans((v3 * scale).to(dot_dtype)), acc)
+            acc = tl.dot(x4, tl.trans((v4 * scale).to(dot_dtype)), acc)
+            acc = tl.dot(x5, tl.trans((v5 * scale).to(dot_dtype)), acc)
+            acc = tl.dot(x6, tl.trans((v6 * scale).to(dot_dtype)), acc)
+            acc = tl.dot(x7, tl.trans((v7 * scale).to(dot_dtype)), acc)
+        else:
+            k_sub = k0 + sub * SUB
+            sub_mask = k_sub < K
+            packed = tl.load(w_ptr + n64[:, None, None] * (K // 2) + (k_sub[:, None] // 2 + byte[None, :])[None, :, :],
+                             mask=n_mask[:, None, None] & sub_mask[None, :, None], other=0).to(tl.int32)
+            scale = _block_scales(absmax_ptr, nested_code_ptr, nested_absmax_ptr, nested_offset_ptr,
+                                  n64[:, None] * blocks_per_row + (k_sub // BLOCKSIZE)[None, :],
+                                  n_mask[:, None] & sub_mask[None, :], NESTED)
+            hi = _lookup(code_ptr, lut, packed >> 4, LUT_GATHER) * scale[:, :, None]
+            lo = _lookup(code_ptr, lut, packed & 15, LUT_GATHER) * scale[:, :, None]
+            # DOT_IN_FP32: Triton's interpreter (how Triton runs on CPU tensors) gets bf16 tl.dot wrong, as
+            # numpy has no bf16; the launcher sets it there, and fp32 tiles are exact for bf16 values.
+            w = tl.reshape(tl.join(hi, lo), (BLOCK_N, BLOCK_K)).to(dot_dtype)  # high nibble first
+            acc = tl.dot(x, tl.trans(w), acc)
     out = out_ptr + rm.to(tl.int64)[:, None] * stride_om + n[None, :]
     if SPLIT_K == 1:
         if HAS_BIAS:
@@ -235,19 +272,19 @@ def _gemm_4bit_kernel(x_ptr, w_ptr, absmax_ptr, code_ptr, bias_ptr, out_ptr,
 
 # ---- configs: per target, per path ---------------------------------------------------------------
 # GEMV: BLOCK_N rows per program, one 64-element chunk per row per step; K split so partial sums of
-# 8 programs meet in fp32 (tools/sweep_matmul_4bit.py on the H200: 64 rows, 4 warps, split 8 won for
-# N, K in {8192, 28672}).  GEMM: BLOCK_M 16 for tensor cores / MFMA / WMMA; decoding the weight tile,
+# up to 16 programs meet in fp32 (tools/sweep_matmul_4bit.py on the H200).  GEMM: BLOCK_M 16 for tensor cores / MFMA / WMMA; decoding the weight tile,
 # not the dot, bounds it, so more programs (split K) help.  RDNA3: wave32 WMMA and 64 KiB of LDS.
 GEMV_CONFIGS = {
     "default": (LaunchConfig({"BLOCK_N": 64, "MAX_CHUNK": 64, "LUT_GATHER": True, "MAX_SPLIT": 8}, num_warps=4),),
-    # H200: the PTX decoder, 64 rows, 2 warps, split 8: 27.3 us at N = K = 8192 (the table lookups: 30.1 us).
-    "nvidia": (LaunchConfig({"BLOCK_N": 64, "MAX_CHUNK": 64, "LUT_GATHER": True, "MAX_SPLIT": 8, "DECODE_PTX": True},
-                            num_warps=2),),
+    # H200: the PTX decoder, 64 rows, 2 warps, split 16: 25.5 us at N = K = 8192 (table lookups: 30.1 us).
+    "nvidia": (LaunchConfig({"BLOCK_N": 64, "MAX_CHUNK": 64, "LUT_GATHER": True, "MAX_SPLIT": 16,
+                             "DECODE_PTX": True}, num_warps=2),),
 }
 GEMM_CONFIGS = {
     "default": (LaunchConfig({"BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 64, "LUT_GATHER": True, "SPLIT_K": 2},
                              num_warps=4),),
-    "nvidia": (LaunchConfig({"BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 128, "LUT_GATHER": True, "SPLIT_K": 4},
+    # H200: 55 us at M = 16, N = K = 8192 (split 8); eight dots fed by the PTX decoder were slower.
+    "nvidia": (LaunchConfig({"BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 128, "LUT_GATHER": True, "SPLIT_K": 8},
                             num_warps=4, num_stages=3),),
     "cdna3": (LaunchConfig({"BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 128, "LUT_GATHER": True, "SPLIT_K": 4},
                            num_warps=4, num_stages=2, matrix_instr_nonkdim=16),),
@@ -291,10 +328,10 @@ def plan(m: int, n: int, k: int, blocksize: int, dtype: torch.dtype, device: tor
     limits = select(PATH_LIMITS, target)
     if m <= limits["gemv"]:
         cfg = select(GEMV_CONFIGS, target)[0]
-        # Split K (up to MAX_SPLIT) while each split keeps >= 16 chunks: more programs in flight hide
-        # the latency of the lookups, and narrow layers (TP shards, small models) need the parallelism.
+        # Split K (up to MAX_SPLIT) while each split keeps >= 4 chunks: more programs in flight hide
+        # the latency of the loads, and narrow layers (TP shards, small models) need the parallelism.
         split, chunk = 1, min(blocksize, cfg.constexprs["MAX_CHUNK"])
-        while split < cfg.constexprs["MAX_SPLIT"] and k // (2 * split) >= 16 * chunk:
+        while split < cfg.constexprs["MAX_SPLIT"] and k // (2 * split) >= 4 * chunk:
             split *= 2
         return Plan("gemv", cfg, split)
     if limits["gemm"] is None or m <= limits["gemm"]:
@@ -352,9 +389,10 @@ def matmul_4bit(x: torch.Tensor, weight: torch.Tensor, absmax: torch.Tensor, cod
     c = cfg.constexprs
     options = cfg.options(device_target(x.device))
     with on_device(x.device):
+        # The PTX decoder reads the packed codes as int32 words.
+        ptx_words = x.device.type == "cuda" and w.data_ptr() % 4 == 0 and k % 8 == 0
         if p.path == "gemv":
-            # The PTX decoder reads the packed codes as int32 words.
-            ptx = c.get("DECODE_PTX", False) and x.device.type == "cuda" and w.data_ptr() % 4 == 0 and k % 8 == 0
+            ptx = c.get("DECODE_PTX", False) and ptx_words
             target = out2 if p.split_k == 1 else torch.zeros(m, n, dtype=torch.float32, device=x.device)
             grid = (-(-n // c["BLOCK_N"]), m, p.split_k)
             _gemv_4bit_kernel[grid](x2, w, absmax, code, b, target, *nest, n, k, x2.stride(0), target.stride(0),
@@ -370,6 +408,7 @@ def matmul_4bit(x: torch.Tensor, weight: torch.Tensor, absmax: torch.Tensor, cod
                                     BLOCKSIZE=blocksize, SUB=_sub(blocksize, block_k), NESTED=nested,
                                     HAS_BIAS=bias is not None, GROUP_M=8, BLOCK_M=c["BLOCK_M"],
                                     BLOCK_N=c["BLOCK_N"], BLOCK_K=block_k, LUT_GATHER=c["LUT_GATHER"], SPLIT_K=p.split_k,
+                                    DECODE_PTX=c.get("DECODE_PTX", False) and ptx_words,
                                     DOT_IN_FP32=x.device.type == "cpu" and x.dtype == torch.bfloat16, **options)
         if p.split_k > 1:
             if bias is not None:
@@ -393,7 +432,7 @@ def _signature(kernel: str):
             s.update({"BLOCK_M": "constexpr", "BLOCK_N": "constexpr", "BLOCK_K": "constexpr", "SUB": "constexpr",
                       "NESTED": "constexpr", "HAS_BIAS": "constexpr", "GROUP_M": "constexpr",
                       "DOT_IN_FP32": "constexpr", "LUT_GATHER": "constexpr",
-                      "SPLIT_K": "constexpr"})
+                      "SPLIT_K": "constexpr", "DECODE_PTX": "constexpr"})
         else:
             s.update({"BLOCK_N": "constexpr", "CHUNK": "constexpr", "SPLIT_K": "constexpr",
                       "NESTED": "constexpr", "HAS_BIAS": "constexpr", "LUT_GATHER": "constexpr",
@@ -418,4 +457,5 @@ GEMV_SPEC = register(KernelSpec(
 GEMM_SPEC = register(KernelSpec(
     "gemm_4bit", _gemm_4bit_kernel, _signature("gemm"), DTYPES,
     _with_defaults(GEMM_CONFIGS, lambda c: {"BLOCKSIZE": 64, "SUB": 64, "NESTED": True, "HAS_BIAS": False,
-                                            "GROUP_M": 8, "DOT_IN_FP32": False, "SPLIT_K": 1})))
+                                            "GROUP_M": 8, "DOT_IN_FP32": False, "SPLIT_K": 1,
+                                            "DECODE_PTX": c.constexprs.get("DECODE_PTX", False)})))
