@@ -57,7 +57,7 @@ def test_kernel_paths_match_reference(kdevice, dtype, m, n, k, bs, nested, bias)
     x = torch.randn(m, k, device=kdevice).to(dtype)
     b = torch.randn(n, device=kdevice).to(dtype) if bias else None
     plans = [Plan("gemv", select(GEMV_CONFIGS, target)[0], s) for s in (1, 2)] if m <= 3 else []
-    plans += [Plan("gemm", select(GEMM_CONFIGS, target)[0], s) for s in (1, 2)]
+    plans += [Plan("gemm", select(GEMM_CONFIGS, target)[0], s) for s in (1, 2)] + [Plan("dequant")]
     for plan in plans:
         y = kernel(x, w, absmax, code, bs, n, k, b, *nest, plan_=plan)
         assert y.shape == (m, n) and y.dtype == dtype
