@@ -61,13 +61,37 @@ class Op:
     def overload(self):
         return getattr(getattr(torch.ops, NAMESPACE), self.name).default
 
-    def __call__(self, *args):
+    def __call__(self, *args, **kwargs):
         # Decode-sized launches are bound by host time, and a Python custom op costs ~15 us in torch's
         # dispatcher.  When the dispatcher would only forward to gpu_impl, call it directly; autograd,
         # torch.compile, meta/fake tensors and CPU tensors still go through torch.ops.
+        if torch.compiler.is_compiling():  # dynamo binds arguments itself
+            return self.overload(*args, **kwargs)
+        if kwargs or len(args) < self._num_arguments:  # the schema's names and defaults, as torch.ops applies them
+            args = self._bind(args, kwargs)
         if _plain_eager_gpu_call(args):
             return self.gpu_impl(*args)
         return self.overload(*args)
+
+    @functools.cached_property
+    def _num_arguments(self) -> int:
+        return len(self.overload._schema.arguments)
+
+    def _bind(self, args: tuple, kwargs: dict) -> tuple:
+        schema = self.overload._schema
+        names = [a.name for a in schema.arguments]
+        unknown = set(kwargs) - set(names)
+        if unknown:
+            raise TypeError(f"{self.name}() got unexpected keyword arguments {sorted(unknown)}")
+        bound = list(args)
+        for arg in schema.arguments[len(args):]:
+            if arg.name in kwargs:
+                bound.append(kwargs[arg.name])
+            elif arg.has_default_value():
+                bound.append(arg.default_value)
+            else:
+                raise TypeError(f"{self.name}() missing required argument {arg.name!r}")
+        return tuple(bound)
 
 
 def _kernels_choice() -> str:
