@@ -1,0 +1,136 @@
+"""``paged_decode(q, key_cache, value_cache, block_tables, seqlens, max_seqlen, scale=None, window_left=-1,
+softcap=0.0)``: decode attention (one query token per sequence) over a paged KV cache.
+
+- q: [B, Hq, D] fp16 / bf16 / fp32 (any batch and head stride); returns [B, Hq, D] in q's dtype.
+- key_cache, value_cache: [num_blocks, block_size, Hkv, D], q's dtype; Hq % Hkv == 0 (GQA, MQA); D <= 256.
+- block_tables: int32 [B, max_blocks_per_seq]: sequence b's token n lives in block
+  ``block_tables[b, n // block_size]``, row ``n % block_size``.  Entries past a sequence's length are never read.
+- seqlens: int32 [B], the context length including the current token (already written to the cache).
+  A sequence of length 0 gets a zero output.
+- max_seqlen: an upper bound of seqlens the caller knows (no device value is read on the host, so the op is
+  CUDA-graph safe); it sizes the split-KV work, and must not exceed max_blocks_per_seq * block_size.
+- scale: softmax scale (default D ** -0.5); window_left >= 0 keeps only keys at positions
+  >= seqlen - 1 - window_left (-1: no window); softcap > 0 caps logits to softcap * tanh(logit / softcap).
+
+Kernel: ``anygpu/kernels/paged_decode.py``.  The reference gathers each sequence's K and V through its block
+table and computes softmax attention in fp32; it is what the CPU backend runs.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from .define import define_op
+
+DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+MAX_HEAD_DIM = 256
+
+
+def check(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, block_tables: torch.Tensor,
+          seqlens: torch.Tensor, max_seqlen: int, scale: float | None = None, window_left: int = -1,
+          softcap: float = 0.0) -> None:
+    if q.dim() != 3:
+        raise ValueError(f"q: expected shape [batch, num_q_heads, head_dim], got {tuple(q.shape)}")
+    if q.dtype not in DTYPES:
+        raise ValueError(f"q: expected dtype float16, bfloat16 or float32, got {q.dtype}")
+    batch, q_heads, head_dim = q.shape
+    if not 1 <= head_dim <= MAX_HEAD_DIM:
+        raise ValueError(f"q: expected a head_dim of at most {MAX_HEAD_DIM}, got {head_dim}")
+    for name, cache in (("key_cache", key_cache), ("value_cache", value_cache)):
+        if cache.dim() != 4 or cache.shape[3] != head_dim:
+            raise ValueError(f"{name}: expected shape [num_blocks, block_size, num_kv_heads, {head_dim}], "
+                             f"got {tuple(cache.shape)}")
+        if cache.dtype != q.dtype:
+            raise ValueError(f"{name}: expected q's dtype {q.dtype}, got {cache.dtype}")
+        if cache.stride(-1) != 1 and cache.numel() > 1:
+            raise ValueError(f"{name}: expected unit stride in the last (head_dim) dimension, got strides "
+                             f"{cache.stride()}")
+    if value_cache.shape != key_cache.shape:
+        raise ValueError(f"value_cache: expected key_cache's shape {tuple(key_cache.shape)}, "
+                         f"got {tuple(value_cache.shape)}")
+    kv_heads = key_cache.shape[2]
+    if kv_heads == 0 or q_heads % kv_heads:
+        raise ValueError(f"key_cache: expected num_kv_heads dividing q's {q_heads} heads, got {kv_heads}")
+    if block_tables.dim() != 2 or block_tables.shape[0] != batch or block_tables.dtype != torch.int32:
+        raise ValueError(f"block_tables: expected int32 of shape [{batch}, max_blocks_per_seq], "
+                         f"got {block_tables.dtype} {tuple(block_tables.shape)}")
+    if seqlens.shape != (batch,) or seqlens.dtype != torch.int32:
+        raise ValueError(f"seqlens: expected int32 of shape [{batch}], got {seqlens.dtype} {tuple(seqlens.shape)}")
+    capacity = block_tables.shape[1] * key_cache.shape[1]
+    if isinstance(max_seqlen, bool) or not isinstance(max_seqlen, int) or not 0 <= max_seqlen <= capacity:
+        raise ValueError(f"max_seqlen: expected an int in [0, max_blocks_per_seq * block_size = {capacity}], "
+                         f"got {max_seqlen!r}")
+    if scale is not None and not math.isfinite(scale):
+        raise ValueError(f"scale: expected a finite float or None, got {scale!r}")
+    if isinstance(window_left, bool) or not isinstance(window_left, int) or window_left < -1:
+        raise ValueError(f"window_left: expected an int >= -1 (-1: no window), got {window_left!r}")
+    if not (math.isfinite(softcap) and softcap >= 0):
+        raise ValueError(f"softcap: expected a finite float >= 0 (0: none), got {softcap!r}")
+    devices = {t.device for t in (q, key_cache, value_cache, block_tables, seqlens)}
+    if len(devices) > 1:
+        raise ValueError(f"seqlens: expected q, key_cache, value_cache, block_tables and seqlens on one device, "
+                         f"got {sorted(map(str, devices))}")
+
+
+def gather_attention(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, block_tables: torch.Tensor,
+                     seqlens: torch.Tensor, scale: float | None, window_left: int, softcap: float,
+                     dtype: torch.dtype) -> torch.Tensor:
+    """Decode attention computed in ``dtype`` (the reference uses fp32; tests also run it in q's dtype, as
+    PyTorch's same-dtype answer, and in fp64 as the oracle for fp32).  Returns [B, Hq, D] in ``dtype``."""
+    batch, q_heads, head_dim = q.shape
+    num_blocks, block_size, kv_heads, _ = key_cache.shape
+    group = q_heads // kv_heads
+    scale = head_dim ** -0.5 if scale is None else scale
+    width = block_tables.shape[1] * block_size  # every position a table can name: no host read of seqlens
+    pos = torch.arange(width, device=q.device)
+    # Table entries past a sequence's end may hold anything: clamp them to a real block, then mask.
+    blocks = block_tables.long().clamp(0, max(num_blocks - 1, 0))
+    live = pos[None, :] < seqlens[:, None]  # [B, width]
+    if window_left >= 0:
+        live &= pos[None, :] >= (seqlens[:, None] - 1 - window_left)
+    if num_blocks == 0 or width == 0:
+        return torch.zeros(batch, q_heads, head_dim, dtype=dtype, device=q.device)
+
+    # Work in [Hkv, B, ...] order: one gather then lays each KV head's keys of a sequence out contiguously
+    # ([Hkv, B, width, D]), the layout batched matmuls run fast on, with no second copy.
+    def gather(cache):
+        return cache.permute(2, 0, 1, 3)[:, blocks].reshape(kv_heads, batch, width, head_dim).to(dtype)
+
+    k, v = gather(key_cache), gather(value_cache)
+    # Unused slots may hold NaN.  A masked score is replaced by -inf below, NaN or not; a masked V row would
+    # still meet its zero probability as 0 * NaN, so V is zeroed there (a fresh tensor: gather copies).
+    v.masked_fill_(~live[None, :, :, None], 0.0)
+    qg = q.to(dtype).reshape(batch, kv_heads, group, head_dim).transpose(0, 1)  # [Hkv, B, G, D]
+    # k on the left: a transposed k on the right would be copied whole by the CPU's matmul.
+    scores = (k @ qg.transpose(-1, -2)).transpose(-1, -2) * scale  # [Hkv, B, G, width]
+    if softcap > 0:
+        scores = softcap * torch.tanh(scores / softcap)
+    scores = scores.masked_fill(~live[None, :, None, :], float("-inf"))
+    # A row with no live key (seqlen 0) is all -inf: softmax would give NaN; its output is 0.
+    any_live = live.any(dim=1)[None, :, None, None]
+    probs = torch.where(any_live, torch.softmax(scores, dim=-1), torch.zeros((), dtype=dtype, device=q.device))
+    out = (probs @ v).transpose(0, 1)  # [B, Hkv, G, D]
+    return out.reshape(batch, q_heads, head_dim)
+
+
+def reference(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, block_tables: torch.Tensor,
+              seqlens: torch.Tensor, max_seqlen: int, scale: float | None = None, window_left: int = -1,
+              softcap: float = 0.0) -> torch.Tensor:
+    return gather_attention(q, key_cache, value_cache, block_tables, seqlens, scale, window_left, softcap,
+                            torch.float32).to(q.dtype)
+
+
+def fake(q, key_cache, value_cache, block_tables, seqlens, max_seqlen, scale=None, window_left=-1, softcap=0.0):
+    return q.new_empty(q.shape)
+
+
+paged_decode = define_op(
+    "paged_decode(Tensor q, Tensor key_cache, Tensor value_cache, Tensor block_tables, Tensor seqlens, "
+    "int max_seqlen, float? scale=None, int window_left=-1, float softcap=0.0) -> Tensor",
+    check=check,
+    reference=reference,
+    fake=fake,
+    gpu="paged_decode:paged_decode",
+)

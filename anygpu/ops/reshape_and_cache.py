@@ -1,0 +1,77 @@
+"""``reshape_and_cache(key, value, key_cache, value_cache, slot_mapping)``: write each token's K and V into
+the paged KV cache, in place.
+
+key, value: [T, Hkv, D] (views of a fused QKV output are fine: any token and head stride);
+key_cache, value_cache: [num_blocks, block_size, Hkv, D], same dtype; slot_mapping: int64 [T], token t goes
+to block ``slot // block_size``, row ``slot % block_size``.  A negative slot is padding: that token is
+skipped and the cache is left untouched.  The copy is bit-exact.  If two tokens name the same slot, which
+one lands is unspecified (as with any scatter).
+
+Kernel: ``anygpu/kernels/kv_cache.py``.  The schema marks both caches as mutated (``Tensor(a!)``), so
+torch.compile functionalizes the op and opcheck verifies exactly those two are written.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .define import define_op
+
+DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+
+def check(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
+          slot_mapping: torch.Tensor) -> None:
+    if key.dim() != 3:
+        raise ValueError(f"key: expected shape [tokens, num_kv_heads, head_dim], got {tuple(key.shape)}")
+    if key.dtype not in DTYPES:
+        raise ValueError(f"key: expected dtype float16, bfloat16 or float32, got {key.dtype}")
+    if value.shape != key.shape or value.dtype != key.dtype:
+        raise ValueError(f"value: expected {key.dtype} of key's shape {tuple(key.shape)}, "
+                         f"got {value.dtype} {tuple(value.shape)}")
+    _, heads, head_dim = key.shape
+    for name, cache in (("key_cache", key_cache), ("value_cache", value_cache)):
+        if cache.dim() != 4 or cache.shape[2:] != (heads, head_dim):
+            raise ValueError(f"{name}: expected shape [num_blocks, block_size, {heads}, {head_dim}], "
+                             f"got {tuple(cache.shape)}")
+        if cache.dtype != key.dtype:
+            raise ValueError(f"{name}: expected key's dtype {key.dtype}, got {cache.dtype}")
+        if cache.stride(-1) != 1 and cache.numel() > 1:
+            raise ValueError(f"{name}: expected unit stride in the last (head_dim) dimension, got strides "
+                             f"{cache.stride()}")
+    if value_cache.shape != key_cache.shape:
+        raise ValueError(f"value_cache: expected key_cache's shape {tuple(key_cache.shape)}, "
+                         f"got {tuple(value_cache.shape)}")
+    if slot_mapping.dim() != 1 or slot_mapping.shape[0] != key.shape[0] or slot_mapping.dtype != torch.int64:
+        raise ValueError(f"slot_mapping: expected int64 of shape [{key.shape[0]}] (one slot per token), "
+                         f"got {slot_mapping.dtype} {tuple(slot_mapping.shape)}")
+    devices = {t.device for t in (key, value, key_cache, value_cache, slot_mapping)}
+    if len(devices) > 1:
+        raise ValueError(f"slot_mapping: expected key, value, key_cache, value_cache and slot_mapping on one "
+                         f"device, got {sorted(map(str, devices))}")
+
+
+def reference(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
+              slot_mapping: torch.Tensor) -> None:
+    # Boolean indexing reads the mask on the host; fine for a reference (the GPU kernel never does).
+    valid = slot_mapping >= 0
+    slots = slot_mapping[valid]
+    block_size = key_cache.shape[1]
+    block, offset = slots // block_size, slots % block_size
+    # Indexing two dimensions works for any cache strides (a view of a stacked [2, ...] cache too).
+    key_cache[block, offset] = key[valid]
+    value_cache[block, offset] = value[valid]
+
+
+def fake(key, value, key_cache, value_cache, slot_mapping) -> None:
+    return None
+
+
+reshape_and_cache = define_op(
+    "reshape_and_cache(Tensor key, Tensor value, Tensor(a!) key_cache, Tensor(b!) value_cache, "
+    "Tensor slot_mapping) -> ()",
+    check=check,
+    reference=reference,
+    fake=fake,
+    gpu="kv_cache:reshape_and_cache",
+)
