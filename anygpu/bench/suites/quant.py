@@ -1,0 +1,136 @@
+"""bitsandbytes-compatible quantization against bitsandbytes itself and a copy of the same bytes.
+
+Quantize and dequantize are memory bound: each reads its input once and writes its output once, so
+the copy is the bar (the target is 80% of it).  Cases: 8-bit blockwise at block sizes 4096 (the
+default) and 256, and NF4 at 64 (the QLoRA default), on LLM weights in bf16.
+
+The suite is a list of case builders, ``(device, quick) -> list[Case]``; more (the 4-bit matmul) are
+added by decorating them with ``@case_builder``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from ...quant import functional as Q
+from ..harness import Case, suite
+
+# [out_features, in_features]: Llama-3-8B/70B attention (8192 x 8192) and Llama-3-70B's MLP up (28672 x 8192).
+GPU_WEIGHTS = ((8192, 8192), (28672, 8192))
+# The CPU runs the PyTorch reference: small fp32 weights keep it quick.
+SMALL_WEIGHTS = ((512, 512), (1024, 2048))
+
+CASE_BUILDERS: list[Callable[[torch.device, bool], list[Case]]] = []
+
+
+def case_builder(fn: Callable[[torch.device, bool], list[Case]]):
+    """Add ``fn(device, quick) -> list[Case]`` to the quant suite."""
+    CASE_BUILDERS.append(fn)
+    return fn
+
+
+@suite("quant", "8-bit blockwise and NF4 quantize / dequantize against bitsandbytes and a copy")
+def quant(device: torch.device, quick: bool) -> list[Case]:
+    return [case for build in CASE_BUILDERS for case in build(device, quick)]
+
+
+def _bitsandbytes():
+    """bitsandbytes.functional, or None when it is not installed."""
+    try:
+        import bitsandbytes.functional as bnb_functional
+    except Exception:  # noqa: BLE001 - missing, or installed without a library for this machine
+        return None
+    return bnb_functional
+
+
+def _baseline(make: Callable[[], Callable[[], object]]) -> Callable[[], object]:
+    """``make()`` builds a baseline (it may quantize first); if that fails, a baseline that raises the
+    failure, so the report shows why bitsandbytes has no number on this device."""
+    try:
+        return make()
+    except Exception as e:  # noqa: BLE001 - reported by the harness as the baseline's error
+        error = e
+
+        def failed():
+            raise error
+
+        return failed
+
+
+def _copy(nbytes: int, device: torch.device) -> Callable[[], object]:
+    src = torch.randint(0, 255, (nbytes // 2,), dtype=torch.uint8, device=device)  # copy_ reads src, writes dst
+    dst = torch.empty_like(src)
+    return lambda: dst.copy_(src)
+
+
+def _weights(device: torch.device, quick: bool):
+    small = quick or device.type == "cpu"
+    dtype = torch.float32 if small else torch.bfloat16
+    for rows, cols in SMALL_WEIGHTS if small else GPU_WEIGHTS:
+        label = f"{rows}x{cols} {str(dtype).removeprefix('torch.')}"
+        yield torch.randn(rows, cols, dtype=dtype, device=device) * 0.02, label
+
+
+@case_builder
+def blockwise_cases(device: torch.device, quick: bool) -> list[Case]:
+    bnb = _bitsandbytes()
+    cases = []
+    for weight, label in _weights(device, quick):
+        n = weight.numel()
+        for blocksize in (4096, 256):
+            absmax_bytes = 4 * -(-n // blocksize)
+            codes, state = Q.quantize_blockwise(weight, blocksize=blocksize)
+            quantize_bytes = weight.nbytes + n + absmax_bytes
+            dequantize_bytes = n + absmax_bytes + weight.nbytes
+            baselines_q = {"copy": _copy(quantize_bytes, device)}
+            baselines_d = {"copy": _copy(dequantize_bytes, device)}
+            if bnb is not None:
+                baselines_q["bitsandbytes"] = _baseline(
+                    lambda w=weight, bs=blocksize: (lambda: bnb.quantize_blockwise(w, blocksize=bs)))
+                baselines_d["bitsandbytes"] = _baseline(
+                    lambda w=weight, bs=blocksize: _bnb_dequantize_blockwise(bnb, w, bs))
+            shape = f"{label} bs{blocksize}"
+            cases.append(Case("quantize_blockwise", shape,
+                              lambda w=weight, bs=blocksize: Q.quantize_blockwise(w, blocksize=bs),
+                              baselines_q, bytes=quantize_bytes))
+            cases.append(Case("dequantize_blockwise", shape, lambda c=codes, s=state: Q.dequantize_blockwise(c, s),
+                              baselines_d, bytes=dequantize_bytes))
+    return cases
+
+
+def _bnb_dequantize_blockwise(bnb, weight: torch.Tensor, blocksize: int):
+    codes, state = bnb.quantize_blockwise(weight, blocksize=blocksize)
+    return lambda: bnb.dequantize_blockwise(codes, state)
+
+
+def _bnb_dequantize_4bit(bnb, weight: torch.Tensor, blocksize: int):
+    packed, state = bnb.quantize_4bit(weight, blocksize=blocksize, quant_type="nf4")
+    return lambda: bnb.dequantize_4bit(packed, state)
+
+
+@case_builder
+def nf4_cases(device: torch.device, quick: bool) -> list[Case]:
+    bnb = _bitsandbytes()
+    blocksize = 64
+    cases = []
+    for weight, label in _weights(device, quick):
+        n = weight.numel()
+        packed, state = Q.quantize_4bit(weight, blocksize=blocksize, quant_type="nf4")
+        absmax_bytes = 4 * -(-n // blocksize)
+        quantize_bytes = weight.nbytes + (n + 1) // 2 + absmax_bytes
+        dequantize_bytes = (n + 1) // 2 + absmax_bytes + weight.nbytes
+        baselines_q = {"copy": _copy(quantize_bytes, device)}
+        baselines_d = {"copy": _copy(dequantize_bytes, device)}
+        if bnb is not None:
+            baselines_q["bitsandbytes"] = _baseline(
+                lambda w=weight: (lambda: bnb.quantize_4bit(w, blocksize=blocksize, quant_type="nf4")))
+            baselines_d["bitsandbytes"] = _baseline(lambda w=weight: _bnb_dequantize_4bit(bnb, w, blocksize))
+        shape = f"{label} bs{blocksize}"
+        cases.append(Case("quantize_nf4", shape,
+                          lambda w=weight: Q.quantize_4bit(w, blocksize=blocksize, quant_type="nf4"),
+                          baselines_q, bytes=quantize_bytes))
+        cases.append(Case("dequantize_nf4", shape, lambda p=packed, s=state: Q.dequantize_4bit(p, s),
+                          baselines_d, bytes=dequantize_bytes))
+    return cases

@@ -1,0 +1,144 @@
+"""4-bit NF4 / FP4 quantization and dequantization (bitsandbytes' format), bit-identical to the reference in
+``anygpu/ops/quantize_4bit.py`` / ``dequantize_4bit.py``.
+
+Quantize: the blocks are scaled as for 8 bits (``quant_blockwise._scaled_blocks``: absmax in registers,
+IEEE reciprocal, one multiply), then each value's position among the 15 sorted midpoints of the table
+comes from a 4-level branch-free search over constants (``quant_blockwise.position16``; the midpoints
+are literals below, checked against the table by the tests).  NF4's code is the position; FP4's is read
+from a 16-nibble constant (the reference's sorted order: code 0 before code 8).  The tile is reshaped to
+[BLOCKS, BS/2, 2] and split, so the two codes of a byte come from adjacent elements without strided
+loads; twice more, and 8 codes make a 32-bit word, stored straight from registers.
+Dequantize: one byte gives two codes; each looks up the 16-entry table (64 bytes: one cache line, L1
+resident) and is multiplied by its block's absmax in fp32; the pair is interleaved back, one rounding.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ._quant_tables import code_4bit
+from .config import TRITON_DTYPE, KernelSpec, LaunchConfig, on_device, register
+from .quant_blockwise import _scaled_blocks, position16, tile_for, to_output
+
+# The fp32 midpoints between neighbouring sorted table values (``ops._quant_common.sorted_4bit``), exactly.
+NF4_MIDPOINTS = (-0.8480963706970215, -0.6106328964233398, -0.4599952697753906, -0.33967941999435425,
+                 -0.23460739850997925, -0.13791173696517944, -0.045525018125772476, 0.03979014977812767,
+                 0.120255246758461, 0.2035212516784668, 0.2920137643814087, 0.3893125355243683,
+                 0.5016634464263916, 0.6427869200706482, 0.8614784479141235)
+FP4_MIDPOINTS = (-0.8333333730697632, -0.5833333730697632, -0.4166666865348816, -0.2916666865348816,
+                 -0.2083333432674408, -0.0859375, -0.0026041667442768812, 0.0, 0.0026041667442768812, 0.0859375,
+                 0.2083333432674408, 0.2916666865348816, 0.4166666865348816, 0.5833333730697632, 0.8333333730697632)
+# FP4 code at sorted position p = nibble p of this constant: [11, 10, 13, 12, 15, 14, 9, 0, 8, 1, 6, 7, 4, 5, 2, 3].
+FP4_ORDER_NIBBLES = 3626653445558095275
+NF4, FP4 = 0, 1  # the QUANT_TYPE constexpr
+
+
+@triton.jit
+def _code4(s, QUANT_TYPE: tl.constexpr):
+    if QUANT_TYPE == 0:
+        code = position16(s, -0.8480963706970215, -0.6106328964233398, -0.4599952697753906, -0.33967941999435425,
+                          -0.23460739850997925, -0.13791173696517944, -0.045525018125772476, 0.03979014977812767,
+                          0.120255246758461, 0.2035212516784668, 0.2920137643814087, 0.3893125355243683,
+                          0.5016634464263916, 0.6427869200706482, 0.8614784479141235)
+    else:
+        position = position16(s, -0.8333333730697632, -0.5833333730697632, -0.4166666865348816,
+                              -0.2916666865348816, -0.2083333432674408, -0.0859375, -0.0026041667442768812, 0.0,
+                              0.0026041667442768812, 0.0859375, 0.2083333432674408, 0.2916666865348816,
+                              0.4166666865348816, 0.5833333730697632, 0.8333333730697632)
+        code = ((3626653445558095275 >> (position.to(tl.int64) * 4)) & 15).to(tl.int32)
+    return code
+
+
+@triton.jit
+def _quantize_4bit_kernel(a_ptr, q_ptr, absmax_ptr, n, n_words, n_full_blocks, QUANT_TYPE: tl.constexpr,
+                          BS: tl.constexpr, BLOCKS: tl.constexpr):
+    scaled, in_range, base, local = _scaled_blocks(a_ptr, absmax_ptr, n, n_full_blocks, BS, BLOCKS)
+    code = _code4(scaled, QUANT_TYPE).to(tl.uint32)  # past the end: the code of 0, the reference's padding
+    # Pack 8 codes into a 32-bit word (little-endian: byte 0 = elements 0, 1; high nibble first), pairing
+    # neighbours three times; whole words are stored without a pass through shared memory.
+    high, low = tl.split(tl.reshape(code, [BLOCKS, BS // 2, 2]))
+    byte0, byte1 = tl.split(tl.reshape((high << 4) | low, [BLOCKS, BS // 4, 2]))
+    half0, half1 = tl.split(tl.reshape(byte0 | (byte1 << 8), [BLOCKS, BS // 8, 2]))
+    words = half0 | (half1 << 16)
+    word_local = tl.arange(0, BLOCKS)[:, None] * (BS // 8) + tl.arange(0, BS // 8)[None, :]
+    word_left = tl.minimum(n_words - base // 8, BLOCKS * (BS // 8)).to(tl.int32)
+    tl.store(q_ptr + base // 8 + word_local, words.to(tl.int32, bitcast=True), mask=word_local < word_left)
+
+
+@triton.jit
+def _dequantize_4bit_kernel(q_ptr, absmax_ptr, table_ptr, out_ptr, n, n_bytes, BS: tl.constexpr,
+                            BLOCKS: tl.constexpr):
+    first = tl.program_id(0).to(tl.int64) * BLOCKS
+    rows = tl.arange(0, BLOCKS)
+    byte_local = rows[:, None] * (BS // 2) + tl.arange(0, BS // 2)[None, :]
+    byte_left = tl.minimum(n_bytes - first * (BS // 2), BLOCKS * (BS // 2)).to(tl.int32)
+    packed = tl.load(q_ptr + first * (BS // 2) + byte_local, mask=byte_local < byte_left, other=0).to(tl.int32)
+    absmax = tl.load(absmax_ptr + first + rows, mask=rows * (BS // 2) < byte_left, other=0.0)[:, None]
+    high = tl.load(table_ptr + (packed >> 4)) * absmax
+    low = tl.load(table_ptr + (packed & 15)) * absmax
+    values = tl.interleave(high, low)  # [BLOCKS, BS]: element 2i from the high nibble
+    local = rows[:, None] * BS + tl.arange(0, BS)[None, :]
+    left = tl.minimum(n - first * BS, BLOCKS * BS).to(tl.int32)
+    tl.store(out_ptr + first * BS + local, to_output(values, out_ptr), mask=local < left)
+
+
+# As in quant_blockwise: the tile for block size 64 (the 4-bit default); others keep its elements per program.
+_QUANTIZE_WAVE32 = (LaunchConfig({"QUANT_TYPE": NF4, "BS": 64, "BLOCKS": 16}, num_warps=4),)  # 8 per thread
+QUANTIZE_CONFIGS = {"default": _QUANTIZE_WAVE32, "rdna3": _QUANTIZE_WAVE32, "rdna4": _QUANTIZE_WAVE32,
+                    "amd": (LaunchConfig({"QUANT_TYPE": NF4, "BS": 64, "BLOCKS": 16}, num_warps=2),)}
+_DEQUANTIZE_WAVE32 = (LaunchConfig({"BS": 64, "BLOCKS": 128}, num_warps=8),)  # 16 bytes, 32 values per thread
+DEQUANTIZE_CONFIGS = {"default": _DEQUANTIZE_WAVE32, "rdna3": _DEQUANTIZE_WAVE32, "rdna4": _DEQUANTIZE_WAVE32,
+                      "amd": (LaunchConfig({"BS": 64, "BLOCKS": 64}, num_warps=4),)}  # LDS: the interleave stages
+
+DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+
+def _quantize_signature(dtype: torch.dtype) -> dict:
+    return {"a_ptr": f"*{TRITON_DTYPE[dtype]}", "q_ptr": "*i32", "absmax_ptr": "*fp32", "n": "i32", "n_words": "i32",
+            "n_full_blocks": "i32", "QUANT_TYPE": "constexpr", "BS": "constexpr", "BLOCKS": "constexpr"}
+
+
+def _dequantize_signature(dtype: torch.dtype) -> dict:
+    return {"q_ptr": "*u8", "absmax_ptr": "*fp32", "table_ptr": "*fp32", "out_ptr": f"*{TRITON_DTYPE[dtype]}",
+            "n": "i32", "n_bytes": "i32", "BS": "constexpr", "BLOCKS": "constexpr"}
+
+
+QUANTIZE_SPEC = register(KernelSpec("quantize_4bit", _quantize_4bit_kernel, _quantize_signature, DTYPES,
+                                    QUANTIZE_CONFIGS))
+DEQUANTIZE_SPEC = register(KernelSpec("dequantize_4bit", _dequantize_4bit_kernel, _dequantize_signature, DTYPES,
+                                      DEQUANTIZE_CONFIGS))
+
+
+def quantize_4bit(A: torch.Tensor, blocksize: int, quant_type: str,
+                  quant_storage: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """Launch on A's device (a GPU, or the CPU under TRITON_INTERPRET=1).  Arguments checked by the op."""
+    a = A if A.is_contiguous() else A.contiguous()
+    n = a.numel()
+    n_blocks = -(-n // blocksize)
+    n_bytes = (n + 1) // 2
+    words = torch.empty(-(-n_bytes // 4), dtype=torch.int32, device=A.device)
+    absmax = torch.empty(n_blocks, dtype=torch.float32, device=A.device)
+    blocks, options = tile_for(QUANTIZE_CONFIGS, A.device, blocksize)
+    with on_device(A.device):
+        _quantize_4bit_kernel[(-(-n_blocks // blocks),)](a, words, absmax, n, words.numel(), n // blocksize,
+                                                        QUANT_TYPE=NF4 if quant_type == "nf4" else FP4,
+                                                        BS=blocksize, BLOCKS=blocks, **options)
+    packed = words.view(torch.uint8)
+    if packed.numel() != n_bytes:
+        packed = packed[:n_bytes].clone()  # an exact-size tensor, as the reference returns
+    return packed.view(quant_storage).unsqueeze(1), absmax
+
+
+def dequantize_4bit(A: torch.Tensor, absmax: torch.Tensor, blocksize: int, quant_type: str, shape: list[int],
+                    dtype: torch.dtype) -> torch.Tensor:
+    packed = A.reshape(-1).view(torch.uint8)
+    out = torch.empty(shape, dtype=dtype, device=A.device)
+    n = out.numel()
+    table = code_4bit(quant_type, A.device)
+    blocks, options = tile_for(DEQUANTIZE_CONFIGS, A.device, blocksize)
+    with on_device(A.device):
+        _dequantize_4bit_kernel[(-(-n // (blocks * blocksize)),)](packed, absmax.contiguous(), table, out, n,
+                                                                 (n + 1) // 2, BS=blocksize, BLOCKS=blocks, **options)
+    return out
