@@ -1,0 +1,247 @@
+"""``quantize_model(model, "nf4" | "fp4", skip=...)``: every ``nn.Linear`` of a model, quantized in place.
+
+Works on any ``nn.Module`` (a transformers model, a hand-built one): it walks ``named_modules()`` and
+replaces each ``nn.Linear`` in its parent by a ``Linear4bit`` holding the quantized weight, one layer at a
+time, so the full-precision weight of a layer is released as soon as it is replaced (unless something
+else, such as a tied embedding, still holds it).  Left alone:
+
+- modules matched by ``skip`` (default ``("lm_head",)``: the output projection is usually tied to the
+  embedding and is the most sensitive layer).  A pattern is a module name or a glob (``fnmatch``) and
+  matches a module when it matches its full dotted name or any run of consecutive components of it:
+  ``"lm_head"``, ``"mlp"`` (every Linear under any ``mlp``), ``"layers.0"``, ``"*.o_proj"``, ``"*_proj"``.
+  Patterns given replace the default (add ``"lm_head"`` to keep it).  A given pattern that matches no
+  nn.Linear of the model is a ValueError (a typo would otherwise quantize what it meant to protect);
+  the default may match nothing.
+- Linears inside ``nn.MultiheadAttention``, which reads its ``out_proj.weight`` directly instead of
+  calling it; and layers already quantized.
+
+``device``: where the quantized layers go (default: where each weight is).  Other modules are not moved:
+quantizing a CPU-loaded model with ``device="cuda"`` puts only the small 4-bit weights on the GPU, and a
+``model.to("cuda")`` afterwards moves the rest.
+
+The quant_type dispatch is a table (``LINEAR_QUANTIZERS``) from name to how one nn.Linear is replaced,
+so another format (int8) plugs in with one entry.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import NamedTuple
+
+import torch
+from torch import nn
+from tqdm.auto import tqdm
+
+from .. import backend
+from .linear4bit import Linear4bit, check_compute_dtype
+from .params4bit import Params4bit, check_4bit_options
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_SKIP = ("lm_head",)
+
+
+@dataclass(frozen=True)
+class QuantizeOptions:
+    quant_type: str
+    compute_dtype: torch.dtype | None
+    blocksize: int
+    compress_statistics: bool
+    quant_storage: torch.dtype
+    device: torch.device | None
+
+
+class LinearQuantizer(NamedTuple):
+    check: Callable[[QuantizeOptions], None]  # raises ValueError naming the bad option
+    replace: Callable[[nn.Linear, QuantizeOptions], nn.Module]  # the quantized layer standing in for one Linear
+
+
+def _check_4bit(options: QuantizeOptions) -> None:
+    check_4bit_options(options.quant_type, options.blocksize, options.quant_storage)
+
+
+def _to_linear4bit(linear: nn.Linear, options: QuantizeOptions) -> nn.Module:
+    return Linear4bit.from_linear(linear, options.quant_type, compute_dtype=options.compute_dtype,
+                                  compress_statistics=options.compress_statistics,
+                                  quant_storage=options.quant_storage, blocksize=options.blocksize,
+                                  device=options.device)
+
+
+LINEAR_QUANTIZERS: dict[str, LinearQuantizer] = {
+    "nf4": LinearQuantizer(_check_4bit, _to_linear4bit),
+    "fp4": LinearQuantizer(_check_4bit, _to_linear4bit),
+}
+# Layers that are already quantized (subclasses of nn.Linear): never quantized again.
+QUANTIZED_LINEARS: tuple[type, ...] = (Linear4bit,)
+
+
+@dataclass
+class QuantizeReport:
+    """What ``quantize_model`` did.  ``parameter_bytes_*``: every parameter and buffer of the model, plus the
+    quant states' tensors after (counted once each).  ``active_memory_*``: ``anygpu.get_active_memory()``,
+    the allocator's live bytes on GPUs, the process's resident size on the CPU (which freed memory need not
+    lower: read the parameter bytes there)."""
+
+    quant_type: str
+    replaced: list[str] = field(default_factory=list)
+    skipped: list[str] = field(default_factory=list)
+    parameter_bytes_before: int = 0
+    parameter_bytes_after: int = 0
+    active_memory_before: int = 0
+    active_memory_after: int = 0
+    backend: str = "cpu"
+    seconds: float = 0.0
+
+    @property
+    def saved_bytes(self) -> int:
+        return self.parameter_bytes_before - self.parameter_bytes_after
+
+    @property
+    def ratio(self) -> float:
+        """Parameter bytes after / before."""
+        return self.parameter_bytes_after / self.parameter_bytes_before if self.parameter_bytes_before else 1.0
+
+    def __str__(self) -> str:
+        active = "active memory" if self.backend != "cpu" else "process RSS"
+        lines = [
+            f"quantize_model: {len(self.replaced)} nn.Linear -> {self.quant_type} in {self.seconds:.2f} s, "
+            f"{len(self.skipped)} left in full precision" + (f" ({', '.join(self.skipped)})" if self.skipped else ""),
+            f"  parameter bytes: {_mib(self.parameter_bytes_before)} -> {_mib(self.parameter_bytes_after)} "
+            f"({self.ratio:.1%}, saved {_mib(self.saved_bytes)})",
+            f"  {active} ({self.backend}): {_mib(self.active_memory_before)} -> {_mib(self.active_memory_after)}",
+        ]
+        return "\n".join(lines)
+
+
+def _mib(n: int) -> str:
+    return f"{n / 2**20:.2f} MiB"
+
+
+def _tensors(model: nn.Module):
+    yield from model.parameters()
+    yield from model.buffers()
+    for module in model.modules():
+        weight = module._parameters.get("weight")
+        state = weight.__dict__.get("quant_state") if isinstance(weight, Params4bit) else None
+        if state is not None:
+            yield from (state.absmax, state.code, state.offset)
+            if state.state2 is not None:
+                yield from (state.state2.absmax, state.state2.code)
+
+
+def parameter_bytes(model: nn.Module) -> int:
+    """Bytes held by the model's parameters, buffers and quant states, each storage counted once."""
+    seen, total = set(), 0
+    for t in _tensors(model):
+        if not isinstance(t, torch.Tensor) or t.device.type == "meta":
+            continue
+        key = (t.device, t.data_ptr(), t.numel(), t.dtype)
+        if key not in seen:
+            seen.add(key)
+            total += t.numel() * t.element_size()
+    return total
+
+
+def _component_runs(name: str) -> list[str]:
+    parts = name.split(".")
+    return [".".join(parts[i:j]) for i in range(len(parts)) for j in range(i + 1, len(parts) + 1)]
+
+
+def _matches(pattern: str, name: str) -> bool:
+    return any(fnmatch.fnmatchcase(run, pattern) for run in _component_runs(name))
+
+
+def _check_skip(skip) -> tuple[tuple[str, ...], bool]:
+    """(patterns, whether each must match something)."""
+    if skip is None:
+        return DEFAULT_SKIP, False
+    patterns = (skip,) if isinstance(skip, str) else skip
+    try:
+        patterns = tuple(patterns)
+    except TypeError:
+        raise ValueError(f"skip: expected a module-name pattern or a sequence of them, got {type(skip).__name__}") \
+            from None
+    bad = [p for p in patterns if not isinstance(p, str) or not p]
+    if bad:
+        raise ValueError(f"skip: expected non-empty strings (module names or globs), got {bad!r}")
+    return patterns, True
+
+
+def _linears(model: nn.Module) -> tuple[list[str], list[str]]:
+    """(names of the nn.Linear layers to consider, names of those that cannot be replaced)."""
+    candidates, unsafe = [], []
+    for parent_name, parent in model.named_modules():
+        for child_name, child in parent._modules.items():  # not named_children(): it hides a layer's 2nd name
+            if not isinstance(child, nn.Linear) or isinstance(child, QUANTIZED_LINEARS):
+                continue
+            name = f"{parent_name}.{child_name}" if parent_name else child_name
+            (unsafe if isinstance(parent, nn.MultiheadAttention) else candidates).append(name)
+    return list(dict.fromkeys(candidates)), list(dict.fromkeys(unsafe))  # a shared layer appears once
+
+
+def quantize_model(model: nn.Module, quant_type: str = "nf4", *, skip=None, compute_dtype=None, blocksize: int = 64,
+                   compress_statistics: bool = True, quant_storage: torch.dtype = torch.uint8, device=None,
+                   progress: bool = True) -> QuantizeReport:
+    """Replace every ``nn.Linear`` of ``model`` (but ``skip``'s) in place by a quantized layer; returns (and logs
+    at INFO) a ``QuantizeReport``.  ``skip``: module-name patterns (default ``("lm_head",)``; see the module doc).
+    The other arguments are ``Linear4bit``'s.  ``progress``: show a tqdm bar."""
+    if not isinstance(model, nn.Module):
+        raise ValueError(f"model: expected a torch.nn.Module, got {type(model).__name__}")
+    if isinstance(model, nn.Linear):
+        raise ValueError("model: expected a model containing nn.Linear layers, got an nn.Linear itself (it cannot "
+                         "be replaced in place: use Linear4bit.from_linear)")
+    if quant_type not in LINEAR_QUANTIZERS:
+        raise ValueError(f"quant_type: expected one of {', '.join(map(repr, LINEAR_QUANTIZERS))}, got {quant_type!r}")
+    check_compute_dtype(compute_dtype)
+    if device is not None:
+        try:
+            device = torch.device(device)
+        except (RuntimeError, TypeError):
+            raise ValueError(f"device: expected a torch device (e.g. 'cuda', 'cpu'), got {device!r}") from None
+        if device.type == "meta":
+            raise ValueError("device: expected a real device to quantize on, got meta")
+    options = QuantizeOptions(quant_type, compute_dtype, blocksize, bool(compress_statistics), quant_storage, device)
+    quantizer = LINEAR_QUANTIZERS[quant_type]
+    quantizer.check(options)
+    patterns, strict = _check_skip(skip)
+
+    candidates, unsafe = _linears(model)
+    if not candidates and not unsafe:
+        raise ValueError(f"model: expected at least one torch.nn.Linear to quantize, found none in "
+                         f"{type(model).__name__}")
+    if strict:
+        unmatched = [p for p in patterns if not any(_matches(p, name) for name in candidates + unsafe)]
+        if unmatched:
+            raise ValueError(f"skip: the patterns {unmatched} match no nn.Linear of the model (names look like "
+                             f"{(candidates + unsafe)[:3]})")
+    chosen = [name for name in candidates if not any(_matches(p, name) for p in patterns)]
+    if not chosen:
+        raise ValueError(f"skip: the patterns {list(patterns)} exclude every nn.Linear of the model "
+                         f"({len(candidates)}): nothing to quantize")
+    on_meta = [name for name in chosen if model.get_submodule(name).weight.is_meta]
+    if on_meta:
+        raise ValueError(f"model: the nn.Linear layers {on_meta[:3]} have their weights on the meta device: "
+                         f"load the weights first (or load a quantized state_dict into Linear4bit layers)")
+
+    report = QuantizeReport(quant_type, skipped=[n for n in candidates if n not in chosen] + unsafe,
+                            parameter_bytes_before=parameter_bytes(model),
+                            active_memory_before=backend.get_active_memory(), backend=backend.name())
+    start = time.perf_counter()
+    done: dict[int, nn.Module] = {}  # a layer registered under two names is quantized once and stays shared
+    for name in tqdm(chosen, desc=f"quantize {quant_type}", unit="layer", disable=not progress):
+        parent_name, _, child_name = name.rpartition(".")
+        parent = model.get_submodule(parent_name)
+        linear = getattr(parent, child_name)
+        if id(linear) not in done:
+            done[id(linear)] = quantizer.replace(linear, options)
+        setattr(parent, child_name, done[id(linear)])
+        report.replaced.append(name)
+    report.seconds = time.perf_counter() - start
+    report.parameter_bytes_after = parameter_bytes(model)
+    report.active_memory_after = backend.get_active_memory()
+    logger.info("%s", report)
+    return report
