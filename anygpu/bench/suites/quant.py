@@ -31,7 +31,7 @@ def case_builder(fn: Callable[[torch.device, bool], list[Case]]):
     return fn
 
 
-@suite("quant", "8-bit blockwise and NF4 quantize / dequantize against bitsandbytes and a copy")
+@suite("quant", "8-bit blockwise and NF4 quantize / dequantize, NF4 matmul, against bitsandbytes, F.linear and a copy")
 def quant(device: torch.device, quick: bool) -> list[Case]:
     return [case for build in CASE_BUILDERS for case in build(device, quick)]
 
@@ -133,4 +133,45 @@ def nf4_cases(device: torch.device, quick: bool) -> list[Case]:
                           baselines_q, bytes=quantize_bytes))
         cases.append(Case("dequantize_nf4", shape, lambda p=packed, s=state: Q.dequantize_4bit(p, s),
                           baselines_d, bytes=dequantize_bytes))
+    return cases
+
+
+# (N, K) of the 4-bit matmul cases and the rows of x: decode (1), a small batch (16), a prefill (4096).
+MATMUL_WEIGHTS = ((8192, 8192), (28672, 8192), (8192, 28672))
+MATMUL_ROWS = (1, 16, 4096)
+
+
+def _bnb_matmul_4bit(weight: torch.Tensor, x: torch.Tensor, compress: bool):
+    import bitsandbytes
+
+    packed, state = bitsandbytes.functional.quantize_4bit(weight, blocksize=64, quant_type="nf4",
+                                                          compress_statistics=compress)
+    return lambda: bitsandbytes.matmul_4bit(x, packed.t(), quant_state=state)
+
+
+@case_builder
+def matmul_4bit_cases(device: torch.device, quick: bool) -> list[Case]:
+    """NF4 ``x @ W.T`` against fp16/bf16 ``F.linear`` on the unquantized weight and bitsandbytes."""
+    from ...quant.matmul import matmul_4bit
+
+    small = quick or device.type == "cpu"
+    bnb = _bitsandbytes()
+    cases = []
+    for (n, k), dtype in [((512, 512), torch.float32)] if small else [
+            (nk, dt) for dt in (torch.float16, torch.bfloat16) for nk in MATMUL_WEIGHTS]:
+        weight = torch.randn(n, k, dtype=dtype, device=device) * 0.02
+        for compress in (False, True):
+            packed, state = Q.quantize_4bit(weight, blocksize=64, quant_type="nf4", compress_statistics=compress)
+            weight_bytes = packed.nbytes + state.absmax.nbytes + (state.state2.absmax.nbytes if compress else 0)
+            for m in (1, 16) if small else MATMUL_ROWS:
+                if compress and (m == 4096 or (n, k) != MATMUL_WEIGHTS[0]):
+                    continue  # double quant only where its decode cost shows: small batches, one shape
+                x = torch.randn(m, k, dtype=dtype, device=device)
+                baselines = {"F.linear": lambda x=x, w=weight: torch.nn.functional.linear(x, w)}
+                if bnb is not None and not small:
+                    baselines["bitsandbytes"] = _baseline(lambda w=weight, x=x, c=compress: _bnb_matmul_4bit(w, x, c))
+                label = f"M={m} {n}x{k} {str(dtype).removeprefix('torch.')}{' dq' if compress else ''}"
+                cases.append(Case("matmul_nf4", label, lambda x=x, p=packed, s=state: matmul_4bit(x, p, s),
+                                  baselines, bytes=weight_bytes + x.nbytes + m * n * x.element_size(),
+                                  flops=2 * m * n * k, graph=m <= 16))
     return cases
