@@ -153,3 +153,20 @@ def test_cross_compile_uses_the_aligned_variant_the_runtime_picks():
                     attrs=SPEC.attrs(torch.bfloat16))
     ptx = triton.compile(src, target=sm90.triton_target(), options=cfg.options(sm90)).asm["ptx"]
     assert "ld.global.v4.b32" in ptx and "ld.global.b16" not in ptx
+
+
+@pytest.mark.aot
+def test_nvidia_kernels_keep_subnormals():
+    """The quantize kernels divide by absmax floored at 1e-38, a subnormal: on NVIDIA the division must be
+    IEEE ``div.rn.f32``, not a flushing ``.ftz`` variant, or zero blocks would get NaN codes."""
+    import triton
+    from triton.compiler import ASTSource
+
+    from anygpu.kernels.config import select
+    from anygpu.kernels.quant_blockwise import QUANTIZE_SPEC as spec
+
+    target = TARGETS["sm_90"]
+    cfg = select(spec.configs, target)[0]
+    src = ASTSource(fn=spec.fn, signature=spec.signature(torch.float32), constexprs=dict(cfg.constexprs))
+    ptx = triton.compile(src, target=target.triton_target(), options=cfg.options(target)).asm["ptx"]
+    assert "div.rn.f32" in ptx and "div.rn.ftz" not in ptx

@@ -28,11 +28,6 @@ from .config import TRITON_DTYPE, KernelSpec, LaunchConfig, device_target, on_de
 # The reference's absmax floor, 1e-38 (an fp32 subnormal), as its bit pattern: a Python float that small
 # would become an fp64 constant in Triton and turn the whole scaling into fp64.
 CLAMP_MIN_BITS = tl.constexpr(torch.tensor(1e-38, dtype=torch.float32).view(torch.int32).item())
-# 1 / 1e-38 in fp32 (IEEE, computed here): on GPUs Triton's libdevice division flushes subnormal inputs
-# such as 1e-38 to zero (1 / 0 = inf, and a zero block would get NaN codes), so the floor's reciprocal
-# is a constant and "is absmax below the floor" is an integer compare of the bits (no subnormal compare).
-RECIP_CLAMP_MIN_BITS = tl.constexpr((torch.tensor(1.0, dtype=torch.float32) / torch.tensor(1e-38, dtype=torch.float32))
-                                    .view(torch.int32).item())
 
 
 @triton.jit
@@ -52,22 +47,15 @@ def _scaled_blocks(a_ptr, absmax_ptr, n, n_full_blocks, BS: tl.constexpr, BLOCKS
     has_nan = tl.max((x != x).to(tl.int32), axis=1)  # GPUs' max drops NaN; torch's max returns it
     absmax = tl.where(has_nan > 0, float("nan"), absmax)
     floor = tl.full([BLOCKS], CLAMP_MIN_BITS, tl.int32).to(tl.float32, bitcast=True)
-    # absmax >= 0 or NaN, so its bits order like its values; NaN's bits are above every finite's.
-    below_floor = absmax.to(tl.int32, bitcast=True) < CLAMP_MIN_BITS
-    clamped = tl.where(below_floor, floor, absmax)  # NaN stays NaN, as torch.clamp
+    clamped = tl.where(absmax < floor, floor, absmax)  # NaN stays NaN, as torch.clamp
     block = first + rows
     is_tail = block >= n_full_blocks  # the partial last block (blocks past the end are masked)
     tl.store(absmax_ptr + block, tl.where(is_tail, clamped, absmax), mask=rows * BS < left)
 
-    recip_floor = tl.full([BLOCKS], RECIP_CLAMP_MIN_BITS, tl.int32).to(tl.float32, bitcast=True)
-    recip = tl.where(below_floor, recip_floor, tl.div_rn(tl.full([BLOCKS], 1.0, tl.float32), clamped))
-    scaled = x * recip[:, None]
+    scaled = x * tl.div_rn(tl.full([BLOCKS], 1.0, tl.float32), clamped)[:, None]
     if first + BLOCKS > n_full_blocks:  # the last program: its partial block divides, and elements past
-        # the end scale to 0 (4 bits pad an odd count with the code of 0).  Below the floor every x is 0
-        # or subnormal: multiply by the floor's reciprocal rather than divide by a subnormal.
-        divided = tl.where(below_floor[:, None], x * recip_floor[:, None], tl.div_rn(x, clamped[:, None]))
-        scaled = tl.where(is_tail[:, None], divided, scaled)
-        scaled = tl.where(in_range, scaled, 0.0)
+        scaled = tl.where(is_tail[:, None], tl.div_rn(x, clamped[:, None]), scaled)  # the end scale to 0
+        scaled = tl.where(in_range, scaled, 0.0)  # (4 bits pad an odd count with the code of 0)
     return scaled, in_range, base, local
 
 

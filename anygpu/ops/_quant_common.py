@@ -88,7 +88,8 @@ def bucket(scaled: torch.Tensor, midpoints: torch.Tensor) -> torch.Tensor:
     """int64 positions: how many midpoints lie strictly below each value; NaN -> len(midpoints).
     The reference's clamp to [-1, 1] is left out: it cannot move a value across a midpoint of a table
     within [-1, 1], which every map is (the 8-bit ``code`` argument is documented so)."""
-    return torch.bucketize(scaled, midpoints, right=False)
+    # NaN explicitly: the same answer from every device's bucketize, and the kernels' rule.
+    return torch.bucketize(scaled, midpoints, right=False).masked_fill_(torch.isnan(scaled), midpoints.numel())
 
 
 def times_block_absmax(values: torch.Tensor, absmax: torch.Tensor, blocksize: int) -> torch.Tensor:
