@@ -75,6 +75,8 @@ def reshape_and_cache(key: torch.Tensor, value: torch.Tensor, key_cache: torch.T
         key = key.contiguous()
     if value.stride(-1) != 1:
         value = value.contiguous()
+    if slot_mapping.stride(0) != 1:  # read at offset t
+        slot_mapping = slot_mapping.contiguous()
     cfg, options = launch_config(CONFIGS, key.device)
     head_dim_pad = 1 << (head_dim - 1).bit_length()
     block_h = min(1 << (heads - 1).bit_length(), max(1, cfg.constexprs["BLOCK_H"] * 128 // head_dim_pad))

@@ -278,6 +278,10 @@ def dequantize_weight(w, absmax, code, blocksize, n, k, dtype, nested_absmax=Non
     return out
 
 
+def _unit_stride(t: torch.Tensor | None) -> torch.Tensor | None:
+    return t if t is None or t.stride(-1) == 1 else t.contiguous()
+
+
 def _sub(blocksize: int, block_k: int) -> int:
     return min(blocksize, block_k)
 
@@ -299,6 +303,9 @@ def matmul_4bit(x: torch.Tensor, weight: torch.Tensor, absmax: torch.Tensor, cod
     if k == 0:
         return out.zero_() if bias is None else out.copy_(bias.expand_as(out))
     w = weight.view(torch.uint8) if weight.dtype != torch.uint8 else weight
+    # The kernels read these at flat offsets (the op checks shapes, not strides).
+    absmax, bias = _unit_stride(absmax), _unit_stride(bias)
+    nested_absmax, nested_code = _unit_stride(nested_absmax), _unit_stride(nested_code)
     p = plan_ or plan(m, n, k, blocksize, x.dtype, x.device)
     nested = nested_absmax is not None
     dummy = absmax

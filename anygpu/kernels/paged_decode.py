@@ -323,6 +323,11 @@ def paged_decode(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Te
         q = q.contiguous()
     group = q_heads // kv_heads
     head_dim_pad = max(16, 1 << (head_dim - 1).bit_length())
+    # seqlens is read at offset b and a block table row at offset j: both need unit stride.
+    if seqlens.stride(0) != 1:
+        seqlens = seqlens.contiguous()
+    if block_tables.stride(1) != 1:
+        block_tables = block_tables.contiguous()
     cfg, options = launch_config(CONFIGS if head_dim_pad <= 128 else LARGE_HEAD_CONFIGS, q.device)
     tile = cfg.constexprs["TILE_N"]
     granule = math.lcm(tile, block_size)

@@ -103,6 +103,8 @@ def rotary_embedding(positions: torch.Tensor, query: torch.Tensor, key: torch.Te
     half = cos_sin_cache.shape[1] // 2
     if tokens == 0 or half == 0 or n_q_heads + n_k_heads == 0:
         return
+    if positions.stride(0) != 1:  # the kernel reads positions[t] at offset t (e.g. position_ids[:, -1] is strided)
+        positions = positions.contiguous()
     cfg, options = launch_config(_TABLES[bool(is_neox)], query.device)
     # Plain int arithmetic: triton.next_power_of_2 and triton.cdiv cost ~4 us of host time per call.
     block_half = 1 << (half - 1).bit_length()
