@@ -91,7 +91,7 @@ def _gemv_4bit_kernel(x_ptr, w_ptr, absmax_ptr, code_ptr, bias_ptr, out_ptr,
             acc += tl.load(bias_ptr + n, mask=n_mask, other=0.0).to(tl.float32)
         tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=n_mask)
     else:
-        tl.atomic_add(out, acc, mask=n_mask)
+        tl.atomic_add(out, acc, mask=n_mask, sem="relaxed")  # partial sums: no ordering needed
 
 
 @triton.jit
@@ -182,7 +182,7 @@ def _gemm_4bit_kernel(x_ptr, w_ptr, absmax_ptr, code_ptr, bias_ptr, out_ptr,
             acc += tl.load(bias_ptr + n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
         tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=m_mask[:, None] & n_mask[None, :])
     else:
-        tl.atomic_add(out, acc, mask=m_mask[:, None] & n_mask[None, :])
+        tl.atomic_add(out, acc, mask=m_mask[:, None] & n_mask[None, :], sem="relaxed")
 
 
 # ---- configs: per target, per path ---------------------------------------------------------------
