@@ -28,6 +28,7 @@ from anygpu.quant import dequantize_4bit, quantize_4bit
 
 bnb = pytest.importorskip("bitsandbytes", reason="bitsandbytes is the compatibility oracle (test extra)")
 import bitsandbytes.functional as BF  # noqa: E402
+from anygpu.testing import same_bits  # noqa: E402
 
 IN, OUT = 96, 40  # 3840 weights: 60 blocks of 64 spanning rows; bf16 storage holds 960 values
 CASES = [(qt, nested, bias, storage) for qt in ("nf4", "fp4") for nested in (False, True) for bias in (True, False)
@@ -57,14 +58,6 @@ def bnb_reference():
     yield
     lib._destroy()
 
-
-def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
-    if a.shape != b.shape or a.dtype != b.dtype:
-        return False
-    if a.dtype.is_floating_point:
-        ints = {1: torch.uint8, 2: torch.int16, 4: torch.int32}[a.element_size()]
-        return torch.equal(a.contiguous().view(ints), b.contiguous().view(ints))
-    return torch.equal(a, b)
 
 
 def same_state_dict(a: dict, b: dict) -> bool:

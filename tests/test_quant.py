@@ -13,19 +13,11 @@ from anygpu.ops.quantize_blockwise import reference as quantize_blockwise_refere
 from anygpu.quant import create_dynamic_map, get_4bit_type
 from anygpu.quant import functional as Q
 from anygpu.quant.maps import dynamic_map
+from anygpu.testing import same_bits  # noqa: E402
 
 DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 STORAGES = (torch.uint8, torch.float16, torch.bfloat16, torch.float32)
 
-
-def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
-    """Equal shape, dtype and bits (NaN == NaN of the same payload)."""
-    if a.shape != b.shape or a.dtype != b.dtype:
-        return False
-    if a.dtype.is_floating_point:
-        ints = {1: torch.uint8, 2: torch.int16, 4: torch.int32}[a.element_size()]
-        return torch.equal(a.contiguous().view(ints), b.contiguous().view(ints))
-    return torch.equal(a, b)
 
 
 # -- tables and maps --------------------------------------------------------------------------------

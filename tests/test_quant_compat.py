@@ -26,20 +26,13 @@ import bitsandbytes.functional as BF  # noqa: E402
 
 from anygpu.quant import QuantState, create_dynamic_map, get_4bit_type  # noqa: E402
 from anygpu.quant import functional as Q  # noqa: E402
+from anygpu.testing import same_bits  # noqa: E402
 
 BLOCKSIZES = (32, 64, 128, 256, 512, 1024, 2048, 4096)
 DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 # Odd sizes, 1 element, partial blocks, 3-D; no 2-D shape with one packed byte (bitsandbytes transposes those).
 SHAPES = [(1,), (2,), (3,), (5, 7), (65,), (4, 33, 5), (130, 64)]
 
-
-def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
-    if a.shape != b.shape or a.dtype != b.dtype:
-        return False
-    if a.dtype.is_floating_point:
-        ints = {1: torch.uint8, 2: torch.int16, 4: torch.int32}[a.element_size()]
-        return torch.equal(a.contiguous().view(ints), b.contiguous().view(ints))
-    return torch.equal(a, b)
 
 
 @pytest.fixture(scope="module", autouse=True)

@@ -100,3 +100,13 @@ def kernel_device() -> torch.device | None:
 def poison_(t: torch.Tensor) -> torch.Tensor:
     """Fill with NaN (floats) or a sentinel so an unwritten output element cannot pass a comparison."""
     return t.fill_(float("nan") if t.dtype.is_floating_point else -1)
+
+
+def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Equal shape, dtype and bits (so NaN == NaN of the same payload, and -0.0 != 0.0)."""
+    if a.shape != b.shape or a.dtype != b.dtype:
+        return False
+    if a.dtype.is_floating_point:
+        ints = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[a.element_size()]
+        return torch.equal(a.contiguous().view(ints), b.contiguous().view(ints))
+    return torch.equal(a, b)
