@@ -64,6 +64,77 @@ def bench(suite, list_suites, quick, json_path, png_path):
         click.echo(f"wrote {png_path}")
 
 
+DTYPES = {"fp16": "float16", "float16": "float16", "half": "float16", "bf16": "bfloat16", "bfloat16": "bfloat16",
+          "fp32": "float32", "float32": "float32", "float": "float32"}
+
+
+def _parse_shape(text: str) -> tuple[int, int, int]:
+    try:
+        m, n, k = (int(v) for v in text.split(","))
+    except ValueError:
+        m = n = k = 0
+    if min(m, n, k) < 1:
+        raise click.BadParameter(f"expected M,N,K (three positive ints: tokens, out features, in features), got {text!r}",
+                                 param_hint="--shape")
+    return m, n, k
+
+
+@cli.command()
+@click.option("--shape", "shapes", multiple=True, metavar="M,N,K",
+              help="A linear to tune: x[M, K] @ W[N, K]^T (tokens, out features, in features). Repeatable.")
+@click.option("--dtype", default=None, type=click.Choice(sorted(DTYPES)),
+              help="dtype of --shape GEMMs (default: bf16 on GPUs, fp32 on the CPU).")
+@click.option("--bias", is_flag=True, help="Tune the --shape GEMMs with a bias (GemmAndBias).")
+@click.option("--untuned", "untuned_path", default=None, metavar="FILE",
+              help="Tune every GEMM recorded in this untuned file (written with ANYGPU_TUNABLEOP_RECORD_UNTUNED=1).")
+@click.option("--output", default=None, metavar="FILE",
+              help="Results file ('%d' becomes the device ordinal). Default: ANYGPU_TUNABLEOP_FILENAME or "
+                   "anygpu_tunableop_results.csv (ordinal inserted).")
+@click.option("--max-iterations", type=click.IntRange(min=1), default=None, help="Timed calls per candidate, at most.")
+@click.option("--max-duration-ms", type=click.FloatRange(min=0), default=None, help="Timing budget per candidate.")
+def tune(shapes, dtype, bias, untuned_path, output, max_iterations, max_duration_ms):
+    """Tune GEMMs ahead of time into the TunableOp results file (one GPU: torch's current device).
+
+    Spreading an untuned file over several GPUs in parallel processes is not implemented yet (issue 5).
+    """
+    import torch
+
+    from . import backend, tunable
+
+    if not shapes and not untuned_path:
+        raise click.UsageError("give at least one --shape M,N,K or --untuned FILE")
+    parsed = [_parse_shape(s) for s in shapes]
+    device = backend.device()
+    torch_dtype = getattr(torch, DTYPES[dtype] if dtype else ("bfloat16" if device.type == "cuda" else "float32"))
+    values = {"enabled": True, "tuning": True}
+    if output:
+        values["filename"] = output
+    if max_iterations:
+        values["max_tuning_iterations"] = max_iterations
+    if max_duration_ms is not None:
+        values["max_tuning_duration_ms"] = max_duration_ms
+    rows = []
+    with tunable.settings(**values) as s:
+        if parsed:
+            for problem, entry in tunable.tune_shapes(parsed, torch_dtype, device, bias=bias):
+                rows.append([entry.op_signature, entry.params_signature, entry.solution, f"{entry.time_ms:.4g}"])
+        if untuned_path:
+            try:
+                tuned = tunable.tune_untuned_file(untuned_path, device)
+            except ValueError as e:
+                raise click.BadParameter(str(e), param_hint="--untuned") from e
+            ordinal = max(device.index or 0, 0)
+            for problem, solution in tuned:
+                entry = tunable.table(ordinal).get(problem)
+                rows.append([problem.op_signature(), problem.params_signature(), solution,
+                             f"{entry.time_ms:.4g}" if entry else "-"])
+        path = s.results_path(max(device.index or 0, 0))
+    from tabulate import tabulate
+
+    click.echo(tabulate(rows, ["op", "params", "solution", "ms"]))
+    click.echo(f"results in {path}")
+
+
 @cli.command()
 def targets():
     """The GPU targets anygpu knows, with their limits."""
