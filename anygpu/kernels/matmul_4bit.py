@@ -187,8 +187,9 @@ def _gemm_4bit_kernel(x_ptr, w_ptr, absmax_ptr, code_ptr, bias_ptr, out_ptr,
 
 # ---- configs: per target, per path ---------------------------------------------------------------
 # GEMV: BLOCK_N rows per program, one 64-element chunk per row per step; K split so partial sums of
-# up to 16 programs meet in fp32 (tools/sweep_matmul_4bit.py on the H200).  GEMM: BLOCK_M 16 for tensor cores / MFMA / WMMA; decoding the weight tile,
-# not the dot, bounds it, so more programs (split K) help.  RDNA3: wave32 WMMA and 64 KiB of LDS.
+# up to 16 programs meet in fp32 (tools/sweep_matmul_4bit.py on the H200).  GEMM: BLOCK_M 16 for tensor
+# cores / MFMA / WMMA; decoding the weight tile, not the dot, bounds it, so more programs (split K)
+# help.  RDNA3: wave32 WMMA and 64 KiB of LDS.
 GEMV_CONFIGS = {
     "default": (LaunchConfig({"BLOCK_N": 64, "MAX_CHUNK": 64, "LUT_GATHER": True, "MAX_SPLIT": 8}, num_warps=4),),
     # H200: the PTX decoder, 64 rows, 2 warps, split 16: 25.5 us at N = K = 8192 (table lookups: 30.1 us).
@@ -278,6 +279,20 @@ def dequantize_weight(w, absmax, code, blocksize, n, k, dtype, nested_absmax=Non
     return out
 
 
+_OPTIONS: dict = {}
+
+
+def _options(cfg: LaunchConfig, device: torch.device) -> dict:
+    """``cfg``'s Triton options on ``device``, cached: decode calls this once per layer per token."""
+    key = (id(cfg), device.type, device.index)
+    hit = _OPTIONS.get(key)
+    if hit is None or hit[0] is not cfg:  # the entry keeps cfg alive, so its id is not reused meanwhile
+        if len(_OPTIONS) > 256:
+            _OPTIONS.clear()
+        hit = _OPTIONS[key] = (cfg, cfg.options(device_target(device)))
+    return hit[1]
+
+
 def _unit_stride(t: torch.Tensor | None) -> torch.Tensor | None:
     return t if t is None or t.stride(-1) == 1 else t.contiguous()
 
@@ -317,7 +332,7 @@ def matmul_4bit(x: torch.Tensor, weight: torch.Tensor, absmax: torch.Tensor, cod
         return torch.nn.functional.linear(x, wd, bias)
     cfg = p.config
     c = cfg.constexprs
-    options = cfg.options(device_target(x.device))
+    options = _options(cfg, x.device)
     with on_device(x.device):
         # The PTX decoder reads the packed codes as int32 words.
         ptx_words = x.device.type == "cuda" and w.data_ptr() % 4 == 0 and k % 8 == 0
