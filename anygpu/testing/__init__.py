@@ -103,10 +103,15 @@ def poison_(t: torch.Tensor) -> torch.Tensor:
 
 
 def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
-    """Equal shape, dtype and bits (so NaN == NaN of the same payload, and -0.0 != 0.0)."""
+    """Equal shape, dtype and bits (so -0.0 != 0.0), except that any NaN equals any NaN: NaN payloads
+    are not portable (NVIDIA GPUs produce 0x7FFFFFFF where CPUs keep 0x7FC00000)."""
     if a.shape != b.shape or a.dtype != b.dtype:
         return False
     if a.dtype.is_floating_point:
+        nan_a, nan_b = torch.isnan(a), torch.isnan(b)
+        if not torch.equal(nan_a, nan_b):
+            return False
         ints = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[a.element_size()]
-        return torch.equal(a.contiguous().view(ints), b.contiguous().view(ints))
+        a_bits, b_bits = a.contiguous().view(ints), b.contiguous().view(ints)
+        return torch.equal(a_bits[~nan_a], b_bits[~nan_b])
     return torch.equal(a, b)
