@@ -115,3 +115,18 @@ def test_bad_kernels_choice_names_the_variable(monkeypatch):
     monkeypatch.setenv("ANYGPU_KERNELS", "fast")
     with pytest.raises(ValueError, match="ANYGPU_KERNELS='fast': expected 'triton'"):
         silu_and_mul(torch.randn(2, 8, device="cuda"))
+
+
+def test_ops_take_keywords_and_schema_defaults():
+    from anygpu.ops import gelu_and_mul
+
+    x = torch.randn(3, 8)
+    torch.testing.assert_close(gelu_and_mul(x, approximate="tanh"), gelu_and_mul(x, "tanh"))
+    torch.testing.assert_close(gelu_and_mul(x), gelu_and_mul(x, "none"))
+    torch.testing.assert_close(gelu_and_mul(x=x), gelu_and_mul(x))
+    with pytest.raises(TypeError, match=r"unexpected keyword arguments \['foo'\]"):
+        gelu_and_mul(x, foo=1)
+    with pytest.raises(TypeError, match=r"multiple values for arguments \['x'\]"):
+        gelu_and_mul(x, x=x)
+    with pytest.raises(TypeError, match="missing required argument 'x'"):
+        gelu_and_mul()

@@ -83,6 +83,9 @@ class Op:
         unknown = set(kwargs) - set(names)
         if unknown:
             raise TypeError(f"{self.name}() got unexpected keyword arguments {sorted(unknown)}")
+        twice = set(kwargs) & set(names[:len(args)])
+        if twice:
+            raise TypeError(f"{self.name}() got multiple values for arguments {sorted(twice)}")
         bound = list(args)
         for arg in schema.arguments[len(args):]:
             if arg.name in kwargs:
