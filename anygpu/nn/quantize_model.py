@@ -1,7 +1,8 @@
-"""``quantize_model(model, "nf4" | "fp4", skip=...)``: every ``nn.Linear`` of a model, quantized in place.
+"""``quantize_model(model, "nf4" | "fp4" | "int8", skip=...)``: every ``nn.Linear`` of a model, quantized in place.
 
 Works on any ``nn.Module`` (a transformers model, a hand-built one): it walks ``named_modules()`` and
-replaces each ``nn.Linear`` in its parent by a ``Linear4bit`` holding the quantized weight, one layer at a
+replaces each ``nn.Linear`` in its parent by a ``Linear4bit`` (``"nf4"``, ``"fp4"``) or an int8
+``Linear8bitLt`` (``"int8"``, LLM.int8() with outlier ``threshold``) holding the quantized weight, one layer at a
 time, so the full-precision weight of a layer is released as soon as it is replaced (unless something
 else, such as a tied embedding, still holds it).  Left alone:
 
@@ -20,7 +21,7 @@ quantizing a CPU-loaded model with ``device="cuda"`` puts only the small 4-bit w
 ``model.to("cuda")`` afterwards moves the rest.
 
 The quant_type dispatch is a table (``LINEAR_QUANTIZERS``) from name to how one nn.Linear is replaced,
-so another format (int8) plugs in with one entry.
+so another format plugs in with one entry.
 """
 
 from __future__ import annotations
@@ -37,7 +38,9 @@ from torch import nn
 from tqdm.auto import tqdm
 
 from .. import backend
+from .int8params import Int8Params
 from .linear4bit import Linear4bit, check_compute_dtype
+from .linear8bit import Linear8bitLt, check_threshold
 from .params4bit import Params4bit, check_4bit_options
 
 logger = logging.getLogger(__name__)
@@ -53,6 +56,7 @@ class QuantizeOptions:
     compress_statistics: bool
     quant_storage: torch.dtype
     device: torch.device | None
+    threshold: float = 0.0  # int8 only: LLM.int8()'s outlier threshold
 
 
 class LinearQuantizer(NamedTuple):
@@ -62,6 +66,20 @@ class LinearQuantizer(NamedTuple):
 
 def _check_4bit(options: QuantizeOptions) -> None:
     check_4bit_options(options.quant_type, options.blocksize, options.quant_storage)
+    if options.threshold:
+        raise ValueError(f"threshold: only used by quant_type='int8', got {options.threshold!r} with "
+                         f"{options.quant_type!r}")
+
+
+def _check_int8(options: QuantizeOptions) -> None:
+    check_threshold(options.threshold)
+    if options.compute_dtype is not None:
+        raise ValueError(f"compute_dtype: not used by quant_type='int8' (the output has the input's dtype), got "
+                         f"{options.compute_dtype!r}")
+
+
+def _to_linear8bit(linear: nn.Linear, options: QuantizeOptions) -> nn.Module:
+    return Linear8bitLt.from_linear(linear, options.threshold, device=options.device)
 
 
 def _to_linear4bit(linear: nn.Linear, options: QuantizeOptions) -> nn.Module:
@@ -74,9 +92,10 @@ def _to_linear4bit(linear: nn.Linear, options: QuantizeOptions) -> nn.Module:
 LINEAR_QUANTIZERS: dict[str, LinearQuantizer] = {
     "nf4": LinearQuantizer(_check_4bit, _to_linear4bit),
     "fp4": LinearQuantizer(_check_4bit, _to_linear4bit),
+    "int8": LinearQuantizer(_check_int8, _to_linear8bit),
 }
 # Layers that are already quantized (subclasses of nn.Linear): never quantized again.
-QUANTIZED_LINEARS: tuple[type, ...] = (Linear4bit,)
+QUANTIZED_LINEARS: tuple[type, ...] = (Linear4bit, Linear8bitLt)
 
 
 @dataclass
@@ -131,6 +150,8 @@ def _tensors(model: nn.Module):
             yield from (state.absmax, state.code, state.offset)
             if state.state2 is not None:
                 yield from (state.state2.absmax, state.state2.code)
+        if isinstance(weight, Int8Params) and weight.SCB is not None:
+            yield weight.SCB
 
 
 def parameter_bytes(model: nn.Module) -> int:
@@ -185,10 +206,12 @@ def _linears(model: nn.Module) -> tuple[list[str], list[str]]:
 
 def quantize_model(model: nn.Module, quant_type: str = "nf4", *, skip=None, compute_dtype=None, blocksize: int = 64,
                    compress_statistics: bool = True, quant_storage: torch.dtype = torch.uint8, device=None,
-                   progress: bool = True) -> QuantizeReport:
+                   progress: bool = True, threshold: float = 0.0) -> QuantizeReport:
     """Replace every ``nn.Linear`` of ``model`` (but ``skip``'s) in place by a quantized layer; returns (and logs
     at INFO) a ``QuantizeReport``.  ``skip``: module-name patterns (default ``("lm_head",)``; see the module doc).
-    The other arguments are ``Linear4bit``'s.  ``progress``: show a tqdm bar."""
+    ``threshold`` (int8 only) is ``Linear8bitLt``'s LLM.int8() outlier threshold (0 = pure int8; transformers
+    uses 6.0); the int8 layers are inference layers (``has_fp16_weights=False``).  The other arguments are
+    ``Linear4bit``'s.  ``progress``: show a tqdm bar."""
     if not isinstance(model, nn.Module):
         raise ValueError(f"model: expected a torch.nn.Module, got {type(model).__name__}")
     if isinstance(model, nn.Linear):
@@ -204,7 +227,8 @@ def quantize_model(model: nn.Module, quant_type: str = "nf4", *, skip=None, comp
             raise ValueError(f"device: expected a torch device (e.g. 'cuda', 'cpu'), got {device!r}") from None
         if device.type == "meta":
             raise ValueError("device: expected a real device to quantize on, got meta")
-    options = QuantizeOptions(quant_type, compute_dtype, blocksize, bool(compress_statistics), quant_storage, device)
+    options = QuantizeOptions(quant_type, compute_dtype, blocksize, bool(compress_statistics), quant_storage, device,
+                              threshold)
     quantizer = LINEAR_QUANTIZERS[quant_type]
     quantizer.check(options)
     patterns, strict = _check_skip(skip)
