@@ -16,7 +16,8 @@ import torch
 import triton
 import triton.language as tl
 
-from .config import TRITON_DTYPE, KernelSpec, LaunchConfig, launch_config, on_device, register
+from .config import TRITON_DTYPE, KernelSpec, LaunchConfig, register
+from .silu_and_mul import launch_gated
 
 # tl.constexpr: a @triton.jit function may read only constexpr globals.
 SQRT1_2 = tl.constexpr(0.7071067811865476)  # 1 / sqrt(2)
@@ -67,26 +68,7 @@ SPEC = register(KernelSpec("gelu_and_mul", _gelu_and_mul_kernel, _signature, DTY
 
 def gelu_and_mul(x: torch.Tensor, approximate: str = "none", out: torch.Tensor | None = None) -> torch.Tensor:
     """Launch on ``x``'s device (a GPU, or the CPU under TRITON_INTERPRET=1).  ``x``: [..., 2*d]."""
-    two_d = x.shape[-1]
-    d = two_d // 2
-    if out is None:
-        out = x.new_empty(*x.shape[:-1], d)
-    elif (not out.is_contiguous() or out.shape != (*x.shape[:-1], d) or out.dtype != x.dtype
-          or out.device != x.device):
-        raise ValueError(f"out: expected a contiguous {x.dtype} tensor of shape {(*x.shape[:-1], d)} on {x.device}, "
-                         f"got {out.dtype} {tuple(out.shape)} on {out.device}")
     tanh = approximate == "tanh"
     if not tanh and approximate != "none":
         raise ValueError(f"approximate: expected 'none' or 'tanh', got {approximate!r}")
-    rows = out.numel() // d if d else 0
-    if rows == 0:
-        return out
-    x2 = x if x.dim() == 2 else x.reshape(rows, two_d)
-    if x2.stride(-1) != 1:
-        x2 = x2.contiguous()
-    cfg, options = launch_config(_TABLES[tanh], x.device)
-    # Plain int arithmetic: triton.next_power_of_2 and triton.cdiv cost ~4 us of host time per call.
-    block = min(cfg.constexprs["BLOCK"], 1 << (d - 1).bit_length())
-    with on_device(x.device):  # out is contiguous, so its row stride is d whatever its rank
-        _gelu_and_mul_kernel[(rows, -(-d // block))](x2, out, d, x2.stride(0), d, BLOCK=block, TANH=tanh, **options)
-    return out
+    return launch_gated(_gelu_and_mul_kernel, _TABLES[tanh], x, out, TANH=tanh)

@@ -49,8 +49,9 @@ def _signature(dtype: torch.dtype) -> dict:
 SPEC = register(KernelSpec("silu_and_mul", _silu_and_mul_kernel, _signature, DTYPES, CONFIGS))
 
 
-def silu_and_mul(x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
-    """Launch on ``x``'s device (a GPU, or the CPU under TRITON_INTERPRET=1).  ``x``: [..., 2*d]."""
+def launch_gated(kernel, table, x: torch.Tensor, out: torch.Tensor | None, **constexprs) -> torch.Tensor:
+    """Launch a gated activation ``kernel`` (this file's signature: x, out, d, strides, BLOCK) on ``x``'s
+    device (a GPU, or the CPU under TRITON_INTERPRET=1).  ``x``: [..., 2*d]; ``out``: [..., d] or None."""
     two_d = x.shape[-1]
     d = two_d // 2
     if out is None:
@@ -65,9 +66,14 @@ def silu_and_mul(x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tens
     x2 = x if x.dim() == 2 else x.reshape(rows, two_d)
     if x2.stride(-1) != 1:
         x2 = x2.contiguous()
-    cfg, options = launch_config(CONFIGS, x.device)
+    cfg, options = launch_config(table, x.device)
     # Plain int arithmetic: triton.next_power_of_2 and triton.cdiv cost ~4 us of host time per call.
     block = min(cfg.constexprs["BLOCK"], 1 << (d - 1).bit_length())
     with on_device(x.device):  # out is contiguous, so its row stride is d whatever its rank
-        _silu_and_mul_kernel[(rows, -(-d // block))](x2, out, d, x2.stride(0), d, BLOCK=block, **options)
+        kernel[(rows, -(-d // block))](x2, out, d, x2.stride(0), d, BLOCK=block, **constexprs, **options)
     return out
+
+
+def silu_and_mul(x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """Launch on ``x``'s device (a GPU, or the CPU under TRITON_INTERPRET=1).  ``x``: [..., 2*d]."""
+    return launch_gated(_silu_and_mul_kernel, CONFIGS, x, out)
