@@ -26,6 +26,7 @@ import torch
 from torch import nn
 
 from ..quant.matmul import matmul_4bit
+from ._source_linear import source_weight
 from .params4bit import Params4bit, check_4bit_options
 
 COMPUTE_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -64,12 +65,7 @@ class Linear4bit(nn.Linear):
                     blocksize: int | None = None, device=None) -> Linear4bit:
         """A ``Linear4bit`` quantizing ``linear`` on ``device`` (default: where its weight is).  The bias Parameter
         is reused (moved if needed); the full-precision weight is not kept."""
-        if not isinstance(linear, nn.Linear):
-            raise ValueError(f"linear: expected a torch.nn.Linear, got {type(linear).__name__}")
-        weight = linear.weight.detach()
-        device = weight.device if device is None else torch.device(device)
-        if device.type == "meta":
-            raise ValueError("device: expected a real device to quantize on, got meta")
+        weight, device = source_weight(linear, device)
         # Built on meta: nothing allocated or initialised for a weight about to be replaced.
         layer = Linear4bit(linear.in_features, linear.out_features, bias=False, compute_dtype=compute_dtype,
                            compress_statistics=compress_statistics, quant_type=quant_type,

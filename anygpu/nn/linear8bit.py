@@ -27,6 +27,7 @@ import torch
 from torch import nn
 
 from ..quant.int8 import int8_vectorwise_quant, matmul_8bit
+from ._source_linear import source_weight
 from .int8params import Int8Params
 
 # bitsandbytes' LINEAR_8BIT_WEIGHTS_FORMAT_MAPPING: only "row" (0) is still readable.
@@ -108,12 +109,7 @@ class Linear8bitLt(nn.Linear):
     def from_linear(linear: nn.Linear, threshold: float = 0.0, *, device=None) -> Linear8bitLt:
         """An int8 (``has_fp16_weights=False``) layer quantizing ``linear`` on ``device`` (default: where its weight
         is).  The bias Parameter is reused (moved if needed); the full-precision weight is not kept."""
-        if not isinstance(linear, nn.Linear):
-            raise ValueError(f"linear: expected a torch.nn.Linear, got {type(linear).__name__}")
-        weight = linear.weight.detach()
-        device = weight.device if device is None else torch.device(device)
-        if device.type == "meta":
-            raise ValueError("device: expected a real device to quantize on, got meta")
+        weight, device = source_weight(linear, device)
         layer = Linear8bitLt(linear.in_features, linear.out_features, bias=False, has_fp16_weights=False,
                              threshold=threshold, device="meta")
         layer.weight = Int8Params(weight, requires_grad=False, has_fp16_weights=False)._quantize(device)
