@@ -49,14 +49,17 @@ CASES = [  # m, n, k, blocksize, nested, bias
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("m,n,k,bs,nested,bias", CASES)
 def test_kernel_paths_match_reference(kdevice, dtype, m, n, k, bs, nested, bias):
-    from anygpu.kernels.config import device_target
+    from anygpu.kernels.config import LaunchConfig, device_target
     from anygpu.kernels.matmul_4bit import GEMM_CONFIGS, GEMV_CONFIGS, Plan, matmul_4bit as kernel, select
 
     target = device_target(kdevice)  # None under the interpreter: the portable configs
     w, absmax, code, nest = make_weight(n, k, bs, nested, kdevice)
     x = torch.randn(m, k, device=kdevice).to(dtype)
     b = torch.randn(n, device=kdevice).to(dtype) if bias else None
-    plans = [Plan("gemv", select(GEMV_CONFIGS, target)[0], s) for s in (1, 2)] if m <= 3 else []
+    gemv = select(GEMV_CONFIGS, target)[0]
+    # Also a step of one block or less, without prefetch, whatever the table's choice.
+    small_steps = LaunchConfig({**gemv.constexprs, "CHUNK": 32, "PREFETCH": False}, gemv.num_warps)
+    plans = [Plan("gemv", gemv, s) for s in (1, 3)] + [Plan("gemv", small_steps, 2)] if m <= 3 else []
     plans += [Plan("gemm", select(GEMM_CONFIGS, target)[0], s) for s in (1, 2)] + [Plan("dequant")]
     for plan in plans:
         y = kernel(x, w, absmax, code, bs, n, k, b, *nest, plan_=plan)
@@ -81,8 +84,8 @@ def test_plan_picks_paths_and_takes_an_override():
     cpu = torch.device("cpu")
     assert K.plan(1, 8192, 8192, 64, torch.float16, cpu).path == "gemv"
     assert K.plan(1, 8192, 8192, 64, torch.float16, cpu).split_k == 8
-    assert K.plan(1, 64, 576, 64, torch.float16, cpu).split_k == 2  # 9 chunks: split while each keeps 4
-    assert K.plan(1, 64, 256, 64, torch.float16, cpu).split_k == 1
+    assert K.plan(1, 64, 2048, 64, torch.float16, cpu).split_k == 4  # 16 steps of 128: split while each keeps 4
+    assert K.plan(1, 64, 576, 64, torch.float16, cpu).split_k == 1
     assert K.plan(16, 8192, 8192, 64, torch.float16, cpu).path == "gemm"
     assert K.plan(4096, 8192, 8192, 64, torch.float16, cpu).path == "dequant"
     assert K.plan(1, 10, 100, 64, torch.float16, cpu).path == "dequant"  # blocks straddle rows

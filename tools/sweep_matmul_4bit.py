@@ -33,13 +33,17 @@ def t(fn):
 
 def plans(m):
     if m == 1:
-        for bn, warps, split in itertools.product((32, 64, 128), (2, 4), (4, 8, 16)):
-            yield K.Plan("gemv", LaunchConfig({"BLOCK_N": bn, "MAX_CHUNK": 64, "LUT_GATHER": True,
+        for bn, chunk, warps, prefetch, split in itertools.product((16, 32, 64), (64, 128, 256), (2, 4), (False, True),
+                                                                   (1, 2, 4, 8, 16)):
+            yield K.Plan("gemv", LaunchConfig({"BLOCK_N": bn, "CHUNK": chunk, "PREFETCH": prefetch, "LUT_GATHER": True,
                                                "DECODE_PTX": True}, num_warps=warps), split)
+        for bn, split in itertools.product((32, 64), (4, 8, 16)):  # the table-lookup decoder, for reference
+            yield K.Plan("gemv", LaunchConfig({"BLOCK_N": bn, "CHUNK": 128, "PREFETCH": True, "LUT_GATHER": True},
+                                              num_warps=4), split)
     else:
-        for bn, bk, warps, split, ptx in itertools.product((32, 64, 128), (128, 256), (4, 8), (2, 4, 8), (True, False)):
+        for bn, bk, stages, split, w_as_a in itertools.product((64, 128), (128, 256), (2, 4), (2, 4, 8), (False, True)):
             yield K.Plan("gemm", LaunchConfig({"BLOCK_M": 16, "BLOCK_N": bn, "BLOCK_K": bk, "LUT_GATHER": True,
-                                               "DECODE_PTX": ptx}, num_warps=warps, num_stages=3), split)
+                                               "W_AS_A": w_as_a}, num_warps=4, num_stages=stages), split)
 
 
 def run(n, k, m, dtype, nested, candidates):
@@ -56,6 +60,9 @@ def run(n, k, m, dtype, nested, candidates):
             us = t(lambda: K.matmul_4bit(x, w, am, code, 64, n, k, None, *nest, plan_=plan))
         except Exception as e:  # noqa: BLE001
             print("fail", plan, str(e)[:200])
+            continue
+        if err > 1e-2:
+            print("wrong", plan, err)
             continue
         results.append((us, plan, err))
     results.sort(key=lambda r: r[0])

@@ -27,17 +27,31 @@ import triton.language as tl
 
 from ._decode_4bit import _block_scales, _decode8, _lookup, _tables
 from ._program_order import grouped_tile
+from ._split_k import reduce_partials
 from .config import TRITON_DTYPE, KernelSpec, LaunchConfig, device_target, on_device, register, select
+
+
+@triton.jit
+def _gemv_load(w_rows, k0, K, n_mask, CHUNK: tl.constexpr, PER_WORD: tl.constexpr, EVEN_K: tl.constexpr):
+    """One step's packed weights: [BLOCK_N, CHUNK / PER_WORD] words (int32 for the PTX decoder, else bytes)."""
+    j = tl.arange(0, CHUNK // PER_WORD)
+    if EVEN_K:
+        return tl.load(w_rows + k0 // PER_WORD, mask=n_mask[:, None], other=0)
+    return tl.load(w_rows + k0 // PER_WORD, mask=n_mask[:, None] & (k0 + PER_WORD * j < K)[None, :], other=0)
 
 
 @triton.jit
 def _gemv_4bit_kernel(x_ptr, w_ptr, absmax_ptr, code_ptr, bias_ptr, out_ptr,
                       nested_code_ptr, nested_absmax_ptr, nested_offset_ptr,
-                      N, K, stride_xm, stride_om,
-                      BLOCKSIZE: tl.constexpr, BLOCK_N: tl.constexpr, CHUNK: tl.constexpr,
-                      SPLIT_K: tl.constexpr, NESTED: tl.constexpr, HAS_BIAS: tl.constexpr,
+                      N, K, stride_xm, stride_om, SPLITS,
+                      BLOCKSIZE: tl.constexpr, BLOCK_N: tl.constexpr, CHUNK: tl.constexpr, SEG: tl.constexpr,
+                      EVEN_K: tl.constexpr, PARTIAL: tl.constexpr, PREFETCH: tl.constexpr,
+                      NESTED: tl.constexpr, HAS_BIAS: tl.constexpr,
                       LUT_GATHER: tl.constexpr, DECODE_PTX: tl.constexpr):
-    # One program: BLOCK_N output features of one row of x, over 1/SPLIT_K of K, CHUNK elements per step.
+    # One program: BLOCK_N output features of one row of x, over 1/SPLITS of K, CHUNK elements of each
+    # row per step.  A step covers CHUNK / SEG segments of SEG (= min(CHUNK, block size)) elements that
+    # share one scale, applied once to the segment's sum of code x activation.
+    tl.static_assert(CHUNK % SEG == 0 and SEG <= BLOCKSIZE)
     m = tl.program_id(1)
     pid_k = tl.program_id(2)
     n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -45,27 +59,38 @@ def _gemv_4bit_kernel(x_ptr, w_ptr, absmax_ptr, code_ptr, bias_ptr, out_ptr,
     n64 = n.to(tl.int64)
     blocks_per_row = K // BLOCKSIZE
     x_row = x_ptr + m.to(tl.int64) * stride_xm
-    # CHUNK (<= the 4-bit block) elements of each row per step share one scale, applied once to the row's
-    # sum of code x activation.
-    chunks = K // CHUNK
-    per_split = tl.cdiv(chunks, SPLIT_K)
+    chunks = tl.cdiv(K, CHUNK)
+    per_split = tl.cdiv(chunks, SPLITS)
     c_start = pid_k * per_split
     c_end = tl.minimum(c_start + per_split, chunks)
     acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    PER_WORD: tl.constexpr = 8 if DECODE_PTX else 2
     if DECODE_PTX:
         t0, t1, t2, t3, u0, u1, u2, u3 = _tables(code_ptr)
-        words = w_ptr.to(tl.pointer_type(tl.int32)) + n64[:, None] * (K // 8) + tl.arange(0, CHUNK // 8)[None, :]
+        w_rows = w_ptr.to(tl.pointer_type(tl.int32)) + n64[:, None] * (K // 8) + tl.arange(0, CHUNK // 8)[None, :]
     else:
         lut = tl.load(code_ptr + tl.arange(0, 16))
         w_rows = w_ptr + n64[:, None] * (K // 2) + tl.arange(0, CHUNK // 2)[None, :]
+    seg = tl.arange(0, CHUNK // SEG)
+    kx = tl.arange(0, CHUNK)
+    # PREFETCH: the next step's weights are loaded before this step's are decoded, so each program
+    # keeps two loads in flight (memory-level parallelism is what a GEMV lives on).
+    if PREFETCH:
+        packed = _gemv_load(w_rows, c_start * CHUNK, K, n < tl.where(c_start < c_end, N, 0), CHUNK, PER_WORD, EVEN_K)
     for c in range(c_start, c_end):
         k0 = c * CHUNK
+        if PREFETCH:
+            following = _gemv_load(w_rows, k0 + CHUNK, K, n < tl.where(c + 1 < c_end, N, 0), CHUNK, PER_WORD, EVEN_K)
+        else:
+            packed = _gemv_load(w_rows, k0, K, n_mask, CHUNK, PER_WORD, EVEN_K)
+        if EVEN_K:
+            xv = tl.load(x_row + k0 + kx).to(tl.float32)
+        else:
+            xv = tl.load(x_row + k0 + kx, mask=k0 + kx < K, other=0.0).to(tl.float32)
         if DECODE_PTX:
-            packed = tl.load(words + k0 // 8, mask=n_mask[:, None], other=0)
             v1, v0, v3, v2, v5, v4, v7, v6 = _decode8(packed, t0, t1, t2, t3, u0, u1, u2, u3)
-            # One 16-byte load of 8 activations per word, split in registers into the 8 element positions.
-            xv = tl.reshape(tl.load(x_row + k0 + tl.arange(0, CHUNK)).to(tl.float32), (CHUNK // 8, 4, 2))
-            x_even, x_odd = tl.split(xv)  # [words, 4]: elements 0 2 4 6 and 1 3 5 7
+            # One wide load of 8 activations per word, split in registers into the 8 element positions.
+            x_even, x_odd = tl.split(tl.reshape(xv, (CHUNK // 8, 4, 2)))  # [words, 4]: elements 0246, 1357
             e04, e26 = tl.split(tl.reshape(x_even, (CHUNK // 8, 2, 2)))
             e15, e37 = tl.split(tl.reshape(x_odd, (CHUNK // 8, 2, 2)))
             x0, x4 = tl.split(e04)
@@ -74,25 +99,31 @@ def _gemv_4bit_kernel(x_ptr, w_ptr, absmax_ptr, code_ptr, bias_ptr, out_ptr,
             x3, x7 = tl.split(e37)
             prod = v0 * x0[None, :] + v1 * x1[None, :] + v2 * x2[None, :] + v3 * x3[None, :]
             prod += v4 * x4[None, :] + v5 * x5[None, :] + v6 * x6[None, :] + v7 * x7[None, :]
-            partial = tl.sum(prod, axis=1)
         else:
             # Activations split into the even and the odd elements, matching the high and low nibbles.
-            xv = tl.load(x_row + k0 + tl.arange(0, CHUNK)).to(tl.float32)
             x_even, x_odd = tl.split(tl.reshape(xv, (CHUNK // 2, 2)))
-            packed = tl.load(w_rows + k0 // 2, mask=n_mask[:, None], other=0).to(tl.int32)
-            hi = _lookup(code_ptr, lut, packed >> 4, LUT_GATHER)
-            lo = _lookup(code_ptr, lut, packed & 15, LUT_GATHER)
-            partial = tl.sum(hi * x_even[None, :] + lo * x_odd[None, :], axis=1)
+            codes = packed.to(tl.int32)
+            hi = _lookup(code_ptr, lut, codes >> 4, LUT_GATHER)
+            lo = _lookup(code_ptr, lut, codes & 15, LUT_GATHER)
+            prod = hi * x_even[None, :] + lo * x_odd[None, :]
+        block = k0 // BLOCKSIZE + seg * SEG // BLOCKSIZE
+        seg_mask = n_mask[:, None] & (k0 + seg * SEG < K)[None, :]
         scale = _block_scales(absmax_ptr, nested_code_ptr, nested_absmax_ptr, nested_offset_ptr,
-                              n64 * blocks_per_row + k0 // BLOCKSIZE, n_mask, NESTED)
-        acc += partial * scale
-    out = out_ptr + m.to(tl.int64) * stride_om + n
-    if SPLIT_K == 1:
+                              n64[:, None] * blocks_per_row + block[None, :], seg_mask, NESTED)
+        if CHUNK == SEG:
+            acc += tl.sum(prod, axis=1) * tl.reshape(scale, (BLOCK_N,))
+        else:
+            per_seg = tl.sum(tl.reshape(prod, (BLOCK_N, CHUNK // SEG, SEG // PER_WORD)), axis=2)
+            acc += tl.sum(per_seg * scale, axis=1)
+        if PREFETCH:
+            packed = following
+    if PARTIAL:  # this split's slice of the [SPLITS, M, N] fp32 partials (kernels/_split_k.py adds them)
+        out = out_ptr + (pid_k * tl.num_programs(1) + m).to(tl.int64) * N + n
+        tl.store(out, acc, mask=n_mask)
+    else:
         if HAS_BIAS:
             acc += tl.load(bias_ptr + n, mask=n_mask, other=0.0).to(tl.float32)
-        tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=n_mask)
-    else:
-        tl.atomic_add(out, acc, mask=n_mask, sem="relaxed")  # partial sums: no ordering needed
+        tl.store(out_ptr + m.to(tl.int64) * stride_om + n, acc.to(out_ptr.dtype.element_ty), mask=n_mask)
 
 
 @triton.jit
@@ -102,7 +133,8 @@ def _gemm_4bit_kernel(x_ptr, w_ptr, absmax_ptr, code_ptr, bias_ptr, out_ptr,
                       BLOCKSIZE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                       SUB: tl.constexpr, NESTED: tl.constexpr, HAS_BIAS: tl.constexpr, GROUP_M: tl.constexpr,
                       DOT_IN_FP32: tl.constexpr, LUT_GATHER: tl.constexpr, SPLIT_K: tl.constexpr,
-                      DECODE_PTX: tl.constexpr):
+                      DECODE_PTX: tl.constexpr, W_AS_A: tl.constexpr):
+    tl.static_assert(not (W_AS_A and DECODE_PTX), "W_AS_A is for the table-lookup decoder")
     pid_m, pid_n = grouped_tile(tl.program_id(0), M, N, BLOCK_M, BLOCK_N, GROUP_M)
 
     rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -114,7 +146,12 @@ def _gemm_4bit_kernel(x_ptr, w_ptr, absmax_ptr, code_ptr, bias_ptr, out_ptr,
     byte = tl.arange(0, SUB // 2)
     rk = tl.arange(0, BLOCK_K)
     blocks_per_row = K // BLOCKSIZE
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    # W_AS_A: compute the transposed tile W x^T ([BLOCK_N, BLOCK_M]), so the decoded weights are the dot's
+    # A operand, which Hopper's wgmma reads from registers (B must come from shared memory).
+    if W_AS_A:
+        acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+    else:
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     dot_dtype = tl.float32 if DOT_IN_FP32 else x_ptr.dtype.element_ty
     if DECODE_PTX:
         t0, t1, t2, t3, u0, u1, u2, u3 = _tables(code_ptr)
@@ -168,25 +205,35 @@ def _gemm_4bit_kernel(x_ptr, w_ptr, absmax_ptr, code_ptr, bias_ptr, out_ptr,
             # DOT_IN_FP32: Triton's interpreter (how Triton runs on CPU tensors) gets bf16 tl.dot wrong, as
             # numpy has no bf16; the launcher sets it there, and fp32 tiles are exact for bf16 values.
             w = tl.reshape(tl.join(hi, lo), (BLOCK_N, BLOCK_K)).to(dot_dtype)  # high nibble first
-            acc = tl.dot(x, tl.trans(w), acc)
-    out = out_ptr + rm.to(tl.int64)[:, None] * stride_om + n[None, :]
+            if W_AS_A:
+                acc = tl.dot(w, tl.trans(x), acc)
+            else:
+                acc = tl.dot(x, tl.trans(w), acc)
+    if W_AS_A:
+        acc = tl.trans(acc)
     if SPLIT_K == 1:
         if HAS_BIAS:
             acc += tl.load(bias_ptr + n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
+        out = out_ptr + rm.to(tl.int64)[:, None] * stride_om + n[None, :]
         tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=m_mask[:, None] & n_mask[None, :])
-    else:
-        tl.atomic_add(out, acc, mask=m_mask[:, None] & n_mask[None, :], sem="relaxed")
+    else:  # this split's slice of the [SPLIT_K, M, N] fp32 partials (kernels/_split_k.py adds them)
+        out = out_ptr + (tl.program_id(1) * M + rm).to(tl.int64)[:, None] * N + n[None, :]
+        tl.store(out, acc, mask=m_mask[:, None] & n_mask[None, :])
 
 
 # ---- configs: per target, per path ---------------------------------------------------------------
-# GEMV: BLOCK_N rows per program, one 64-element chunk per row per step; K split so partial sums of
-# up to 16 programs meet in fp32 (tools/sweep_matmul_4bit.py on the H200).  GEMM: BLOCK_M 16 for tensor
-# cores / MFMA / WMMA; decoding the weight tile, not the dot, bounds it, so more programs (split K)
-# help.  RDNA3: wave32 WMMA and 64 KiB of LDS.
+# GEMV: BLOCK_N rows per program, CHUNK elements of each row per step (several 4-bit blocks when CHUNK
+# exceeds the block size), the next step's weights loaded before this one's are decoded (PREFETCH);
+# K split up to MAX_SPLIT ways, the partial sums added by kernels/_split_k.py
+# (tools/sweep_matmul_4bit.py on the H200 picks them).  GEMM: BLOCK_M 16 for tensor cores / MFMA / WMMA;
+# decoding the weight tile, not the dot, bounds it, so more programs (split K) help.  RDNA3: wave32
+# WMMA and 64 KiB of LDS.
 GEMV_CONFIGS = {
-    "default": (LaunchConfig({"BLOCK_N": 64, "MAX_CHUNK": 64, "LUT_GATHER": True, "MAX_SPLIT": 8}, num_warps=4),),
-    # H200: the PTX decoder, 64 rows, 2 warps, split 16: 25.5 us at N = K = 8192 (table lookups: 30.1 us).
-    "nvidia": (LaunchConfig({"BLOCK_N": 64, "MAX_CHUNK": 64, "LUT_GATHER": True, "MAX_SPLIT": 16,
+    "default": (LaunchConfig({"BLOCK_N": 32, "CHUNK": 128, "PREFETCH": True, "LUT_GATHER": True, "MAX_SPLIT": 8},
+                             num_warps=4),),
+    # H200 (2026-11-29, before PREFETCH and multi-block steps): the PTX decoder, 64 rows, 2 warps, split
+    # 16: 25.5 us at N = K = 8192 (table lookups: 30.1 us).
+    "nvidia": (LaunchConfig({"BLOCK_N": 64, "CHUNK": 64, "PREFETCH": False, "LUT_GATHER": True, "MAX_SPLIT": 16,
                              "DECODE_PTX": True}, num_warps=2),),
 }
 GEMM_CONFIGS = {
@@ -239,8 +286,8 @@ def plan(m: int, n: int, k: int, blocksize: int, dtype: torch.dtype, device: tor
         cfg = select(GEMV_CONFIGS, target)[0]
         # Split K (up to MAX_SPLIT) while each split keeps >= 4 chunks: more programs in flight hide
         # the latency of the loads, and narrow layers (TP shards, small models) need the parallelism.
-        split, chunk = 1, min(blocksize, cfg.constexprs["MAX_CHUNK"])
-        while split < cfg.constexprs["MAX_SPLIT"] and k // (2 * split) >= 4 * chunk:
+        split, chunks = 1, -(-k // cfg.constexprs["CHUNK"])
+        while split < cfg.constexprs["MAX_SPLIT"] and chunks // (2 * split) >= 4:
             split *= 2
         return Plan("gemv", cfg, split)
     if limits["gemm"] is None or m <= limits["gemm"]:
@@ -330,28 +377,30 @@ def matmul_4bit(x: torch.Tensor, weight: torch.Tensor, absmax: torch.Tensor, cod
         # The PTX decoder reads the packed codes as int32 words.
         ptx_words = x.device.type == "cuda" and w.data_ptr() % 4 == 0 and k % 8 == 0
         if p.path == "gemv":
-            ptx = c.get("DECODE_PTX", False) and ptx_words
-            target = out2 if p.split_k == 1 else torch.zeros(m, n, dtype=torch.float32, device=x.device)
+            chunk = c["CHUNK"]
+            partials = torch.empty(p.split_k, m, n, dtype=torch.float32, device=x.device) if p.split_k > 1 else out2
             grid = (-(-n // c["BLOCK_N"]), m, p.split_k)
-            _gemv_4bit_kernel[grid](x2, w, absmax, code, b, target, *nest, n, k, x2.stride(0), target.stride(0),
-                                    BLOCKSIZE=blocksize, BLOCK_N=c["BLOCK_N"], CHUNK=min(blocksize, c["MAX_CHUNK"]),
-                                    SPLIT_K=p.split_k, NESTED=nested, HAS_BIAS=bias is not None,
-                                    LUT_GATHER=c["LUT_GATHER"], DECODE_PTX=ptx,
+            _gemv_4bit_kernel[grid](x2, w, absmax, code, b, partials, *nest, n, k, x2.stride(0), out2.stride(0),
+                                    p.split_k, BLOCKSIZE=blocksize, BLOCK_N=c["BLOCK_N"], CHUNK=chunk,
+                                    SEG=min(chunk, blocksize), EVEN_K=k % chunk == 0, PARTIAL=p.split_k > 1,
+                                    PREFETCH=c["PREFETCH"], NESTED=nested, HAS_BIAS=bias is not None,
+                                    LUT_GATHER=c["LUT_GATHER"], DECODE_PTX=c.get("DECODE_PTX", False) and ptx_words,
                                     **options)
+            if p.split_k > 1:
+                reduce_partials(partials, out2, bias)
+            return out
         else:
             block_k = c["BLOCK_K"]
-            target = out2 if p.split_k == 1 else torch.zeros(m, n, dtype=torch.float32, device=x.device)
+            target = out2 if p.split_k == 1 else torch.empty(p.split_k, m, n, dtype=torch.float32, device=x.device)
             grid = (-(-m // c["BLOCK_M"]) * -(-n // c["BLOCK_N"]), p.split_k)
-            _gemm_4bit_kernel[grid](x2, w, absmax, code, b, target, *nest, m, n, k, x2.stride(0), target.stride(0),
+            _gemm_4bit_kernel[grid](x2, w, absmax, code, b, target, *nest, m, n, k, x2.stride(0), out2.stride(0),
                                     BLOCKSIZE=blocksize, SUB=_sub(blocksize, block_k), NESTED=nested,
                                     HAS_BIAS=bias is not None, GROUP_M=8, BLOCK_M=c["BLOCK_M"],
                                     BLOCK_N=c["BLOCK_N"], BLOCK_K=block_k, LUT_GATHER=c["LUT_GATHER"], SPLIT_K=p.split_k,
                                     DECODE_PTX=c.get("DECODE_PTX", False) and ptx_words,
-                                    DOT_IN_FP32=x.device.type == "cpu" and x.dtype == torch.bfloat16, **options)
+                                    W_AS_A=c.get("W_AS_A", False), DOT_IN_FP32=x.device.type == "cpu" and x.dtype == torch.bfloat16, **options)
         if p.split_k > 1:
-            if bias is not None:
-                target += bias.float()
-            out2.copy_(target)
+            reduce_partials(target, out2, bias)
     return out
 
 
@@ -365,14 +414,17 @@ def _signature(kernel: str):
              "out_ptr": f"*{t}", "nested_code_ptr": "*fp32", "nested_absmax_ptr": "*fp32",
              "nested_offset_ptr": "*fp32"}
         s.update({"M": "i32"} if kernel == "gemm" else {})
-        s.update({"N": "i32", "K": "i32", "stride_xm": "i32", "stride_om": "i32", "BLOCKSIZE": "constexpr"})
+        s.update({"N": "i32", "K": "i32", "stride_xm": "i32", "stride_om": "i32"})
+        s.update({"SPLITS": "i32"} if kernel == "gemv" else {})
+        s["BLOCKSIZE"] = "constexpr"
         if kernel == "gemm":
             s.update({"BLOCK_M": "constexpr", "BLOCK_N": "constexpr", "BLOCK_K": "constexpr", "SUB": "constexpr",
                       "NESTED": "constexpr", "HAS_BIAS": "constexpr", "GROUP_M": "constexpr",
                       "DOT_IN_FP32": "constexpr", "LUT_GATHER": "constexpr",
-                      "SPLIT_K": "constexpr", "DECODE_PTX": "constexpr"})
+                      "SPLIT_K": "constexpr", "DECODE_PTX": "constexpr", "W_AS_A": "constexpr"})
         else:
-            s.update({"BLOCK_N": "constexpr", "CHUNK": "constexpr", "SPLIT_K": "constexpr",
+            s.update({"BLOCK_N": "constexpr", "CHUNK": "constexpr", "SEG": "constexpr",
+                      "EVEN_K": "constexpr", "PARTIAL": "constexpr", "PREFETCH": "constexpr",
                       "NESTED": "constexpr", "HAS_BIAS": "constexpr", "LUT_GATHER": "constexpr",
                       "DECODE_PTX": "constexpr"})
         return s
@@ -389,11 +441,13 @@ def _with_defaults(table, extra, drop=()):
 
 GEMV_SPEC = register(KernelSpec(
     "gemv_4bit", _gemv_4bit_kernel, _signature("gemv"), DTYPES,
-    _with_defaults(GEMV_CONFIGS, lambda c: {"BLOCKSIZE": 64, "CHUNK": 64, "SPLIT_K": 1, "NESTED": False,
-                                            "HAS_BIAS": True, "DECODE_PTX": c.constexprs.get("DECODE_PTX", False)},
-                   drop=("MAX_CHUNK", "MAX_SPLIT"))))
+    _with_defaults(GEMV_CONFIGS, lambda c: {"BLOCKSIZE": 64, "SEG": min(64, c.constexprs["CHUNK"]), "EVEN_K": True,
+                                            "PARTIAL": True, "NESTED": False, "HAS_BIAS": True,
+                                            "DECODE_PTX": c.constexprs.get("DECODE_PTX", False)},
+                   drop=("MAX_SPLIT",))))
 GEMM_SPEC = register(KernelSpec(
     "gemm_4bit", _gemm_4bit_kernel, _signature("gemm"), DTYPES,
     _with_defaults(GEMM_CONFIGS, lambda c: {"BLOCKSIZE": 64, "SUB": 64, "NESTED": True, "HAS_BIAS": False,
                                             "GROUP_M": 8, "DOT_IN_FP32": False, "SPLIT_K": 1,
-                                            "DECODE_PTX": c.constexprs.get("DECODE_PTX", False)})))
+                                            "DECODE_PTX": c.constexprs.get("DECODE_PTX", False),
+                                            "W_AS_A": c.constexprs.get("W_AS_A", False)})))
