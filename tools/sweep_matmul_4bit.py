@@ -33,7 +33,7 @@ def t(fn):
 
 def plans(m):
     if m == 1:
-        for bn, chunk, warps, prefetch, split in itertools.product((16, 32, 64), (64, 128, 256), (2, 4), (False, True),
+        for bn, chunk, warps, prefetch, split in itertools.product((32, 64), (128, 256), (2, 4), (False, True),
                                                                    (1, 2, 4, 8, 16)):
             yield K.Plan("gemv", LaunchConfig({"BLOCK_N": bn, "CHUNK": chunk, "PREFETCH": prefetch, "LUT_GATHER": True,
                                                "DECODE_PTX": True}, num_warps=warps), split)
@@ -41,9 +41,9 @@ def plans(m):
             yield K.Plan("gemv", LaunchConfig({"BLOCK_N": bn, "CHUNK": 128, "PREFETCH": True, "LUT_GATHER": True},
                                               num_warps=4), split)
     else:
-        for bn, bk, stages, split, w_as_a in itertools.product((64, 128), (128, 256), (2, 4), (2, 4, 8), (False, True)):
+        for bn, bk, warps, split in itertools.product((64, 128), (128, 256), (4, 8), (2, 4, 8)):
             yield K.Plan("gemm", LaunchConfig({"BLOCK_M": 16, "BLOCK_N": bn, "BLOCK_K": bk, "LUT_GATHER": True,
-                                               "W_AS_A": w_as_a}, num_warps=4, num_stages=stages), split)
+                                               "W_AS_A": True}, num_warps=warps, num_stages=3), split)
 
 
 def run(n, k, m, dtype, nested, candidates):

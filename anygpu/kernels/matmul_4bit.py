@@ -41,16 +41,25 @@ def _gemv_load(w_rows, k0, K, n_mask, CHUNK: tl.constexpr, PER_WORD: tl.constexp
 
 
 @triton.jit
+def _load_x(x_row, k0, K, kx, EVEN_K: tl.constexpr):
+    if EVEN_K:
+        return tl.load(x_row + k0 + kx).to(tl.float32)
+    return tl.load(x_row + k0 + kx, mask=k0 + kx < K, other=0.0).to(tl.float32)
+
+
+@triton.jit
 def _gemv_4bit_kernel(x_ptr, w_ptr, absmax_ptr, code_ptr, bias_ptr, out_ptr,
                       nested_code_ptr, nested_absmax_ptr, nested_offset_ptr,
-                      N, K, stride_xm, stride_om, SPLITS,
+                      N, K, stride_xm, stride_om, stride_w, SPLITS,
                       BLOCKSIZE: tl.constexpr, BLOCK_N: tl.constexpr, CHUNK: tl.constexpr, SEG: tl.constexpr,
                       EVEN_K: tl.constexpr, PARTIAL: tl.constexpr, PREFETCH: tl.constexpr,
                       NESTED: tl.constexpr, HAS_BIAS: tl.constexpr,
                       LUT_GATHER: tl.constexpr, DECODE_PTX: tl.constexpr):
     # One program: BLOCK_N output features of one row of x, over 1/SPLITS of K, CHUNK elements of each
-    # row per step.  A step covers CHUNK / SEG segments of SEG (= min(CHUNK, block size)) elements that
-    # share one scale, applied once to the segment's sum of code x activation.
+    # row per step.  stride_w (a row's packed length in words or bytes) is an argument, not K // 8,
+    # so that Triton sees it is a multiple of 16 and emits 16-byte loads.  A step covers CHUNK / SEG
+    # segments of SEG (= min(CHUNK, block size)) elements that share one scale, applied once to the
+    # segment's sum of code x activation.
     tl.static_assert(CHUNK % SEG == 0 and SEG <= BLOCKSIZE)
     m = tl.program_id(1)
     pid_k = tl.program_id(2)
@@ -67,29 +76,29 @@ def _gemv_4bit_kernel(x_ptr, w_ptr, absmax_ptr, code_ptr, bias_ptr, out_ptr,
     PER_WORD: tl.constexpr = 8 if DECODE_PTX else 2
     if DECODE_PTX:
         t0, t1, t2, t3, u0, u1, u2, u3 = _tables(code_ptr)
-        w_rows = w_ptr.to(tl.pointer_type(tl.int32)) + n64[:, None] * (K // 8) + tl.arange(0, CHUNK // 8)[None, :]
+        w_rows = w_ptr.to(tl.pointer_type(tl.int32)) + n64[:, None] * stride_w + tl.arange(0, CHUNK // 8)[None, :]
     else:
         lut = tl.load(code_ptr + tl.arange(0, 16))
-        w_rows = w_ptr + n64[:, None] * (K // 2) + tl.arange(0, CHUNK // 2)[None, :]
+        w_rows = w_ptr + n64[:, None] * stride_w + tl.arange(0, CHUNK // 2)[None, :]
     seg = tl.arange(0, CHUNK // SEG)
     kx = tl.arange(0, CHUNK)
     # PREFETCH: the next step's weights are loaded before this step's are decoded, so each program
     # keeps two loads in flight (memory-level parallelism is what a GEMV lives on).
     if PREFETCH:
-        packed = _gemv_load(w_rows, c_start * CHUNK, K, n < tl.where(c_start < c_end, N, 0), CHUNK, PER_WORD, EVEN_K)
+        # (n < N or 0: an empty split loads nothing; a scalar & a vector mask trips the interpreter)
+        first = n < tl.where(c_start < c_end, N, 0)
+        packed = _gemv_load(w_rows, c_start * CHUNK, K, first, CHUNK, PER_WORD, EVEN_K)
     for c in range(c_start, c_end):
         k0 = c * CHUNK
         if PREFETCH:
-            following = _gemv_load(w_rows, k0 + CHUNK, K, n < tl.where(c + 1 < c_end, N, 0), CHUNK, PER_WORD, EVEN_K)
+            more = n < tl.where(c + 1 < c_end, N, 0)
+            following = _gemv_load(w_rows, k0 + CHUNK, K, more, CHUNK, PER_WORD, EVEN_K)
         else:
             packed = _gemv_load(w_rows, k0, K, n_mask, CHUNK, PER_WORD, EVEN_K)
-        if EVEN_K:
-            xv = tl.load(x_row + k0 + kx).to(tl.float32)
-        else:
-            xv = tl.load(x_row + k0 + kx, mask=k0 + kx < K, other=0.0).to(tl.float32)
         if DECODE_PTX:
             v1, v0, v3, v2, v5, v4, v7, v6 = _decode8(packed, t0, t1, t2, t3, u0, u1, u2, u3)
             # One wide load of 8 activations per word, split in registers into the 8 element positions.
+            xv = _load_x(x_row, k0, K, kx, EVEN_K)
             x_even, x_odd = tl.split(tl.reshape(xv, (CHUNK // 8, 4, 2)))  # [words, 4]: elements 0246, 1357
             e04, e26 = tl.split(tl.reshape(x_even, (CHUNK // 8, 2, 2)))
             e15, e37 = tl.split(tl.reshape(x_odd, (CHUNK // 8, 2, 2)))
@@ -101,7 +110,7 @@ def _gemv_4bit_kernel(x_ptr, w_ptr, absmax_ptr, code_ptr, bias_ptr, out_ptr,
             prod += v4 * x4[None, :] + v5 * x5[None, :] + v6 * x6[None, :] + v7 * x7[None, :]
         else:
             # Activations split into the even and the odd elements, matching the high and low nibbles.
-            x_even, x_odd = tl.split(tl.reshape(xv, (CHUNK // 2, 2)))
+            x_even, x_odd = tl.split(tl.reshape(_load_x(x_row, k0, K, kx, EVEN_K), (CHUNK // 2, 2)))
             codes = packed.to(tl.int32)
             hi = _lookup(code_ptr, lut, codes >> 4, LUT_GATHER)
             lo = _lookup(code_ptr, lut, codes & 15, LUT_GATHER)
@@ -129,7 +138,7 @@ def _gemv_4bit_kernel(x_ptr, w_ptr, absmax_ptr, code_ptr, bias_ptr, out_ptr,
 @triton.jit
 def _gemm_4bit_kernel(x_ptr, w_ptr, absmax_ptr, code_ptr, bias_ptr, out_ptr,
                       nested_code_ptr, nested_absmax_ptr, nested_offset_ptr,
-                      M, N, K, stride_xm, stride_om,
+                      M, N, K, stride_xm, stride_om, stride_w,
                       BLOCKSIZE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                       SUB: tl.constexpr, NESTED: tl.constexpr, HAS_BIAS: tl.constexpr, GROUP_M: tl.constexpr,
                       DOT_IN_FP32: tl.constexpr, LUT_GATHER: tl.constexpr, SPLIT_K: tl.constexpr,
@@ -156,7 +165,7 @@ def _gemm_4bit_kernel(x_ptr, w_ptr, absmax_ptr, code_ptr, bias_ptr, out_ptr,
     if DECODE_PTX:
         t0, t1, t2, t3, u0, u1, u2, u3 = _tables(code_ptr)
         word = tl.arange(0, BLOCK_K // 8)
-        words = w_ptr.to(tl.pointer_type(tl.int32)) + n64[:, None] * (K // 8) + word[None, :]
+        words = w_ptr.to(tl.pointer_type(tl.int32)) + n64[:, None] * stride_w + word[None, :]
     else:
         lut = tl.load(code_ptr + tl.arange(0, 16))
     # Split K: one weight tile per program is too little work to hide latency when N / BLOCK_N programs
@@ -195,7 +204,7 @@ def _gemm_4bit_kernel(x_ptr, w_ptr, absmax_ptr, code_ptr, bias_ptr, out_ptr,
         else:
             k_sub = k0 + sub * SUB
             sub_mask = k_sub < K
-            packed = tl.load(w_ptr + n64[:, None, None] * (K // 2) + (k_sub[:, None] // 2 + byte[None, :])[None, :, :],
+            packed = tl.load(w_ptr + n64[:, None, None] * stride_w + (k_sub[:, None] // 2 + byte[None, :])[None, :, :],
                              mask=n_mask[:, None, None] & sub_mask[None, :, None], other=0).to(tl.int32)
             scale = _block_scales(absmax_ptr, nested_code_ptr, nested_absmax_ptr, nested_offset_ptr,
                                   n64[:, None] * blocks_per_row + (k_sub // BLOCKSIZE)[None, :],
@@ -229,19 +238,23 @@ def _gemm_4bit_kernel(x_ptr, w_ptr, absmax_ptr, code_ptr, bias_ptr, out_ptr,
 # decoding the weight tile, not the dot, bounds it, so more programs (split K) help.  RDNA3: wave32
 # WMMA and 64 KiB of LDS.
 GEMV_CONFIGS = {
-    "default": (LaunchConfig({"BLOCK_N": 32, "CHUNK": 128, "PREFETCH": True, "LUT_GATHER": True, "MAX_SPLIT": 8},
-                             num_warps=4),),
-    # H200 (2026-11-29, before PREFETCH and multi-block steps): the PTX decoder, 64 rows, 2 warps, split
-    # 16: 25.5 us at N = K = 8192 (table lookups: 30.1 us).
-    "nvidia": (LaunchConfig({"BLOCK_N": 64, "CHUNK": 64, "PREFETCH": False, "LUT_GATHER": True, "MAX_SPLIT": 16,
-                             "DECODE_PTX": True}, num_warps=2),),
+    "default": (LaunchConfig({"BLOCK_N": 32, "CHUNK": 128, "PREFETCH": True, "LUT_GATHER": True,
+                              "MAX_SPLIT": 8}, num_warps=4),),
+    # H200 (tools/sweep_matmul_4bit.py, 2026-11-29): the PTX decoder, 64 rows, 256-element steps, 4 warps,
+    # split 4: 23.5 us at N = K = 8192 fp16 (1.63x F.linear).  Prefetching, 16-byte weight loads,
+    # per-word accumulators (no reduction per step) and x loaded per element position (no shared-memory
+    # shuffle) all measured within 1 us of it: the loop runs ~5.6 instructions per weight element
+    # (SASS: byte permutes, f16->f32 converts, FMAs), which is the bound to attack next (fp16x2 math).
+    "nvidia": (LaunchConfig({"BLOCK_N": 64, "CHUNK": 256, "PREFETCH": False, "LUT_GATHER": True, "MAX_SPLIT": 4,
+                             "DECODE_PTX": True}, num_warps=4),),
 }
 GEMM_CONFIGS = {
     "default": (LaunchConfig({"BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 64, "LUT_GATHER": True, "SPLIT_K": 2},
                              num_warps=4),),
-    # H200: 55 us at M = 16, N = K = 8192 (split 8); eight dots fed by the PTX decoder were slower.
-    "nvidia": (LaunchConfig({"BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 128, "LUT_GATHER": True, "SPLIT_K": 8},
-                            num_warps=4, num_stages=3),),
+    # H200: 42.6 us at M = 16, N = K = 8192 with W as the A operand (55 us as B); split 4.  Eight dots fed
+    # by the PTX decoder were slower.
+    "nvidia": (LaunchConfig({"BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 128, "LUT_GATHER": True, "SPLIT_K": 4,
+                             "W_AS_A": True}, num_warps=4, num_stages=3),),
     "cdna3": (LaunchConfig({"BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 128, "LUT_GATHER": True, "SPLIT_K": 4},
                            num_warps=4, num_stages=2, matrix_instr_nonkdim=16),),
     "amd": (LaunchConfig({"BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 64, "LUT_GATHER": True, "SPLIT_K": 4},
@@ -380,11 +393,13 @@ def matmul_4bit(x: torch.Tensor, weight: torch.Tensor, absmax: torch.Tensor, cod
             chunk = c["CHUNK"]
             partials = torch.empty(p.split_k, m, n, dtype=torch.float32, device=x.device) if p.split_k > 1 else out2
             grid = (-(-n // c["BLOCK_N"]), m, p.split_k)
+            ptx = c.get("DECODE_PTX", False) and ptx_words
             _gemv_4bit_kernel[grid](x2, w, absmax, code, b, partials, *nest, n, k, x2.stride(0), out2.stride(0),
-                                    p.split_k, BLOCKSIZE=blocksize, BLOCK_N=c["BLOCK_N"], CHUNK=chunk,
+                                    k // 8 if ptx else k // 2, p.split_k, BLOCKSIZE=blocksize,
+                                    BLOCK_N=c["BLOCK_N"], CHUNK=chunk,
                                     SEG=min(chunk, blocksize), EVEN_K=k % chunk == 0, PARTIAL=p.split_k > 1,
                                     PREFETCH=c["PREFETCH"], NESTED=nested, HAS_BIAS=bias is not None,
-                                    LUT_GATHER=c["LUT_GATHER"], DECODE_PTX=c.get("DECODE_PTX", False) and ptx_words,
+                                    LUT_GATHER=c["LUT_GATHER"], DECODE_PTX=ptx,
                                     **options)
             if p.split_k > 1:
                 reduce_partials(partials, out2, bias)
@@ -393,12 +408,15 @@ def matmul_4bit(x: torch.Tensor, weight: torch.Tensor, absmax: torch.Tensor, cod
             block_k = c["BLOCK_K"]
             target = out2 if p.split_k == 1 else torch.empty(p.split_k, m, n, dtype=torch.float32, device=x.device)
             grid = (-(-m // c["BLOCK_M"]) * -(-n // c["BLOCK_N"]), p.split_k)
+            gemm_ptx = c.get("DECODE_PTX", False) and ptx_words
             _gemm_4bit_kernel[grid](x2, w, absmax, code, b, target, *nest, m, n, k, x2.stride(0), out2.stride(0),
+                                    k // 8 if gemm_ptx else k // 2,
                                     BLOCKSIZE=blocksize, SUB=_sub(blocksize, block_k), NESTED=nested,
                                     HAS_BIAS=bias is not None, GROUP_M=8, BLOCK_M=c["BLOCK_M"],
-                                    BLOCK_N=c["BLOCK_N"], BLOCK_K=block_k, LUT_GATHER=c["LUT_GATHER"], SPLIT_K=p.split_k,
-                                    DECODE_PTX=c.get("DECODE_PTX", False) and ptx_words,
-                                    W_AS_A=c.get("W_AS_A", False), DOT_IN_FP32=x.device.type == "cpu" and x.dtype == torch.bfloat16, **options)
+                                    BLOCK_N=c["BLOCK_N"], BLOCK_K=block_k, LUT_GATHER=c["LUT_GATHER"],
+                                    SPLIT_K=p.split_k,
+                                    DECODE_PTX=gemm_ptx, W_AS_A=c.get("W_AS_A", False),
+                                    DOT_IN_FP32=x.device.type == "cpu" and x.dtype == torch.bfloat16, **options)
         if p.split_k > 1:
             reduce_partials(target, out2, bias)
     return out
@@ -415,6 +433,7 @@ def _signature(kernel: str):
              "nested_offset_ptr": "*fp32"}
         s.update({"M": "i32"} if kernel == "gemm" else {})
         s.update({"N": "i32", "K": "i32", "stride_xm": "i32", "stride_om": "i32"})
+        s["stride_w"] = "i32"
         s.update({"SPLITS": "i32"} if kernel == "gemv" else {})
         s["BLOCKSIZE"] = "constexpr"
         if kernel == "gemm":
