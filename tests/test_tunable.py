@@ -8,14 +8,17 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from anygpu import tunable
+from anygpu import backend, tunable
 from anygpu.tunable import candidates, controls, results
 from anygpu.tunable.signatures import bmm_problem, linear_problem, mm_problem, parse_signatures
 
 
 @pytest.fixture
 def tun(tmp_path, monkeypatch):
-    """A clean TunableOp state writing into tmp_path, with short timing budgets."""
+    """A clean TunableOp state writing into tmp_path, with short timing budgets, on the CPU backend (these
+    tests use CPU tensors, which a GPU backend deliberately leaves untuned)."""
+    monkeypatch.setenv("ANYGPU_BACKEND", "cpu")
+    backend.reset()
     for var in list(os.environ):
         if var.startswith(controls.ENV_PREFIX):
             monkeypatch.delenv(var)
@@ -33,6 +36,7 @@ def tun(tmp_path, monkeypatch):
     tunable.clear_explicit()
     controls.reload_env()
     tunable.reset()
+    backend.reset()  # chosen again, from the restored environment, on next use
 
 
 def _xw(m=5, n=12, k=16, bias=False):
@@ -258,6 +262,27 @@ def test_failing_or_wrong_candidates_never_win(tun):
     (tun / "results0.csv").unlink()
     torch.testing.assert_close(tunable.linear(x, w, b), F.linear(x, w, b))
     assert tunable.ops.last_outcomes[linear_problem(x, w, True)].solution == "Default"
+
+
+def test_a_win_must_be_confirmed_against_default(tun):
+    import time
+
+    x, w, b = _xw(m=64, n=128, k=256, bias=True)
+    out = F.linear(x, w, b)
+    calls = []
+
+    def lucky_then_slow(*_):  # fast through the first timing pass (7 calls), then 2 ms a call
+        calls.append(1)
+        if len(calls) > 7:
+            time.sleep(0.002)
+        return out
+
+    candidates.add(candidates.Candidate("Lucky", lucky_then_slow, torch.mm, torch.bmm))
+    tunable.linear(x, w, b)
+    outcome = tunable.ops.last_outcomes[linear_problem(x, w, True)]
+    assert len(calls) > 7, "the first pass took more calls than this test assumes"
+    assert outcome.solution == "Default"
+    assert outcome.report["Lucky"].startswith("not confirmed")
 
 
 def test_a_winner_in_the_file_that_is_not_offered_here_runs_default(tun):
