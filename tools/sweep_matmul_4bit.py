@@ -33,10 +33,10 @@ def t(fn):
 
 def plans(m):
     if m == 1:
-        for bn, chunk, warps, prefetch, split in itertools.product((32, 64), (128, 256), (2, 4), (False, True),
-                                                                   (1, 2, 4, 8, 16)):
-            yield K.Plan("gemv", LaunchConfig({"BLOCK_N": bn, "CHUNK": chunk, "PREFETCH": prefetch, "LUT_GATHER": True,
-                                               "DECODE_PTX": True}, num_warps=warps), split)
+        for bn, chunk, warps, half2, split in itertools.product((16, 32, 64), (128, 256, 512), (2, 4, 8), (False, True),
+                                                                (2, 4, 8)):
+            yield K.Plan("gemv", LaunchConfig({"BLOCK_N": bn, "CHUNK": chunk, "PREFETCH": False, "LUT_GATHER": True,
+                                               "DECODE_PTX": True, "HALF2": half2}, num_warps=warps), split)
         for bn, split in itertools.product((32, 64), (4, 8, 16)):  # the table-lookup decoder, for reference
             yield K.Plan("gemv", LaunchConfig({"BLOCK_N": bn, "CHUNK": 128, "PREFETCH": True, "LUT_GATHER": True},
                                               num_warps=4), split)

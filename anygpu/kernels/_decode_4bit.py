@@ -30,10 +30,14 @@ def _lookup(code_ptr, lut, idx, LUT_GATHER: tl.constexpr):
 
 
 @triton.jit
-def _tables(code_ptr):
-    """The 16 fp16 code values as 8 registers of bytes: TL[i] holds the low bytes of codes 4i..4i+3."""
+def _tables(code_ptr, BF16: tl.constexpr = False):
+    """The 16 code values (fp16, or bf16 with BF16) as 8 registers of bytes: t[i] holds the low bytes of
+    codes 4i..4i+3, u[i] their high bytes."""
     r = tl.arange(0, 16)
-    v = tl.load(code_ptr + r).to(tl.float16).to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF
+    if BF16:
+        v = tl.load(code_ptr + r).to(tl.bfloat16).to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF
+    else:
+        v = tl.load(code_ptr + r).to(tl.float16).to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF
     lo = (v & 0xFF) << ((r % 4) * 8)
     hi = (v >> 8) << ((r % 4) * 8)
     g = r // 4
@@ -92,3 +96,58 @@ def _decode8(w, t0, t1, t2, t3, u0, u1, u2, u3):
         "=f,=f,=f,=f,=f,=f,=f,=f,r,r,r,r,r,r,r,r,r",
         [w, t0, t1, t2, t3, u0, u1, u2, u3],
         dtype=(tl.float32,) * 8, is_pure=True, pack=1)
+
+
+# The 8 codes of a word looked up as in _decode8, interleaved into 16-bit pairs in element order (0,1),
+# (2,3), (4,5), (6,7), multiplied with the matching pairs of activations in 16-bit pair arithmetic
+# (4 products per lane summed in 16 bits), then the two lanes widened to fp32 and added.
+_LOOKUP_HALF = """
+        prmt.b32 a0, $6, $7, {sel};
+        prmt.b32 a1, $8, $9, {sel};
+        lop3.b32 ll, a0, a1, {mask}, 0xD8;
+        prmt.b32 a0, $10, $11, {sel};
+        prmt.b32 a1, $12, $13, {sel};
+        lop3.b32 hh, a0, a1, {mask}, 0xD8;
+        prmt.b32 o0, ll, hh, 0x4051;
+        prmt.b32 o1, ll, hh, 0x6273;
+"""
+_DOT8 = ("""
+        {
+        .reg .b32 b, sl, sh, ml, mh, a0, a1, ll, hh, o0, o1, acc, lo, hi, z;
+        .reg .b16 h0, h1;
+        mov.b32 z, 0x80008000;
+        shl.b32 b, $5, 4;
+        and.b32 sl, $5, 0x7777;
+        shr.u32 sh, $5, 16;
+        and.b32 sh, sh, 0x7777;
+        prmt.b32 ml, b, $5, 0xD9C8;
+        prmt.b32 mh, b, $5, 0xFBEA;
+""" + _LOOKUP_HALF.format(sel="sl", mask="ml") + """
+        fma.rn.{t}x2 acc, o0, $1, z;
+        fma.rn.{t}x2 acc, o1, $2, acc;
+""" + _LOOKUP_HALF.format(sel="sh", mask="mh") + """
+        fma.rn.{t}x2 acc, o0, $3, acc;
+        fma.rn.{t}x2 acc, o1, $4, acc;
+        {widen}
+        add.f32 $0, lo, hi;
+        }
+""")
+_WIDEN_F16 = "mov.b32 {h0, h1}, acc; cvt.f32.f16 lo, h0; cvt.f32.f16 hi, h1;"
+_WIDEN_BF16 = "shl.b32 lo, acc, 16; and.b32 hi, acc, 0xFFFF0000;"  # bf16 -> fp32 is exact bit placement
+# z = (-0.0, -0.0) as the first addend: x * y + (-0) is x * y exactly, sign of zero included.
+DOT8_F16 = tl.constexpr(_DOT8.replace("{t}", "f16").replace("{widen}", _WIDEN_F16))
+DOT8_BF16 = tl.constexpr(_DOT8.replace("{t}", "bf16").replace("{widen}", _WIDEN_BF16))
+
+
+@triton.jit
+def _dot8(w, xa, xb, xc, xd, t0, t1, t2, t3, u0, u1, u2, u3, BF16: tl.constexpr):
+    """NVIDIA only: sum over the 8 codes of each int32 word of value x activation, in fp32 out.
+    xa..xd: the word's activations as int32 pairs (x0|x1 << 16, x2|x3 << 16, ...).  Tables from
+    ``_tables(code_ptr, BF16)``."""
+    if BF16:
+        return tl.inline_asm_elementwise(DOT8_BF16, "=f,r,r,r,r,r,r,r,r,r,r,r,r,r",
+                                         [xa, xb, xc, xd, w, t0, t1, t2, t3, u0, u1, u2, u3],
+                                         dtype=tl.float32, is_pure=True, pack=1)
+    return tl.inline_asm_elementwise(DOT8_F16, "=f,r,r,r,r,r,r,r,r,r,r,r,r,r",
+                                     [xa, xb, xc, xd, w, t0, t1, t2, t3, u0, u1, u2, u3],
+                                     dtype=tl.float32, is_pure=True, pack=1)

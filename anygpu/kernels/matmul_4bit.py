@@ -25,7 +25,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._decode_4bit import _block_scales, _decode8, _lookup, _tables
+from ._decode_4bit import _block_scales, _decode8, _dot8, _lookup, _tables
 from ._program_order import grouped_tile
 from ._split_k import reduce_partials
 from .config import TRITON_DTYPE, KernelSpec, LaunchConfig, device_target, on_device, register, select
@@ -54,7 +54,7 @@ def _gemv_4bit_kernel(x_ptr, w_ptr, absmax_ptr, code_ptr, bias_ptr, out_ptr,
                       BLOCKSIZE: tl.constexpr, BLOCK_N: tl.constexpr, CHUNK: tl.constexpr, SEG: tl.constexpr,
                       EVEN_K: tl.constexpr, PARTIAL: tl.constexpr, PREFETCH: tl.constexpr,
                       NESTED: tl.constexpr, HAS_BIAS: tl.constexpr,
-                      LUT_GATHER: tl.constexpr, DECODE_PTX: tl.constexpr):
+                      LUT_GATHER: tl.constexpr, DECODE_PTX: tl.constexpr, HALF2: tl.constexpr):
     # One program: BLOCK_N output features of one row of x, over 1/SPLITS of K, CHUNK elements of each
     # row per step.  stride_w (a row's packed length in words or bytes) is an argument, not K // 8,
     # so that Triton sees it is a multiple of 16 and emits 16-byte loads.  A step covers CHUNK / SEG
@@ -75,7 +75,7 @@ def _gemv_4bit_kernel(x_ptr, w_ptr, absmax_ptr, code_ptr, bias_ptr, out_ptr,
     acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
     PER_WORD: tl.constexpr = 8 if DECODE_PTX else 2
     if DECODE_PTX:
-        t0, t1, t2, t3, u0, u1, u2, u3 = _tables(code_ptr)
+        t0, t1, t2, t3, u0, u1, u2, u3 = _tables(code_ptr, HALF2 and x_ptr.dtype.element_ty == tl.bfloat16)
         w_rows = w_ptr.to(tl.pointer_type(tl.int32)) + n64[:, None] * stride_w + tl.arange(0, CHUNK // 8)[None, :]
     else:
         lut = tl.load(code_ptr + tl.arange(0, 16))
@@ -95,7 +95,21 @@ def _gemv_4bit_kernel(x_ptr, w_ptr, absmax_ptr, code_ptr, bias_ptr, out_ptr,
             following = _gemv_load(w_rows, k0 + CHUNK, K, more, CHUNK, PER_WORD, EVEN_K)
         else:
             packed = _gemv_load(w_rows, k0, K, n_mask, CHUNK, PER_WORD, EVEN_K)
-        if DECODE_PTX:
+        if HALF2:
+            # x as pairs in int32 words (x0|x1, x2|x3, ...), multiplied with the decoded codes in 16-bit pair
+            # arithmetic (4 products per lane summed in 16 bits, then fp32): half the instructions of
+            # converting each value to fp32 for an fp32 FMA.
+            j = tl.arange(0, CHUNK // 2)
+            xp = x_row.to(tl.pointer_type(tl.int32)) + k0 // 2 + j
+            xw = tl.load(xp) if EVEN_K else tl.load(xp, mask=k0 + 2 * j < K, other=0)
+            q02, q13 = tl.split(tl.reshape(xw, (CHUNK // 8, 2, 2)))
+            xa, xc = tl.split(q02)
+            xb, xd = tl.split(q13)
+            shape: tl.constexpr = (BLOCK_N, CHUNK // 8)
+            prod = _dot8(packed, tl.broadcast_to(xa[None, :], shape), tl.broadcast_to(xb[None, :], shape),
+                         tl.broadcast_to(xc[None, :], shape), tl.broadcast_to(xd[None, :], shape),
+                         t0, t1, t2, t3, u0, u1, u2, u3, x_ptr.dtype.element_ty == tl.bfloat16)
+        elif DECODE_PTX:
             v1, v0, v3, v2, v5, v4, v7, v6 = _decode8(packed, t0, t1, t2, t3, u0, u1, u2, u3)
             # One wide load of 8 activations per word, split in registers into the 8 element positions.
             xv = _load_x(x_row, k0, K, kx, EVEN_K)
@@ -240,13 +254,13 @@ def _gemm_4bit_kernel(x_ptr, w_ptr, absmax_ptr, code_ptr, bias_ptr, out_ptr,
 GEMV_CONFIGS = {
     "default": (LaunchConfig({"BLOCK_N": 32, "CHUNK": 128, "PREFETCH": True, "LUT_GATHER": True,
                               "MAX_SPLIT": 8}, num_warps=4),),
-    # H200 (tools/sweep_matmul_4bit.py, 2026-11-29): the PTX decoder, 64 rows, 256-element steps, 4 warps,
-    # split 4: 23.5 us at N = K = 8192 fp16 (1.63x F.linear).  Prefetching, 16-byte weight loads,
-    # per-word accumulators (no reduction per step) and x loaded per element position (no shared-memory
-    # shuffle) all measured within 1 us of it: the loop runs ~5.6 instructions per weight element
-    # (SASS: byte permutes, f16->f32 converts, FMAs), which is the bound to attack next (fp16x2 math).
-    "nvidia": (LaunchConfig({"BLOCK_N": 64, "CHUNK": 256, "PREFETCH": False, "LUT_GATHER": True, "MAX_SPLIT": 4,
-                             "DECODE_PTX": True}, num_warps=4),),
+    # H200 (tools/sweep_matmul_4bit.py, 2026-11-29): the PTX decoder with 16-bit pair math, 64 rows,
+    # 512-element steps, 2 warps, split 4: 20.6 us at N = K = 8192 fp16 (1.86x F.linear; fp32 math
+    # 23.5 us).  Prefetching, per-word fp32 accumulators and x loaded per element position measured
+    # within 1 us: the loop is bound by the ~5 instructions per weight element of decoding
+    # (byte permutes and selects) and table moves, not by memory.
+    "nvidia": (LaunchConfig({"BLOCK_N": 64, "CHUNK": 512, "PREFETCH": False, "LUT_GATHER": True, "MAX_SPLIT": 4,
+                             "DECODE_PTX": True, "HALF2": True}, num_warps=2),),
 }
 GEMM_CONFIGS = {
     "default": (LaunchConfig({"BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 64, "LUT_GATHER": True, "SPLIT_K": 2},
@@ -394,12 +408,15 @@ def matmul_4bit(x: torch.Tensor, weight: torch.Tensor, absmax: torch.Tensor, cod
             partials = torch.empty(p.split_k, m, n, dtype=torch.float32, device=x.device) if p.split_k > 1 else out2
             grid = (-(-n // c["BLOCK_N"]), m, p.split_k)
             ptx = c.get("DECODE_PTX", False) and ptx_words
+            # 16-bit pair math reads x as int32 pairs: rows must start 4-byte aligned.
+            half2 = (ptx and c.get("HALF2", False) and x.dtype in (torch.float16, torch.bfloat16)
+                     and x2.data_ptr() % 4 == 0 and x2.stride(0) % 2 == 0)
             _gemv_4bit_kernel[grid](x2, w, absmax, code, b, partials, *nest, n, k, x2.stride(0), out2.stride(0),
                                     k // 8 if ptx else k // 2, p.split_k, BLOCKSIZE=blocksize,
                                     BLOCK_N=c["BLOCK_N"], CHUNK=chunk,
                                     SEG=min(chunk, blocksize), EVEN_K=k % chunk == 0, PARTIAL=p.split_k > 1,
                                     PREFETCH=c["PREFETCH"], NESTED=nested, HAS_BIAS=bias is not None,
-                                    LUT_GATHER=c["LUT_GATHER"], DECODE_PTX=ptx,
+                                    LUT_GATHER=c["LUT_GATHER"], DECODE_PTX=ptx, HALF2=half2,
                                     **options)
             if p.split_k > 1:
                 reduce_partials(partials, out2, bias)
@@ -445,7 +462,7 @@ def _signature(kernel: str):
             s.update({"BLOCK_N": "constexpr", "CHUNK": "constexpr", "SEG": "constexpr",
                       "EVEN_K": "constexpr", "PARTIAL": "constexpr", "PREFETCH": "constexpr",
                       "NESTED": "constexpr", "HAS_BIAS": "constexpr", "LUT_GATHER": "constexpr",
-                      "DECODE_PTX": "constexpr"})
+                      "DECODE_PTX": "constexpr", "HALF2": "constexpr"})
         return s
     return sig
 
@@ -462,7 +479,8 @@ GEMV_SPEC = register(KernelSpec(
     "gemv_4bit", _gemv_4bit_kernel, _signature("gemv"), DTYPES,
     _with_defaults(GEMV_CONFIGS, lambda c: {"BLOCKSIZE": 64, "SEG": min(64, c.constexprs["CHUNK"]), "EVEN_K": True,
                                             "PARTIAL": True, "NESTED": False, "HAS_BIAS": True,
-                                            "DECODE_PTX": c.constexprs.get("DECODE_PTX", False)},
+                                            "DECODE_PTX": c.constexprs.get("DECODE_PTX", False),
+                                            "HALF2": c.constexprs.get("HALF2", False)},
                    drop=("MAX_SPLIT",))))
 GEMM_SPEC = register(KernelSpec(
     "gemm_4bit", _gemm_4bit_kernel, _signature("gemm"), DTYPES,
