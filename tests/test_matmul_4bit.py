@@ -90,7 +90,7 @@ def test_plan_picks_paths_and_takes_an_override():
     assert K.plan(4096, 8192, 8192, 64, torch.float16, cpu).path == "dequant"
     assert K.plan(1, 10, 100, 64, torch.float16, cpu).path == "dequant"  # blocks straddle rows
     try:
-        K.set_plan_override(lambda m, n, k, dtype, target: K.Plan("dequant") if m == 1 else None)
+        K.set_plan_override(lambda m, n, k, bs, dtype, device: K.Plan("dequant") if m == 1 else None)
         assert K.plan(1, 8192, 8192, 64, torch.float16, cpu).path == "dequant"
         assert K.plan(16, 8192, 8192, 64, torch.float16, cpu).path == "gemm"
     finally:

@@ -294,18 +294,22 @@ _PLAN_OVERRIDE = None
 
 
 def set_plan_override(fn):
-    """Install ``fn(m, n, k, dtype, target) -> Plan | None`` (the tuner's hook); None removes it."""
+    """Install ``fn(m, n, k, blocksize, dtype, device) -> Plan | None`` (the tuner's hook: None from it means
+    the default plan); ``set_plan_override(None)`` removes it.  Returns the previous hook."""
     global _PLAN_OVERRIDE
-    _PLAN_OVERRIDE = fn
+    previous, _PLAN_OVERRIDE = _PLAN_OVERRIDE, fn
+    return previous
 
 
-def plan(m: int, n: int, k: int, blocksize: int, dtype: torch.dtype, device: torch.device) -> Plan:
-    """Which path and config run an [m, k] x [n, k]^T 4-bit matmul on ``device``: the one place it is decided."""
-    target = device_target(device)
-    if _PLAN_OVERRIDE is not None:
-        chosen = _PLAN_OVERRIDE(m, n, k, dtype, target)
+def plan(m: int, n: int, k: int, blocksize: int, dtype: torch.dtype, device: torch.device,
+         override: bool = True) -> Plan:
+    """Which path and config run an [m, k] x [n, k]^T 4-bit matmul on ``device``: the one place it is decided
+    (``override=False``: the built-in choice, ignoring the tuner's hook)."""
+    if override and _PLAN_OVERRIDE is not None:
+        chosen = _PLAN_OVERRIDE(m, n, k, blocksize, dtype, device)
         if chosen is not None:
             return chosen
+    target = device_target(device)
     if k % blocksize or k % 2:
         return Plan("dequant")  # blocks straddle rows: rare; the dequantize kernel handles any layout
     limits = select(PATH_LIMITS, target)

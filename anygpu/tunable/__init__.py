@@ -12,9 +12,10 @@ with tunable.settings(tuning=False): # ship mode: look up only
 
 Controls and their ``ANYGPU_TUNABLEOP_*`` variables: ``controls.py`` (an explicit Python call beats the
 environment).  File format and locking: ``results.py``.  Candidates per backend: ``candidates.py``.
+The 4-bit matmul's plans as candidates: ``quantized.py`` (``tunable.quantized.install()``).
 """
 
-from . import candidates, controls, results, signatures, tuner
+from . import candidates, controls, quantized, results, signatures, tuner
 from .controls import (
     clear_explicit,
     current,
@@ -38,7 +39,7 @@ from .warmup import route, tune_model, tune_shapes, tune_untuned_file
 
 __all__ = [
     "bmm", "candidates", "clear_explicit", "controls", "current", "enable", "get_filename", "is_enabled", "linear",
-    "mm", "record_untuned_enable", "record_untuned_is_enabled", "reload_env", "reset", "results", "route",
+    "mm", "quantized", "record_untuned_enable", "record_untuned_is_enabled", "reload_env", "reset", "results", "route",
     "set_filename", "set_max_tuning_duration", "set_max_tuning_iterations", "set_numerical_check_tolerances",
     "set_rotating_buffer_size", "settings", "signatures", "table", "tune_model", "tune_shapes", "tune_untuned_file",
     "tuner", "tuning_enable", "tuning_is_enabled",

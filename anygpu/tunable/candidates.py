@@ -14,8 +14,7 @@ A ``Candidate`` computes exactly what its entry point promises (``F.linear``, ``
 Solution names in a file that no candidate here has (PyTorch's ``Gemm_Rocblas_<i>``,
 ``Gemm_Hipblaslt_<i>``) run as ``Default``, as PyTorch does with a missing candidate.
 A Triton candidate runs ``F.linear`` / ``torch.mm`` instead when autograd is recording (the kernel has no
-backward).  TODO(issue 5): PyTorch's own ROCm TunableOp solutions, and the 4-bit / int8 paths (through
-``kernels.matmul_4bit.set_plan_override``) join this table.
+backward).  The 4-bit matmul's plans are tuned by ``quantized.py`` with the same tuner and file.
 """
 
 from __future__ import annotations
