@@ -70,3 +70,27 @@ def test_triton_candidates_pass_the_tuners_numerical_check(kdevice, tmp_path):
             candidates.remove(c.name)
         tunable.clear_explicit()
         tunable.reset()
+
+
+@pytest.mark.gpu
+def test_pytorchs_tunableop_as_a_candidate(tmp_path):
+    """On ROCm it picks among rocBLAS / hipBLASLt algorithms; on CUDA it still runs (its Default)."""
+    tunable.clear_explicit()
+    controls.set(filename=str(tmp_path / "r%d.csv"), max_tuning_iterations=2, max_tuning_duration_ms=1,
+                 rotating_buffer_size_mb=0)
+    tunable.reset()
+    try:
+        candidates.add(candidates.torch_tunableop())
+        x = torch.randn(8, 256, device="cuda").half()
+        w = torch.randn(128, 256, device="cuda").half()
+        out = tunable.linear(x, w)
+        outcome = next(iter(tunable.ops.last_outcomes.values()))
+        assert isinstance(outcome.report["Torch_TunableOp"], float) or \
+            outcome.report["Torch_TunableOp"].startswith(("screened", "not confirmed")), outcome.report
+        assert not torch.cuda.tunable.is_enabled()  # switched on for its own calls only
+        assert_accurate(out, F.linear(x, w), F.linear(x.double(), w.double()))
+    finally:
+        for c in list(candidates._extra):
+            candidates.remove(c.name)
+        tunable.clear_explicit()
+        tunable.reset()

@@ -7,7 +7,8 @@ A ``Candidate`` computes exactly what its entry point promises (``F.linear``, ``
 |---|---|
 | cpu | Default |
 | cuda | Default, Blas_cublas, Blas_cublaslt (``torch.backends.cuda.preferred_blas_library``) |
-| rocm | Default, Blas_hipblaslt, Blas_rocblas (the same switch; "cublas" means rocBLAS there) |
+| rocm | Default, Blas_hipblaslt, Blas_rocblas (the same switch; "cublas" means rocBLAS there), Torch_TunableOp
+  (PyTorch's TunableOp, which picks among rocBLAS and hipBLASLt algorithms; its own file beside ours) |
 | cuda, rocm | + ``Triton_<config>``: each config of ``kernels/gemm.py`` for the GPU's target (split-K ones for
   skinny M; AMD-only options on ROCm), when triton is importable; ``mm`` and ``linear`` only |
 
@@ -20,6 +21,7 @@ backward).  The 4-bit matmul's plans are tuned by ``quantized.py`` with the same
 from __future__ import annotations
 
 import dataclasses
+import os
 from collections.abc import Callable
 
 import torch
@@ -65,10 +67,49 @@ def blas_library(name: str, library: str) -> Candidate:
     return Candidate(name, *(_with_blas_library(library, f) for f in (F.linear, torch.mm, torch.bmm)))
 
 
+def _with_torch_tunableop(fn: Callable) -> Callable:
+    tunable = torch.cuda.tunable
+
+    def run(*args):
+        if tunable.is_enabled():
+            return fn(*args)
+        if not _torch_file_set:
+            _set_torch_file()
+        tunable.enable(True)
+        try:
+            return fn(*args)
+        finally:
+            tunable.enable(False)
+
+    return run
+
+
+_torch_file_set: list = []
+
+
+def _set_torch_file() -> None:
+    """PyTorch's TunableOp keeps its own results file (its format, its validators): beside ours, not in the
+    working directory."""
+    from . import controls
+
+    ours = controls.current().results_path(0)
+    torch.cuda.tunable.set_filename(os.path.join(os.path.dirname(os.path.abspath(ours)),
+                                                 "torch_tunableop_results%d.csv"), insert_device_ordinal=False)
+    _torch_file_set.append(True)
+
+
+def torch_tunableop() -> Candidate:
+    """PyTorch's own TunableOp as one candidate: the call runs with ``torch.cuda.tunable`` on, so PyTorch
+    times its solutions for the shape on the first call (on ROCm every rocBLAS and hipBLASLt algorithm;
+    on CUDA only its Default) and looks its winner up afterwards.  Offered on ROCm."""
+    return Candidate("Torch_TunableOp", *(_with_torch_tunableop(f) for f in (F.linear, torch.mm, torch.bmm)))
+
+
 BACKEND_CANDIDATES = {
     "cpu": (DEFAULT,),
     "cuda": (DEFAULT, blas_library("Blas_cublas", "cublas"), blas_library("Blas_cublaslt", "cublaslt")),
-    "rocm": (DEFAULT, blas_library("Blas_hipblaslt", "cublaslt"), blas_library("Blas_rocblas", "cublas")),
+    "rocm": (DEFAULT, blas_library("Blas_hipblaslt", "cublaslt"), blas_library("Blas_rocblas", "cublas"),
+             torch_tunableop()),
 }
 
 _extra: list[Candidate] = []  # added at run time (tests inject failing ones; later: Triton configs)
