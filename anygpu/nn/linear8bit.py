@@ -10,6 +10,9 @@
   dequantize + F.linear path when training on the CPU; we do not: one semantics everywhere).  Inputs are
   quantized from fp16, the output has the input's dtype, the bias is cast per call (never in place).
   ``threshold`` > 0 keeps the input columns holding a value >= threshold in magnitude out of int8.
+  On CUDA / ROCm tensors it runs the Triton kernels of ``anygpu.ops.int8_matmul`` (no host sync: a decode
+  step captures in a CUDA / HIP graph), on the CPU the PyTorch reference: the same bits without outlier
+  columns, within one unit in the last place with them.
 - state_dict: ``weight`` (int8), ``bias``, ``SCB`` (fp32) and ``weight_format`` (uint8 0 = "row") once
   quantized; before that, ``weight`` and ``bias`` as nn.Linear.  Loading accepts bitsandbytes' and our
   checkpoints into a quantized layer and, unlike bitsandbytes, into one not quantized yet (the int8

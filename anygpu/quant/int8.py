@@ -4,9 +4,11 @@
     CB, SCB, _ = int8_vectorwise_quant(weight.half())          # weight [N, K] -> int8 [N, K], fp32 [N]
     y = matmul_8bit(x, CB, SCB, threshold=6.0, bias=bias)      # ~ F.linear(x, weight, bias)
 
-Pure PyTorch on every device for now (``torch._int_mm`` for the int8 GEMM where it applies, an exact
-float64 product elsewhere); a fused Triton int8 GEMM with the dequantization and bias in its epilogue
-is the next step.  Decisions where bitsandbytes leaves a choice:
+``matmul_8bit`` (and ``Linear8bitLt``) runs the op ``anygpu.ops.int8_matmul``: Triton kernels on CUDA and
+ROCm tensors (quantization, exact int8 GEMM, dequantization, bias and outlier columns fused, no host
+sync; ``anygpu/kernels/int8_matmul.py``), the pure-PyTorch reference on the CPU.  The other functions
+here are PyTorch on every device (``torch._int_mm`` for the int8 GEMM where it applies, an exact float64
+product elsewhere).  Decisions where bitsandbytes leaves a choice:
 
 - Row quantization is bitsandbytes' reference arithmetic (``round(x * (127 / absmax))`` in fp32,
   round-half-even), so codes and stats are identical to its default backend; against its CUDA
@@ -24,8 +26,10 @@ from __future__ import annotations
 
 import torch
 
-INV_127 = 7.874015718698502e-3  # float32(1 / 127), bitsandbytes' int8_vectorwise_dequant constant
-INV_127_SQUARED = 1.0 / (127 * 127)  # see the module doc for bitsandbytes' two variants
+from ..ops.int8_matmul import INV_127, INV_127_SQUARED  # noqa: F401 - INV_127_SQUARED: see the module doc
+from ..ops.int8_matmul import dequantize_int32, dequantize_rows, int_matmul, int8_matmul, quantize_rows
+from ..ops.int8_matmul import int_mm_applies as _int_mm_applies
+
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
@@ -53,19 +57,7 @@ def int8_vectorwise_quant(A: torch.Tensor, threshold: float = 0.0):
         raise ValueError(f"A: expected a non-empty tensor, got shape {tuple(A.shape)}")
     if not isinstance(threshold, (int, float)) or threshold < 0 or threshold != threshold:
         raise ValueError(f"threshold: expected a number >= 0, got {threshold!r}")
-    rows = A.reshape(-1, A.shape[-1])
-    magnitude = rows.abs()
-    outlier_cols = None
-    if threshold > 0:
-        outliers = magnitude >= threshold
-        outlier_cols = torch.argwhere(outliers.any(dim=0)).view(-1)
-        rows = rows.masked_fill(outliers, 0)  # a copy: the caller's A is never touched
-        magnitude = magnitude.masked_fill(outliers, 0)
-    row_stats = magnitude.amax(dim=1).float()
-    scale = torch.where(row_stats > 0, 127.0 / row_stats, torch.zeros_like(row_stats))
-    codes = torch.round(rows * scale.unsqueeze(1)).to(torch.int8)
-    if outlier_cols is not None and outlier_cols.numel():
-        codes[:, outlier_cols] = 0
+    codes, row_stats, outlier_cols = quantize_rows(A.reshape(-1, A.shape[-1]), threshold)
     return codes.reshape(A.shape), row_stats, outlier_cols
 
 
@@ -78,16 +70,10 @@ def int8_vectorwise_dequant(A: torch.Tensor, stats: torch.Tensor) -> torch.Tenso
         raise ValueError(f"stats: expected {rows} row scales for A of shape {tuple(A.shape)}, got {stats.numel()}")
     if stats.device != A.device:
         raise ValueError(f"stats: expected a tensor on {A.device} (A's device), got {stats.device}")
-    return (A.reshape(rows, -1) * stats.reshape(-1, 1) * INV_127).reshape(A.shape)
+    return dequantize_rows(A.reshape(rows, -1), stats).reshape(A.shape)
 
 
 # -- int8 GEMM and its dequantization --------------------------------------------------------------
-
-
-def _int_mm_applies(M: int, K: int, N: int, device: torch.device) -> bool:
-    if device.type == "cpu":
-        return True  # any shape; exact since torch 2.6 (earlier versions overflowed without AVX512-VNNI)
-    return device.type == "cuda" and M > 16 and K % 8 == 0 and N % 8 == 0  # cuBLASLt / hipBLASLt limits
 
 
 def int8_linear_matmul(A: torch.Tensor, B: torch.Tensor, out: torch.Tensor | None = None,
@@ -105,15 +91,7 @@ def int8_linear_matmul(A: torch.Tensor, B: torch.Tensor, out: torch.Tensor | Non
         raise ValueError(f"dtype: expected torch.int32, got {dtype}")
     K, N = B.shape[1], B.shape[0]
     rows = A.reshape(-1, K)
-    M = rows.shape[0]
-    if M == 0 or K == 0:
-        result = torch.zeros(M, N, dtype=torch.int32, device=A.device)
-    elif _int_mm_applies(M, K, N, A.device):
-        result = torch._int_mm(rows.contiguous(), B.t())
-    else:
-        # float64 holds every partial sum exactly (|sum| <= K * 127**2 < 2**53); fp32 would not past K ~ 1040.
-        result = (rows.double() @ B.double().t()).to(torch.int32)
-    result = result.reshape(*A.shape[:-1], N)
+    result = int_matmul(rows, B, _int_mm_applies(rows.shape[0], K, N, A.device)).reshape(*A.shape[:-1], N)
     if out is not None:
         _check_tensor(out, "out", (torch.int32,))
         if out.shape != result.shape or out.device != result.device:
@@ -147,10 +125,7 @@ def int8_mm_dequant(A: torch.Tensor, row_stats: torch.Tensor, col_stats: torch.T
     for name, t in (("row_stats", row_stats), ("col_stats", col_stats), ("bias", bias)):
         if t is not None and t.device != A.device:
             raise ValueError(f"{name}: expected a tensor on {A.device} (A's device), got {t.device}")
-    result = rows * (row_stats.reshape(-1, 1) * col_stats.reshape(1, -1) * INV_127_SQUARED)
-    if bias is not None:
-        result = result + bias.reshape(1, -1).float()
-    result = result.to(dtype).reshape(A.shape)
+    result = dequantize_int32(rows, row_stats, col_stats, bias, dtype).reshape(A.shape)
     if out is not None:
         if not isinstance(out, torch.Tensor) or out.shape != result.shape or out.device != result.device:
             raise ValueError(f"out: expected a tensor of shape {tuple(result.shape)} on {result.device}")
@@ -163,15 +138,9 @@ def int8_mm_dequant(A: torch.Tensor, row_stats: torch.Tensor, col_stats: torch.T
 
 def _matmul_8bit_forward(A: torch.Tensor, CB: torch.Tensor, SCB: torch.Tensor, threshold: float,
                          bias: torch.Tensor | None) -> torch.Tensor:
-    rows = A.reshape(-1, A.shape[-1])
-    # bitsandbytes quantizes activations from fp16 whatever their dtype; the result comes back in A's dtype.
-    CA, SCA, outlier_cols = int8_vectorwise_quant(rows.to(torch.float16), threshold)
-    y = int8_mm_dequant(int8_linear_matmul(CA, CB), SCA, SCB, bias=bias, dtype=A.dtype)
-    if outlier_cols is not None and outlier_cols.numel():
-        # Outlier columns (zero in CA) in A's own precision, against the dequantized weight columns.
-        weight_cols = int8_vectorwise_dequant(CB[:, outlier_cols].contiguous(), SCB).to(A.dtype)
-        y = y.addmm(rows[:, outlier_cols], weight_cols.t())
-    return y.reshape(*A.shape[:-1], CB.shape[0])
+    # The op: its reference on the CPU (bitsandbytes quantizes activations from fp16 whatever their dtype;
+    # the result comes back in A's dtype), the Triton kernels on GPUs.
+    return int8_matmul(A, CB, SCB, threshold, bias)
 
 
 class _MatMul8bit(torch.autograd.Function):

@@ -1,0 +1,332 @@
+"""The LLM.int8() matmul kernels (anygpu/kernels/int8_matmul.py) against the op's PyTorch reference
+(anygpu/ops/int8_matmul.py, which tests/test_int8.py holds to bitsandbytes): in Triton's interpreter on
+the CPU, or on a GPU.
+
+The contract: without outlier columns the output is bit-identical to the reference (exact int32
+accumulation, the reference's fp32 operations in its order); with them, the outlier columns' fp32 sum
+may be in another order than the reference GEMM's, so each output is within one unit in the last place
+of x's dtype (at its magnitude, plus fp32 rounding of the outlier products), and almost all are identical.
+"""
+
+import pytest
+import torch
+
+from anygpu.ops import int8_matmul as int8_matmul_op
+from anygpu.ops.int8_matmul import quantize_rows, reference
+from anygpu.testing import poison_, same_bits
+
+pytest.importorskip("triton")
+
+from anygpu.kernels import int8_matmul as K  # noqa: E402
+from anygpu.kernels.int8_matmul import PATHS, Plan, plan, plan_for  # noqa: E402
+from anygpu.kernels.config import LaunchConfig  # noqa: E402
+
+DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+N, KDIM = 37, 300  # N odd, K a multiple of no block size
+
+
+def weight(n=N, k=KDIM):
+    w = (torch.randn(n, k) / k**0.5).half()
+    CB, SCB, _ = quantize_rows(w, 0.0)
+    return CB, SCB
+
+
+def activations(m, k=KDIM, dtype=torch.float16, outliers=True):
+    x = torch.randn(m, k)
+    if outliers:  # whole columns with a few large values (LLM-style), one near the end of K
+        x[::2, 3] = 9.0
+        x[1::3, k - 2] = -7.5
+        x[0, 130] = 6.0  # exactly the threshold: an outlier (>=)
+        x[-1, 131] = 5.99  # just under it
+    return x.to(dtype)
+
+
+def path_plan(path, m, n, k, device):
+    try:
+        return plan_for(path, m, n, k, torch.device(device))
+    except ValueError as e:  # torch._int_mm takes more shapes on the CPU than on GPUs
+        pytest.skip(str(e))
+
+
+def run_kernel(x, CB, SCB, threshold, bias, path, device):
+    x, CB, SCB = x.to(device), CB.to(device), SCB.to(device)
+    bias = None if bias is None else bias.to(device)
+    out = poison_(torch.empty(*x.shape[:-1], CB.shape[0], dtype=x.dtype, device=device))
+    y = K.int8_matmul(x, CB, SCB, threshold, bias, out=out,
+                      plan_=path_plan(path, x.reshape(-1, x.shape[-1]).shape[0], CB.shape[0], CB.shape[1], x.device))
+    assert y is out
+    return y.cpu()
+
+
+def assert_matches_reference(y, x, CB, SCB, threshold, bias):
+    expected = reference(x, CB, SCB, threshold, bias)
+    assert y.dtype == expected.dtype and y.shape == expected.shape
+    assert not torch.isnan(y).any()
+    _, _, cols = quantize_rows(x.reshape(-1, x.shape[-1]).half(), threshold)
+    if cols is None or cols.numel() == 0:
+        assert same_bits(y, expected), (y - expected).abs().max()
+        return
+    # Outlier columns: one ULP of x's dtype at the output's magnitude, plus the fp32 rounding of the
+    # outlier products' sum (bounded by their magnitudes), which fp16/bf16 outputs round away.
+    rows = x.reshape(-1, x.shape[-1]).double()
+    w = (CB.double() * SCB.double()[:, None] / 127)[:, cols]
+    outlier_mag = rows[:, cols].abs() @ w.abs().t()
+    eps = torch.finfo(x.dtype).eps
+    allowed = eps * expected.double().abs() + 4 * torch.finfo(torch.float32).eps * outlier_mag.reshape(expected.shape)
+    diff = (y.double() - expected.double()).abs()
+    assert (diff <= allowed).all(), (diff - allowed).max()
+    if x.dtype != torch.float32:
+        assert (y == expected).float().mean() >= 0.95
+
+
+# (path, rows): every path at the row counts it takes; M = 1, 3 and 17 as the issue asks.
+CASES = [("fused", 1), ("fused", 2), ("fused_stats", 1), ("fused_stats", 3), ("gemm", 1), ("gemm", 3),
+         ("gemm", 17), ("int_mm", 3), ("int_mm", 17)]
+
+
+@pytest.mark.parametrize("bias", [False, True], ids=["nobias", "bias"])
+@pytest.mark.parametrize("threshold", [0.0, 6.0])
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("path, m", CASES)
+def test_kernel_matches_reference(kdevice, path, m, dtype, threshold, bias):
+    CB, SCB = weight()
+    x = activations(m, dtype=dtype)
+    b = torch.randn(N, dtype=dtype) if bias else None
+    y = run_kernel(x, CB, SCB, threshold, b, path, kdevice)
+    assert_matches_reference(y, x, CB, SCB, threshold, b)
+
+
+@pytest.mark.parametrize("path, m", [("fused", 2), ("fused_stats", 5), ("gemm", 33), ("int_mm", 9)])
+def test_every_loop_with_small_tiles(kdevice, path, m, monkeypatch):
+    """Small blocks, so each kernel's loops take several steps: the stats pass, the two-pass quantize,
+    the outlier-column list over several blocks and programs, the K loop; more outlier columns than
+    one dot step of the list takes."""
+    monkeypatch.setattr(K, "STATS_ELEMENTS", 64)
+    monkeypatch.setattr(K, "QUANTIZE_CONFIGS", {"default": (LaunchConfig({"BLOCK_R": 2, "MAX_BLOCK_K": 64}),)})
+    monkeypatch.setattr(K, "OUTLIER_COLUMNS_CONFIGS", {"default": (LaunchConfig({"BLOCK_R": 3, "BLOCK": 64}),)})
+    config = LaunchConfig({"BLOCK_M": 16, "BLOCK_N": 16, "BLOCK_K": 32, "GROUP_M": 2})
+    path_plan(path, m, N, KDIM, kdevice)  # skips int_mm where torch._int_mm does not take the shape
+    CB, SCB = weight()
+    x = activations(m)
+    x[:, 200:220:2] = 11.0  # 10 more outlier columns
+    x[:, 40:70:5] = -8.0  # and 6 more: 19 in all, two dot steps of the list (16 columns each)
+    bias = torch.randn(N, dtype=torch.float16)
+    out = poison_(torch.empty(m, N, dtype=x.dtype, device=kdevice))
+    y = K.int8_matmul(x.to(kdevice), CB.to(kdevice), SCB.to(kdevice), 6.0, bias.to(kdevice), out=out,
+                      plan_=Plan(path, config)).cpu()
+    assert_matches_reference(y, x, CB, SCB, 6.0, bias)
+    y0 = K.int8_matmul(x.to(kdevice), CB.to(kdevice), SCB.to(kdevice), 0.0, None, plan_=Plan(path, config)).cpu()
+    assert_matches_reference(y0, x, CB, SCB, 0.0, None)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("threshold", [0.0, 3.0, 6.1])
+def test_quantize_kernels_give_the_reference_codes(kdevice, dtype, threshold, monkeypatch):
+    """Codes (after the outlier-column pass), row stats and the ordered outlier list are the reference's
+    bits: round-half-even ties, a zero row, a threshold that fp16 rounds (6.1 -> 6.1015625)."""
+    monkeypatch.setattr(K, "OUTLIER_COLUMNS_CONFIGS", {"default": (LaunchConfig({"BLOCK_R": 2, "BLOCK": 64}),)})
+    x = torch.randn(7, 150) * 2
+    x[0, :4] = torch.tensor([127.0, 2.5, 3.5, -0.5])  # absmax 127: scale 1, codes of exact ties
+    x[1] = 0.0
+    x[2, 9] = 6.1015625  # == fp16(6.1)
+    x[3, 10] = 6.09765625  # the fp16 value below it
+    x = x.to(dtype)
+    thr = K.fp16_threshold(threshold) if threshold else 0.0
+    codes, stats, flags = K.quantize_rows(x.to(kdevice), thr)
+    expected_codes, expected_stats, expected_cols = quantize_rows(x.half(), threshold)
+    assert same_bits(stats.cpu(), expected_stats)
+    if threshold:
+        cols, count = K.outlier_columns(flags, codes)
+        assert torch.equal(cols[:count.item()].cpu().long(), expected_cols)
+    assert torch.equal(codes.cpu(), expected_codes)
+    _, stats_only, _ = K.quantize_rows(x.to(kdevice), thr, codes=False)
+    assert same_bits(stats_only.cpu(), expected_stats)
+
+
+def test_shapes_strides_and_empty_inputs(kdevice):
+    CB, SCB = weight()
+    bias = torch.randn(N, dtype=torch.bfloat16)  # a bias in another dtype than x, as matmul_8bit allows
+    x = activations(6).reshape(2, 3, KDIM)
+    y = K.int8_matmul(x.to(kdevice), CB.to(kdevice), SCB.to(kdevice), 6.0, bias.to(kdevice)).cpu()
+    assert y.shape == (2, 3, N)
+    assert_matches_reference(y, x, CB, SCB, 6.0, bias)
+    wide = torch.randn(4, 2 * KDIM, dtype=torch.float16)[:, ::2]  # unit stride broken: copied
+    torch.testing.assert_close(K.int8_matmul(wide.to(kdevice), CB.to(kdevice), SCB.to(kdevice)).cpu(),
+                               reference(wide, CB, SCB), rtol=0, atol=0)
+    rows = torch.randn(4, KDIM + 50, dtype=torch.float16)[:, :KDIM]  # a row stride > K
+    torch.testing.assert_close(K.int8_matmul(rows.to(kdevice), CB.to(kdevice), SCB.to(kdevice)).cpu(),
+                               reference(rows, CB, SCB), rtol=0, atol=0)
+    empty = K.int8_matmul(torch.empty(0, KDIM, dtype=torch.float16, device=kdevice), CB.to(kdevice), SCB.to(kdevice))
+    assert empty.shape == (0, N)
+    no_k = K.int8_matmul(torch.empty(3, 0, device=kdevice), torch.empty(N, 0, dtype=torch.int8, device=kdevice),
+                         SCB.to(kdevice), 6.0, bias.to(kdevice)).cpu()
+    assert torch.equal(no_k, bias.float().expand(3, N))
+    with pytest.raises(ValueError, match="out: expected a contiguous torch.float16 tensor of shape"):
+        K.int8_matmul(x.to(kdevice), CB.to(kdevice), SCB.to(kdevice), out=torch.empty(2, 3, N, device=kdevice))
+    with pytest.raises(ValueError, match="plan: the fused path takes at most 16 rows"):
+        K.int8_matmul(activations(17).to(kdevice), CB.to(kdevice), SCB.to(kdevice),
+                      plan_=Plan("fused", K.FUSED_CONFIGS["default"][0]))
+
+
+def test_every_column_an_outlier(kdevice):
+    """A threshold below every |x|: all columns go through x's dtype, the int8 part is empty."""
+    CB, SCB = weight()
+    x = activations(3, outliers=False) + 0.5 * torch.sign(activations(3, outliers=False))
+    for path in ("fused_stats", "gemm"):
+        y = run_kernel(x, CB, SCB, 0.25, None, path, kdevice)
+        assert_matches_reference(y, x, CB, SCB, 0.25, None)
+
+
+def test_plan_picks_paths_by_rows():
+    cpu = torch.device("cpu")
+    assert [plan(m, 8192, 8192, torch.float16, cpu).path for m in (1, 2, 3, 16, 17, 64, 65, 4096)] == [
+        "fused", "fused", "fused_stats", "fused_stats", "gemm", "gemm", "gemm", "gemm"]
+    assert plan(65, 64, 64, torch.float16, cpu).config is K.GEMM_LARGE_CONFIGS["default"][0]
+    chosen = Plan("int_mm", K.EPILOGUE_CONFIGS["default"][0])
+    K.set_plan_override(lambda m, n, k, dtype, target: chosen if m > 1 else None)
+    try:
+        assert plan(5, 64, 64, torch.float16, cpu) is chosen and plan(1, 64, 64, torch.float16, cpu).path == "fused"
+    finally:
+        K.set_plan_override(None)
+    with pytest.raises(ValueError, match="path: expected one of"):
+        plan_for("dequant", 1, 8, 8, cpu)
+    with pytest.raises(ValueError, match="takes at most 16 rows"):
+        plan_for("fused", 17, 8, 8, cpu)
+    assert K.fp16_threshold(6.1) == 6.1015625 and K.fp16_threshold(1e6) == float("inf")
+
+
+# -- the op and matmul_8bit -------------------------------------------------------------------------
+
+
+def test_op_reference_is_matmul_8bit_on_the_cpu():
+    from anygpu.quant import matmul_8bit
+
+    CB, SCB = weight()
+    x = activations(5)
+    bias = torch.randn(N, dtype=torch.float16)
+    for threshold in (0.0, 6.0):
+        assert same_bits(int8_matmul_op(x, CB, SCB, threshold, bias), matmul_8bit(x, CB, SCB, threshold, bias))
+        assert same_bits(torch.ops.anygpu.int8_matmul(x, CB, SCB, threshold, bias), reference(x, CB, SCB, threshold, bias))
+
+
+def test_op_opcheck_and_errors():
+    CB, SCB = weight(8, 32)
+    x = torch.randn(3, 32, requires_grad=True)
+    bias = torch.randn(8, requires_grad=True)
+    torch.library.opcheck(int8_matmul_op.overload, (x, CB, SCB, 6.0, bias))
+    y = int8_matmul_op(x, CB, SCB, 0.0, bias)
+    y.sum().backward()
+    w = CB.float() * (SCB[:, None] * (1 / 127))
+    torch.testing.assert_close(x.grad, torch.ones(3, 8) @ w)
+    torch.testing.assert_close(bias.grad, torch.full((8,), 3.0))
+    with pytest.raises(ValueError, match=r"CB: expected an int8 \[N, 32\] weight"):
+        int8_matmul_op(x, CB.float(), SCB)
+    with pytest.raises(ValueError, match="SCB: expected 8 fp32 row scales"):
+        int8_matmul_op(x, CB, SCB[:4])
+    with pytest.raises(ValueError, match="threshold: expected a number >= 0"):
+        int8_matmul_op(x, CB, SCB, -1.0)
+    with pytest.raises(ValueError, match="bias: expected 8 float values"):
+        int8_matmul_op(x, CB, SCB, 0.0, torch.ones(7))
+    meta = int8_matmul_op(torch.empty(2, 5, 32, device="meta", dtype=torch.bfloat16), CB.to("meta"), SCB.to("meta"))
+    assert meta.shape == (2, 5, 8) and meta.dtype == torch.bfloat16
+
+
+def test_bench_suite_runs_on_the_cpu():
+    from anygpu import bench
+
+    report = bench.run("int8", quick=True, device=torch.device("cpu"), progress=False, warmup_ms=0, rep_ms=1)
+    assert [row["op"] for row in report.rows] == ["linear8bit"] * 3
+    for row in report.rows:
+        assert row["ours"]["ms"] > 0 and row["baselines"]["F.linear float32"]["ratio"] > 0
+
+
+# -- cross-compilation (no GPU needed) -----------------------------------------------------------------
+
+
+SPECS = ("int8_matmul_fused", "int8_matmul_gemm_small", "int8_matmul_gemm", "int8_matmul_epilogue",
+         "int8_quantize_rows", "int8_outlier_columns")
+
+
+@pytest.mark.aot
+def test_int8_kernels_cross_compile_for_every_ci_target():
+    """The int8 kernels alone (test_aot.py compiles every kernel): every config, dtype, aligned or not."""
+    from anygpu.backend.targets import parse_target_list
+    from anygpu.kernels.aot import cross_compile
+    from anygpu.kernels.config import registered
+
+    specs = {name: spec for name, spec in registered().items() if name in SPECS}
+    assert sorted(specs) == sorted(SPECS)
+    reports = cross_compile(parse_target_list("ci"), specs)
+    failed = [r for r in reports if not r.ok]
+    assert not failed, failed
+
+
+@pytest.mark.aot
+def test_nvidia_code_rounds_as_the_reference():
+    """On sm_90: IEEE division and round-to-nearest-even in the quantization, and, with the launcher's
+    options, no FMA contraction (``acc * s + bias`` must round twice, as the reference does)."""
+    import triton
+    from triton.compiler import ASTSource
+
+    from anygpu.backend.targets import TARGETS
+    from anygpu.kernels.config import select
+
+    target = TARGETS["sm_90"]
+
+    def ptx(spec, **extra):
+        cfg = select(spec.configs, target)[0]
+        src = ASTSource(fn=spec.fn, signature=spec.signature(torch.float16), constexprs=dict(cfg.constexprs))
+        return triton.compile(src, target=target.triton_target(), options={**cfg.options(target), **extra}).asm["ptx"]
+
+    quantize = ptx(K.QUANTIZE_SPEC, enable_fp_fusion=False)
+    assert "div.rn.f32" in quantize and "cvt.rni.f32.f32" in quantize
+    fused = ptx(K.FUSED_SPEC, enable_fp_fusion=False)
+    assert "cvt.rni.f32.f32" in fused and "fma.rn.f32" not in fused
+    assert "fma.rn.f32" in ptx(K.FUSED_SPEC, enable_fp_fusion=True)  # the check above can fail
+
+
+# -- on a GPU ----------------------------------------------------------------------------------------
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("n, k", [(4096, 1024), (1000, 999)])
+@pytest.mark.parametrize("m", [1, 2, 3, 16, 17, 300])
+def test_gpu_paths_match_the_cpu_reference(m, n, k):
+    CB, SCB = weight(n, k)
+    for dtype in (torch.float16, torch.bfloat16):
+        x = activations(m, k, dtype)
+        bias = torch.randn(n, dtype=dtype)
+        for path in PATHS:
+            try:
+                plan_for(path, m, n, k, torch.device("cuda"))
+            except ValueError:  # a path that does not take this shape
+                continue
+            for threshold in (0.0, 6.0):
+                y = run_kernel(x, CB, SCB, threshold, bias, path, "cuda")
+                assert_matches_reference(y, x, CB, SCB, threshold, bias)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("m", [1, 16, 300])
+def test_linear8bitlt_forward_captures_in_a_cuda_graph(m):
+    """No step of any path reads a value back to the host: the forward captures, and replays follow the
+    input's outlier columns."""
+    from anygpu.nn import Linear8bitLt
+
+    source = torch.nn.Linear(1024, 512).half().cuda().requires_grad_(False)
+    layer = Linear8bitLt.from_linear(source, threshold=6.0).requires_grad_(False)
+    x = activations(m, 1024).cuda()
+    layer(x)  # compile outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        y = layer(x)
+    for seed in range(3):
+        torch.manual_seed(seed)
+        fresh = torch.randn(m, 1024) * 2
+        fresh[:, torch.randperm(1024)[:seed * 5]] = 10.0
+        x.copy_(fresh.half())
+        graph.replay()
+        torch.cuda.synchronize()
+        assert_matches_reference(y.cpu(), x.cpu(), layer.weight.data.cpu(), layer.weight.SCB.cpu(), 6.0,
+                                 source.bias.cpu())
