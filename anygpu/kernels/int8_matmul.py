@@ -47,7 +47,6 @@ from dataclasses import dataclass
 import torch
 import triton
 import triton.language as tl
-from triton.language.extra import libdevice
 
 from ._program_order import grouped_tile
 from .config import TRITON_DTYPE, KernelSpec, LaunchConfig, device_target, on_device, register, select
@@ -67,11 +66,11 @@ def _f32(bits: tl.constexpr):
 
 @triton.jit
 def _rint(v):
-    """Round to the nearest integer, ties to even (torch.round), in fp32."""
-    if _INTERPRETED:  # libdevice does not run in the interpreter; exact for |v| < 2**22 (codes are <= 127)
-        return (v + 12582912.0) - 12582912.0
-    else:
-        return libdevice.rint(v)
+    """Round to the nearest integer, ties to even (torch.round), in fp32: adding and subtracting 1.5 * 2**23
+    rounds in the adder, exact for |v| < 2**22 (codes are <= 127).  One way on every target: libdevice's rint
+    does not run in the interpreter and is missing from triton 3.6's HIP libdevice; the kernels run with
+    FP contraction off, so nothing fuses the scaling multiply into the add."""
+    return (v + 12582912.0) - 12582912.0
 
 
 @triton.jit
@@ -208,7 +207,7 @@ def _int8_matmul_kernel(x_ptr, a_ptr, w_ptr, row_stats_ptr, scb_ptr, bias_ptr, c
                 a = q.to(tl.int8)
             else:
                 a = tl.load(a_rows + k[None, :], mask=m_mask[:, None] & k_mask[None, :], other=0)
-            acc = tl.dot(a, tl.trans(w), acc)
+            acc = tl.dot(a, tl.trans(w), acc, out_dtype=tl.int32)  # triton 3.6 wants it said
 
     y = acc.to(tl.float32) * ((row_stat[:, None] * scb[None, :]) * _f32(INV_127_SQUARED_BITS))
     if HAS_BIAS:
