@@ -1,42 +1,100 @@
-"""Fused 8-bit optimizer step (bitsandbytes' blockwise 8-bit states), one launch per parameter per step.
+"""Fused optimizer steps (bitsandbytes' blockwise 8-bit states, and fp32 states), one launch per parameter.
 
-A program owns BLOCKS whole 256-element blocks: it loads gradient, parameter and the uint8 states,
-dequantizes them in registers (``qmap[code] * absmax``), does the update of ``optim/reference.py`` in
-its fp32 operation order (IEEE ``div_rn`` / ``sqrt_rn``: plain ``/`` and ``sqrt`` are approximate on
-NVIDIA), takes each block's new absmax, and requantizes with the branch-free search of
-``quant_blockwise.py`` (255 midpoints in breadth-first order; ties to the lower code) plus bitsandbytes'
-sign fix for the signed first state.  In the interpreter it is bit-identical to the reference; compiled,
-the backend may contract a multiply and an add into an FMA, a difference of an ulp or so per update.
+``_optim_8bit_kernel``: a program owns BLOCKS whole 256-element blocks: it loads gradient, parameter and
+the uint8 states, dequantizes them in registers (``qmap[code] * absmax``), does the update of
+``optim/reference.py`` in its fp32 operation order (IEEE ``div_rn`` / ``sqrt_rn``: plain ``/`` and
+``sqrt`` are approximate on NVIDIA), takes each block's new absmax and requantizes: the nearest code
+(ties to the lower one) plus bitsandbytes' sign fix for the signed first state.  ``_optim_32bit_kernel``
+is the same update on fp32 states (tensors under ``min_8bit_size``), so every parameter is one launch.
+
+The kernel is bound by instructions, not bytes (16 bytes per fp32 element against ~125 instructions), and
+requantizing is most of them, so the code search has two forms, both exactly the reference's
+``quantize_state``:
+
+- ``LUT`` (the default maps, the fast path): a bucket table over the bits of ``|x|``.  ``x = s / absmax``
+  lies in [-1, 1]; its magnitude's bits, clamped to [2^-24, 1.0], shifted right by 16, pick one of 3073
+  buckets (7 mantissa bits per binade), for x >= +0 and for x <= -0 separately.  Each int32 entry holds
+  the code of the bucket's lowest x (sign fix included) in its high half and, where one of the 255
+  midpoints falls inside the bucket, that midpoint's low 16 bits in its low half:
+  ``code = base + (low16(x) > low16(mid))`` (the low bits are mirrored for negative x).  One gather and a
+  dozen integer operations per element, instead of a binary search (8 compares) and its gathers.
+  ``search_table`` builds the table for a map and proves it exact (see there); a map it cannot serve (more
+  than one midpoint in a bucket, no +0.0) gets None.  The division by absmax is one reciprocal per block
+  and two FMA corrections per element (``_scaled_magnitude``: correctly rounded, like the reference's
+  division), and elements past the end load the code of +0.0 (the table's last entry), so they need no
+  selects.  On sm_90 this path compiles to ~125 SASS instructions per element for Adam (the tree: ~215).
+- the breadth-first search tree of ``quant_blockwise.py`` (any sorted map): 4 levels by selects among
+  15 values held in registers, 4 by gathers from the 1 KiB tree, and a gather of the code for the sign fix.
+
+In the interpreter both kernels are bit-identical to the reference; compiled, the backend may contract a
+multiply and an add into an FMA, a difference of an ulp or so per update.
 """
 
 from __future__ import annotations
+
+import weakref
 
 import torch
 import triton
 import triton.language as tl
 
-from .config import TRITON_DTYPE, KernelSpec, LaunchConfig, launch_config, on_device, register
+from .config import TRITON_DTYPE, KernelSpec, LaunchConfig, device_target, launch_config, on_device, register
 from .quant_blockwise import above, position16, search_tree, to_output
 
 OPT_IDS = {"adam": 0, "momentum": 1, "rmsprop": 2, "lion": 3, "ademamix": 4}
 BLOCKSIZE = 256
 
+# The bucket table: magnitudes' fp32 bits clamped to [2^-24, 1.0] (every |x| <= 1 that is not tiny), then
+# >> 16 (8 exponent bits and 7 mantissa bits).  HALF buckets per sign.
+_LOW = 0x33800000  # 2**-24: the default maps' smallest midpoints are ~1.6e-7 and 2.75e-7
+_HIGH = 0x3F800000  # 1.0
+LUT_SHIFT = 16
+_BASE = _LOW >> LUT_SHIFT
+_HALF = ((_HIGH - _LOW) >> LUT_SHIFT) + 1  # 3073
+LUT_LOW, LUT_HIGH, LUT_BASE, LUT_HALF = (tl.constexpr(v) for v in (_LOW, _HIGH, _BASE, _HALF))
+NO_STEP = 0xFFFF  # a low half no bucket-local value exceeds: the bucket holds no midpoint
+
 
 @triton.jit
-def _dequantize(q_ptr, absmax_ptr, code_ptr, first, base, rows, local, in_range, left):
-    q = tl.load(q_ptr + base + local, mask=in_range, other=0).to(tl.int32)
-    absmax = tl.load(absmax_ptr + first + rows, mask=rows * 256 < left, other=0.0)
-    return tl.where(in_range, tl.load(code_ptr + q) * absmax[:, None], 0.0)
+def _lut_search(q, neg, lut_ptr, SIGNED: tl.constexpr):
+    """The code of x = (-1 if neg else 1) * q, q = |x| in [0, 1] (NaN: the top code), from the bucket table
+    (see the module docstring); ``neg`` is -1 where x carries the sign bit (-0.0 too), else 0."""
+    clamped = tl.minimum(tl.maximum(q.to(tl.int32, bitcast=True) & 0x7FFFFFFF, LUT_LOW), LUT_HIGH)
+    if SIGNED:
+        index = (clamped >> 16) + ((neg & LUT_HALF) - LUT_BASE)  # the negative half follows the positive
+        low = (clamped ^ neg) & 0xFFFF  # mirrored for x < 0: larger |x| is smaller x
+    else:  # the second state is never negative
+        index = (clamped >> 16) - LUT_BASE
+        low = clamped & 0xFFFF
+    entry = tl.load(lut_ptr + index).to(tl.int32, bitcast=True)  # passed as fp32 bits (one signature)
+    return (entry >> 16) + (low > (entry & 0xFFFF)).to(tl.int32)
 
 
 @triton.jit
-def _requantize(s, tree_ptr, code_ptr, q_ptr, absmax_ptr, first, base, rows, local, in_range, left,
-                SIGNED: tl.constexpr):
-    """Store s's block absmax and codes (the reference's ``quantize_state``)."""
-    absmax = tl.max(tl.abs(s), axis=1)
-    tl.store(absmax_ptr + first + rows, absmax, mask=rows * 256 < left)
-    safe = tl.where(absmax > 0, absmax, 1.0)
-    scaled = tl.where(absmax[:, None] > 0, tl.div_rn(s, safe[:, None]), 0.0)
+def _scaled_magnitude(s, absmax):
+    """|s / absmax| per row, correctly rounded, as (|q|, neg): the reference's ``s / absmax`` (0 where
+    absmax is 0) without a division per element.  Per row: the reciprocal y = RN(1 / a) of the row's
+    absmax brought into [2^-60, 2^64] by a power of two (applied to s as well: exact); per element
+    q = |s| * y and two corrections q += RN(|s| - q * a) * y by FMA.  The first makes q faithful, the
+    second correctly rounded (Markstein's theorem: y within half an ulp of 1/a, q faithful, the remainder
+    exact; no remainder underflows for quotients >= 2^-24, and smaller ones share bucket 0 anyway).
+    An infinite absmax scales s by 0: s / inf = +-0, inf / inf = NaN, as the reference divides."""
+    infinite = absmax == float("inf")
+    f = tl.where(absmax > 18446744073709551616.0, tl.where(infinite, 0.0, 5.421010862427522e-20),  # 2^64, 2^-64
+                 tl.where(absmax < 8.673617379884035e-19, 1.2676506002282294e30, 1.0))  # 2^-60, 2^100
+    a = tl.where(infinite | (absmax == 0.0), 1.0, absmax * f)
+    y = tl.div_rn(tl.full(a.shape, 1.0, tl.float32), a)
+    s_abs = tl.abs(s) * f[:, None]
+    q = s_abs * y[:, None]
+    q = tl.fma(tl.fma(-q, a[:, None], s_abs), y[:, None], q)
+    q = tl.fma(tl.fma(-q, a[:, None], s_abs), y[:, None], q)
+    neg = tl.where(absmax[:, None] > 0, s.to(tl.int32, bitcast=True) >> 31, 0)  # a zero row: +0.0
+    return q, neg
+
+
+@triton.jit
+def _tree_search(scaled, tree_ptr, code_ptr, SIGNED: tl.constexpr):
+    """The code of ``scaled`` by the breadth-first search tree, with the sign fix (any sorted map)."""
     node = 16 + position16(scaled, tl.load(tree_ptr + 8), tl.load(tree_ptr + 4), tl.load(tree_ptr + 9),
                            tl.load(tree_ptr + 2), tl.load(tree_ptr + 10), tl.load(tree_ptr + 5),
                            tl.load(tree_ptr + 11), tl.load(tree_ptr + 1), tl.load(tree_ptr + 12),
@@ -49,34 +107,52 @@ def _requantize(s, tree_ptr, code_ptr, q_ptr, absmax_ptr, first, base, rows, loc
         s_neg = scaled.to(tl.int32, bitcast=True) < 0
         c_neg = tl.load(code_ptr + code).to(tl.int32, bitcast=True) < 0
         code = tl.where(s_neg != c_neg, tl.where(scaled > 0, code + 1, code - 1), code)
+    return code
+
+
+@triton.jit
+def _dequantize(q_ptr, absmax_ptr, code_ptr, search_ptr, first, base, rows, local, in_range, left,
+                LUT: tl.constexpr):
+    """fp32 ``code[q] * absmax``; 0 past the end.  With a bucket table, elements past the end load the map's
+    zero (its index is the table's last entry), so every later value there stays 0 without a select."""
+    absmax = tl.load(absmax_ptr + first + rows, mask=rows * 256 < left, other=0.0)
+    if LUT:
+        zero = tl.load(search_ptr + 2 * LUT_HALF).to(tl.int32, bitcast=True)
+        q = tl.load(q_ptr + base + local, mask=in_range, other=zero.to(tl.uint8)).to(tl.int32)
+        return tl.load(code_ptr + q) * absmax[:, None]
+    else:
+        q = tl.load(q_ptr + base + local, mask=in_range, other=0).to(tl.int32)
+        return tl.where(in_range, tl.load(code_ptr + q) * absmax[:, None], 0.0)
+
+
+@triton.jit
+def _requantize(s, search_ptr, code_ptr, q_ptr, absmax_ptr, first, base, rows, local, in_range, left,
+                SIGNED: tl.constexpr, LUT: tl.constexpr):
+    """Store s's block absmax and codes (the reference's ``quantize_state``)."""
+    absmax = tl.max(tl.abs(s), axis=1)
+    tl.store(absmax_ptr + first + rows, absmax, mask=rows * 256 < left)
+    if LUT:
+        q, neg = _scaled_magnitude(s, absmax)
+        code = _lut_search(q, neg, search_ptr, SIGNED)
+    else:
+        safe = tl.where(absmax > 0, absmax, 1.0)
+        scaled = tl.where(absmax[:, None] > 0, tl.div_rn(s, safe[:, None]), 0.0)
+        code = _tree_search(scaled, search_ptr, code_ptr, SIGNED)
     tl.store(q_ptr + base + local, code.to(tl.uint8), mask=in_range)
 
 
 @triton.jit
-def _optim_8bit_kernel(p_ptr, g_ptr, s1_ptr, s2_ptr, absmax1_ptr, absmax2_ptr, code1_ptr, code2_ptr,
-                       tree1_ptr, tree2_ptr, n, beta1, beta2, one_minus_beta1, one_minus_beta2, eps, step_size,
-                       weight_decay, decay, first_step, beta3, one_minus_beta3, alpha, correction1, correction2,
-                       OPT: tl.constexpr, HAS_DECAY: tl.constexpr,
-                       BLOCKS: tl.constexpr):
-    first = tl.program_id(0).to(tl.int64) * BLOCKS  # int64: tensors can pass 2**31 elements
-    base = first * 256
-    rows = tl.arange(0, BLOCKS)
-    local = rows[:, None] * 256 + tl.arange(0, 256)[None, :]
-    left = tl.minimum(n - base, BLOCKS * 256).to(tl.int32)
-    in_range = local < left
-    g = tl.load(g_ptr + base + local, mask=in_range, other=0.0).to(tl.float32)
-    p = tl.load(p_ptr + base + local, mask=in_range, other=0.0).to(tl.float32)
-    s1 = _dequantize(s1_ptr, absmax1_ptr, code1_ptr, first, base, rows, local, in_range, left)
-    finite = (g == g) & (tl.abs(g) != float("inf"))
-    g = tl.where(finite, g, 0.0)
+def _update(p, g, s1, s2, m2, beta1, beta2, one_minus_beta1, one_minus_beta2, eps, step_size, weight_decay,
+            decay, first_step, beta3, one_minus_beta3, alpha, correction1, correction2,
+            OPT: tl.constexpr, HAS_DECAY: tl.constexpr):
+    """One element-wise update in the reference's fp32 operation order; g already finite.
+    Returns (new p, s1, s2, m2); s2 and m2 come back unchanged where the optimizer has none."""
     if OPT == 0:  # adam / adamw
-        s2 = _dequantize(s2_ptr, absmax2_ptr, code2_ptr, first, base, rows, local, in_range, left)
         s1 = s1 * beta1 + one_minus_beta1 * g
         s2 = s2 * beta2 + one_minus_beta2 * (g * g)
         new_p = p + tl.div_rn(s1, tl.sqrt_rn(s2) + eps) * step_size
         if HAS_DECAY:
             new_p = new_p * decay
-        s2 = tl.where(finite, s2, 0.0)
     elif OPT == 1:  # momentum
         g = g + weight_decay * p
         s1 = tl.where(first_step != 0, g, s1 * beta1 + g)
@@ -85,10 +161,7 @@ def _optim_8bit_kernel(p_ptr, g_ptr, s1_ptr, s2_ptr, absmax1_ptr, absmax2_ptr, c
         g = g + weight_decay * p
         s1 = s1 * beta1 + one_minus_beta1 * (g * g)
         new_p = p + step_size * tl.div_rn(g, tl.sqrt_rn(s1) + eps)
-    elif OPT == 4:  # ademamix: state1 holds m1 then m2 (n codes and n_blocks absmax each)
-        n_blocks = (n + 255) // 256
-        s2 = _dequantize(s2_ptr, absmax2_ptr, code2_ptr, first, base, rows, local, in_range, left)
-        m2 = _dequantize(s1_ptr + n, absmax1_ptr + n_blocks, code1_ptr, first, base, rows, local, in_range, left)
+    elif OPT == 4:  # ademamix: m1 (s1), the slow EMA m2, nu (s2)
         s1 = s1 * beta1 + one_minus_beta1 * g
         m2 = m2 * beta3 + one_minus_beta3 * g
         s2 = s2 * beta2 + one_minus_beta2 * (g * g)
@@ -96,10 +169,6 @@ def _optim_8bit_kernel(p_ptr, g_ptr, s1_ptr, s2_ptr, absmax1_ptr, absmax2_ptr, c
         new_p = p + step_size * tl.div_rn(numerator, tl.div_rn(tl.sqrt_rn(s2), correction2) + eps)
         if HAS_DECAY:
             new_p = new_p * decay
-        s2 = tl.where(finite, s2, 0.0)
-        m2 = tl.where(finite & in_range, m2, 0.0)
-        _requantize(m2, tree1_ptr, code1_ptr, s1_ptr + n, absmax1_ptr + n_blocks, first, base, rows, local,
-                    in_range, left, True)
     else:  # lion
         new_p = p
         if HAS_DECAY:
@@ -108,57 +177,297 @@ def _optim_8bit_kernel(p_ptr, g_ptr, s1_ptr, s2_ptr, absmax1_ptr, absmax2_ptr, c
         direction = (m > 0).to(tl.float32) - (m < 0).to(tl.float32)
         new_p = new_p + step_size * direction
         s1 = s1 * beta2 + one_minus_beta2 * g
-    s1 = tl.where(finite & in_range, s1, 0.0)
+    return new_p, s1, s2, m2
+
+
+@triton.jit
+def _optim_8bit_kernel(p_ptr, g_ptr, s1_ptr, s2_ptr, absmax1_ptr, absmax2_ptr, code1_ptr, code2_ptr,
+                       search1_ptr, search2_ptr, n, beta1, beta2, one_minus_beta1, one_minus_beta2, eps, step_size,
+                       weight_decay, decay, first_step, beta3, one_minus_beta3, alpha, correction1, correction2,
+                       OPT: tl.constexpr, HAS_DECAY: tl.constexpr, LUT: tl.constexpr, BLOCKS: tl.constexpr):
+    first = tl.program_id(0).to(tl.int64) * BLOCKS  # int64: tensors can pass 2**31 elements
+    base = first * 256
+    rows = tl.arange(0, BLOCKS)
+    local = rows[:, None] * 256 + tl.arange(0, 256)[None, :]
+    left = tl.minimum(n - base, BLOCKS * 256).to(tl.int32)
+    in_range = local < left
+    g = tl.load(g_ptr + base + local, mask=in_range, other=0.0).to(tl.float32)
+    p = tl.load(p_ptr + base + local, mask=in_range, other=0.0).to(tl.float32)
+    s1 = _dequantize(s1_ptr, absmax1_ptr, code1_ptr, search1_ptr, first, base, rows, local, in_range, left, LUT)
+    n_blocks = (n + 255) // 256
+    s2 = s1
+    m2 = s1
+    if OPT == 0 or OPT == 4:
+        s2 = _dequantize(s2_ptr, absmax2_ptr, code2_ptr, search2_ptr, first, base, rows, local, in_range, left, LUT)
+    if OPT == 4:  # state1 holds m1 then m2 (n codes and n_blocks absmax each)
+        m2 = _dequantize(s1_ptr + n, absmax1_ptr + n_blocks, code1_ptr, search1_ptr, first, base, rows, local,
+                         in_range, left, LUT)
+    finite = tl.abs(g) < float("inf")  # false for inf and NaN
+    g = tl.where(finite, g, 0.0)
+    new_p, s1, s2, m2 = _update(p, g, s1, s2, m2, beta1, beta2, one_minus_beta1, one_minus_beta2, eps, step_size,
+                                weight_decay, decay, first_step, beta3, one_minus_beta3, alpha, correction1,
+                                correction2, OPT, HAS_DECAY)
     new_p = tl.where(finite, new_p, p)
     tl.store(p_ptr + base + local, to_output(new_p, p_ptr), mask=in_range)
-    _requantize(s1, tree1_ptr, code1_ptr, s1_ptr, absmax1_ptr, first, base, rows, local, in_range, left, True)
+    # Zero the states of non-finite gradients, and (search tree) past the end, where they are not 0.
+    keep = finite if LUT else finite & in_range
+    s1 = tl.where(keep, s1, 0.0)
+    _requantize(s1, search1_ptr, code1_ptr, s1_ptr, absmax1_ptr, first, base, rows, local, in_range, left, True, LUT)
+    if OPT == 4:
+        m2 = tl.where(keep, m2, 0.0)
+        _requantize(m2, search1_ptr, code1_ptr, s1_ptr + n, absmax1_ptr + n_blocks, first, base, rows, local,
+                    in_range, left, True, LUT)
     if OPT == 0 or OPT == 4:
-        s2 = tl.where(in_range, s2, 0.0)
-        _requantize(s2, tree2_ptr, code2_ptr, s2_ptr, absmax2_ptr, first, base, rows, local, in_range, left, False)
+        s2 = tl.where(keep, s2, 0.0)
+        _requantize(s2, search2_ptr, code2_ptr, s2_ptr, absmax2_ptr, first, base, rows, local, in_range, left,
+                    False, LUT)
 
 
-# Elements per program: 4 blocks (1024) on 4 warps of 32 (8 elements a thread, the quantize kernel's
-# budget: each holds a search's state); wave64 CDNA: 2 warps, the same threads.  Unmeasured first guesses.
-# The launcher takes BLOCKS and warps from the first config and OPT / HAS_DECAY from the call; the table
-# lists adam (the hot one) and ademamix (three states: the most registers) so CI cross-compiles both;
-# momentum, rmsprop and lion (a sign: two compares) use subsets of their operations.
-def _configs(num_warps: int) -> tuple:
-    return tuple(LaunchConfig({"BLOCKS": 4, "OPT": OPT_IDS[name], "HAS_DECAY": 1}, num_warps=num_warps)
+@triton.jit
+def _optim_32bit_kernel(p_ptr, g_ptr, s1_ptr, s2_ptr, n, beta1, beta2, one_minus_beta1, one_minus_beta2, eps,
+                        step_size, weight_decay, decay, first_step, beta3, one_minus_beta3, alpha, correction1,
+                        correction2, OPT: tl.constexpr, HAS_DECAY: tl.constexpr, BLOCK: tl.constexpr):
+    offsets = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    in_range = offsets < n
+    g = tl.load(g_ptr + offsets, mask=in_range, other=0.0).to(tl.float32)
+    p = tl.load(p_ptr + offsets, mask=in_range, other=0.0).to(tl.float32)
+    s1 = tl.load(s1_ptr + offsets, mask=in_range, other=0.0)
+    s2 = s1
+    m2 = s1
+    if OPT == 0 or OPT == 4:
+        s2 = tl.load(s2_ptr + offsets, mask=in_range, other=0.0)
+    if OPT == 4:  # state1 is [2, n]: m1 then m2
+        m2 = tl.load(s1_ptr + n + offsets, mask=in_range, other=0.0)
+    finite = tl.abs(g) < float("inf")
+    g = tl.where(finite, g, 0.0)
+    new_p, s1, s2, m2 = _update(p, g, s1, s2, m2, beta1, beta2, one_minus_beta1, one_minus_beta2, eps, step_size,
+                                weight_decay, decay, first_step, beta3, one_minus_beta3, alpha, correction1,
+                                correction2, OPT, HAS_DECAY)
+    tl.store(p_ptr + offsets, to_output(tl.where(finite, new_p, p), p_ptr), mask=in_range)
+    tl.store(s1_ptr + offsets, tl.where(finite, s1, 0.0), mask=in_range)
+    if OPT == 4:
+        tl.store(s1_ptr + n + offsets, tl.where(finite, m2, 0.0), mask=in_range)
+    if OPT == 0 or OPT == 4:
+        tl.store(s2_ptr + offsets, tl.where(finite, s2, 0.0), mask=in_range)
+
+
+# 8-bit: 4 blocks (1024 elements) on 4 warps of 32: 8 elements a thread and one block per warp, so a
+# block's absmax is a warp reduction; wave64 CDNA: 2 warps, the same threads.  Unmeasured first guesses
+# (tools: the lead's sweep; ``update_8bit(config=...)`` takes another).  The launcher takes BLOCKS and
+# warps from the first config and OPT / HAS_DECAY / LUT from the call; the table lists adam (the hot
+# one), ademamix (three states: the most registers) and adam with the search tree, so CI cross-compiles
+# each form; momentum, rmsprop and lion use subsets of their operations.
+def _configs_8bit(num_warps: int) -> tuple:
+    return tuple(LaunchConfig({"BLOCKS": 4, "OPT": OPT_IDS[name], "HAS_DECAY": 1, "LUT": lut}, num_warps=num_warps)
+                 for name, lut in (("adam", 1), ("ademamix", 1), ("adam", 0)))
+
+
+def _configs_32bit(num_warps: int) -> tuple:
+    return tuple(LaunchConfig({"BLOCK": 1024, "OPT": OPT_IDS[name], "HAS_DECAY": 1}, num_warps=num_warps)
                  for name in ("adam", "ademamix"))
 
 
-CONFIGS = {"default": _configs(4), "amd": _configs(2), "rdna3": _configs(4), "rdna4": _configs(4)}
+CONFIGS = {"default": _configs_8bit(4), "amd": _configs_8bit(2), "rdna3": _configs_8bit(4), "rdna4": _configs_8bit(4)}
+CONFIGS_32BIT = {"default": _configs_32bit(4), "amd": _configs_32bit(4)}
 DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+_SCALARS = ("beta1", "beta2", "one_minus_beta1", "one_minus_beta2", "eps", "step_size", "weight_decay", "decay")
+_SCALARS_AFTER = ("beta3", "one_minus_beta3", "alpha", "correction1", "correction2")
 
 
 def _signature(dtype: torch.dtype) -> dict:
     sig = {"p_ptr": f"*{TRITON_DTYPE[dtype]}", "g_ptr": f"*{TRITON_DTYPE[dtype]}", "s1_ptr": "*u8", "s2_ptr": "*u8",
            "absmax1_ptr": "*fp32", "absmax2_ptr": "*fp32", "code1_ptr": "*fp32", "code2_ptr": "*fp32",
-           "tree1_ptr": "*fp32", "tree2_ptr": "*fp32", "n": "i32"}
-    sig.update({k: "fp32" for k in ("beta1", "beta2", "one_minus_beta1", "one_minus_beta2", "eps", "step_size",
-                                    "weight_decay", "decay")})
+           "search1_ptr": "*fp32", "search2_ptr": "*fp32", "n": "i32"}
+    sig.update({k: "fp32" for k in _SCALARS})
     sig["first_step"] = "i32"
-    sig.update({k: "fp32" for k in ("beta3", "one_minus_beta3", "alpha", "correction1", "correction2")})
-    sig.update({"OPT": "constexpr", "HAS_DECAY": "constexpr", "BLOCKS": "constexpr"})
+    sig.update({k: "fp32" for k in _SCALARS_AFTER})
+    sig.update({"OPT": "constexpr", "HAS_DECAY": "constexpr", "LUT": "constexpr", "BLOCKS": "constexpr"})
+    return sig
+
+
+def _signature_32bit(dtype: torch.dtype) -> dict:
+    sig = {"p_ptr": f"*{TRITON_DTYPE[dtype]}", "g_ptr": f"*{TRITON_DTYPE[dtype]}", "s1_ptr": "*fp32",
+           "s2_ptr": "*fp32", "n": "i32"}
+    sig.update({k: "fp32" for k in _SCALARS})
+    sig["first_step"] = "i32"
+    sig.update({k: "fp32" for k in _SCALARS_AFTER})
+    sig.update({"OPT": "constexpr", "HAS_DECAY": "constexpr", "BLOCK": "constexpr"})
     return sig
 
 
 SPEC = register(KernelSpec("optim_8bit", _optim_8bit_kernel, _signature, DTYPES, CONFIGS))
+SPEC_32BIT = register(KernelSpec("optim_32bit", _optim_32bit_kernel, _signature_32bit, DTYPES, CONFIGS_32BIT))
 
+
+# ---- the bucket table -------------------------------------------------------------------------------
+
+def _f32(bits: torch.Tensor) -> torch.Tensor:
+    return bits.to(torch.int32).view(torch.float32)
+
+
+def reference_codes(x: torch.Tensor, code: torch.Tensor, signed: bool) -> torch.Tensor:
+    """The code of each fp32 ``x`` as ``optim.reference.quantize_state`` picks it (the specification the
+    table is proven against): the number of midpoints strictly below x, then for a signed state the sign
+    fix (a code whose value has the other sign bit than x moves one step towards x)."""
+    codes = torch.bucketize(x, (code[:-1] + code[1:]) / 2)
+    if signed:
+        wrong_sign = torch.signbit(code[codes]) != torch.signbit(x)
+        codes = torch.where(wrong_sign, torch.where(x > 0, codes + 1, codes - 1), codes)
+    return codes
+
+
+def lut_codes(x: torch.Tensor, lut: torch.Tensor, signed: bool) -> torch.Tensor:
+    """``_lut_search`` in PyTorch, operation for operation (int64, so shifts and masks match int32's), for
+    x's magnitude and (signed) its sign bit."""
+    bits = x.view(torch.int32).long()
+    clamped = (bits & 0x7FFFFFFF).clamp(_LOW, _HIGH)
+    if signed:
+        neg = torch.where(bits < 0, -1, 0)
+        index = (clamped >> 16) + ((neg & _HALF) - _BASE)
+        low = (clamped ^ neg) & 0xFFFF
+    else:
+        index = (clamped >> 16) - _BASE
+        low = clamped & 0xFFFF
+    entry = lut.view(torch.int32).long()[index]
+    return (entry >> 16) + (low > (entry & 0xFFFF)).long()
+
+
+def _build_lut(code: torch.Tensor, signed: bool) -> torch.Tensor:
+    """int32 [2 * LUT_HALF + 1] (as fp32 bits; the last: the index of +0.0, or -1) for the sorted fp32 map
+    ``code`` on the CPU; exact only where
+    every bucket holds at most one midpoint, which ``search_table`` proves before using it."""
+    mids = (code[:-1] + code[1:]) / 2  # fp32, exactly as the reference
+    i = torch.arange(_HALF, dtype=torch.int64)
+    lo_bits = (_BASE + i) << LUT_SHIFT  # the bucket's smallest magnitude (bucket 0 takes all below)
+    hi_bits = torch.where(i == _HALF - 1, lo_bits, lo_bits + 0xFFFF)  # the top bucket is 1.0 alone
+    lo_mag, hi_mag = _f32(lo_bits), _f32(hi_bits)
+    entries = []
+    for negative in (False, True):
+        if negative:  # x from -hi_mag up to -lo_mag: the midpoint m in [-hi, -lo) steps at |x| < |m|
+            start = torch.searchsorted(mids, -hi_mag, right=False)
+            inside = torch.searchsorted(mids, -lo_mag, right=False) - start
+            step_bits = _f32_bits(mids[start.clamp(max=254)].abs())
+            threshold = 0xFFFF - (step_bits & 0xFFFF)
+        else:  # x from lo_mag up to hi_mag: the midpoint m in [lo, hi) steps at x > m
+            start = torch.searchsorted(mids, lo_mag, right=False)
+            inside = torch.searchsorted(mids, hi_mag, right=False) - start
+            threshold = _f32_bits(mids[start.clamp(max=254)]) & 0xFFFF
+        has_step = inside >= 1
+        c0, c1 = start, (start + 1).clamp(max=255)
+        if signed:  # the sign fix, for x < 0 (-0.0 too: x > 0 is false) or x > 0
+            neg_value = torch.signbit(code)
+            if negative:
+                c0 = torch.where(~neg_value[c0], c0 - 1, c0)
+                c1 = torch.where(~neg_value[c1], c1 - 1, c1)
+            else:
+                c0 = torch.where(neg_value[c0], c0 + 1, c0)
+                c1 = torch.where(neg_value[c1], c1 + 1, c1)
+        has_step = has_step & (c1 != c0)  # the fix can merge the two codes
+        threshold = torch.where(has_step, threshold, NO_STEP)
+        entries.append((c0.clamp(0, 255) << 16) | threshold)
+    zero = (code == 0) & ~torch.signbit(code)  # +0.0: what elements past the end load (see _dequantize)
+    entries.append(torch.where(zero.any(), zero.long().argmax(), -1).reshape(1))
+    return torch.cat(entries).to(torch.int32).view(torch.float32)
+
+
+def _f32_bits(x: torch.Tensor) -> torch.Tensor:
+    return x.contiguous().view(torch.int32).long()
+
+
+def _probe_points(code: torch.Tensor) -> torch.Tensor:
+    """Every x at which the table's or the reference's code can change, plus both ends of every bucket:
+    within a bucket the table takes at most two values (one step at its midpoint) and the reference one
+    per midpoint, so agreeing on these points is agreeing on every fp32 in [-1, 1] (and beyond it)."""
+    i = torch.arange(_HALF, dtype=torch.int64)
+    lo_bits = (_BASE + i) << LUT_SHIFT
+    ends = torch.cat([_f32(lo_bits), _f32(lo_bits + 0xFFFF), _f32(lo_bits - 1)])
+    mids = (code[:-1] + code[1:]) / 2
+    near = torch.cat([mids, torch.nextafter(mids, torch.tensor(-2.0)), torch.nextafter(mids, torch.tensor(2.0)),
+                      code])
+    tiny = torch.tensor([0.0, 1e-45, 1e-40, 1.1754944e-38, 1e-30, 1e-10, 5.9e-8, 1.0, 1.0000001, 2.0,
+                         float("inf")])
+    magnitudes = torch.cat([ends.abs(), tiny])
+    return torch.cat([magnitudes, -magnitudes, near]).float()
+
+
+def build_search_table(code: torch.Tensor, signed: bool) -> torch.Tensor | None:
+    """The bucket table of the CPU map ``code`` (fp32 [256], sorted), proven exact against
+    ``reference_codes`` on every point where either could change its answer; None where it is not
+    (a map with two midpoints in one bucket, or midpoints below 2^-24): such maps use the search tree."""
+    code = code.detach().float().contiguous()
+    if code.numel() != 256 or code.device.type != "cpu" or not bool((code[1:] >= code[:-1]).all()):
+        return None
+    lut = _build_lut(code, signed)
+    if int(lut[-1].view(torch.int32)) < 0:  # no +0.0 in the map
+        return None
+    x = _probe_points(code)
+    if not signed:  # the second state is never negative: the table serves magnitudes
+        x = x[~torch.signbit(x)]
+    if not torch.equal(lut_codes(x, lut, signed), reference_codes(x, code, signed)):
+        return None
+    return lut
+
+
+_TABLES: dict = {}
+
+
+def search_table(code: torch.Tensor, signed: bool) -> torch.Tensor | None:
+    """``build_search_table`` for a CPU map, cached while that very tensor lives unmodified.  Device maps are
+    the caller's business (reading one would sync): see ``optim.optimizer``, which knows the default maps."""
+    key = (id(code), signed)
+    hit = _TABLES.get(key)
+    if hit is not None and hit[0]() is code and hit[1] == code._version:
+        return hit[2]
+    table = build_search_table(code, signed)
+    if len(_TABLES) > 64:
+        _TABLES.clear()
+    _TABLES[key] = (weakref.ref(code), code._version, table)
+    return table
+
+
+# ---- launchers ----------------------------------------------------------------------------------------
 
 def update_8bit(name: str, p: torch.Tensor, g: torch.Tensor, state1: torch.Tensor, state2: torch.Tensor | None,
                 absmax1: torch.Tensor, absmax2: torch.Tensor | None, qmap1: torch.Tensor, qmap2: torch.Tensor | None,
-                k) -> None:
+                k, lut1: torch.Tensor | None = None, lut2: torch.Tensor | None = None,
+                config: LaunchConfig | None = None) -> None:
     """The kernel version of ``optim.reference.update_8bit`` (same arguments; ``k`` a ``StepScalars``).
-    p, state1/2 must be contiguous (the optimizer allocates them so); g is made contiguous."""
+    ``lut1`` / ``lut2``: the maps' bucket tables (``search_table``), on p's device; with either missing,
+    the search tree.  p, the states and absmax must be contiguous (the optimizer allocates them so); g is
+    made contiguous.  ``config``: a LaunchConfig overriding the table's BLOCKS and warps (for sweeps)."""
     g = g if g.is_contiguous() else g.contiguous()
     n = p.numel()
     cfg, options = launch_config(CONFIGS, p.device)
+    if config is not None:
+        cfg, options = config, config.options(device_target(p.device))
     blocks = cfg.constexprs["BLOCKS"]
     two = state2 is not None
+    lut = lut1 is not None and (lut2 is not None or not two)
+    if lut:
+        search1, search2 = lut1, lut2 if two else lut1
+    else:
+        search1 = search_tree(qmap1)
+        search2 = search_tree(qmap2) if two else search1
     with on_device(p.device):
         _optim_8bit_kernel[(-(-n // (blocks * BLOCKSIZE)),)](
             p, g, state1, state2 if two else state1, absmax1, absmax2 if two else absmax1, qmap1,
-            qmap2 if two else qmap1, search_tree(qmap1), search_tree(qmap2 if two else qmap1), n,
-            k.beta1, k.beta2, k.one_minus_beta1, k.one_minus_beta2, k.eps, k.step_size, k.weight_decay, k.decay,
-            int(k.first_step), k.beta3, k.one_minus_beta3, k.alpha, k.correction1, k.correction2, OPT=OPT_IDS[name], HAS_DECAY=k.weight_decay > 0, BLOCKS=blocks, **options)
+            qmap2 if two else qmap1, search1, search2, n, *_scalars(k), OPT=OPT_IDS[name],
+            HAS_DECAY=k.weight_decay > 0, LUT=lut, BLOCKS=blocks, **options)
+
+
+def update_32bit(name: str, p: torch.Tensor, g: torch.Tensor, state1: torch.Tensor, state2: torch.Tensor | None,
+                 k) -> None:
+    """The kernel version of ``optim.reference.update_32bit``: fp32 states, one launch."""
+    g = g if g.is_contiguous() else g.contiguous()
+    n = p.numel()
+    cfg, options = launch_config(CONFIGS_32BIT, p.device)
+    block = cfg.constexprs["BLOCK"]
+    with on_device(p.device):
+        _optim_32bit_kernel[(-(-n // block),)](
+            p, g, state1, state2 if state2 is not None else state1, n, *_scalars(k), OPT=OPT_IDS[name],
+            HAS_DECAY=k.weight_decay > 0, BLOCK=block, **options)
+
+
+def _scalars(k) -> tuple:
+    return (k.beta1, k.beta2, k.one_minus_beta1, k.one_minus_beta2, k.eps, k.step_size, k.weight_decay, k.decay,
+            int(k.first_step), k.beta3, k.one_minus_beta3, k.alpha, k.correction1, k.correction2)

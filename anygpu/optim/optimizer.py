@@ -8,9 +8,13 @@ maps) and ``absmax1`` / ``absmax2`` (fp32, one per 256-element block).  Tensors 
 ``load_state_dict`` reads ours and bitsandbytes' alike, keeping uint8 codes and fp32 absmax / maps as they
 are (torch's loader would cast them to the parameter's dtype).
 
-GPU parameters step through the fused Triton kernel (``kernels/optim_8bit.py``), CPU parameters (and GPUs
-under ``ANYGPU_KERNELS=reference``) through the PyTorch reference (``optim/reference.py``).
-Paged variants are not implemented.
+GPU parameters step through the fused Triton kernels (``kernels/optim_8bit.py``: one launch per parameter,
+8-bit or fp32 states), CPU parameters (and GPUs under ``ANYGPU_KERNELS=reference``) through the PyTorch
+reference (``optim/reference.py``).  ``step()`` never waits on the device (no ``.item()``, no host copy).
+
+Paged optimizers (``is_paged=True``, the ``Paged*`` classes) keep the states of GPU parameters with at
+least ``page_min_size`` elements in pinned host memory and stream them per step (``optim/paging.py``);
+their ``state_dict`` is the unpaged one's, so checkpoints move between paged and unpaged optimizers.
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ import torch
 
 from ..quant.maps import dynamic_map
 from . import reference
+from .paging import PAGE_MIN_SIZE, PAGED_KEYS, StatePager, host_zeros, streams_states, to_host
 from .reference import BLOCKSIZE, TWO_STATES, step_scalars
 
 QUANT_STATE_KEY = "__bnb_optimizer_quant_state__"
@@ -51,37 +56,97 @@ def _use_kernel(p: torch.Tensor) -> bool:
     return os.environ.get("ANYGPU_KERNELS", "triton").strip().lower() != "reference"
 
 
+_DEVICE_TABLES: dict = {}
+
+
+def search_tables(qmap1: torch.Tensor, qmap2: torch.Tensor | None) -> tuple:
+    """The kernel's bucket tables for a parameter's maps (``kernels.optim_8bit.search_table``), or
+    (None, None): then the kernel searches the generic tree.  A map on the device is never read (that would
+    sync): the default maps (the shared ``dynamic_map`` tensors, which ``_init_state`` and
+    ``load_state_dict`` use) get their table from the CPU copy, other device maps the tree."""
+    from ..kernels.optim_8bit import search_table
+
+    tables = []
+    for qmap, signed in ((qmap1, True), (qmap2, False)):
+        if qmap is None:
+            tables.append(None)
+        elif qmap.device.type == "cpu":
+            tables.append(search_table(qmap, signed))
+        elif qmap is dynamic_map(qmap.device, signed):
+            key = (qmap.device, signed)
+            if key not in _DEVICE_TABLES:
+                host = search_table(dynamic_map(None, signed), signed)
+                if host is not None:  # pinned, so the copy does not wait on the device
+                    host = host.pin_memory()
+                    _DEVICE_TABLES[key] = (host, host.to(qmap.device, non_blocking=True))
+                else:
+                    _DEVICE_TABLES[key] = (None, None)
+            tables.append(_DEVICE_TABLES[key][1])
+        else:
+            tables.append(None)
+    if tables[0] is None or (qmap2 is not None and tables[1] is None):
+        return None, None
+    return tables[0], tables[1]
+
+
+def _canonical_map(value: torch.Tensor, device: torch.device, signed: bool) -> torch.Tensor:
+    """The shared default map on ``device`` when ``value`` equals it (a loaded checkpoint's maps always do),
+    else a copy of ``value`` there."""
+    default = dynamic_map(None, signed)
+    if value.dtype == torch.float32 and value.shape == default.shape and torch.equal(value.detach().cpu(), default):
+        return dynamic_map(device, signed)
+    return value.to(device, copy=True)
+
+
 class Optimizer8bit(torch.optim.Optimizer):
     """Subclasses set ``update_name`` (one of ``reference.OPTIMIZERS``) and build ``defaults``
     with ``lr``, ``betas``, ``eps`` and ``weight_decay`` (AdEMAMix: also alpha, t_alpha, t_beta3)."""
 
     update_name: str = ""
+    # Paged optimizers page the states of GPU parameters with at least this many elements (bitsandbytes'
+    # 1e5); set it on an instance before the first step to change that.
+    page_min_size: int = PAGE_MIN_SIZE
 
-    def __init__(self, params, defaults: dict, min_8bit_size: int = 4096):
+    def __init__(self, params, defaults: dict, min_8bit_size: int = 4096, is_paged: bool = False):
         if isinstance(min_8bit_size, bool) or not isinstance(min_8bit_size, int) or min_8bit_size < 0:
             raise ValueError(f"min_8bit_size: expected an int >= 0, got {min_8bit_size!r}")
         self.min_8bit_size = min_8bit_size
+        self.is_paged = bool(is_paged)
+        self._pagers: dict = {}
+        self._simulate_paging = False  # tests: page CPU parameters too (through CPU slots)
         super().__init__(params, defaults)
+
+    def _pages(self, p: torch.Tensor) -> bool:
+        """Whether p's states live on the host and stream (decided when they are made or loaded)."""
+        if self._simulate_paging and p.device.type == "cpu":
+            return self.is_paged and p.numel() >= self.page_min_size
+        return streams_states(self.is_paged, p.device, p.numel(), self.page_min_size)
+
+    def _zeros(self, shape: tuple, dtype: torch.dtype, p: torch.Tensor, paged: bool) -> torch.Tensor:
+        if paged:
+            return host_zeros(shape, dtype, pin=p.device.type == "cuda")
+        return torch.zeros(shape, dtype=dtype, device=p.device)
 
     def _init_state(self, p: torch.Tensor, state: dict) -> None:
         if p.dtype not in PARAM_DTYPES:
             raise ValueError(f"params: expected fp32, fp16 or bf16 parameters, got {p.dtype}")
         two = self.update_name in TWO_STATES
         lead = (2,) if self.update_name == "ademamix" else ()  # AdEMAMix's state1: the fast and slow EMAs
+        paged = self._pages(p)
         state["step"] = 0
         if p.numel() < self.min_8bit_size:
-            state["state1"] = torch.zeros(lead + p.shape, dtype=torch.float32, device=p.device)
+            state["state1"] = self._zeros(lead + p.shape, torch.float32, p, paged)
             if two:
-                state["state2"] = torch.zeros(p.shape, dtype=torch.float32, device=p.device)
+                state["state2"] = self._zeros(p.shape, torch.float32, p, paged)
             return
         blocks = -(-p.numel() // BLOCKSIZE)
-        state["state1"] = torch.zeros(lead + p.shape, dtype=torch.uint8, device=p.device)
+        state["state1"] = self._zeros(lead + p.shape, torch.uint8, p, paged)
         state["qmap1"] = dynamic_map(p.device, signed=True)
-        state["absmax1"] = torch.zeros(lead + (blocks,), dtype=torch.float32, device=p.device)
+        state["absmax1"] = self._zeros(lead + (blocks,), torch.float32, p, paged)
         if two:
-            state["state2"] = torch.zeros(p.shape, dtype=torch.uint8, device=p.device)
+            state["state2"] = self._zeros(p.shape, torch.uint8, p, paged)
             state["qmap2"] = dynamic_map(p.device, signed=False)
-            state["absmax2"] = torch.zeros(blocks, dtype=torch.float32, device=p.device)
+            state["absmax2"] = self._zeros((blocks,), torch.float32, p, paged)
 
     @torch.no_grad()
     def step(self, closure=None):
@@ -89,6 +154,7 @@ class Optimizer8bit(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        streamed = defaultdict(list)  # device -> [(p, state, group)] whose states are on the host
         for group in self.param_groups:
             for p in group["params"]:
                 if p.grad is None:
@@ -98,34 +164,88 @@ class Optimizer8bit(torch.optim.Optimizer):
                 state = self.state[p]
                 if not state:
                     self._init_state(p, state)
-                self._update(p, state, group)
+                if self._is_streamed(p, state):
+                    streamed[p.device].append((p, state, group))
+                else:
+                    self._update(p, state, group)
+        for device, items in streamed.items():
+            pager = self._pagers.get(device)
+            if pager is None:
+                pager = self._pagers[device] = StatePager(device)
+            pager.run(items, self._update)
         return loss
 
-    def _update(self, p: torch.Tensor, state: dict, group: dict) -> None:
+    def _is_streamed(self, p: torch.Tensor, state: dict) -> bool:
+        """Where the states are decides: on the host for a GPU parameter (or in CPU simulation)."""
+        if not self.is_paged or state["state1"].device.type != "cpu":
+            return False
+        return p.device.type == "cuda" or (self._simulate_paging and self._pages(p))
+
+    def _update(self, p: torch.Tensor, state: dict, group: dict, tensors: dict | None = None) -> None:
+        """One step of p; ``tensors``: the device copies of the paged states (default: ``state``'s own)."""
+        t = state if tensors is None else tensors
         state["step"] += 1
         beta1, beta2 = group["betas"][0], group["betas"][1]
         k = step_scalars(self.update_name, group["lr"], beta1, beta2, group.get("eps", 0.0),
                          group["weight_decay"], state["step"], *self._beta3_alpha(group, state["step"]))
         name = self.update_name
-        if state["state1"].dtype == torch.uint8:
+        kernel = _use_kernel(p)
+        if t["state1"].dtype == torch.uint8:
             if not p.is_contiguous():  # the kernel and the reference read row-major order
                 raise ValueError("params: 8-bit states need contiguous parameters")
-            args = (name, p, p.grad, state["state1"], state.get("state2"), state["absmax1"], state.get("absmax2"),
+            args = (name, p, p.grad, t["state1"], t.get("state2"), t["absmax1"], t.get("absmax2"),
                     state["qmap1"], state.get("qmap2"), k)
-            if _use_kernel(p):
+            if kernel:
                 from ..kernels.optim_8bit import update_8bit  # lazily: anygpu does not need triton on the CPU
 
-                update_8bit(*args)
+                update_8bit(*args, *search_tables(state["qmap1"], state.get("qmap2")))
             else:
                 reference.update_8bit(*args)
+        elif kernel:
+            from ..kernels.optim_8bit import update_32bit
+
+            update_32bit(name, p, p.grad, t["state1"], t.get("state2"), k)
         else:
-            reference.update_32bit(name, p, p.grad, state["state1"], state.get("state2"), k)
+            reference.update_32bit(name, p, p.grad, t["state1"], t.get("state2"), k)
+
+    def synchronize(self) -> None:
+        """Wait until the states a paged optimizer streamed back are in host memory: call it before reading
+        ``self.state`` on the host (``state_dict`` and ``load_state_dict`` do).  A no-op when unpaged."""
+        for pager in self._pagers.values():
+            pager.synchronize()
+
+    def wait_for_copies(self) -> None:
+        """Make each device's current stream wait for the states a paged optimizer is still copying back,
+        without blocking the host (timing a step with CUDA events needs it).  A no-op when unpaged."""
+        for pager in self._pagers.values():
+            if pager.cuda:
+                torch.cuda.current_stream(pager.device).wait_stream(pager.copy_out)
+
+    def __getstate__(self) -> dict:
+        state = super().__getstate__()
+        state.update(min_8bit_size=self.min_8bit_size, is_paged=self.is_paged)
+        return state
+
+    def __setstate__(self, state: dict) -> None:
+        super().__setstate__(state)
+        self.__dict__.setdefault("min_8bit_size", 4096)
+        self.__dict__.setdefault("is_paged", False)
+        self.__dict__.setdefault("_pagers", {})
+        self.__dict__.setdefault("_simulate_paging", False)
+        for param_state in self.state.values():  # a deepcopy or unpickle copies the shared default maps
+            for key, signed in (("qmap1", True), ("qmap2", False)):
+                qmap = param_state.get(key) if isinstance(param_state, dict) else None
+                if isinstance(qmap, torch.Tensor) and qmap is not dynamic_map(qmap.device, signed):
+                    param_state[key] = _canonical_map(qmap, qmap.device, signed)
 
     def _beta3_alpha(self, group: dict, step: int) -> tuple[float, float]:
         """AdEMAMix's scheduled (beta3, alpha); (0, 0) for the others."""
         return 0.0, 0.0
 
     def state_dict(self) -> dict:
+        """bitsandbytes' layout (quantization keys under ``"__bnb_optimizer_quant_state__"``); a paged
+        optimizer's paged states are its pinned CPU tensors, the rest on the parameters' devices."""
+        self.synchronize()
         sd = super().state_dict()
         wrapped = {}
         for index, param_state in sd["state"].items():
@@ -138,7 +258,11 @@ class Optimizer8bit(torch.optim.Optimizer):
         return sd
 
     def load_state_dict(self, state_dict: dict, move_to_device: bool = True) -> None:
-        """Load ours or bitsandbytes' (wrapped under ``"__bnb_optimizer_quant_state__"`` or not)."""
+        """Load ours or bitsandbytes' (wrapped under ``"__bnb_optimizer_quant_state__"`` or not), paged or not:
+        the states go where this optimizer keeps them (pinned host memory for the paged parameters of a
+        paged optimizer, else the parameter's device); maps equal to the default dynamic maps become the
+        shared ones (the kernel has a fast search for those)."""
+        self.synchronize()  # copies still streaming back must not land after the new states
         if not isinstance(state_dict, dict) or "state" not in state_dict or "param_groups" not in state_dict:
             raise ValueError("state_dict: expected a dict with 'state' and 'param_groups'")
         groups, saved_groups = self.param_groups, state_dict["param_groups"]
@@ -157,12 +281,20 @@ class Optimizer8bit(torch.optim.Optimizer):
                 state[index] = saved
                 continue
             loaded = {}
+            paged = self._pages(p)
             for key, value in saved.items():
                 if isinstance(value, torch.Tensor):
                     # Codes, maps, absmax and fp32 states keep their dtype (never the parameter's).
-                    value = value.to(p.device, copy=True) if move_to_device else value.clone()
                     if key == "step":
                         value = int(value.item())
+                    elif not move_to_device:
+                        value = value.clone()
+                    elif key in ("qmap1", "qmap2"):
+                        value = _canonical_map(value, p.device, signed=key == "qmap1")
+                    elif paged and key in PAGED_KEYS:
+                        value = to_host(value, pin=p.device.type == "cuda")
+                    else:
+                        value = value.to(p.device, copy=True)
                 loaded[key] = value
             state[p] = loaded
         new_groups = []

@@ -2,8 +2,12 @@
 
 Arguments bitsandbytes accepts but ignores or rejects behave the same here: ``optim_bits`` and ``args``
 are accepted and ignored (8 bits are fixed, as bitsandbytes' 8bit classes fix them), ``amsgrad=True``,
-``is_paged=True``, SGD without momentum or with nesterov / dampening, and RMSprop with momentum or
-``centered`` raise ``ValueError`` naming the argument (bitsandbytes raises NotImplementedError or asserts).
+SGD without momentum or with nesterov / dampening, and RMSprop with momentum or ``centered`` raise
+``ValueError`` naming the argument (bitsandbytes raises NotImplementedError or asserts).
+
+``is_paged=True`` (Adam8bit, AdamW8bit, Lion8bit, AdEMAMix8bit, as in bitsandbytes) and the ``Paged*``
+classes keep the states of large GPU parameters in pinned host memory and stream them each step
+(``optim/paging.py``); bitsandbytes has no paged SGD or RMSprop, and neither has anygpu.
 """
 
 from __future__ import annotations
@@ -11,11 +15,6 @@ from __future__ import annotations
 import math
 
 from .optimizer import Optimizer8bit, check_hyperparameters
-
-
-def _no_paging(is_paged: bool) -> None:
-    if is_paged:
-        raise ValueError("is_paged: paged 8-bit optimizers are not implemented in anygpu yet")
 
 
 class Adam8bit(Optimizer8bit):
@@ -31,9 +30,8 @@ class Adam8bit(Optimizer8bit):
             raise ValueError(f"betas: expected two values, got {betas!r}")
         if amsgrad:
             raise ValueError("amsgrad: not supported by the 8-bit optimizers (as in bitsandbytes)")
-        _no_paging(is_paged)
         super().__init__(params, dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay),
-                         min_8bit_size)
+                         min_8bit_size, is_paged)
 
 
 class AdamW8bit(Adam8bit):
@@ -54,9 +52,8 @@ class Lion8bit(Optimizer8bit):
         check_hyperparameters(lr, betas, None, weight_decay)
         if len(betas) != 2:
             raise ValueError(f"betas: expected two values, got {betas!r}")
-        _no_paging(is_paged)
         super().__init__(params, dict(lr=lr, betas=tuple(betas), eps=0.0, weight_decay=weight_decay),
-                         min_8bit_size)
+                         min_8bit_size, is_paged)
 
 
 class SGD8bit(Optimizer8bit):
@@ -113,9 +110,8 @@ class AdEMAMix8bit(Optimizer8bit):
         for name, value in (("t_alpha", t_alpha), ("t_beta3", t_beta3)):
             if value is not None and not value > 0:
                 raise ValueError(f"{name}: expected None or a number of steps > 0, got {value!r}")
-        _no_paging(is_paged)
         super().__init__(params, dict(lr=lr, betas=tuple(betas), alpha=alpha, t_alpha=t_alpha, t_beta3=t_beta3,
-                                      eps=eps, weight_decay=weight_decay), min_8bit_size)
+                                      eps=eps, weight_decay=weight_decay), min_8bit_size, is_paged)
 
     def _beta3_alpha(self, group: dict, step: int) -> tuple[float, float]:
         beta1, _, beta3 = group["betas"]
@@ -127,3 +123,34 @@ class AdEMAMix8bit(Optimizer8bit):
             frac = step / t_beta3
             beta3 = min(math.exp(ln1 * ln3 / ((1 - frac) * ln3 + frac * ln1)), beta3)
         return beta3, alpha
+
+
+class PagedAdam8bit(Adam8bit):
+    """Adam8bit with paged states (bitsandbytes' signature: ``is_paged`` is accepted and ignored)."""
+
+    def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0, amsgrad=False,
+                 optim_bits=32, args=None, min_8bit_size=4096, is_paged=False):
+        super().__init__(params, lr, betas, eps, weight_decay, amsgrad, optim_bits, args, min_8bit_size, True)
+
+
+class PagedAdamW8bit(AdamW8bit):
+    """AdamW8bit with paged states."""
+
+    def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=1e-2, amsgrad=False,
+                 optim_bits=32, args=None, min_8bit_size=4096):
+        super().__init__(params, lr, betas, eps, weight_decay, amsgrad, optim_bits, args, min_8bit_size, True)
+
+
+class PagedLion8bit(Lion8bit):
+    """Lion8bit with paged states."""
+
+    def __init__(self, params, lr=1e-4, betas=(0.9, 0.99), weight_decay=0, args=None, min_8bit_size=4096):
+        super().__init__(params, lr, betas, weight_decay, args, min_8bit_size, True)
+
+
+class PagedAdEMAMix8bit(AdEMAMix8bit):
+    """AdEMAMix8bit with paged states."""
+
+    def __init__(self, params, lr=1e-3, betas=(0.9, 0.999, 0.9999), alpha=5.0, t_alpha=None, t_beta3=None,
+                 eps=1e-8, weight_decay=1e-2, min_8bit_size=4096):
+        super().__init__(params, lr, betas, alpha, t_alpha, t_beta3, eps, weight_decay, min_8bit_size, True)
