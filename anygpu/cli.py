@@ -79,60 +79,120 @@ def _parse_shape(text: str) -> tuple[int, int, int]:
     return m, n, k
 
 
+def _parse_batch_sizes(text: str) -> tuple[int, ...]:
+    try:
+        sizes = tuple(int(v) for v in text.split(","))
+    except ValueError:
+        sizes = ()
+    if not sizes or min(sizes) < 1:
+        raise click.BadParameter(f"expected comma-separated positive token counts (1,2,4,8), got {text!r}",
+                                 param_hint="--batch-sizes")
+    return tuple(dict.fromkeys(sizes))
+
+
 @cli.command()
 @click.option("--shape", "shapes", multiple=True, metavar="M,N,K",
               help="A linear to tune: x[M, K] @ W[N, K]^T (tokens, out features, in features). Repeatable.")
 @click.option("--dtype", default=None, type=click.Choice(sorted(DTYPES)),
-              help="dtype of --shape GEMMs (default: bf16 on GPUs, fp32 on the CPU).")
+              help="dtype of --shape and --model-config GEMMs (default: the config's torch_dtype for "
+                   "--model-config, else bf16 on GPUs, fp32 on the CPU).")
 @click.option("--bias", is_flag=True, help="Tune the --shape GEMMs with a bias (GemmAndBias).")
+@click.option("--model-config", "model_config", default=None, metavar="PATH",
+              help="A Hugging Face config.json (or its directory) of a Llama-family decoder: tune its fused "
+                   "qkv_proj, o_proj, fused gate_up_proj, down_proj and lm_head at --batch-sizes tokens.")
+@click.option("--batch-sizes", "batch_sizes", default=None, metavar="LIST",
+              help="Token counts (M) for --model-config. Default: 1,2,4,8,16,32.")
 @click.option("--untuned", "untuned_path", default=None, metavar="FILE",
               help="Tune every GEMM recorded in this untuned file (written with ANYGPU_TUNABLEOP_RECORD_UNTUNED=1).")
+@click.option("--devices", default=None, metavar="N|all|LIST",
+              help="Spread the work over several GPUs, one worker process each: N (the first N), 'all', or "
+                   "ordinals (0,2,3; '3,' for one). Each GPU writes its own ordinal's results file; at the end "
+                   "GPUs with identical validators get each other's entries. On the CPU backend: N worker "
+                   "processes. Default: this process, torch's current device.")
 @click.option("--output", default=None, metavar="FILE",
               help="Results file ('%d' becomes the device ordinal). Default: ANYGPU_TUNABLEOP_FILENAME or "
                    "anygpu_tunableop_results.csv (ordinal inserted).")
 @click.option("--max-iterations", type=click.IntRange(min=1), default=None, help="Timed calls per candidate, at most.")
 @click.option("--max-duration-ms", type=click.FloatRange(min=0), default=None, help="Timing budget per candidate.")
-def tune(shapes, dtype, bias, untuned_path, output, max_iterations, max_duration_ms):
-    """Tune GEMMs ahead of time into the TunableOp results file (one GPU: torch's current device).
+def tune(shapes, dtype, bias, model_config, batch_sizes, untuned_path, devices, output, max_iterations,
+         max_duration_ms):
+    """Tune GEMMs ahead of time into the TunableOp results file: --shape, --model-config, --untuned (any mix).
 
-    Spreading an untuned file over several GPUs in parallel processes is not implemented yet (issue 5).
+    Exit status 1 when a GEMM or a worker failed; what the others tuned is in the results files.
     """
+    import dataclasses
+
     import torch
 
     from . import backend, tunable
+    from .tunable import parallel, warmup
 
-    if not shapes and not untuned_path:
-        raise click.UsageError("give at least one --shape M,N,K or --untuned FILE")
+    if not shapes and not untuned_path and not model_config:
+        raise click.UsageError("give at least one --shape M,N,K, --model-config PATH or --untuned FILE")
+    if batch_sizes is not None and not model_config:
+        raise click.UsageError("--batch-sizes applies to --model-config")
     parsed = [_parse_shape(s) for s in shapes]
-    device = backend.device()
-    torch_dtype = getattr(torch, DTYPES[dtype] if dtype else ("bfloat16" if device.type == "cuda" else "float32"))
-    values = {"enabled": True, "tuning": True}
+    sizes = _parse_batch_sizes(batch_sizes) if batch_sizes is not None else warmup.DEFAULT_BATCH_SIZES
+    backend_name = backend.name()
+    if devices is None:
+        device = backend.device()
+        workers = [parallel.Worker(str(device), str(device))]
+    else:
+        count = backend.module().device_count() if backend_name != "cpu" else 1
+        try:
+            workers = parallel.parse_devices(devices, backend_name, count)
+        except ValueError as e:
+            raise click.BadParameter(str(e), param_hint="--devices") from e
+    default_dtype = getattr(torch, DTYPES[dtype] if dtype else ("bfloat16" if backend_name != "cpu" else "float32"))
+
+    work = []
+    for m, n, k in parsed:
+        p = warmup.shape_problem(m, n, k, default_dtype, bias)
+        work.append(parallel.Work(p.op_signature(), p.params_signature(), f"--shape {m},{n},{k}"))
+    if model_config:
+        try:
+            config = warmup.read_model_config(model_config)
+            linears = warmup.decoder_linears(config)
+        except ValueError as e:
+            raise click.BadParameter(str(e), param_hint="--model-config") from e
+        model_dtype = default_dtype if dtype else (warmup.config_dtype(config) or default_dtype)
+        for name, n, k, has_bias in linears:
+            for m in sizes:
+                p = warmup.shape_problem(m, n, k, model_dtype, has_bias)
+                work.append(parallel.Work(p.op_signature(), p.params_signature(), f"{name} M={m}"))
+    if untuned_path:
+        try:
+            problems = warmup.untuned_problems(untuned_path)
+        except ValueError as e:
+            raise click.BadParameter(str(e), param_hint="--untuned") from e
+        work += [parallel.Work(p.op_signature(), p.params_signature(), "untuned") for p in problems]
+    unique: dict = {}
+    for w in work:  # a GEMM asked for twice is tuned once, under the first label
+        unique.setdefault((w.op_signature, w.params_signature), w)
+    work = list(unique.values())
+
+    values = {"enabled": True, "tuning": True, "record_untuned": False}
     if output:
         values["filename"] = output
     if max_iterations:
         values["max_tuning_iterations"] = max_iterations
     if max_duration_ms is not None:
         values["max_tuning_duration_ms"] = max_duration_ms
-    rows = []
     with tunable.settings(**values) as s:
-        if parsed:
-            for problem, entry in tunable.tune_shapes(parsed, torch_dtype, device, bias=bias):
-                rows.append([entry.op_signature, entry.params_signature, entry.solution, f"{entry.time_ms:.4g}"])
-        if untuned_path:
-            try:
-                tuned = tunable.tune_untuned_file(untuned_path, device)
-            except ValueError as e:
-                raise click.BadParameter(str(e), param_hint="--untuned") from e
-            ordinal = max(device.index or 0, 0)
-            for problem, solution in tuned:
-                entry = tunable.table(ordinal).get(problem)
-                rows.append([problem.op_signature(), problem.params_signature(), solution,
-                             f"{entry.time_ms:.4g}" if entry else "-"])
-        path = s.results_path(max(device.index or 0, 0))
+        report = parallel.run(work, workers, dataclasses.asdict(s))
     from tabulate import tabulate
 
-    click.echo(tabulate(rows, ["op", "params", "solution", "ms"]))
-    click.echo(f"results in {path}")
+    head = ["device"] if len(workers) > 1 else []
+    rows = [([r.worker] if head else []) + [r.work.label, r.work.op_signature, r.work.params_signature,
+                                            r.solution or "FAILED", f"{r.time_ms:.4g}" if r.solution else "-"]
+            for r in report.rows]
+    click.echo(tabulate(rows, head + ["for", "op", "params", "solution", "ms"]))
+    click.echo(f"results in {', '.join(report.paths) or '(nothing written)'}")
+    if not report.ok:
+        click.echo(f"{len(report.failures)} failure(s):", err=True)
+        for line in report.failures:
+            click.echo(f"  {line}", err=True)
+        sys.exit(1)
 
 
 @cli.command()
