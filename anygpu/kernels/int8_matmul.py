@@ -350,9 +350,12 @@ OUTLIER_COLUMNS_CONFIGS = {
 # fused_stats: each program reads x in its dtype (2 bytes an element where the codes are 1); past that,
 # the codes once (gemm) and, where there are enough rows for the vendor int8 GEMM to beat ours, int_mm.
 # ``small``: the most rows the gemm path runs with GEMM_SMALL_CONFIGS.
+# H200 (anygpu bench int8, N = K = 8192 fp16, threshold 6): the GEMM path beat the fused ones at every M
+# (M=1: 32.8 us vs fused_stats 136 us; M=16: 36.8 vs fused 153 us; each program of the fused kernel re-reads
+# x for its row absmax) and torch._int_mm + epilogue at M=4096 (682 vs 735 us).  So GEMM everywhere until
+# the fused paths are made faster; they stay selectable (plan_for, set_plan_override) and tested.
 PATH_LIMITS = {
-    "default": {"fused": 2, "fused_stats": 16, "small": 64, "int_mm_from": None},
-    "nvidia": {"fused": 2, "fused_stats": 16, "small": 64, "int_mm_from": 257},
+    "default": {"fused": 0, "fused_stats": 0, "small": 64, "int_mm_from": None},
 }
 STATS_ELEMENTS = 4096  # fused: x elements per step of the stats pass (ROWS x STATS_CHUNK)
 
