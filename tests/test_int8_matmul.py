@@ -184,7 +184,7 @@ def test_plan_picks_paths_by_rows():
     assert plan(64, 64, 64, torch.float16, cpu).config is K.GEMM_SMALL_CONFIGS["default"][0]
     assert plan(65, 64, 64, torch.float16, cpu).config is K.GEMM_LARGE_CONFIGS["default"][0]
     chosen = Plan("int_mm", K.EPILOGUE_CONFIGS["default"][0])
-    K.set_plan_override(lambda m, n, k, dtype, target: chosen if m > 1 else None)
+    K.set_plan_override(lambda m, n, k, dtype, device: chosen if m > 1 else None)
     try:
         assert plan(5, 64, 64, torch.float16, cpu) is chosen and plan(1, 64, 64, torch.float16, cpu).path == "gemm"
     finally:

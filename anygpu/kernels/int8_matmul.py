@@ -371,20 +371,21 @@ _PLAN_OVERRIDE = None
 
 
 def set_plan_override(fn):
-    """Install ``fn(m, n, k, dtype, target) -> Plan | None`` (tests and sweeps); None removes it."""
+    """Install ``fn(m, n, k, dtype, device) -> Plan | None`` (the tuner's hook, tests and sweeps; None from it
+    means the default plan); ``set_plan_override(None)`` removes it.  Returns the previous hook."""
     global _PLAN_OVERRIDE
-    _PLAN_OVERRIDE = fn
-    _plan.cache_clear()
+    previous, _PLAN_OVERRIDE = _PLAN_OVERRIDE, fn
+    return previous
 
 
-def plan(m: int, n: int, k: int, dtype: torch.dtype, device: torch.device) -> Plan:
-    """Which path and config run an [m, k] x [n, k]^T int8 matmul on ``device``: the one place it is decided."""
-    target = device_target(device)
-    if _PLAN_OVERRIDE is not None:
-        chosen = _PLAN_OVERRIDE(m, n, k, dtype, target)
+def plan(m: int, n: int, k: int, dtype: torch.dtype, device: torch.device, override: bool = True) -> Plan:
+    """Which path and config run an [m, k] x [n, k]^T int8 matmul on ``device``: the one place it is decided
+    (``override=False``: the built-in choice, ignoring the hook)."""
+    if override and _PLAN_OVERRIDE is not None:
+        chosen = _PLAN_OVERRIDE(m, n, k, dtype, device)
         if chosen is not None:
             return chosen
-    return _plan(m, n, k, device.type, target)
+    return _plan(m, n, k, device.type, device_target(device))
 
 
 @functools.lru_cache(maxsize=1024)
