@@ -104,3 +104,17 @@ def test_odd_shapes_offer_only_what_takes_them():
     assert set(quantized.plans("4bit", (1, 10, 100, 64, torch.float16), torch.device("cpu"))) == {"Default", "Dequant"}
     int8 = quantized.plans("int8", (17, 64, 64, torch.float16), torch.device("cpu"))
     assert "Fused" not in int8 and {"Default", "Gemm_small", "Gemm_large"} <= set(int8)  # fused takes <= 16 rows
+
+
+@pytest.mark.gpu
+def test_tune_model_tunes_4bit_and_int8_layers(tun):
+    from anygpu.nn import quantize_model
+
+    first, second = torch.nn.Sequential(torch.nn.Linear(256, 128)), torch.nn.Sequential(torch.nn.Linear(128, 64))
+    quantize_model(first.half(), "nf4", skip=(), progress=False)
+    quantize_model(second.half(), "int8", skip=(), threshold=6.0, progress=False)
+    model = torch.nn.Sequential(*first, *second).cuda()
+    tunable.tune_model(model, batch_sizes=(1, 16), progress=False)
+    ops = {sig[0] for sig in quantized.table(0)}
+    assert ops == {quantized.op_signature("4bit", torch.float16), quantized.op_signature("int8", torch.float16)}
+    assert len(quantized.table(0)) == 4  # two layers at two sizes

@@ -23,7 +23,7 @@ import torch
 from torch import nn
 from tqdm import tqdm
 
-from . import controls, ops, results
+from . import controls, ops, quantized, results
 from .signatures import Problem, linear_problem, parse_signatures
 
 DEFAULT_BATCH_SIZES = (1, 2, 4, 8, 16, 32)
@@ -40,7 +40,8 @@ def _plain_linears(model: nn.Module):
 
 @contextlib.contextmanager
 def route(model: nn.Module):
-    """Inside the block, ``model``'s ``nn.Linear`` layers run through ``tunable.linear``."""
+    """Inside the block, ``model``'s ``nn.Linear`` layers run through ``tunable.linear``, and the 4-bit and
+    int8 matmuls (of any model: the kernels' hooks are global) take tuned plans."""
     if not isinstance(model, nn.Module):
         raise ValueError(f"model: expected a torch.nn.Module, got {type(model).__name__}")
     patched = []
@@ -50,7 +51,8 @@ def route(model: nn.Module):
         module.forward = _routed_forward(module)
         patched.append(module)
     try:
-        yield model
+        with quantized.installed():
+            yield model
     finally:
         for module in patched:
             module.__dict__.pop("forward", None)
@@ -75,13 +77,39 @@ def tune_model(model: nn.Module, batch_sizes=DEFAULT_BATCH_SIZES, progress: bool
         w, b = module.weight, module.bias
         shapes.setdefault((w.shape[1], w.shape[0], b is not None, w.dtype, w.device), module)
     work = [(m, module) for module in shapes.values() for m in sizes]
+    quantized_work = [(m, module) for module in _quantized_linears(model) for m in sizes]
     done = []
     with controls.settings(enabled=True, tuning=True), torch.no_grad():
         for m, module in tqdm(work, desc="tuning linears", unit="shape", disable=not progress):
             x = torch.randn(m, module.in_features, dtype=module.weight.dtype, device=module.weight.device)
             ops.linear(x, module.weight, module.bias)
             done.append(linear_problem(x, module.weight, module.bias is not None))
+        # 4-bit and int8 layers: a forward at each size asks the kernels' plan, which the tuner answers (GPU
+        # only: on the CPU they run the PyTorch reference, which has no plan).
+        with quantized.installed():
+            for m, module in tqdm(quantized_work, desc="tuning quantized linears", unit="shape",
+                                  disable=not progress or not quantized_work):
+                module(torch.randn(m, module.in_features, dtype=_input_dtype(module), device=module.weight.device))
     return done
+
+
+def _quantized_linears(model: nn.Module):
+    """One module per distinct (kind, in, out, input dtype, device) among 4-bit (``Params4bit``, which has a
+    ``quant_state``) and int8 (``Int8Params``, with ``SCB``) linears on a GPU."""
+    seen = {}
+    for _, module in model.named_modules():
+        w = getattr(module, "weight", None)
+        kind = "4bit" if getattr(w, "quant_state", None) is not None else "int8" if getattr(w, "SCB", None) is not None \
+            else None
+        if kind and w.device.type == "cuda" and hasattr(module, "in_features"):
+            seen.setdefault((kind, module.in_features, module.out_features, _input_dtype(module), w.device), module)
+    return list(seen.values())
+
+
+def _input_dtype(module: nn.Module) -> torch.dtype:
+    """What the layer computes in: its compute dtype, else the dtype it was quantized from, else fp16."""
+    state = getattr(module.weight, "quant_state", None)
+    return getattr(module, "compute_dtype", None) or getattr(state, "dtype", None) or torch.float16
 
 
 def tune_shapes(shapes, dtype: torch.dtype, device: torch.device, bias: bool = False,
