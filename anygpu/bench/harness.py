@@ -59,6 +59,21 @@ class Suite:
 SUITES: dict[str, Suite] = {}
 
 
+def baseline(make: Callable[[], Callable]) -> Callable:
+    """``make()`` now: it builds a baseline callable (building may import bitsandbytes, quantize, take a first
+    step).  If building fails, a callable that raises that failure, so the report shows why the baseline
+    has no number on this device instead of the suite stopping."""
+    try:
+        return make()
+    except Exception as e:  # noqa: BLE001 - reported by the harness as the baseline's error
+        error = e
+
+        def failed(*_):
+            raise error
+
+        return failed
+
+
 def suite(name: str, description: str):
     """Register ``fn(device, quick) -> list[Case]`` as the suite ``name`` (``anygpu bench NAME``)."""
     if not isinstance(name, str) or not name.isidentifier():

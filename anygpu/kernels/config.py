@@ -82,6 +82,21 @@ def on_device(device: torch.device):
 
 
 _LAUNCH_CACHE: dict = {}
+_OPTIONS_CACHE: dict = {}
+
+
+def cached_options(cfg: LaunchConfig, device: torch.device, **extra) -> dict:
+    """``cfg``'s Triton options on ``device`` (plus ``extra`` on GPUs; the interpreter takes none), cached:
+    launchers that pick a config per call (plans) call this on every call."""
+    key = (id(cfg), device.type, device.index, tuple(sorted(extra.items())))
+    hit = _OPTIONS_CACHE.get(key)
+    if hit is None or hit[0] is not cfg:  # the entry keeps cfg alive, so its id is not reused meanwhile
+        if len(_OPTIONS_CACHE) > 512:
+            _OPTIONS_CACHE.clear()
+        target = device_target(device)
+        options = cfg.options(target)
+        hit = _OPTIONS_CACHE[key] = (cfg, {**options, **extra} if target is not None else options)
+    return hit[1]
 
 
 def launch_config(table: ConfigTable, device: torch.device) -> tuple[LaunchConfig, dict]:

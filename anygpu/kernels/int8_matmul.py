@@ -49,7 +49,8 @@ import triton
 import triton.language as tl
 
 from ._program_order import grouped_tile
-from .config import TRITON_DTYPE, KernelSpec, LaunchConfig, device_target, on_device, register, select
+from .config import (TRITON_DTYPE, KernelSpec, LaunchConfig, cached_options, device_target, on_device, register,
+                     select)
 from .quant_blockwise import ROUND_BF16_BY_HAND, to_output
 
 _INTERPRETED = tl.constexpr(os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"))
@@ -425,22 +426,9 @@ def _int_mm_applies(m: int, k: int, n: int, device_type: str) -> bool:
     return device_type == "cuda" and m > 16 and k % 8 == 0 and n % 8 == 0  # cuBLASLt / hipBLASLt limits
 
 
-_OPTIONS: dict = {}
-
-
 def _options(cfg: LaunchConfig, device: torch.device) -> dict:
-    """``cfg``'s Triton options on ``device``, cached, with FMA contraction off on GPUs (see the module doc)."""
-    key = (id(cfg), device.type, device.index)
-    hit = _OPTIONS.get(key)
-    if hit is None or hit[0] is not cfg:  # the entry keeps cfg alive, so its id is not reused meanwhile
-        if len(_OPTIONS) > 256:
-            _OPTIONS.clear()
-        target = device_target(device)
-        options = cfg.options(target)
-        if target is not None:
-            options["enable_fp_fusion"] = False
-        hit = _OPTIONS[key] = (cfg, options)
-    return hit[1]
+    """``cfg``'s Triton options on ``device``, with FMA contraction off on GPUs (see the module doc)."""
+    return cached_options(cfg, device, enable_fp_fusion=False)
 
 
 @functools.lru_cache(maxsize=64)

@@ -28,7 +28,8 @@ import triton.language as tl
 from ._decode_4bit import _block_scales, _decode8, _dot8, _lookup, _tables
 from ._program_order import grouped_tile
 from ._split_k import reduce_partials
-from .config import TRITON_DTYPE, KernelSpec, LaunchConfig, device_target, on_device, register, select
+from .config import (TRITON_DTYPE, KernelSpec, LaunchConfig, cached_options, device_target, on_device, register,
+                     select)
 
 
 @triton.jit
@@ -350,20 +351,6 @@ def dequantize_weight(w, absmax, code, blocksize, n, k, dtype, nested_absmax=Non
     return out
 
 
-_OPTIONS: dict = {}
-
-
-def _options(cfg: LaunchConfig, device: torch.device) -> dict:
-    """``cfg``'s Triton options on ``device``, cached: decode calls this once per layer per token."""
-    key = (id(cfg), device.type, device.index)
-    hit = _OPTIONS.get(key)
-    if hit is None or hit[0] is not cfg:  # the entry keeps cfg alive, so its id is not reused meanwhile
-        if len(_OPTIONS) > 256:
-            _OPTIONS.clear()
-        hit = _OPTIONS[key] = (cfg, cfg.options(device_target(device)))
-    return hit[1]
-
-
 def _unit_stride(t: torch.Tensor | None) -> torch.Tensor | None:
     return t if t is None or t.stride(-1) == 1 else t.contiguous()
 
@@ -403,7 +390,7 @@ def matmul_4bit(x: torch.Tensor, weight: torch.Tensor, absmax: torch.Tensor, cod
         return torch.nn.functional.linear(x, wd, bias)
     cfg = p.config
     c = cfg.constexprs
-    options = _options(cfg, x.device)
+    options = cached_options(cfg, x.device)
     with on_device(x.device):
         # The PTX decoder reads the packed codes as int32 words.
         ptx_words = x.device.type == "cuda" and w.data_ptr() % 4 == 0 and k % 8 == 0

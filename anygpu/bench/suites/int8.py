@@ -17,14 +17,13 @@ bitsandbytes baseline (its CPU path is a different algorithm and slow).
 
 from __future__ import annotations
 
-from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from ...nn import Linear8bitLt
-from ..harness import Case, suite
+from ..harness import Case, baseline, suite
 
 THRESHOLD = 6.0
 GPU_NK, GPU_ROWS = (8192, 8192), (1, 16, 4096)
@@ -44,7 +43,7 @@ def int8_suite(device: torch.device, quick: bool) -> list[Case]:
         source.bias.normal_(0, 0.1, generator=generator)
     source = source.to(device).requires_grad_(False)
     layer = Linear8bitLt.from_linear(source, threshold=THRESHOLD).requires_grad_(False)
-    bnb_layer = None if small else _baseline(lambda: _bnb_layer(source, device))
+    bnb_layer = None if small else baseline(lambda: _bnb_layer(source, device))
     paths = _kernel_paths(device) if not small else None
     cases = []
     for m in rows:
@@ -54,12 +53,12 @@ def int8_suite(device: torch.device, quick: bool) -> list[Case]:
         label = f"M={m} {n}x{k} {str(dtype).removeprefix('torch.')} t={THRESHOLD:g}"
         baselines = {f"F.linear {str(dtype).removeprefix('torch.')}": lambda x=x: F.linear(x, source.weight, source.bias)}
         if bnb_layer is not None:
-            baselines["bitsandbytes"] = lambda x=x: _uncapturable(bnb_layer())(x)
+            baselines["bitsandbytes"] = lambda x=x: _uncapturable(bnb_layer)(x)
         cases.append(Case("linear8bit", label, lambda x=x: layer(x), baselines, bytes=nbytes, flops=2 * m * n * k,
                           graph=m <= 16))
         if bnb_layer is not None and m <= 16:  # bitsandbytes only runs eagerly: compare there too
             cases.append(Case("linear8bit eager", label, lambda x=x: layer(x),
-                              {**baselines, "bitsandbytes": lambda x=x: bnb_layer()(x)}, bytes=nbytes,
+                              {**baselines, "bitsandbytes": lambda x=x: bnb_layer(x)}, bytes=nbytes,
                               flops=2 * m * n * k))
         for path in paths or ():
             run = _path_runner(path, x, layer, source)
@@ -94,21 +93,6 @@ def _uncapturable(layer):
         raise RuntimeError("bitsandbytes' Linear8bitLt syncs with the host at threshold > 0: not capturable in "
                            "a CUDA graph (see the 'linear8bit eager' row)")
     return layer
-
-
-def _baseline(make: Callable[[], object]) -> Callable[[], object]:
-    """``make()`` once, now; the returned callable gives its result, or raises what building it raised (the
-    report then shows why bitsandbytes has no number on this device)."""
-    try:
-        built = make()
-    except Exception as e:  # noqa: BLE001 - reported by the harness as the baseline's error
-        error = e
-
-        def failed():
-            raise error
-
-        return failed
-    return lambda: built
 
 
 def _kernel_paths(device: torch.device):

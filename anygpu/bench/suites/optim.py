@@ -28,7 +28,7 @@ from collections.abc import Callable
 import torch
 
 from ... import optim as ao
-from ..harness import Case, suite
+from ..harness import Case, baseline, suite
 
 GPU_SHAPES = ((8, 8192, 16384),)  # (tensors, rows, cols): 1.07e9 parameters, Llama-70B's MLP-sized weights
 SMALL_SHAPES = ((2, 128, 512),)
@@ -79,20 +79,6 @@ def _adam8bit_bytes(params: list) -> int:
     return n * (3 * element + 4) + blocks * 2 * 4 * 2  # p, g read; p written; 2 states read + written; absmax
 
 
-def _baseline(make: Callable[[], Callable[[], object]]) -> Callable[[], object]:
-    """``make()`` builds a baseline (it may import bitsandbytes and take a first step); if that fails, a
-    baseline that raises the failure, so the report shows why it has no number."""
-    try:
-        return make()
-    except Exception as e:  # noqa: BLE001 - reported by the harness as the baseline's error
-        error = e
-
-        def failed():
-            raise error
-
-        return failed
-
-
 def _stepper(opt) -> Callable[[], object]:
     opt.step()  # the first step allocates the states (and compiles kernels)
     return opt.step
@@ -140,7 +126,7 @@ def _adamw_case(params: list, device: torch.device) -> Case:
         bnb["opt"] = opt
         return step
 
-    bnb_step = _baseline(make_bnb)
+    bnb_step = baseline(make_bnb)
     if "opt" in bnb:
         sizes["bitsandbytes"] = state_bytes(bnb["opt"])
     label = _label(params)
@@ -181,7 +167,7 @@ def _paged_case(params: list, device: torch.device) -> Case:
     paged_bytes = sum(ours.state[p][k].nbytes for p in params for k in ("state1", "state2", "absmax1", "absmax2"))
     if device.type == "cuda":  # (on the CPU nothing is paged, bitsandbytes' paged optimizers included)
         baselines["PCIe copy"] = _pcie_copy(paged_bytes, device)
-        baselines["bitsandbytes paged"] = _baseline(
+        baselines["bitsandbytes paged"] = baseline(
             lambda: _stepper(_bitsandbytes_optimizer("PagedAdamW8bit", params)))
     on_host = sum(ao.streams_states(ours.is_paged, p.device, p.numel(), ours.page_min_size) for p in params)
     shape = f"{_label(params)} ({on_host} of {len(params)} paged, {_size(paged_bytes)} each way)"

@@ -15,7 +15,7 @@ from collections.abc import Callable
 import torch
 
 from ...quant import functional as Q
-from ..harness import Case, suite
+from ..harness import Case, baseline, suite
 
 # [out_features, in_features]: Llama-3-8B/70B attention (8192 x 8192) and Llama-3-70B's MLP up (28672 x 8192).
 GPU_WEIGHTS = ((8192, 8192), (28672, 8192))
@@ -43,20 +43,6 @@ def _bitsandbytes():
     except Exception:  # noqa: BLE001 - missing, or installed without a library for this machine
         return None
     return bnb_functional
-
-
-def _baseline(make: Callable[[], Callable[[], object]]) -> Callable[[], object]:
-    """``make()`` builds a baseline (it may quantize first); if that fails, a baseline that raises the
-    failure, so the report shows why bitsandbytes has no number on this device."""
-    try:
-        return make()
-    except Exception as e:  # noqa: BLE001 - reported by the harness as the baseline's error
-        error = e
-
-        def failed():
-            raise error
-
-        return failed
 
 
 def _copy(nbytes: int, device: torch.device) -> Callable[[], object]:
@@ -87,9 +73,9 @@ def blockwise_cases(device: torch.device, quick: bool) -> list[Case]:
             baselines_q = {"copy": _copy(quantize_bytes, device)}
             baselines_d = {"copy": _copy(dequantize_bytes, device)}
             if bnb is not None:
-                baselines_q["bitsandbytes"] = _baseline(
+                baselines_q["bitsandbytes"] = baseline(
                     lambda w=weight, bs=blocksize: (lambda: bnb.quantize_blockwise(w, blocksize=bs)))
-                baselines_d["bitsandbytes"] = _baseline(
+                baselines_d["bitsandbytes"] = baseline(
                     lambda w=weight, bs=blocksize: _bnb_dequantize_blockwise(bnb, w, bs))
             shape = f"{label} bs{blocksize}"
             cases.append(Case("quantize_blockwise", shape,
@@ -124,9 +110,9 @@ def nf4_cases(device: torch.device, quick: bool) -> list[Case]:
         baselines_q = {"copy": _copy(quantize_bytes, device)}
         baselines_d = {"copy": _copy(dequantize_bytes, device)}
         if bnb is not None:
-            baselines_q["bitsandbytes"] = _baseline(
+            baselines_q["bitsandbytes"] = baseline(
                 lambda w=weight: (lambda: bnb.quantize_4bit(w, blocksize=blocksize, quant_type="nf4")))
-            baselines_d["bitsandbytes"] = _baseline(lambda w=weight: _bnb_dequantize_4bit(bnb, w, blocksize))
+            baselines_d["bitsandbytes"] = baseline(lambda w=weight: _bnb_dequantize_4bit(bnb, w, blocksize))
         shape = f"{label} bs{blocksize}"
         cases.append(Case("quantize_nf4", shape,
                           lambda w=weight: Q.quantize_4bit(w, blocksize=blocksize, quant_type="nf4"),
@@ -169,7 +155,7 @@ def matmul_4bit_cases(device: torch.device, quick: bool) -> list[Case]:
                 x = torch.randn(m, k, dtype=dtype, device=device)
                 baselines = {"F.linear": lambda x=x, w=weight: torch.nn.functional.linear(x, w)}
                 if bnb is not None and not small:
-                    baselines["bitsandbytes"] = _baseline(lambda w=weight, x=x, c=compress: _bnb_matmul_4bit(w, x, c))
+                    baselines["bitsandbytes"] = baseline(lambda w=weight, x=x, c=compress: _bnb_matmul_4bit(w, x, c))
                 label = f"M={m} {n}x{k} {str(dtype).removeprefix('torch.')}{' dq' if compress else ''}"
                 cases.append(Case("matmul_nf4", label, lambda x=x, p=packed, s=state: matmul_4bit(x, p, s),
                                   baselines, bytes=weight_bytes + x.nbytes + m * n * x.element_size(),
