@@ -22,6 +22,7 @@ import math
 
 import torch
 
+from ._kv_cache import check_caches
 from .define import define_op
 
 DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -38,18 +39,7 @@ def check(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, b
     batch, q_heads, head_dim = q.shape
     if not 1 <= head_dim <= MAX_HEAD_DIM:
         raise ValueError(f"q: expected a head_dim of at most {MAX_HEAD_DIM}, got {head_dim}")
-    for name, cache in (("key_cache", key_cache), ("value_cache", value_cache)):
-        if cache.dim() != 4 or cache.shape[3] != head_dim:
-            raise ValueError(f"{name}: expected shape [num_blocks, block_size, num_kv_heads, {head_dim}], "
-                             f"got {tuple(cache.shape)}")
-        if cache.dtype != q.dtype:
-            raise ValueError(f"{name}: expected q's dtype {q.dtype}, got {cache.dtype}")
-        if cache.stride(-1) != 1 and cache.numel() > 1:
-            raise ValueError(f"{name}: expected unit stride in the last (head_dim) dimension, got strides "
-                             f"{cache.stride()}")
-    if value_cache.shape != key_cache.shape:
-        raise ValueError(f"value_cache: expected key_cache's shape {tuple(key_cache.shape)}, "
-                         f"got {tuple(value_cache.shape)}")
+    check_caches(key_cache, value_cache, q.dtype, head_dim, None, "q")
     kv_heads = key_cache.shape[2]
     if kv_heads == 0 or q_heads % kv_heads:
         raise ValueError(f"key_cache: expected num_kv_heads dividing q's {q_heads} heads, got {kv_heads}")

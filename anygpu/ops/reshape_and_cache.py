@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import torch
 
+from ._kv_cache import check_caches
 from .define import define_op
 
 DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -30,18 +31,7 @@ def check(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor, value
         raise ValueError(f"value: expected {key.dtype} of key's shape {tuple(key.shape)}, "
                          f"got {value.dtype} {tuple(value.shape)}")
     _, heads, head_dim = key.shape
-    for name, cache in (("key_cache", key_cache), ("value_cache", value_cache)):
-        if cache.dim() != 4 or cache.shape[2:] != (heads, head_dim):
-            raise ValueError(f"{name}: expected shape [num_blocks, block_size, {heads}, {head_dim}], "
-                             f"got {tuple(cache.shape)}")
-        if cache.dtype != key.dtype:
-            raise ValueError(f"{name}: expected key's dtype {key.dtype}, got {cache.dtype}")
-        if cache.stride(-1) != 1 and cache.numel() > 1:
-            raise ValueError(f"{name}: expected unit stride in the last (head_dim) dimension, got strides "
-                             f"{cache.stride()}")
-    if value_cache.shape != key_cache.shape:
-        raise ValueError(f"value_cache: expected key_cache's shape {tuple(key_cache.shape)}, "
-                         f"got {tuple(value_cache.shape)}")
+    check_caches(key_cache, value_cache, key.dtype, head_dim, heads, "key")
     if slot_mapping.dim() != 1 or slot_mapping.shape[0] != key.shape[0] or slot_mapping.dtype != torch.int64:
         raise ValueError(f"slot_mapping: expected int64 of shape [{key.shape[0]}] (one slot per token), "
                          f"got {slot_mapping.dtype} {tuple(slot_mapping.shape)}")
