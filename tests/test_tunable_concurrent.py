@@ -69,3 +69,16 @@ def test_eight_processes_tuning_through_tunable_linear_lose_nothing(tmp_path):
     found = results.read(path, results.current_validators(0))
     expected = {("GemmTunableOp_float_TN", f"tn_8_{w + 1}_{k}_ld_{k}_{k}_8") for w in range(PROCESSES) for k in (16, 32)}
     assert set(found.entries) == expected
+
+
+def test_results_file_gets_the_usual_file_mode(tmp_path):
+    import os
+    import stat
+
+    from anygpu.tunable import results
+
+    path = tmp_path / "r.csv"
+    results.atomic_write(str(path), "x\n")
+    umask = os.umask(0)
+    os.umask(umask)
+    assert stat.S_IMODE(path.stat().st_mode) == 0o666 & ~umask

@@ -191,6 +191,11 @@ def atomic_write(path: str, text: str) -> None:
     directory = os.path.dirname(os.path.abspath(path))
     fd, tmp = tempfile.mkstemp(dir=directory, prefix=f".{os.path.basename(path)}.", suffix=".tmp")
     try:
+        # mkstemp makes the file 0600; a results file is shared data: the mode open() would give it.
+        umask = os.umask(0)
+        os.umask(umask)
+        with contextlib.suppress(OSError, NotImplementedError):
+            os.chmod(tmp, 0o666 & ~umask)
         with os.fdopen(fd, "w", encoding="utf-8") as f:
             f.write(text)
             f.flush()
