@@ -186,16 +186,23 @@ def locked(path: str):
         os.close(fd)
 
 
+def _read_umask() -> int:
+    mask = os.umask(0)  # the only portable way to read it; done once, at import (os.umask is process-wide)
+    os.umask(mask)
+    return mask
+
+
+_UMASK = _read_umask()
+
+
 def atomic_write(path: str, text: str) -> None:
     """Write ``text`` to ``path`` through a temporary file in the same directory and ``os.replace``."""
     directory = os.path.dirname(os.path.abspath(path))
     fd, tmp = tempfile.mkstemp(dir=directory, prefix=f".{os.path.basename(path)}.", suffix=".tmp")
     try:
         # mkstemp makes the file 0600; a results file is shared data: the mode open() would give it.
-        umask = os.umask(0)
-        os.umask(umask)
         with contextlib.suppress(OSError, NotImplementedError):
-            os.chmod(tmp, 0o666 & ~umask)
+            os.chmod(tmp, 0o666 & ~_UMASK)
         with os.fdopen(fd, "w", encoding="utf-8") as f:
             f.write(text)
             f.flush()
