@@ -11,10 +11,11 @@ def table(path: str, title: str | None = None) -> str:
     names = []
     for r in rows:
         names += [n for n in r["baselines"] if n not in names]
+    peak = (f", {d.get('matmul_peak_dtype') or 'bf16'} matmul peak {d['matmul_peak_flops'] / 1e12:.0f} TFLOP/s"
+            if d.get("matmul_peak_flops") else "")
     head = f"`anygpu bench {d['suite']}` ({title or d['backend']['device_name']}, {d['timestamp'][:10]}, torch " \
            f"{d['versions']['torch']}, triton {d['versions']['triton']}) — copy bandwidth " \
-           f"{d['copy_bandwidth_Bps'] / 1e12:.2f} TB/s, {d.get('matmul_peak_dtype', 'bf16')} matmul peak " \
-           f"{(d['matmul_peak_flops'] or 0) / 1e12:.0f} TFLOP/s (measured in the same run)\n\n"
+           f"{d['copy_bandwidth_Bps'] / 1e12:.2f} TB/s{peak} (measured in the same run)\n\n"
     cols = ["op", "shape", "ours us"] + [f"{n} us" for n in names] + [f"vs {n}" for n in names] + ["achieved"]
     lines = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
     for r in rows:
