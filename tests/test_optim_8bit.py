@@ -104,6 +104,46 @@ def test_32bit_kernel_matches_reference(kdevice, name, dtype):
     _assert_kernel_result(kdevice, p_ker, p_ref, ker_states, ref_states, codes=False)
 
 
+def test_lion_launches_without_fp_contraction():
+    from anygpu.kernels.optim_8bit import lion_options
+
+    gpu = {"num_warps": 1}
+    assert lion_options("lion", gpu) == {"num_warps": 1, "enable_fp_fusion": False}
+    assert lion_options("adam", gpu) == gpu and lion_options("lion", {}) == {}  # others, and the interpreter
+
+
+@pytest.mark.aot
+def test_lion_compiled_without_contraction_has_no_fma():
+    """What ``lion_options`` buys (sm_90, bf16, 16-aligned as the GPU test's big tensor specializes):
+    contracted, Lion's update has FMAs (``beta2 * s1 + (1 - beta2) * g`` moved 8-bit codes of the GPU test
+    3 apart after 5 steps); with fusion off, only the kernel's explicit ones remain (the exact division's
+    corrections) and Triton's exact ``0 - x * y``."""
+    import re
+
+    import triton
+    from triton.compiler import ASTSource
+
+    from anygpu.backend.targets import TARGETS
+    from anygpu.kernels import optim_8bit as K
+    from anygpu.kernels.config import select
+
+    target = TARGETS["sm_90"]
+
+    def fmas(spec, fusion):
+        cfg = select(spec.configs, target)[0]
+        sig = spec.signature(torch.bfloat16)
+        aligned = {(i,): [["tt.divisibility", 16]] for i, (arg, kind) in enumerate(sig.items())
+                   if kind.startswith("*") or arg == "n"}
+        src = ASTSource(fn=spec.fn, signature=sig, constexprs={**cfg.constexprs, "OPT": K.OPT_IDS["lion"]},
+                        attrs=aligned)
+        ptx = triton.compile(src, target=target.triton_target(),
+                             options={**cfg.options(target), "enable_fp_fusion": fusion}).asm["ptx"]
+        return [f for f in re.findall(r"fma\.rn\.f32\s+[^;]*;", ptx) if not f.endswith(", 0f00000000;")]
+
+    for spec in (K.SPEC, K.SPEC_32BIT):
+        assert len(fmas(spec, True)) > len(fmas(spec, False)), spec.name
+
+
 def test_search_table_is_exact_for_the_default_maps():
     """The bucket table against the reference's nearest-code search (with the sign fix): proven on every
     point where either can change (``build_search_table`` does that), and here checked again on a sample of
@@ -432,3 +472,8 @@ def test_gpu_optimizer_matches_the_cpu_reference(name, kwargs, dtype):
                     assert int(apart.max()) <= 2 and float((apart > 0).float().mean()) < 0.01, key
                 else:
                     torch.testing.assert_close(ours, ref, rtol=1e-4, atol=1e-6)
+        if name == "Lion8bit":  # launched without FP contraction (see the kernel's docstring): bit for bit
+            assert torch.equal(b.detach().cpu(), a.detach()), "params"
+            for key in ("state1", "absmax1"):
+                if key in opt_cpu.state[a]:
+                    assert torch.equal(opt_gpu.state[b][key].cpu(), opt_cpu.state[a][key]), key
