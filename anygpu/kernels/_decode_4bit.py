@@ -45,87 +45,78 @@ def _tables(code_ptr, BF16: tl.constexpr = False):
             tl.sum(tl.where(g == 3, lo, 0)), tl.sum(tl.where(g == 0, hi, 0)), tl.sum(tl.where(g == 1, hi, 0)),
             tl.sum(tl.where(g == 2, hi, 0)), tl.sum(tl.where(g == 3, hi, 0)))
 
+
+# The PTX both decoders share.  A word's 8 codes are looked up in two halves of 4 (low and high 16 bits):
+# ``prmt`` picks bytes of the table's low and high halves by the codes' low 3 bits, a ``lop3`` chooses
+# between them by bit 3 (turned into byte masks by prmt's sign mode), two more ``prmt`` interleave low and
+# high bytes into 16-bit values, two to a register.  ``$w``: the word's operand; ``$t``..``$t+7``: the tables.
+def _decode_setup(w: int) -> str:
+    return f"""
+        shl.b32 b, ${w}, 4;
+        and.b32 sl, ${w}, 0x7777;
+        shr.u32 sh, ${w}, 16;
+        and.b32 sh, sh, 0x7777;
+        prmt.b32 ml, b, ${w}, 0xD9C8;
+        prmt.b32 mh, b, ${w}, 0xFBEA;"""
+
+
+def _lookup_half(t: int, sel: str, mask: str, pairs: tuple) -> str:
+    """o0, o1 = the half's 4 values as 16-bit pairs; ``pairs``: the interleave selectors (which element goes
+    in the low and which in the high half of each register)."""
+    return f"""
+        prmt.b32 a0, ${t}, ${t + 1}, {sel};
+        prmt.b32 a1, ${t + 2}, ${t + 3}, {sel};
+        lop3.b32 ll, a0, a1, {mask}, 0xD8;
+        prmt.b32 a0, ${t + 4}, ${t + 5}, {sel};
+        prmt.b32 a1, ${t + 6}, ${t + 7}, {sel};
+        lop3.b32 hh, a0, a1, {mask}, 0xD8;
+        prmt.b32 o0, ll, hh, {pairs[0]};
+        prmt.b32 o1, ll, hh, {pairs[1]};"""
+
+
+NIBBLE_ORDER = ("0x5140", "0x7362")  # pairs (1, 0), (3, 2): the nibbles' order in the word
+ELEMENT_ORDER = ("0x4051", "0x6273")  # pairs (0, 1), (2, 3): x's order, for 16-bit pair arithmetic
+
+
+def _widen_f16(first: int) -> str:
+    return f"""
+        mov.b32 {{h0, h1}}, o0;
+        mov.b32 {{h2, h3}}, o1;
+        cvt.f32.f16 ${first}, h0;
+        cvt.f32.f16 ${first + 1}, h1;
+        cvt.f32.f16 ${first + 2}, h2;
+        cvt.f32.f16 ${first + 3}, h3;"""
+
+
+DECODE8 = tl.constexpr("""
+        {
+        .reg .b32 b, sl, sh, ml, mh, a0, a1, ll, hh, o0, o1;
+        .reg .b16 h0, h1, h2, h3;""" + _decode_setup(8) + _lookup_half(9, "sl", "ml", NIBBLE_ORDER) + _widen_f16(0)
+                       + _lookup_half(9, "sh", "mh", NIBBLE_ORDER) + _widen_f16(4) + """
+        }
+""")
+
+
 @triton.jit
 def _decode8(w, t0, t1, t2, t3, u0, u1, u2, u3):
     """NVIDIA only: the 8 codes of each int32 word to fp32 values, from the table in registers, with no
-    memory access: ``prmt`` picks bytes of the low and high halves of the table by the codes' low 3
-    bits, a ``lop3`` chooses between the halves by bit 3 (turned into byte masks by prmt's sign mode),
-    two more ``prmt`` interleave low and high bytes into fp16 pairs.  ~3 instructions per element,
-    where a lookup in memory costs 4-5.  Outputs are in nibble order: elements 1, 0, 3, 2, 5, 4, 7, 6."""
-    return tl.inline_asm_elementwise(
-        """
-        {
-        .reg .b32 b, sl, sh, ml, mh, a0, a1, ll, hh, o0, o1;
-        .reg .b16 h0, h1, h2, h3;
-        shl.b32 b, $8, 4;
-        and.b32 sl, $8, 0x7777;
-        shr.u32 sh, $8, 16;
-        and.b32 sh, sh, 0x7777;
-        prmt.b32 ml, b, $8, 0xD9C8;
-        prmt.b32 mh, b, $8, 0xFBEA;
-        prmt.b32 a0, $9, $10, sl;
-        prmt.b32 a1, $11, $12, sl;
-        lop3.b32 ll, a0, a1, ml, 0xD8;
-        prmt.b32 a0, $13, $14, sl;
-        prmt.b32 a1, $15, $16, sl;
-        lop3.b32 hh, a0, a1, ml, 0xD8;
-        prmt.b32 o0, ll, hh, 0x5140;
-        prmt.b32 o1, ll, hh, 0x7362;
-        mov.b32 {h0, h1}, o0;
-        mov.b32 {h2, h3}, o1;
-        cvt.f32.f16 $0, h0;
-        cvt.f32.f16 $1, h1;
-        cvt.f32.f16 $2, h2;
-        cvt.f32.f16 $3, h3;
-        prmt.b32 a0, $9, $10, sh;
-        prmt.b32 a1, $11, $12, sh;
-        lop3.b32 ll, a0, a1, mh, 0xD8;
-        prmt.b32 a0, $13, $14, sh;
-        prmt.b32 a1, $15, $16, sh;
-        lop3.b32 hh, a0, a1, mh, 0xD8;
-        prmt.b32 o0, ll, hh, 0x5140;
-        prmt.b32 o1, ll, hh, 0x7362;
-        mov.b32 {h0, h1}, o0;
-        mov.b32 {h2, h3}, o1;
-        cvt.f32.f16 $4, h0;
-        cvt.f32.f16 $5, h1;
-        cvt.f32.f16 $6, h2;
-        cvt.f32.f16 $7, h3;
-        }
-        """,
-        "=f,=f,=f,=f,=f,=f,=f,=f,r,r,r,r,r,r,r,r,r",
-        [w, t0, t1, t2, t3, u0, u1, u2, u3],
-        dtype=(tl.float32,) * 8, is_pure=True, pack=1)
+    memory access (the lookup above, then fp16 -> fp32).  ~3 instructions per element, where a lookup in
+    memory costs 4-5.  Outputs are in nibble order: elements 1, 0, 3, 2, 5, 4, 7, 6."""
+    return tl.inline_asm_elementwise(DECODE8, "=f,=f,=f,=f,=f,=f,=f,=f,r,r,r,r,r,r,r,r,r",
+                                     [w, t0, t1, t2, t3, u0, u1, u2, u3],
+                                     dtype=(tl.float32,) * 8, is_pure=True, pack=1)
 
 
 # The 8 codes of a word looked up as in _decode8, interleaved into 16-bit pairs in element order (0,1),
 # (2,3), (4,5), (6,7), multiplied with the matching pairs of activations in 16-bit pair arithmetic
 # (4 products per lane summed in 16 bits), then the two lanes widened to fp32 and added.
-_LOOKUP_HALF = """
-        prmt.b32 a0, $6, $7, {sel};
-        prmt.b32 a1, $8, $9, {sel};
-        lop3.b32 ll, a0, a1, {mask}, 0xD8;
-        prmt.b32 a0, $10, $11, {sel};
-        prmt.b32 a1, $12, $13, {sel};
-        lop3.b32 hh, a0, a1, {mask}, 0xD8;
-        prmt.b32 o0, ll, hh, 0x4051;
-        prmt.b32 o1, ll, hh, 0x6273;
-"""
 _DOT8 = ("""
         {
         .reg .b32 b, sl, sh, ml, mh, a0, a1, ll, hh, o0, o1, acc, lo, hi, z;
         .reg .b16 h0, h1;
-        mov.b32 z, 0x80008000;
-        shl.b32 b, $5, 4;
-        and.b32 sl, $5, 0x7777;
-        shr.u32 sh, $5, 16;
-        and.b32 sh, sh, 0x7777;
-        prmt.b32 ml, b, $5, 0xD9C8;
-        prmt.b32 mh, b, $5, 0xFBEA;
-""" + _LOOKUP_HALF.format(sel="sl", mask="ml") + """
+        mov.b32 z, 0x80008000;""" + _decode_setup(5) + _lookup_half(6, "sl", "ml", ELEMENT_ORDER) + """
         fma.rn.{t}x2 acc, o0, $1, z;
-        fma.rn.{t}x2 acc, o1, $2, acc;
-""" + _LOOKUP_HALF.format(sel="sh", mask="mh") + """
+        fma.rn.{t}x2 acc, o1, $2, acc;""" + _lookup_half(6, "sh", "mh", ELEMENT_ORDER) + """
         fma.rn.{t}x2 acc, o0, $3, acc;
         fma.rn.{t}x2 acc, o1, $4, acc;
         {widen}
