@@ -8,7 +8,7 @@ import warnings
 
 import click
 
-from ._version import __version__
+from .._version import __version__
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
@@ -25,7 +25,7 @@ def cli():
 @click.option("--no-probe", is_flag=True, help="Skip compiling and running a kernel on this machine.")
 def doctor(as_json, targets, no_probe):
     """Backend chosen and why, GPUs, versions, whether Triton works here, cross-compile table."""
-    from .diagnostics.doctor import collect, render, target_list
+    from ..diagnostics.doctor import collect, render, target_list
 
     try:
         target_objs = target_list(targets)
@@ -42,14 +42,32 @@ def doctor(as_json, targets, no_probe):
 @click.option("--quick", is_flag=True, help="Small shapes (a smoke run).")
 @click.option("--json", "json_path", default=None, metavar="PATH", help="Where to write the JSON results.")
 @click.option("--png", "png_path", default=None, metavar="PATH", help="Where to write a chart (needs matplotlib).")
-def bench(suite, list_suites, quick, json_path, png_path):
-    """Run a benchmark SUITE on this backend against its baselines."""
-    from . import bench as harness
+@click.option("--model", default=None, metavar="PATH", help="model suite: a GGUF file or HF folder (default model).")
+@click.option("--random-config", default=None, metavar="NAME",
+              help="model suite: random weights in these shapes instead of --model (llama3-8b, tiny).")
+@click.option("--quantize", type=click.Choice(["nf4", "fp4", "int8"]), default=None, help="model suite.")
+@click.option("--num-prompts", type=click.IntRange(min=1), default=64, show_default=True, help="model suite.")
+@click.option("--concurrency", type=click.IntRange(min=1), default=None, help="model suite (default: all prompts).")
+@click.option("--input-len", type=click.IntRange(min=1), default=512, show_default=True, help="model suite.")
+@click.option("--output-len", type=click.IntRange(min=1), default=256, show_default=True, help="model suite.")
+@click.option("--baseline/--no-baseline", default=True, show_default=True,
+              help="model suite: also run transformers' generate on the same workload.")
+def bench(suite, list_suites, quick, json_path, png_path, **model_options):
+    """Run a benchmark SUITE on this backend against its baselines.
+
+    `anygpu bench model` is the engine's offline throughput (the model-suite options)."""
+    from .. import bench as harness
 
     harness.load_suites()
     if list_suites or not suite:
         for name, fn in sorted(harness.SUITES.items()):
             click.echo(f"{name:14s} {getattr(fn, 'description', '')}")
+        click.echo(f"{'model':14s} the engine's offline throughput, TTFT and TPOT vs transformers' generate")
+        return
+    if suite == "model":
+        from .bench_model import bench_model
+
+        bench_model(json_path=json_path or "bench-results/model.json", **model_options)
         return
     if suite not in harness.SUITES:
         raise click.BadParameter(f"expected one of {', '.join(sorted(harness.SUITES))}, got {suite!r}",
@@ -124,8 +142,8 @@ def tune(shapes, dtype, bias, model_config, batch_sizes, untuned_path, devices, 
 
     import torch
 
-    from . import backend, tunable
-    from .tunable import parallel, warmup
+    from .. import backend, tunable
+    from ..tunable import parallel, warmup
 
     if not shapes and not untuned_path and not model_config:
         raise click.UsageError("give at least one --shape M,N,K, --model-config PATH or --untuned FILE")
@@ -200,12 +218,18 @@ def targets():
     """The GPU targets anygpu knows, with their limits."""
     from tabulate import tabulate
 
-    from .backend.targets import CI_TARGETS, TARGETS
+    from ..backend.targets import CI_TARGETS, TARGETS
 
     rows = [[t.arch, t.vendor, t.family, t.warp_size, f"{t.shared_per_block // 1024} KiB", ",".join(t.fp8) or "-",
              t.matrix_unit, "yes" if t.arch in CI_TARGETS else "", t.products] for t in TARGETS.values()]
     click.echo(tabulate(rows, ["arch", "vendor", "family", "wave", "LDS/smem per block", "fp8", "matrix", "CI",
                                "products"]))
+
+
+from .generate import chat, generate  # noqa: E402 - the engine's commands live in their own file
+
+cli.add_command(generate)
+cli.add_command(chat)
 
 
 def main(argv=None):

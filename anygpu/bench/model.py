@@ -1,0 +1,138 @@
+"""``anygpu bench model``: offline serving throughput of the engine, and transformers' ``generate`` as the baseline.
+
+Workload: ``num_prompts`` random prompts of ``input_len`` token ids (seeded), each generating exactly
+``output_len`` tokens (greedy, EOS ignored), at most ``concurrency`` in flight (a new one starts when one ends).
+Metrics (vLLM's definitions): output tokens/s = all generated tokens / wall time; TTFT = first token time -
+arrival; TPOT = (finish - first token) / (output tokens - 1) per request; percentiles p50/p90/p99.
+
+Baseline (``baseline=True``): transformers' ``LlamaForCausalLM.generate`` on the same shapes, dtype and device,
+batches of ``concurrency`` prompts (static batching: a batch ends when its longest member does), with
+``min_new_tokens = max_new_tokens = output_len``.  For a checkpoint it loads the same file (GGUF through
+transformers' own loader); for ``--random-config`` it builds the model from the equivalent ``LlamaConfig`` with
+its own random weights (speed does not depend on the values).
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+
+import torch
+
+from ..engine import LLMEngine, SamplingParams
+from ..models import ModelConfig
+
+# Real shapes for benchmarks without a download (random weights).
+RANDOM_CONFIGS = {
+    "llama3-8b": dict(architecture="llama", vocab_size=128256, hidden_size=4096, intermediate_size=14336,
+                      num_layers=32, num_heads=32, num_kv_heads=8, head_dim=128, rms_norm_eps=1e-5,
+                      rope_theta=500000.0, rope_scaling=None, max_position=8192, tie_word_embeddings=False,
+                      attention_bias=False, sliding_window=None, bos_token_id=128000, eos_token_ids=(128001,),
+                      dtype=torch.bfloat16),
+    "tiny": dict(architecture="llama", vocab_size=1024, hidden_size=256, intermediate_size=512, num_layers=2,
+                 num_heads=4, num_kv_heads=2, head_dim=64, rms_norm_eps=1e-5, rope_theta=10000.0, rope_scaling=None,
+                 max_position=2048, tie_word_embeddings=False, attention_bias=False, sliding_window=None,
+                 bos_token_id=1, eos_token_ids=(2,), dtype=None),
+}
+
+
+def random_config(name: str) -> ModelConfig:
+    if name not in RANDOM_CONFIGS:
+        raise ValueError(f"random_config: expected one of {sorted(RANDOM_CONFIGS)}, got {name!r}")
+    return ModelConfig(**RANDOM_CONFIGS[name])
+
+
+def percentiles(values: list[float]) -> dict:
+    if not values:
+        return {"p50": float("nan"), "p90": float("nan"), "p99": float("nan"), "mean": float("nan")}
+    ordered = sorted(values)
+
+    def pick(q):
+        return ordered[min(len(ordered) - 1, int(round(q * (len(ordered) - 1))))]
+
+    return {"p50": pick(0.5), "p90": pick(0.9), "p99": pick(0.99), "mean": statistics.fmean(values)}
+
+
+def random_prompts(num: int, length: int, vocab: int, seed: int = 0) -> list[list[int]]:
+    gen = torch.Generator().manual_seed(seed)
+    # Skip the lowest ids: models put their special tokens there.
+    low = min(100, vocab // 2)
+    return torch.randint(low, vocab, (num, length), generator=gen).tolist()
+
+
+def run_engine(engine: LLMEngine, prompts: list[list[int]], output_len: int, concurrency: int) -> dict:
+    params = SamplingParams(max_tokens=output_len, temperature=0.0, ignore_eos=True)
+    pending = list(enumerate(prompts))
+    in_flight, done = 0, []
+    start = time.perf_counter()
+    while pending or in_flight:
+        while pending and in_flight < concurrency:
+            i, prompt = pending.pop(0)
+            engine.add_request(f"bench-{i}", prompt, params)
+            in_flight += 1
+        for out in engine.step():
+            if out.finished:
+                in_flight -= 1
+                done.append(out)
+    if engine.device.type == "cuda":
+        torch.cuda.synchronize(engine.device)
+    elapsed = time.perf_counter() - start
+    tokens = sum(len(o.token_ids) for o in done)
+    ttft = [o.first_token_time - o.arrival_time for o in done]
+    tpot = [(o.finish_time - o.first_token_time) / (len(o.token_ids) - 1) for o in done if len(o.token_ids) > 1]
+    return {"requests": len(done), "output_tokens": tokens, "seconds": elapsed, "output_tokens_per_s": tokens / elapsed,
+            "ttft_s": percentiles(ttft), "tpot_s": percentiles(tpot)}
+
+
+def run_transformers(config: ModelConfig, model_path, prompts: list[list[int]], output_len: int, concurrency: int,
+                     dtype: torch.dtype, device: torch.device) -> dict:
+    import transformers
+
+    if model_path is None:
+        hf_cfg = transformers.LlamaConfig(
+            vocab_size=config.vocab_size, hidden_size=config.hidden_size, intermediate_size=config.intermediate_size,
+            num_hidden_layers=config.num_layers, num_attention_heads=config.num_heads,
+            num_key_value_heads=config.num_kv_heads, head_dim=config.head_dim, rms_norm_eps=config.rms_norm_eps,
+            rope_theta=config.rope_theta, max_position_embeddings=config.max_position,
+            tie_word_embeddings=config.tie_word_embeddings)
+        with torch.device(device):
+            torch.set_default_dtype(dtype)
+            try:
+                model = transformers.LlamaForCausalLM(hf_cfg)
+            finally:
+                torch.set_default_dtype(torch.float32)
+    else:
+        path = str(model_path)
+        kwargs = {"gguf_file": path.rsplit("/", 1)[1]} if path.endswith(".gguf") else {}
+        folder = path.rsplit("/", 1)[0] if kwargs else path
+        model = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=dtype, **kwargs).to(device)
+    model.eval()
+    tokens = 0
+    start = time.perf_counter()
+    for i in range(0, len(prompts), concurrency):
+        ids = torch.tensor(prompts[i:i + concurrency], device=device)
+        with torch.inference_mode():
+            out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=output_len,
+                                 min_new_tokens=output_len, do_sample=False, pad_token_id=0)
+        tokens += (out.shape[1] - ids.shape[1]) * ids.shape[0]
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    elapsed = time.perf_counter() - start
+    return {"requests": len(prompts), "output_tokens": tokens, "seconds": elapsed,
+            "output_tokens_per_s": tokens / elapsed}
+
+
+def format_report(report: dict) -> str:
+    from tabulate import tabulate
+
+    rows = []
+    for name, r in report["results"].items():
+        ttft, tpot = r.get("ttft_s"), r.get("tpot_s")
+        rows.append([name, r["requests"], r["output_tokens"], f"{r['seconds']:.2f}", f"{r['output_tokens_per_s']:.1f}",
+                     f"{ttft['p50'] * 1e3:.1f} / {ttft['p90'] * 1e3:.1f} / {ttft['p99'] * 1e3:.1f}" if ttft else "-",
+                     f"{tpot['p50'] * 1e3:.2f} / {tpot['p90'] * 1e3:.2f} / {tpot['p99'] * 1e3:.2f}" if tpot else "-"])
+    head = f"{report['model']}  {report['workload']}  on {report['device']}\n"
+    table = tabulate(rows, ["engine", "requests", "out tokens", "s", "out tok/s", "TTFT ms p50/p90/p99",
+                            "TPOT ms p50/p90/p99"])
+    ratio = report.get("speedup")
+    return head + table + (f"\nanygpu / transformers output tokens/s: {ratio:.2f}x" if ratio else "")

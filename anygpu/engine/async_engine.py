@@ -1,0 +1,121 @@
+"""``AsyncLLMEngine``: the engine behind a server.  One background thread steps the engine while there is work;
+each request is an async iterator of ``RequestOutput``s.
+
+    engine = AsyncLLMEngine(LLMEngine(...))
+    async for out in engine.generate("req-1", prompt, params):
+        send(out.delta_text)
+
+Why a thread: a step is a blocking model call (tens of ms on a GPU, more on the CPU); on the event loop it
+would stall every other connection.  The thread owns the ``LLMEngine`` (it is not thread-safe): requests and
+aborts reach it through a lock-protected inbox, outputs go back with ``loop.call_soon_threadsafe``.
+Leaving the ``async for`` early (a client that disconnects, a cancelled task) aborts the request, and its KV
+blocks are freed by the next step.  A request the engine rejects (bad prompt or sampling values) raises
+ValueError from the iterator, and the engine goes on serving the others.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from collections.abc import AsyncIterator
+
+from .llm_engine import LLMEngine, RequestOutput
+from .sampling_params import SamplingParams
+
+
+class AsyncLLMEngine:
+    def __init__(self, engine: LLMEngine):
+        self.engine = engine
+        self._lock = threading.Lock()
+        self._wake = threading.Event()
+        self._inbox: list[tuple] = []  # ("add", id, prompt, params, queue, loop) | ("abort", id)
+        self._streams: dict[str, tuple[asyncio.Queue, asyncio.AbstractEventLoop]] = {}
+        self._stopped = False
+        self._error: BaseException | None = None
+        self._thread = threading.Thread(target=self._loop, name="anygpu-engine", daemon=True)
+        self._thread.start()
+
+    async def generate(self, request_id: str, prompt, params: SamplingParams | None = None
+                       ) -> AsyncIterator[RequestOutput]:
+        if self._error is not None:
+            raise RuntimeError(f"the engine stopped after an error: {self._error!r}")
+        queue: asyncio.Queue = asyncio.Queue()
+        self._send(("add", request_id, prompt, params, queue, asyncio.get_running_loop()))
+        finished = False
+        try:
+            while True:
+                item = await queue.get()
+                if isinstance(item, BaseException):
+                    raise item
+                finished = item.finished
+                yield item
+                if finished:
+                    return
+        finally:
+            if not finished:
+                self._send(("abort", request_id))
+
+    def abort(self, request_id: str) -> None:
+        self._send(("abort", request_id))
+
+    @property
+    def num_requests(self) -> int:
+        return len(self._streams)
+
+    def shutdown(self) -> None:
+        self._stopped = True
+        self._wake.set()
+        self._thread.join(timeout=30)
+
+    # -- the engine thread -----------------------------------------------------------------------------
+    def _send(self, message: tuple) -> None:
+        with self._lock:
+            self._inbox.append(message)
+        self._wake.set()
+
+    def _deliver(self, request_id: str, item) -> None:
+        stream = self._streams.get(request_id)
+        if stream is not None:
+            queue, loop = stream
+            try:
+                loop.call_soon_threadsafe(queue.put_nowait, item)
+            except RuntimeError:  # that event loop is closed: nobody is listening any more
+                self._streams.pop(request_id, None)
+                self.engine.abort(request_id)
+
+    def _drain_inbox(self) -> None:
+        with self._lock:
+            messages, self._inbox = self._inbox, []
+        for message in messages:
+            if message[0] == "abort":
+                self._streams.pop(message[1], None)
+                self.engine.abort(message[1])
+                continue
+            _, request_id, prompt, params, queue, loop = message
+            self._streams[request_id] = (queue, loop)
+            try:
+                self.engine.add_request(request_id, prompt, params)
+            except ValueError as error:
+                self._deliver(request_id, error)
+                self._streams.pop(request_id, None)
+
+    def _loop(self) -> None:
+        while not self._stopped:
+            self._drain_inbox()
+            if not self.engine.has_unfinished():
+                self._wake.wait(timeout=0.5)
+                self._wake.clear()
+                continue
+            try:
+                outputs = self.engine.step()
+            except BaseException as error:  # a bug, or the device failed: fail every open stream, loudly
+                self._error = error
+                for request_id in list(self._streams):
+                    self._deliver(request_id, RuntimeError(f"engine step failed: {error!r}"))
+                    self.engine.abort(request_id)
+                self._streams.clear()
+                raise
+            for out in outputs:
+                self._deliver(out.request_id, out)
+                if out.finished:
+                    self._streams.pop(out.request_id, None)

@@ -1,0 +1,70 @@
+"""``LLM``: the offline API, vLLM's shape.
+
+    from anygpu import LLM, SamplingParams
+    llm = LLM()                                            # the default model (SmolLM2-135M-Instruct), or a path
+    outs = llm.generate(["The capital of France is"], SamplingParams(temperature=0, max_tokens=16))
+    outs = llm.chat([{"role": "user", "content": "Hi!"}], SamplingParams(max_tokens=64))
+
+``generate`` takes raw prompts (strings or token-id lists) as they are, like vLLM; ``chat`` renders the model's
+chat template first.  All prompts go into the engine at once and run with continuous batching; outputs come
+back in prompt order.
+"""
+
+from __future__ import annotations
+
+import itertools
+
+from tqdm.auto import tqdm
+
+from .llm_engine import LLMEngine, RequestOutput
+from .sampling_params import SamplingParams
+
+
+class LLM:
+    def __init__(self, model=None, **engine_args):
+        self.engine = LLMEngine(model, **engine_args)
+        self.tokenizer = self.engine.tokenizer
+        self._ids = itertools.count()
+
+    def generate(self, prompts, sampling_params: SamplingParams | list[SamplingParams] | None = None,
+                 use_tqdm: bool = False) -> list[RequestOutput]:
+        if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        prompts = list(prompts)
+        if isinstance(sampling_params, list):
+            if len(sampling_params) != len(prompts):
+                raise ValueError(f"sampling_params: expected one per prompt ({len(prompts)}), got {len(sampling_params)}")
+            params = sampling_params
+        else:
+            params = [sampling_params or SamplingParams()] * len(prompts)
+        ids = [f"offline-{next(self._ids)}" for _ in prompts]
+        added = []
+        try:
+            for request_id, prompt, p in zip(ids, prompts, params):
+                self.engine.add_request(request_id, prompt, p)
+                added.append(request_id)
+        except Exception:
+            for request_id in added:  # all or nothing: a bad prompt leaves no orphan running
+                self.engine.abort(request_id)
+            raise
+        return self._run(ids, use_tqdm)
+
+    def chat(self, messages, sampling_params=None, use_tqdm: bool = False) -> list[RequestOutput]:
+        """``messages``: one conversation (a list of {"role", "content"} dicts) or a list of them."""
+        if self.tokenizer is None:
+            raise ValueError("messages: this model has no tokenizer, so no chat template")
+        conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
+        prompts = [self.tokenizer.encode_chat(conv) for conv in conversations]
+        return self.generate(prompts, sampling_params, use_tqdm)
+
+    def _run(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
+        wanted = set(ids)
+        done: dict[str, RequestOutput] = {}
+        bar = tqdm(total=len(ids), desc="generating", disable=not use_tqdm)
+        while len(done) < len(ids):
+            for out in self.engine.step():
+                if out.finished and out.request_id in wanted:
+                    done[out.request_id] = out
+                    bar.update(1)
+        bar.close()
+        return [done[i] for i in ids]

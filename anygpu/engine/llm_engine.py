@@ -1,0 +1,240 @@
+"""``LLMEngine``: requests in, a step at a time, outputs with new text out.
+
+    engine = LLMEngine("path/to/model.gguf")          # or an HF folder, or None for the default model
+    engine.add_request("r1", "Hello", SamplingParams(max_tokens=32))
+    while engine.has_unfinished():
+        for out in engine.step():                      # RequestOutput: delta_text, text, token_ids, finished...
+            print(out.delta_text, end="")
+
+A step = ``Scheduler.schedule`` (which sequences compute how many tokens) -> ``ModelRunner.run`` (one forward of
+the flat batch, sampling) -> ``Scheduler.update`` (append tokens, finish on EOS / stop ids / length) -> text:
+each new token is detokenized incrementally, stop strings are searched in the new text, and the last
+``len(longest stop) - 1`` characters are held back from ``delta_text`` until they cannot start a stop string.
+
+Bad input (an empty or over-long prompt, bad sampling values, a duplicate request id) raises ValueError from
+``add_request`` and changes nothing: the requests already running go on.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from .. import backend
+from ..models import open_checkpoint
+from ..models.registry import build_model
+from ..models.tokenizer import IncrementalDetokenizer
+from .block_manager import BlockManager
+from .model_runner import ModelRunner
+from .sampling_params import SamplingParams
+from .scheduler import Scheduler
+from .sequence import Sequence
+
+DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    prompt_token_ids: list[int]
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    delta_text: str = ""
+    delta_token_ids: list[int] = field(default_factory=list)
+    finished: bool = False
+    finish_reason: str | None = None  # "stop", "length", "abort"
+    stop_reason: str | int | None = None  # the stop string or stop token id that ended it
+    arrival_time: float = 0.0
+    first_token_time: float | None = None
+    finish_time: float | None = None
+    num_cached_tokens: int = 0
+
+
+@dataclass
+class _Request:
+    seq: Sequence
+    detok: IncrementalDetokenizer
+    text: str = ""
+    emitted_chars: int = 0
+    emitted_tokens: int = 0
+    stop_reason: str | int | None = None
+
+
+def resolve_dtype(dtype, device: torch.device, config) -> torch.dtype:
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype in DTYPES:
+        return DTYPES[dtype]
+    if dtype not in (None, "auto"):
+        raise ValueError(f"dtype: expected 'auto' or one of {sorted(DTYPES)}, got {dtype!r}")
+    if device.type == "cpu":
+        return torch.float32  # fp32 on the CPU: the same tokens as the fp32 oracle; bf16 matmuls are slow here
+    return config.dtype if config.dtype in (torch.float16, torch.bfloat16) else torch.bfloat16
+
+
+class LLMEngine:
+    def __init__(self, model=None, *, dtype="auto", device=None, quantize: str | None = None, tune: bool = False,
+                 block_size: int = 16, max_num_seqs: int | None = None, max_num_batched_tokens: int | None = None,
+                 max_model_len: int | None = None, num_kv_blocks: int | None = None, kv_cache_memory: int | None = None,
+                 gpu_memory_utilization: float = 0.9, enforce_eager: bool = False, progress: bool = True,
+                 config=None, tokenizer=None):
+        """``model``: a GGUF file, an HF folder, or None for the default model.  For benchmarks in real shapes
+        without a checkpoint: ``config=ModelConfig(...)`` (random weights; ``tokenizer`` optional)."""
+        self.device = torch.device(device) if device is not None else backend.current().device
+        if config is None:
+            ckpt = open_checkpoint(model)
+            config, self.tokenizer, self.model_name = ckpt.config, ckpt.tokenizer, ckpt.name
+            weights = ckpt.weights(progress=progress)
+        else:
+            self.tokenizer, self.model_name, weights = tokenizer, model or "random", "random"
+        self.config = config
+        self.dtype = resolve_dtype(dtype, self.device, config)
+        gpu = self.device.type == "cuda"
+        max_model_len = min(max_model_len or config.max_position, config.max_position)
+        max_num_seqs = max_num_seqs or (256 if gpu else 16)
+        max_num_batched_tokens = max_num_batched_tokens or (8192 if gpu else 2048)
+        for name, value in (("block_size", block_size), ("max_num_seqs", max_num_seqs),
+                            ("max_num_batched_tokens", max_num_batched_tokens), ("max_model_len", max_model_len)):
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name}: expected a positive int, got {value!r}")
+        if block_size & (block_size - 1):
+            raise ValueError(f"block_size: expected a power of two, got {block_size}")
+        self.max_model_len = max_model_len
+        self.model = build_model(config, weights, dtype=self.dtype, device=self.device, quantize=quantize,
+                                 progress=progress)
+        self._exit = contextlib.ExitStack()
+        if tune:
+            from ..tunable import route
+
+            self._exit.enter_context(route(self.model))
+        self.runner = ModelRunner(self.model, block_size=block_size, max_num_seqs=max_num_seqs,
+                                  max_model_len=max_model_len, max_num_batched_tokens=max_num_batched_tokens,
+                                  num_blocks=num_kv_blocks, kv_cache_memory=kv_cache_memory,
+                                  gpu_memory_utilization=gpu_memory_utilization, enforce_eager=enforce_eager)
+        capacity = self.runner.num_blocks * block_size
+        if capacity < max_model_len:
+            raise ValueError(f"max_model_len: {max_model_len} tokens do not fit the KV cache ({capacity} tokens); "
+                             f"lower max_model_len or give the cache more memory")
+        self.block_manager = BlockManager(self.runner.num_blocks, block_size)
+        eos = tuple(config.eos_token_ids) or (tuple(self.tokenizer.eos_token_ids) if self.tokenizer else ())
+        self.scheduler = Scheduler(self.block_manager, max_num_seqs=max_num_seqs,
+                                   max_num_batched_tokens=max_num_batched_tokens, max_model_len=max_model_len,
+                                   eos_token_ids=eos)
+        self.requests: dict[str, _Request] = {}
+        self._ids_by_seq: dict[int, str] = {}
+
+    # -- requests --------------------------------------------------------------------------------------
+    def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams | None = None) -> None:
+        params = params if params is not None else SamplingParams()
+        if not isinstance(params, SamplingParams):
+            raise ValueError(f"params: expected a SamplingParams, got {type(params).__name__}")
+        params.validate(self.config.vocab_size)
+        if request_id in self.requests:
+            raise ValueError(f"request_id: {request_id!r} is already running")
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ValueError("prompt: this engine has no tokenizer; pass token ids")
+            ids = self.tokenizer.encode(prompt)
+        elif isinstance(prompt, (list, tuple)) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+            ids = list(prompt)
+            bad = [t for t in ids if not 0 <= t < self.config.vocab_size]
+            if bad:
+                raise ValueError(f"prompt: token ids must be in [0, {self.config.vocab_size}), got {bad[:3]}")
+        else:
+            raise ValueError(f"prompt: expected a string or a list of token ids, got {type(prompt).__name__}")
+        if not ids:
+            raise ValueError("prompt: expected at least one token, got an empty prompt")
+        if len(ids) >= self.max_model_len:
+            raise ValueError(f"prompt: {len(ids)} tokens leave no room to generate in the context of "
+                             f"{self.max_model_len} tokens (max_model_len)")
+        seq = Sequence(ids, params)
+        detok = IncrementalDetokenizer(self.tokenizer, ids, params.skip_special_tokens) if self.tokenizer else None
+        self.requests[request_id] = _Request(seq, detok)
+        self._ids_by_seq[seq.seq_id] = request_id
+        self.scheduler.add(seq)
+
+    def abort(self, request_id: str) -> None:
+        """Stop a request now and free its KV blocks (a client that went away).  Unknown ids are ignored."""
+        req = self.requests.pop(request_id, None)
+        if req is not None:
+            self._ids_by_seq.pop(req.seq.seq_id, None)
+            self.scheduler.abort(req.seq.seq_id)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.requests)
+
+    # -- stepping --------------------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        batch = self.scheduler.schedule()
+        outputs = []
+        if batch.seqs:
+            sampled = self.runner.run(batch)
+            self.scheduler.update(batch, sampled)
+            now = time.perf_counter()
+            for seq, token in zip(batch.seqs, sampled):
+                request_id = self._ids_by_seq.get(seq.seq_id)
+                if token is None or request_id is None:
+                    continue
+                req = self.requests[request_id]
+                if seq.first_token_time is None:
+                    seq.first_token_time = now
+                self._add_text(req, token)
+                outputs.append(self._output(request_id, req))
+        # Sequences finished without a new token (a lone sequence that outgrew the cache) still report.
+        reported = {o.request_id for o in outputs}
+        for request_id, req in list(self.requests.items()):
+            if req.seq.is_finished and request_id not in reported:
+                outputs.append(self._output(request_id, req))
+        for out in outputs:
+            if out.finished:
+                req = self.requests.pop(out.request_id)
+                self._ids_by_seq.pop(req.seq.seq_id, None)
+        return outputs
+
+    def _add_text(self, req: _Request, token: int) -> None:
+        seq, params = req.seq, req.seq.params
+        if seq.finish_reason == "stop" and token in params.stop_token_ids:
+            req.stop_reason = token
+        if req.detok is None:
+            return
+        before = len(req.text)
+        delta = req.detok.add(token)
+        # EOS and stop ids end the text without appearing in it (vLLM); other special tokens follow
+        # skip_special_tokens.
+        if seq.finish_reason == "stop" and (token in self.scheduler.eos_token_ids or token in params.stop_token_ids):
+            delta = ""
+        if seq.is_finished:
+            delta += req.detok.flush()  # bytes held back for an incomplete character: nothing more will come
+        req.text += delta
+        if params.stop and not seq.is_finished:
+            longest = max(map(len, params.stop))
+            start = max(0, before - longest + 1)
+            hits = [(req.text.find(s, start), s) for s in params.stop]
+            hits = [(i, s) for i, s in hits if i >= 0]
+            if hits:
+                index, stop = min(hits)
+                req.text = req.text[: index + len(stop) if params.include_stop_str_in_output else index]
+                req.stop_reason = stop
+                self.scheduler.finish(seq, "stop")
+
+    def _output(self, request_id: str, req: _Request) -> RequestOutput:
+        seq, params = req.seq, req.seq.params
+        # Hold back what could still turn out to be the start of a stop string.
+        hold = 0 if seq.is_finished or not params.stop else max(map(len, params.stop)) - 1
+        visible = max(req.emitted_chars, len(req.text) - hold)
+        out = RequestOutput(request_id, seq.prompt_token_ids, text=req.text[:visible] if not seq.is_finished else req.text,
+                            token_ids=list(seq.output_token_ids),
+                            delta_text=req.text[req.emitted_chars: visible],
+                            delta_token_ids=list(seq.output_token_ids[req.emitted_tokens:]),
+                            finished=seq.is_finished, finish_reason=seq.finish_reason, stop_reason=req.stop_reason,
+                            arrival_time=seq.arrival_time, first_token_time=seq.first_token_time,
+                            finish_time=time.perf_counter() if seq.is_finished else None,
+                            num_cached_tokens=seq.num_cached_tokens)
+        req.emitted_chars, req.emitted_tokens = visible, len(seq.output_token_ids)
+        return out
+
+    def close(self) -> None:
+        self._exit.close()

@@ -1,0 +1,197 @@
+"""The model runner: owns the paged KV cache, turns a scheduled batch into the model's flat inputs, runs the
+model and samples.
+
+- **KV cache**: one tensor ``[2, layers, num_blocks, block_size, Hkv, D]`` in the model's dtype, sliced per layer.
+  On GPUs it takes ``gpu_memory_utilization`` of the device minus what the weights and a warmup forward at the
+  full token budget use (nano-vllm's sizing); on the CPU ``kv_cache_memory`` bytes (default 1 GiB, capped by
+  what ``max_num_seqs`` sequences of ``max_model_len`` tokens can use).
+- **Inputs**: each scheduled sequence brings ``num_tokens`` new tokens starting at its ``num_computed_tokens``;
+  they are packed end to end with their positions and cache slots.  Logits are computed only for sequences
+  whose prompt is complete after the step (a prefill chunk that stops mid-prompt needs none).
+- **Decode graphs** (CUDA and HIP): a step where every sequence brings one token replays a graph captured for
+  the smallest batch size >= B (1, 2, 4, 8, then steps of 8 up to ``max_num_seqs``), with the inputs copied into
+  static buffers.  Block tables are padded to ``max_model_len`` and ``paged_decode`` gets ``max_model_len`` as
+  its bound, so one graph serves every context length.  Padded rows write to slot -1 (skipped) and read
+  nothing (seqlen 0).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..models.llama import AttentionBatch, LlamaForCausalLM
+from .sampler import Sampler
+from .scheduler import ScheduledBatch
+
+CPU_KV_CACHE_BYTES = 1 << 30
+
+
+def graph_batch_sizes(max_num_seqs: int) -> list[int]:
+    sizes = [b for b in (1, 2, 4, 8) if b < max_num_seqs] + list(range(8, max_num_seqs + 1, 8))
+    sizes = sorted(set(sizes) | {max_num_seqs})
+    return sizes
+
+
+class ModelRunner:
+    def __init__(self, model: LlamaForCausalLM, *, block_size: int, max_num_seqs: int, max_model_len: int,
+                 max_num_batched_tokens: int, num_blocks: int | None = None, kv_cache_memory: int | None = None,
+                 gpu_memory_utilization: float = 0.9, enforce_eager: bool = False):
+        self.model = model
+        self.config = model.config
+        self.device = next(model.parameters()).device
+        self.dtype = model.embed_tokens.weight.dtype
+        self.block_size = block_size
+        self.max_num_seqs = max_num_seqs
+        self.max_model_len = max_model_len
+        self.max_blocks_per_seq = -(-max_model_len // block_size)
+        self.sampler = Sampler()
+        cfg = self.config
+        self.block_bytes = 2 * cfg.num_layers * block_size * cfg.num_kv_heads * cfg.head_dim * self.dtype.itemsize
+        if num_blocks is None:
+            num_blocks = self._blocks_that_fit(kv_cache_memory, gpu_memory_utilization, max_num_batched_tokens)
+        if num_blocks < 1:
+            raise ValueError(f"num_blocks: the KV cache has room for no block of {self.block_bytes} bytes; lower "
+                             f"max_num_batched_tokens or raise the memory given to the cache")
+        self.num_blocks = num_blocks
+        self.kv_cache = torch.empty(2, cfg.num_layers, num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim,
+                                    dtype=self.dtype, device=self.device)
+        model.set_kv_caches([(self.kv_cache[0, i], self.kv_cache[1, i]) for i in range(cfg.num_layers)])
+        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        if self.device.type == "cuda" and not enforce_eager:
+            self._capture_decode_graphs()
+
+    # -- KV cache sizing -------------------------------------------------------------------------------
+    def _blocks_that_fit(self, kv_cache_memory, utilization, max_num_batched_tokens) -> int:
+        cap = self.max_num_seqs * self.max_blocks_per_seq  # more could never be used at once
+        if kv_cache_memory is not None:
+            return min(cap, int(kv_cache_memory) // self.block_bytes)
+        if self.device.type != "cuda":
+            return min(cap, CPU_KV_CACHE_BYTES // self.block_bytes)
+        # Warm up at the full token budget with a throwaway cache, then give the cache what is left.
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(self.device)
+        self._warmup(max_num_batched_tokens)
+        free, total = torch.cuda.mem_get_info(self.device)
+        stats = torch.cuda.memory_stats(self.device)
+        used = total - free
+        peak, current = stats["allocated_bytes.all.peak"], stats["allocated_bytes.all.current"]
+        budget = int(total * utilization - used - peak + current)
+        return min(cap, max(budget, 0) // self.block_bytes)
+
+    def _warmup(self, tokens: int) -> None:
+        cfg = self.config
+        tokens = min(tokens, self.max_model_len)
+        blocks = -(-tokens // self.block_size)
+        cache = torch.zeros(2, cfg.num_layers, blocks, self.block_size, cfg.num_kv_heads, cfg.head_dim,
+                            dtype=self.dtype, device=self.device)
+        self.model.set_kv_caches([(cache[0, i], cache[1, i]) for i in range(cfg.num_layers)])
+        ids = torch.zeros(tokens, dtype=torch.long, device=self.device)
+        batch = AttentionBatch(positions=torch.arange(tokens, device=self.device),
+                               slot_mapping=torch.arange(tokens, device=self.device), mode="prefill",
+                               cu_seqlens_q=torch.tensor([0, tokens], dtype=torch.int32, device=self.device),
+                               max_seqlen_q=tokens)
+        with torch.inference_mode():
+            self.model.compute_logits(self.model(ids, batch)[-1:])
+        del cache
+        torch.cuda.synchronize(self.device)
+        torch.cuda.empty_cache()
+
+    # -- one step --------------------------------------------------------------------------------------
+    def prepare(self, batch: ScheduledBatch):
+        """Flat inputs for the model, and the index of each sequence's last token if it needs logits."""
+        ids, positions, slots, q_lens, k_lens, logit_rows = [], [], [], [], [], []
+        bs = self.block_size
+        for seq, n in zip(batch.seqs, batch.num_tokens):
+            start = seq.num_computed_tokens
+            tokens = seq.token_ids
+            ids.extend(tokens[start:start + n])
+            positions.extend(range(start, start + n))
+            table = seq.block_table
+            slots.extend(table[p // bs] * bs + p % bs for p in range(start, start + n))
+            q_lens.append(n)
+            k_lens.append(start + n)
+            logit_rows.append(len(ids) - 1 if start + n >= seq.num_tokens else None)
+        dev = self.device
+        if all(n == 1 for n in q_lens):
+            mode = "decode"
+        elif all(s.num_computed_tokens == 0 for s in batch.seqs):
+            mode = "prefill"
+        else:
+            mode = "mixed"
+        attn = AttentionBatch(positions=torch.tensor(positions, dtype=torch.long, device=dev),
+                              slot_mapping=torch.tensor(slots, dtype=torch.long, device=dev), mode=mode,
+                              max_seqlen_q=max(q_lens), max_seqlen_k=max(k_lens))
+        if mode != "decode":
+            cu = [0]
+            for n in q_lens:
+                cu.append(cu[-1] + n)
+            attn.cu_seqlens_q = torch.tensor(cu, dtype=torch.int32, device=dev)
+        if mode != "prefill":
+            attn.seqlens_k = torch.tensor(k_lens, dtype=torch.int32, device=dev)
+            width = max(-(-k // bs) for k in k_lens)
+            attn.block_tables = torch.tensor([s.block_table[:width] + [0] * (width - len(s.block_table[:width]))
+                                              for s in batch.seqs], dtype=torch.int32, device=dev)
+        return torch.tensor(ids, dtype=torch.long, device=dev), attn, logit_rows
+
+    @torch.inference_mode()
+    def run(self, batch: ScheduledBatch) -> list[int | None]:
+        """Run one scheduled step; returns the sampled token of each sequence (None where no logits were needed)."""
+        ids, attn, logit_rows = self.prepare(batch)
+        rows = [r for r in logit_rows if r is not None]
+        if not rows:  # only prefill chunks that stop mid-prompt: fill the cache, nothing to sample
+            self.model(ids, attn)
+            return [None] * len(logit_rows)
+        index = torch.tensor(rows, device=self.device)
+        if attn.mode == "decode" and self._graph_size(len(ids)) is not None:
+            logits = self._replay(ids, attn).index_select(0, index)
+        else:
+            logits = self.model.compute_logits(self.model(ids, attn).index_select(0, index))
+        seqs = [s for s, r in zip(batch.seqs, logit_rows) if r is not None]
+        sampled = iter(self.sampler.sample(logits, seqs))
+        return [next(sampled) if r is not None else None for r in logit_rows]
+
+    # -- decode graphs ---------------------------------------------------------------------------------
+    def _graph_size(self, batch_size: int) -> int | None:
+        return next((b for b in sorted(self.graphs) if b >= batch_size), None)
+
+    def _capture_decode_graphs(self) -> None:
+        dev, n = self.device, self.max_num_seqs
+        self._static = {
+            "ids": torch.zeros(n, dtype=torch.long, device=dev),
+            "positions": torch.zeros(n, dtype=torch.long, device=dev),
+            "slots": torch.full((n,), -1, dtype=torch.long, device=dev),
+            "seqlens": torch.zeros(n, dtype=torch.int32, device=dev),
+            "tables": torch.zeros(n, self.max_blocks_per_seq, dtype=torch.int32, device=dev),
+        }
+        self._static_logits = None
+        pool = None
+        for size in reversed(graph_batch_sizes(n)):
+            s = self._static
+            attn = AttentionBatch(positions=s["positions"][:size], slot_mapping=s["slots"][:size], mode="decode",
+                                  max_seqlen_q=1, seqlens_k=s["seqlens"][:size], max_seqlen_k=self.max_model_len,
+                                  block_tables=s["tables"][:size])
+            with torch.inference_mode():
+                self.model.compute_logits(self.model(s["ids"][:size], attn))  # warm up: compile, autotune
+                torch.cuda.synchronize(dev)
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, pool=pool):
+                    out = self.model.compute_logits(self.model(s["ids"][:size], attn))
+            pool = graph.pool()
+            self.graphs[size] = (graph, out)
+        torch.cuda.synchronize(dev)
+
+    def _replay(self, ids: torch.Tensor, attn: AttentionBatch) -> torch.Tensor:
+        b = ids.shape[0]
+        size = self._graph_size(b)
+        s = self._static
+        s["ids"][:b].copy_(ids)
+        s["positions"][:b].copy_(attn.positions)
+        s["slots"][:b].copy_(attn.slot_mapping)
+        s["slots"][b:size].fill_(-1)
+        s["seqlens"][:b].copy_(attn.seqlens_k)
+        s["seqlens"][b:size].zero_()
+        width = attn.block_tables.shape[1]
+        s["tables"][:b, :width].copy_(attn.block_tables)
+        graph, out = self.graphs[size]
+        graph.replay()
+        return out

@@ -1,0 +1,118 @@
+"""``Sampler``: the next token of each sequence from its logits row, under its SamplingParams.
+
+Order (vLLM's, with HF's processor order for the filters):
+
+1. penalties on the raw logits: repetition over prompt + output tokens (a seen token's logit is divided by
+   the penalty when positive, multiplied when negative: HF/vLLM), then frequency (times the token's count in
+   the output) and presence (once if it occurs in the output) subtracted (OpenAI);
+2. greedy rows (temperature < 1e-5, vLLM's epsilon) take the argmax of the penalized logits;
+3. the other rows: divide by the temperature; keep the top-k, then the smallest prefix of the sorted
+   distribution whose mass reaches top-p (the most likely token always stays), then the tokens whose
+   probability is at least min-p times the largest one (min-p compares ratios, which renormalizing after
+   top-k/top-p does not change, so it is done in log space on the sorted logits);
+4. sample with the exponential race, ``argmax(probs / q)`` with ``q ~ Exp(1)`` iid, which draws index i with
+   probability probs[i] (nano-vllm's and vLLM's method: one vectorised kernel, no cumulative sums).
+
+Seeded requests draw their row's q from their own ``torch.Generator`` (``seq.generator``, made on first use
+and seeded with ``params.seed``), so a seed gives the same tokens whether the sequence is sampled alone or in
+any batch, and across preemptions.  Unseeded rows use the global RNG.  Rows are independent: the sort,
+softmax and cumulative sums work along the vocabulary only.
+
+Penalties and filters are vectorised over the batch (token counts by scatter, filters by one sort) and
+skipped when no row uses them.  Works on any device; logits are read as fp32 and never modified.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from .sequence import Sequence
+
+SAMPLING_EPS = 1e-5  # temperatures below this are greedy
+
+
+def _token_index(lists: list[list[int]], rows: list[int], vocab: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """(row, token id) pairs, one per occurrence, for a scatter into a [B, V] table; ids outside the vocab dropped."""
+    ids = torch.tensor([t for toks in lists for t in toks], dtype=torch.long)
+    row = torch.repeat_interleave(torch.tensor(rows, dtype=torch.long),
+                                  torch.tensor([len(toks) for toks in lists], dtype=torch.long))
+    ok = (ids >= 0) & (ids < vocab)
+    return row[ok].to(device), ids[ok].to(device)
+
+
+def apply_penalties(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
+    """The logits with each row's repetition, frequency and presence penalties applied (a new tensor)."""
+    batch, vocab = logits.shape
+    device = logits.device
+    rep = [i for i, s in enumerate(seqs) if s.params.repetition_penalty != 1.0]
+    out = [i for i, s in enumerate(seqs) if s.params.frequency_penalty != 0.0 or s.params.presence_penalty != 0.0]
+    if rep:
+        seen = torch.zeros(batch, vocab, dtype=torch.bool, device=device)
+        seen[_token_index([seqs[i].token_ids for i in rep], rep, vocab, device)] = True
+        penalty = torch.tensor([s.params.repetition_penalty for s in seqs], device=device).unsqueeze(1)
+        penalized = torch.where(logits > 0, logits / penalty, logits * penalty)
+        logits = torch.where(seen, penalized, logits)
+    if out:
+        counts = torch.zeros(batch, vocab, device=device)
+        index = _token_index([seqs[i].output_token_ids for i in out], out, vocab, device)
+        counts.index_put_(index, torch.ones(index[0].shape, device=device), accumulate=True)
+        freq = torch.tensor([s.params.frequency_penalty for s in seqs], device=device).unsqueeze(1)
+        presence = torch.tensor([s.params.presence_penalty for s in seqs], device=device).unsqueeze(1)
+        logits = logits - freq * counts - presence * (counts > 0)
+    return logits
+
+
+def apply_filters(logits: torch.Tensor, top_k: list[int], top_p: list[float], min_p: list[float]) -> torch.Tensor:
+    """Logits with the tokens outside each row's top-k / top-p / min-p set at -inf (top_k <= 0: off)."""
+    rows, vocab = logits.shape
+    k = [v if v > 0 else vocab for v in top_k]
+    if all(v >= vocab for v in k) and all(p >= 1.0 for p in top_p) and all(m <= 0.0 for m in min_p):
+        return logits
+    device = logits.device
+    sorted_logits, order = logits.sort(dim=-1, descending=True, stable=True)  # ties: lowest id first, as argmax
+    keep = torch.arange(vocab, device=device) < torch.tensor(k, device=device).unsqueeze(1)
+    if any(p < 1.0 for p in top_p):
+        probs = sorted_logits.masked_fill(~keep, -math.inf).softmax(dim=-1)
+        mass_before = probs.cumsum(dim=-1) - probs
+        limit = torch.tensor([p if p < 1.0 else math.inf for p in top_p], device=device).unsqueeze(1)
+        keep &= mass_before < limit
+    if any(m > 0.0 for m in min_p):
+        log_min_p = torch.tensor(min_p, device=device).log().unsqueeze(1)  # log 0 = -inf keeps all
+        keep &= (sorted_logits - sorted_logits[:, :1]) >= log_min_p
+    return torch.empty_like(logits).scatter_(-1, order, sorted_logits.masked_fill(~keep, -math.inf))
+
+
+class Sampler:
+    def sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> list[int]:
+        """One token per row: logits [B, V] (read as fp32) for seqs[0..B-1]."""
+        if logits.dim() != 2 or logits.shape[0] != len(seqs):
+            raise ValueError(f"logits: expected shape [{len(seqs)}, vocab] (one row per sequence), "
+                             f"got {tuple(logits.shape)}")
+        logits = apply_penalties(logits.float(), seqs)
+        tokens = logits.argmax(dim=-1)
+        rows = [i for i, s in enumerate(seqs) if s.params.temperature >= SAMPLING_EPS]
+        if rows:
+            params = [seqs[i].params for i in rows]
+            device = logits.device
+            index = torch.tensor(rows, device=device)
+            temperature = torch.tensor([p.temperature for p in params], device=device).unsqueeze(1)
+            x = apply_filters(logits[index] / temperature, [p.top_k for p in params],
+                              [p.top_p for p in params], [p.min_p for p in params])
+            probs = x.softmax(dim=-1)
+            q = torch.empty_like(probs).exponential_()
+            for j, i in enumerate(rows):
+                if seqs[i].params.seed is not None:
+                    q[j] = self._draw(seqs[i], probs.shape[1], device)
+            tokens[index] = (probs / q.clamp_min_(torch.finfo(torch.float32).tiny)).argmax(dim=-1)
+        return tokens.tolist()
+
+    @staticmethod
+    def _draw(seq: Sequence, vocab: int, device: torch.device) -> torch.Tensor:
+        """Exp(1) draws for seq's row from its own generator, made on the first draw on the logits' device
+        (and kept there: a later call on another device draws there and copies, never reseeds)."""
+        if seq.generator is None:
+            seq.generator = torch.Generator(device=device).manual_seed(seq.params.seed)
+        draws = torch.empty(vocab, device=seq.generator.device).exponential_(generator=seq.generator)
+        return draws.to(device)

@@ -1,0 +1,20 @@
+"""Checkpoints, configs and tokenizers for the inference engine.
+
+    from anygpu.models import open_checkpoint
+    ckpt = open_checkpoint(None)                  # the default model: SmolLM2-135M-Instruct, Q4_1 GGUF
+    ckpt.config                                   # ModelConfig
+    ids = ckpt.tokenizer.encode_chat([{"role": "user", "content": "What is the capital of France?"}])
+    for name, tensor in ckpt.weights(): ...       # Hugging Face names, CPU tensors
+
+Supported: Llama-family decoders (Llama 2/3, Mistral, Qwen2, SmolLM2) from a Hugging Face folder (safetensors) or
+a GGUF file (F32, F16, BF16, Q8_0, Q4_0, Q4_1 tensors, byte-level BPE tokenizer).
+"""
+
+from .checkpoint import default_model_path, open_checkpoint
+from .config import ModelConfig
+from .gguf import GGUFCheckpoint
+from .hf import HFCheckpoint
+from .tokenizer import IncrementalDetokenizer, Tokenizer
+
+__all__ = ["GGUFCheckpoint", "HFCheckpoint", "IncrementalDetokenizer", "ModelConfig", "Tokenizer",
+           "default_model_path", "open_checkpoint"]
