@@ -35,7 +35,7 @@ def bench_model(*, json_path, model, random_config, quantize, num_prompts, concu
         raise click.BadParameter(f"input_len + output_len = {input_len + output_len} is over the context of "
                                  f"{engine.max_model_len}", param_hint="--input-len/--output-len")
     prompts = bm.random_prompts(num_prompts, input_len, config.vocab_size)
-    bm.run_engine(engine, prompts[:1], min(output_len, 4), 1)  # warm up (Triton compiles, autotuning)
+    bm.warm_up(engine, input_len, config.vocab_size)
     results = {"anygpu": bm.run_engine(engine, prompts, output_len, concurrency)}
     report = {"model": engine.model_name + (f" ({quantize})" if quantize else ""),
               "workload": f"{num_prompts} prompts x {input_len} in / {output_len} out, concurrency {concurrency}",

@@ -98,40 +98,46 @@ class ModelRunner:
 
     # -- one step --------------------------------------------------------------------------------------
     def prepare(self, batch: ScheduledBatch):
-        """Flat inputs for the model, and the index of each sequence's last token if it needs logits."""
+        """Flat inputs for the model, and the index of each sequence's last token if it needs logits.
+
+        Every integer input is packed into one host tensor and sent with one copy (a decode step would
+        otherwise pay five small synchronous copies); the int32 ones are cast on the device."""
         ids, positions, slots, q_lens, k_lens, logit_rows = [], [], [], [], [], []
         bs = self.block_size
         for seq, n in zip(batch.seqs, batch.num_tokens):
             start = seq.num_computed_tokens
-            tokens = seq.token_ids
-            ids.extend(tokens[start:start + n])
+            ids.extend(seq.token_range(start, start + n))
             positions.extend(range(start, start + n))
             table = seq.block_table
             slots.extend(table[p // bs] * bs + p % bs for p in range(start, start + n))
             q_lens.append(n)
             k_lens.append(start + n)
             logit_rows.append(len(ids) - 1 if start + n >= seq.num_tokens else None)
-        dev = self.device
         if all(n == 1 for n in q_lens):
             mode = "decode"
         elif all(s.num_computed_tokens == 0 for s in batch.seqs):
             mode = "prefill"
         else:
             mode = "mixed"
-        attn = AttentionBatch(positions=torch.tensor(positions, dtype=torch.long, device=dev),
-                              slot_mapping=torch.tensor(slots, dtype=torch.long, device=dev), mode=mode,
-                              max_seqlen_q=max(q_lens), max_seqlen_k=max(k_lens))
+        cu = [0]
+        for n in q_lens:
+            cu.append(cu[-1] + n)
+        width = max(-(-k // bs) for k in k_lens)
+        tables = [t for s in batch.seqs for t in (s.block_table[:width] + [0] * (width - len(s.block_table[:width])))]
+        packed = torch.tensor(ids + positions + slots + cu + k_lens + (tables if mode != "prefill" else []),
+                              dtype=torch.long)
+        if self.device.type == "cuda":
+            packed = packed.pin_memory().to(self.device, non_blocking=True)
+        t, b = len(ids), len(q_lens)
+        parts = packed.split([t, t, t, b + 1, b, packed.numel() - 3 * t - 2 * b - 1])
+        attn = AttentionBatch(positions=parts[1], slot_mapping=parts[2], mode=mode, max_seqlen_q=max(q_lens),
+                              max_seqlen_k=max(k_lens))
         if mode != "decode":
-            cu = [0]
-            for n in q_lens:
-                cu.append(cu[-1] + n)
-            attn.cu_seqlens_q = torch.tensor(cu, dtype=torch.int32, device=dev)
+            attn.cu_seqlens_q = parts[3].int()
         if mode != "prefill":
-            attn.seqlens_k = torch.tensor(k_lens, dtype=torch.int32, device=dev)
-            width = max(-(-k // bs) for k in k_lens)
-            attn.block_tables = torch.tensor([s.block_table[:width] + [0] * (width - len(s.block_table[:width]))
-                                              for s in batch.seqs], dtype=torch.int32, device=dev)
-        return torch.tensor(ids, dtype=torch.long, device=dev), attn, logit_rows
+            attn.seqlens_k = parts[4].int()
+            attn.block_tables = parts[5].view(b, width).int()
+        return parts[0], attn, logit_rows
 
     @torch.inference_mode()
     def run(self, batch: ScheduledBatch) -> list[int | None]:
@@ -141,11 +147,14 @@ class ModelRunner:
         if not rows:  # only prefill chunks that stop mid-prompt: fill the cache, nothing to sample
             self.model(ids, attn)
             return [None] * len(logit_rows)
-        index = torch.tensor(rows, device=self.device)
+        every_row = len(rows) == len(ids)  # a decode step: every token needs its logits, no gather
+        index = None if every_row else torch.tensor(rows).to(self.device, non_blocking=True)
         if attn.mode == "decode" and self._graph_size(len(ids)) is not None:
-            logits = self._replay(ids, attn).index_select(0, index)
+            logits = self._replay(ids, attn)
+            logits = logits[: len(ids)] if every_row else logits.index_select(0, index)
         else:
-            logits = self.model.compute_logits(self.model(ids, attn).index_select(0, index))
+            hidden = self.model(ids, attn)
+            logits = self.model.compute_logits(hidden if every_row else hidden.index_select(0, index))
         seqs = [s for s, r in zip(batch.seqs, logit_rows) if r is not None]
         sampled = iter(self.sampler.sample(logits, seqs))
         return [next(sampled) if r is not None else None for r in logit_rows]

@@ -1,0 +1,28 @@
+#!/usr/bin/env bash
+# One bundled GPU session (the device tool): install the carried wheels, then run what the arguments name.
+# Usage on the device: bash tools/gpu_session.sh STEP...   (steps: tests-engine, tests-issue4, bench-engine, bench-int8)
+set -u
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target .gpu-site .whl/*.whl \
+  2>&1 | grep -v "^WARNING" | tail -3
+export PYTHONPATH=$PWD:$PWD/.gpu-site
+OUT=${OUT:-/tmp/out}
+mkdir -p "$OUT"
+for step in "$@"; do
+  echo "=== $step $(date +%T)"
+  case $step in
+    tests-engine)
+      timeout 300 python3 -m pytest -q -x tests/test_engine_gpu.py tests/test_engine_sampler.py 2>&1 | tail -15 ;;
+    tests-issue4)
+      timeout 300 python3 -m pytest -q -m gpu tests/test_optim_8bit.py tests/test_int8_matmul.py \
+        tests/test_tunable_quantized.py 2>&1 | tail -15 ;;
+    bench-engine)
+      for q in "" "--quantize nf4"; do
+        timeout 240 python3 -m anygpu.cli bench model --random-config llama3-8b --num-prompts 1 --input-len 128 \
+          --output-len 256 --no-baseline $q --json "$OUT/model_b1${q:+_nf4}.json" 2>&1 | grep -v "it/s\]" | tail -8
+      done
+      timeout 400 python3 -m anygpu.cli bench model --random-config llama3-8b --num-prompts 64 --input-len 512 \
+        --output-len 256 --json "$OUT/model_c64.json" 2>&1 | grep -v "it/s\]" | tail -8 ;;
+    bench-int8)
+      timeout 200 python3 -m anygpu.cli bench int8 --json "$OUT/int8.json" 2>&1 | tail -25 ;;
+  esac
+done

@@ -1,0 +1,66 @@
+"""Where a decode step's time goes on a GPU: random Llama-3-8B-shaped weights, torch.profiler over decode steps.
+
+    python3 tools/profile_engine.py [--quantize nf4] [--batch 1] [--steps 20]
+
+Prints the host wall time per step (schedule + prepare + model + sample), the GPU kernels by total time, and
+the split of a step between scheduling, input preparation, the model call and sampling.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import torch
+
+from anygpu.bench.model import random_config, random_prompts
+from anygpu.engine import LLMEngine, SamplingParams
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--quantize", default=None)
+    ap.add_argument("--batch", type=int, default=1)
+    ap.add_argument("--steps", type=int, default=20)
+    ap.add_argument("--input-len", type=int, default=128)
+    args = ap.parse_args()
+    cfg = random_config("llama3-8b")
+    engine = LLMEngine("llama3-8b", config=cfg, quantize=args.quantize, max_num_seqs=args.batch,
+                       max_model_len=args.input_len + 4 * args.steps + 64, progress=False)
+    params = SamplingParams(max_tokens=4 * args.steps, temperature=0, ignore_eos=True)
+    for i, p in enumerate(random_prompts(args.batch, args.input_len, cfg.vocab_size)):
+        engine.add_request(str(i), p, params)
+    t = time.perf_counter()
+    engine.step()  # prefill (all prompts fit the default budget)
+    torch.cuda.synchronize()
+    print(f"prefill step {1e3 * (time.perf_counter() - t):.1f} ms")
+    for _ in range(5):
+        engine.step()
+    torch.cuda.synchronize()
+    # Split a step into its phases (host clock, with a sync at the end of each).
+    phases = {"schedule": 0.0, "prepare": 0.0, "model+sample": 0.0, "update": 0.0}
+    for _ in range(args.steps):
+        t0 = time.perf_counter()
+        batch = engine.scheduler.schedule()
+        t1 = time.perf_counter()
+        engine.runner.prepare(batch)
+        t2 = time.perf_counter()
+        sampled = engine.runner.run(batch)
+        t3 = time.perf_counter()
+        engine.scheduler.update(batch, sampled)
+        t4 = time.perf_counter()
+        for k, v in zip(phases, (t1 - t0, t2 - t1, t3 - t2, t4 - t3)):
+            phases[k] += v
+    print("per step (ms): " + ", ".join(f"{k} {1e3 * v / args.steps:.3f}" for k, v in phases.items()))
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
+                                            torch.profiler.ProfilerActivity.CUDA]) as prof:
+        t = time.perf_counter()
+        for _ in range(args.steps):
+            engine.step()
+        torch.cuda.synchronize()
+    print(f"profiled steps: {1e3 * (time.perf_counter() - t) / args.steps:.3f} ms/step (with profiler overhead)")
+    print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=18, max_name_column_width=60))
+
+
+if __name__ == "__main__":
+    main()
