@@ -8,6 +8,8 @@ may be in another order than the reference GEMM's, so each output is within one 
 of x's dtype (at its magnitude, plus fp32 rounding of the outlier products), and almost all are identical.
 """
 
+import re
+
 import pytest
 import torch
 
@@ -384,6 +386,48 @@ def test_nvidia_code_rounds_as_the_reference():
     fused = ptx(K.FUSED_SPEC, enable_fp_fusion=False)
     assert "0f4B400000" in fused and "fma.rn.f32" not in fused
     assert "fma.rn.f32" in ptx(K.FUSED_SPEC, enable_fp_fusion=True)  # the check above can fail
+
+
+@pytest.mark.aot
+def test_gemv_code_on_sm_90():
+    """The gemv configs on sm_90 as they run (aligned, FP contraction off).  One row: 16-byte weight loads
+    straight into dp4a, the weight tile never through shared memory (ldmatrix is what Triton's layout
+    conversion of it emits: the loop loads the weights after x's side for that), no FMA in the epilogue.
+    More rows: cp.async-pipelined weight tiles into wgmma."""
+    import triton
+    from triton.compiler import ASTSource
+
+    from anygpu.backend.targets import TARGETS
+    from anygpu.kernels.config import select
+
+    target = TARGETS["sm_90"]
+    spec = K.GEMV_SPEC
+
+    def ptx(cfg):
+        src = ASTSource(fn=spec.fn, signature=spec.signature(torch.float16), constexprs=dict(cfg.constexprs),
+                        attrs=spec.attrs(torch.float16))
+        return triton.compile(src, target=target.triton_target(),
+                              options={**cfg.options(target), "enable_fp_fusion": False}).asm["ptx"]
+
+    def loop_holding(code, op):
+        """The PTX of the loop whose body holds ``op``: from its header label to its backward branch."""
+        for header in re.finditer(r"^(\$L__BB\d+_\d+):.*Loop Header", code, re.M):
+            end = code.rfind(f"bra \t{header.group(1)};")
+            if end > header.start() and op in code[header.start():end]:
+                return code[header.start():end]
+        raise AssertionError(f"no loop holds {op}")
+
+    one, rows = select(spec.configs, target)
+    assert one.constexprs["DOT"] == K.DOT_DP4A and rows.constexprs["DOT"] == K.DOT_MMA
+    code = ptx(one)
+    assert "0f4B400000" in code and "fma.rn.f32" not in code
+    loop = loop_holding(code, "dp4a.s32.s32")
+    assert loop.count("dp4a.s32.s32") == 32 and loop.count("ld.global.v4.b32") == 8  # 32 rows x 512 codes
+    assert "ldmatrix" not in loop and loop.count("bar.sync") <= 2  # x's codes alone cross the warps
+    code = ptx(rows)
+    assert "fma.rn.f32" not in code
+    loop = loop_holding(code, "wgmma.mma_async")
+    assert "cp.async" in loop and "ld.global" not in loop
 
 
 # -- on a GPU ----------------------------------------------------------------------------------------

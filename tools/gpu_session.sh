@@ -15,6 +15,8 @@ for step in "$@"; do
     tests-issue4)
       timeout 300 python3 -m pytest -q -m gpu tests/test_optim_8bit.py tests/test_int8_matmul.py \
         tests/test_tunable_quantized.py 2>&1 | tail -15 ;;
+    tests-int8)
+      timeout 200 python3 -m pytest -q -m gpu tests/test_int8_matmul.py tests/test_int8.py 2>&1 | tail -8 ;;
     bench-engine)
       for q in "" "--quantize nf4"; do
         timeout 240 python3 -m anygpu.cli bench model --random-config llama3-8b --num-prompts 1 --input-len 128 \

@@ -31,9 +31,24 @@ round ``acc * s + bias`` once, the reference twice).  Without outlier columns th
 bit-identical to the reference; with them the fp32 sum over the outlier columns is in another order
 than the reference's GEMM, which can move a result by one unit in the last place of x's dtype.
 
-``plan`` picks the path (the one place it is decided): ``fused`` (source 0, stats in the kernel),
-``fused_stats`` (source 0 with the stats kernel), ``gemm`` (quantize + source 1) and ``int_mm``
-(quantize + torch._int_mm + source 2), by the number of rows and the per-target tables below.
+A second kernel, ``_int8_gemv_kernel``, is the path for a few rows (decode, M <= 16): each program
+takes BLOCK_N rows of CB and every row of x over a CHUNK of K per step, and 1/SPLITS of K.  What comes
+before it is the config's PREP: nothing (the kernel finds the row stats itself, one launch: each
+program reads x, 16 KiB at M = 1, from L2), the stats kernel (the gemv kernel quantizes x per step), or
+the codes and outlier-columns kernels (as the gemm path).  With x in hand every row of a column is in
+the program, so outlier columns are found per step without a pass over all rows first; their codes are
+zeroed, and the steps that held them are listed in a bit mask and visited again after the main loop
+(which stays branch-free), their columns gathered OUTLIER_STEP at a time for the fp products.  The
+products (DOT): dp4a on CB read as int32 words with 16-byte loads (NVIDIA), the same words' byte
+products in int32 (elsewhere), or ``tl.dot`` with CB as the A operand and x's rows padded to 16 as B.
+All of them sum int32 exactly.  Split K writes int32 partials (and fp32 outlier partials, -0.0 where a
+split saw no outlier column: the identity of fp addition) and ``_int8_gemv_reduce_kernel`` adds them in
+a fixed order and applies the epilogue: deterministic, no atomics.  The epilogue is the one above.
+
+``plan`` picks the path (the one place it is decided): ``gemv`` (up to 16 rows), ``fused`` (source 0,
+stats in the kernel), ``fused_stats`` (source 0 with the stats kernel), ``gemm`` (quantize + source 1)
+and ``int_mm`` (quantize + torch._int_mm + source 2), by the number of rows and the per-target tables
+below.
 """
 
 from __future__ import annotations
@@ -607,8 +622,10 @@ OUTLIER_COLUMNS_CONFIGS = {
 # ``small``: the most rows the gemm path runs with GEMM_SMALL_CONFIGS.
 # H200 (anygpu bench int8, N = K = 8192 fp16, threshold 6): the GEMM path beat the fused ones at every M
 # (M=1: 32.8 us vs fused_stats 136 us; M=16: 36.8 vs fused 153 us; each program of the fused kernel re-reads
-# x for its row absmax) and torch._int_mm + epilogue at M=4096 (682 vs 735 us).  So GEMM everywhere until
+# x for its row absmax) and torch._int_mm + epilogue at M=4096 (682 vs 735 us).  So GEMM past 16 rows until
 # the fused paths are made faster; they stay selectable (plan_for, set_plan_override) and tested.
+# ``gemv``: the most rows the gemv path takes (issue 4: M = 1 and 16; unmeasured when written -- the
+# gemm path at M = 1 was 27 us with its three launches, F.linear fp16 34.7 us).
 PATH_LIMITS = {
     "default": {"gemv": 16, "fused": 0, "fused_stats": 0, "small": 64, "int_mm_from": None},
 }

@@ -29,19 +29,30 @@ NAMESPACE = "anygpu"
 _LIB = torch.library.Library(NAMESPACE, "FRAGMENT")  # noqa: TOR901 - the namespace's owner for all defs
 
 
-def _plain_eager_gpu_call(args) -> bool:
-    """True when going through torch's dispatcher would change nothing: eager mode, not tracing, no
-    autograd, no functorch transform (vmap, grad), no tensor subclass (FakeTensor) and no torch-function
-    or dispatch mode active."""
+# nn.Parameter disables torch-function dispatch for itself: to the dispatcher it is a plain tensor (a model's
+# norm weights are Parameters, and would otherwise send every norm through the slow path).
+_PLAIN_TENSORS = (torch.Tensor, torch.nn.Parameter)
+
+
+def _plain_eager_device(args) -> str | None:
+    """"cuda" or "cpu" when going through torch's dispatcher would change nothing but cost time: eager mode, not
+    tracing, no autograd, no functorch transform (vmap, grad), no tensor subclass (FakeTensor), no
+    torch-function or dispatch mode active, and every tensor on one kind of device.  None otherwise."""
     if torch.compiler.is_compiling() or torch.jit.is_tracing() or torch._C._is_torch_function_mode_enabled():
-        return False
+        return None
     if torch._C._len_torch_dispatch_stack() or torch._C._are_functorch_transforms_active():
-        return False
+        return None
     grad = torch.is_grad_enabled()
+    kind = None
     for a in args:
-        if isinstance(a, torch.Tensor) and (type(a) is not torch.Tensor or not a.is_cuda or (grad and a.requires_grad)):
-            return False
-    return True
+        if isinstance(a, torch.Tensor):
+            if type(a) not in _PLAIN_TENSORS or (grad and a.requires_grad):
+                return None
+            here = a.device.type
+            if here not in ("cuda", "cpu") or (kind is not None and here != kind):
+                return None
+            kind = here
+    return kind
 
 
 @dataclass(frozen=True)
@@ -62,15 +73,20 @@ class Op:
         return getattr(getattr(torch.ops, NAMESPACE), self.name).default
 
     def __call__(self, *args, **kwargs):
-        # Decode-sized launches are bound by host time, and a Python custom op costs ~15 us in torch's
-        # dispatcher.  When the dispatcher would only forward to gpu_impl, call it directly; autograd,
-        # torch.compile, meta/fake tensors and CPU tensors still go through torch.ops.
+        # Decode-sized calls are bound by host time, and a Python custom op costs ~15-30 us in torch's
+        # dispatcher.  When the dispatcher would only forward to gpu_impl or the checked reference (the CPU
+        # implementation), call it directly; autograd, torch.compile and meta/fake tensors still go through
+        # torch.ops.
         if torch.compiler.is_compiling():  # dynamo binds arguments itself
             return self.overload(*args, **kwargs)
         if kwargs or len(args) < self._num_arguments:  # the schema's names and defaults, as torch.ops applies them
             args = self._bind(args, kwargs)
-        if _plain_eager_gpu_call(args):
+        kind = _plain_eager_device(args)
+        if kind == "cuda":
             return self.gpu_impl(*args)
+        if kind == "cpu":
+            self.check(*args)
+            return self.reference(*args)
         return self.overload(*args)
 
     @functools.cached_property
