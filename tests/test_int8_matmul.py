@@ -8,8 +8,6 @@ may be in another order than the reference GEMM's, so each output is within one 
 of x's dtype (at its magnitude, plus fp32 rounding of the outlier products), and almost all are identical.
 """
 
-import re
-
 import pytest
 import torch
 
@@ -81,9 +79,9 @@ def assert_matches_reference(y, x, CB, SCB, threshold, bias):
         assert (y == expected).float().mean() >= 0.95
 
 
-# (path, rows): every path at the row counts it takes; M = 1, 3 and 17 as the issue asks (16: gemv's most).
-CASES = [("gemv", 1), ("gemv", 3), ("gemv", 16), ("fused", 1), ("fused", 2), ("fused_stats", 1),
-         ("fused_stats", 3), ("gemm", 1), ("gemm", 3), ("gemm", 17), ("int_mm", 3), ("int_mm", 17)]
+# (path, rows): every path at the row counts it takes; M = 1, 3 and 17 as the issue asks.
+CASES = [("fused", 1), ("fused", 2), ("fused_stats", 1), ("fused_stats", 3), ("gemm", 1), ("gemm", 3),
+         ("gemm", 17), ("int_mm", 3), ("int_mm", 17)]
 
 
 @pytest.mark.parametrize("bias", [False, True], ids=["nobias", "bias"])
@@ -119,84 +117,6 @@ def test_every_loop_with_small_tiles(kdevice, path, m, monkeypatch):
     assert_matches_reference(y, x, CB, SCB, 6.0, bias)
     y0 = K.int8_matmul(x.to(kdevice), CB.to(kdevice), SCB.to(kdevice), 0.0, None, plan_=Plan(path, config)).cpu()
     assert_matches_reference(y0, x, CB, SCB, 0.0, None)
-
-
-# -- the gemv path: every variant ------------------------------------------------------------------
-
-# (DOT, PREP) pairs: how the products are made, what runs before the gemv kernel.  DOT_DP4A is PTX: on
-# other targets and in the interpreter the launcher runs its words through DOT_INT's byte products.
-GEMV_MODES = [(dot, prep) for dot in (K.DOT_INT, K.DOT_MMA) for prep in (K.PREP_NONE, K.PREP_STATS, K.PREP_CODES)]
-
-
-def gemv_plan(dot, prep, split=1, block_n=16, chunk=None):
-    chunk = chunk or (64 if dot == K.DOT_MMA else 32)
-    return Plan("gemv", K._gemv_cfg(16, dot, prep, block_n, chunk, prefetch=dot != K.DOT_MMA), split)
-
-
-def run_with_override(p, x, CB, SCB, threshold, bias, device):
-    """K.int8_matmul with no plan given: ``plan`` asks the hook, which forces ``p``."""
-    previous = K.set_plan_override(lambda m, n, k, dtype, dev: p)
-    try:
-        assert plan(x.reshape(-1, x.shape[-1]).shape[0], CB.shape[0], CB.shape[1], x.dtype, torch.device(device)) is p
-        out = poison_(torch.empty(*x.shape[:-1], CB.shape[0], dtype=x.dtype, device=device))
-        y = K.int8_matmul(x.to(device), CB.to(device), SCB.to(device), threshold,
-                          None if bias is None else bias.to(device), out=out)
-    finally:
-        K.set_plan_override(previous)
-    assert y is out
-    return y.cpu()
-
-
-# 16 rows with the per-row products of DOT_INT (slow in the interpreter): one case
-GEMV_CASES = [(dot, prep, split, m) for dot, prep in GEMV_MODES for split in (1, 3) for m in (1, 3, 16)
-              if not (dot == K.DOT_INT and m == 16 and (prep, split) != (K.PREP_NONE, 3))]
-
-
-@pytest.mark.parametrize("dot, prep, split, m", GEMV_CASES,
-                         ids=[f"dot{d}-prep{p}-split{s}-m{m}" for d, p, s, m in GEMV_CASES])
-def test_gemv_variants_match_reference(kdevice, dot, prep, split, m):
-    """Each gemv variant, forced through the plan hook, at M = 1, 3, 16, whole and split K: bit-identical
-    to the reference without outlier columns (threshold 0, or a threshold no value reaches: the -0.0
-    identity), MatMul8bitLt's mixed decomposition with them.  N = 37; K = 300 (int32 words, a partial last
-    step) and 299 (bytes); fp16 and bf16; with and without a bias."""
-    p = gemv_plan(dot, prep, split)
-    for k, dtype, threshold, outliers, with_bias in ((300, torch.float16, 6.0, True, True),
-                                                     (299, torch.bfloat16, 6.0, True, False),
-                                                     (300, torch.bfloat16, 0.0, True, True),
-                                                     (299, torch.float16, 6.0, False, True)):
-        CB, SCB = weight(N, k)
-        x = activations(m, k, dtype, outliers)
-        bias = torch.randn(N, dtype=dtype) if with_bias else None
-        y = run_with_override(p, x, CB, SCB, threshold, bias, kdevice)
-        assert_matches_reference(y, x, CB, SCB, threshold, bias)
-
-
-@pytest.mark.parametrize("dot, prep, m, split", [(K.DOT_INT, K.PREP_NONE, 5, 5), (K.DOT_INT, K.PREP_CODES, 1, 1),
-                                                 (K.DOT_MMA, K.PREP_STATS, 5, 5), (K.DOT_MMA, K.PREP_NONE, 2, 1),
-                                                 (K.DOT_DP4A, K.PREP_STATS, 3, 2)])
-def test_gemv_every_loop(kdevice, dot, prep, m, split):
-    """Long K (66 steps of 32 / 33 of 64): outlier columns in step 0, in step 63 and past it (steps past
-    the 63rd share the last bit of the step mask), 21 in one step (two lists of 16 columns), a K split
-    into 5 uneven parts, more splits than steps (empty splits write zero partials); EVEN_K (K = 256)."""
-    k = 2100
-    CB, SCB = weight(N, k)
-    x = activations(m, k, outliers=False)
-    x[:, 64:85] = 9.0  # 21 outlier columns in one step
-    x[0, 5] = -6.5
-    x[m - 1, 2030] = 7.0  # step 63 of 32
-    x[:, 2090] = -12.0  # step 65
-    bias = torch.randn(N, dtype=torch.float16)
-    p = gemv_plan(dot, prep, split)
-    y = run_with_override(p, x, CB, SCB, 6.0, bias, kdevice)
-    assert_matches_reference(y, x, CB, SCB, 6.0, bias)
-    small = activations(m, 136)
-    CBs, SCBs = weight(N, 136)
-    y = run_with_override(gemv_plan(dot, prep, 8), small, CBs, SCBs, 6.0, None, kdevice)  # 5 or 3 steps, 8 splits
-    assert_matches_reference(y, small, CBs, SCBs, 6.0, None)
-    even = activations(m, 256, torch.bfloat16)
-    CBe, SCBe = weight(N, 256)
-    y = run_with_override(gemv_plan(dot, prep, 2), even, CBe, SCBe, 6.0, bias.bfloat16(), kdevice)
-    assert_matches_reference(y, even, CBe, SCBe, 6.0, bias.bfloat16())
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
@@ -246,54 +166,33 @@ def test_shapes_strides_and_empty_inputs(kdevice):
     with pytest.raises(ValueError, match="plan: the fused path takes at most 16 rows"):
         K.int8_matmul(activations(17).to(kdevice), CB.to(kdevice), SCB.to(kdevice),
                       plan_=Plan("fused", K.FUSED_CONFIGS["default"][0]))
-    with pytest.raises(ValueError, match="plan: the gemv path takes at most 16 rows"):
-        K.int8_matmul(activations(17).to(kdevice), CB.to(kdevice), SCB.to(kdevice), plan_=gemv_plan(K.DOT_MMA, 1))
 
 
 def test_every_column_an_outlier(kdevice):
     """A threshold below every |x|: all columns go through x's dtype, the int8 part is empty."""
     CB, SCB = weight()
     x = activations(3, outliers=False) + 0.5 * torch.sign(activations(3, outliers=False))
-    for path in ("fused_stats", "gemm", "gemv"):
+    for path in ("fused_stats", "gemm"):
         y = run_kernel(x, CB, SCB, 0.25, None, path, kdevice)
         assert_matches_reference(y, x, CB, SCB, 0.25, None)
 
 
 def test_plan_picks_paths_by_rows():
-    from anygpu.backend.targets import TARGETS
-
     cpu = torch.device("cpu")
-    # gemv up to 16 rows (its first config for one row, its second for more), then the GEMM path; small
-    # and large tile tables split at 64 rows
-    assert {plan(m, 8192, 8192, torch.float16, cpu).path for m in (1, 2, 3, 16)} == {"gemv"}
-    assert {plan(m, 8192, 8192, torch.float16, cpu).path for m in (17, 64, 65, 4096)} == {"gemm"}
-    assert plan(1, 64, 64, torch.float16, cpu) == Plan("gemv", K.GEMV_CONFIGS["default"][0], 1)
-    assert plan(2, 64, 64, torch.float16, cpu) == Plan("gemv", K.GEMV_CONFIGS["default"][1], 1)
+    # the GEMM path at every M (measured fastest on the H200); small and large tile tables split at 64 rows
+    assert {plan(m, 8192, 8192, torch.float16, cpu).path for m in (1, 2, 3, 16, 17, 64, 65, 4096)} == {"gemm"}
     assert plan(64, 64, 64, torch.float16, cpu).config is K.GEMM_SMALL_CONFIGS["default"][0]
     assert plan(65, 64, 64, torch.float16, cpu).config is K.GEMM_LARGE_CONFIGS["default"][0]
-    # GPUs: dp4a for one row and the tensor cores for more on NVIDIA, byte products and MFMA on AMD; K is
-    # split only while the programs cover less than half the SMs (132 on the H100 / H200)
-    h200, mi300 = TARGETS["sm_90"], TARGETS["gfx942"]
-    one, rows = K._plan(1, 8192, 8192, "cuda", h200, 132), K._plan(16, 8192, 8192, "cuda", h200, 132)
-    assert (one.path, one.config.constexprs["DOT"], one.config.constexprs["PREP"], one.split_k) == (
-        "gemv", K.DOT_DP4A, K.PREP_NONE, 1)
-    assert (rows.path, rows.config.constexprs["DOT"], rows.split_k) == ("gemv", K.DOT_MMA, 1)
-    assert K._plan(1, 1024, 8192, "cuda", h200, 132).split_k == 4  # 32 programs: 4 splits of 4 steps
-    assert K._plan(1, 1024, 1024, "cuda", h200, 132).split_k == 1  # 2 steps of K: nothing to split
-    assert K._plan(1, 8192, 8192, "cuda", mi300, 304).config.constexprs["DOT"] == K.DOT_INT
-    assert K._plan(17, 8192, 8192, "cuda", h200, 132).path == "gemm"
     chosen = Plan("int_mm", K.EPILOGUE_CONFIGS["default"][0])
     K.set_plan_override(lambda m, n, k, dtype, device: chosen if m > 1 else None)
     try:
-        assert plan(5, 64, 64, torch.float16, cpu) is chosen and plan(1, 64, 64, torch.float16, cpu).path == "gemv"
+        assert plan(5, 64, 64, torch.float16, cpu) is chosen and plan(1, 64, 64, torch.float16, cpu).path == "gemm"
     finally:
         K.set_plan_override(None)
     with pytest.raises(ValueError, match="path: expected one of"):
         plan_for("dequant", 1, 8, 8, cpu)
     with pytest.raises(ValueError, match="takes at most 16 rows"):
         plan_for("fused", 17, 8, 8, cpu)
-    with pytest.raises(ValueError, match="'gemv' takes at most 16 rows"):
-        plan_for("gemv", 17, 8, 8, cpu)
     assert K.fp16_threshold(6.1) == 6.1015625 and K.fp16_threshold(1e6) == float("inf")
 
 
@@ -346,7 +245,7 @@ def test_bench_suite_runs_on_the_cpu():
 
 
 SPECS = ("int8_matmul_fused", "int8_matmul_gemm_small", "int8_matmul_gemm", "int8_matmul_epilogue",
-         "int8_quantize_rows", "int8_outlier_columns", "int8_gemv", "int8_gemv_reduce")
+         "int8_quantize_rows", "int8_outlier_columns")
 
 
 @pytest.mark.aot
@@ -388,48 +287,6 @@ def test_nvidia_code_rounds_as_the_reference():
     assert "fma.rn.f32" in ptx(K.FUSED_SPEC, enable_fp_fusion=True)  # the check above can fail
 
 
-@pytest.mark.aot
-def test_gemv_code_on_sm_90():
-    """The gemv configs on sm_90 as they run (aligned, FP contraction off).  One row: 16-byte weight loads
-    straight into dp4a, the weight tile never through shared memory (ldmatrix is what Triton's layout
-    conversion of it emits: the loop loads the weights after x's side for that), no FMA in the epilogue.
-    More rows: cp.async-pipelined weight tiles into wgmma."""
-    import triton
-    from triton.compiler import ASTSource
-
-    from anygpu.backend.targets import TARGETS
-    from anygpu.kernels.config import select
-
-    target = TARGETS["sm_90"]
-    spec = K.GEMV_SPEC
-
-    def ptx(cfg):
-        src = ASTSource(fn=spec.fn, signature=spec.signature(torch.float16), constexprs=dict(cfg.constexprs),
-                        attrs=spec.attrs(torch.float16))
-        return triton.compile(src, target=target.triton_target(),
-                              options={**cfg.options(target), "enable_fp_fusion": False}).asm["ptx"]
-
-    def loop_holding(code, op):
-        """The PTX of the loop whose body holds ``op``: from its header label to its backward branch."""
-        for header in re.finditer(r"^(\$L__BB\d+_\d+):.*Loop Header", code, re.M):
-            end = code.rfind(f"bra \t{header.group(1)};")
-            if end > header.start() and op in code[header.start():end]:
-                return code[header.start():end]
-        raise AssertionError(f"no loop holds {op}")
-
-    one, rows = select(spec.configs, target)
-    assert one.constexprs["DOT"] == K.DOT_DP4A and rows.constexprs["DOT"] == K.DOT_MMA
-    code = ptx(one)
-    assert "0f4B400000" in code and "fma.rn.f32" not in code
-    loop = loop_holding(code, "dp4a.s32.s32")
-    assert loop.count("dp4a.s32.s32") == 32 and loop.count("ld.global.v4.b32") == 8  # 32 rows x 512 codes
-    assert "ldmatrix" not in loop and loop.count("bar.sync") <= 2  # x's codes alone cross the warps
-    code = ptx(rows)
-    assert "fma.rn.f32" not in code
-    loop = loop_holding(code, "wgmma.mma_async")
-    assert "cp.async" in loop and "ld.global" not in loop
-
-
 # -- on a GPU ----------------------------------------------------------------------------------------
 
 
@@ -449,24 +306,6 @@ def test_gpu_paths_match_the_cpu_reference(m, n, k):
             for threshold in (0.0, 6.0):
                 y = run_kernel(x, CB, SCB, threshold, bias, path, "cuda")
                 assert_matches_reference(y, x, CB, SCB, threshold, bias)
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("n, k", [(4096, 1024), (1000, 999), (8192, 8192)])
-@pytest.mark.parametrize("m", [1, 3, 16])
-def test_gpu_gemv_variants_match_the_cpu_reference(m, n, k):
-    """Every gemv variant on the GPU, dp4a included (PTX: the interpreter cannot run it), whole and split K."""
-    CB, SCB = weight(n, k)
-    for dtype in (torch.float16, torch.bfloat16):
-        x = activations(m, k, dtype)
-        bias = torch.randn(n, dtype=dtype)
-        for dot in (K.DOT_INT, K.DOT_DP4A, K.DOT_MMA):
-            for prep in (K.PREP_NONE, K.PREP_STATS, K.PREP_CODES):
-                for split in (1, 4):
-                    p = gemv_plan(dot, prep, split, block_n=32, chunk=256 if dot == K.DOT_MMA else 512)
-                    for threshold in (0.0, 6.0):
-                        y = run_with_override(p, x, CB, SCB, threshold, bias, "cuda")
-                        assert_matches_reference(y, x, CB, SCB, threshold, bias)
 
 
 @pytest.mark.gpu

@@ -31,24 +31,9 @@ round ``acc * s + bias`` once, the reference twice).  Without outlier columns th
 bit-identical to the reference; with them the fp32 sum over the outlier columns is in another order
 than the reference's GEMM, which can move a result by one unit in the last place of x's dtype.
 
-A second kernel, ``_int8_gemv_kernel``, is the path for a few rows (decode, M <= 16): each program
-takes BLOCK_N rows of CB and every row of x over a CHUNK of K per step, and 1/SPLITS of K.  What comes
-before it is the config's PREP: nothing (the kernel finds the row stats itself, one launch: each
-program reads x, 16 KiB at M = 1, from L2), the stats kernel (the gemv kernel quantizes x per step), or
-the codes and outlier-columns kernels (as the gemm path).  With x in hand every row of a column is in
-the program, so outlier columns are found per step without a pass over all rows first; their codes are
-zeroed, and the steps that held them are listed in a bit mask and visited again after the main loop
-(which stays branch-free), their columns gathered OUTLIER_STEP at a time for the fp products.  The
-products (DOT): dp4a on CB read as int32 words with 16-byte loads (NVIDIA), the same words' byte
-products in int32 (elsewhere), or ``tl.dot`` with CB as the A operand and x's rows padded to 16 as B.
-All of them sum int32 exactly.  Split K writes int32 partials (and fp32 outlier partials, -0.0 where a
-split saw no outlier column: the identity of fp addition) and ``_int8_gemv_reduce_kernel`` adds them in
-a fixed order and applies the epilogue: deterministic, no atomics.  The epilogue is the one above.
-
-``plan`` picks the path (the one place it is decided): ``gemv`` (up to 16 rows), ``fused`` (source 0,
-stats in the kernel), ``fused_stats`` (source 0 with the stats kernel), ``gemm`` (quantize + source 1)
-and ``int_mm`` (quantize + torch._int_mm + source 2), by the number of rows and the per-target tables
-below.
+``plan`` picks the path (the one place it is decided): ``fused`` (source 0, stats in the kernel),
+``fused_stats`` (source 0 with the stats kernel), ``gemm`` (quantize + source 1) and ``int_mm``
+(quantize + torch._int_mm + source 2), by the number of rows and the per-target tables below.
 """
 
 from __future__ import annotations
@@ -316,260 +301,6 @@ def _outlier_columns_kernel(flags_ptr, codes_ptr, cols_ptr, count_ptr, M, K, BLO
         tl.store(count_ptr, base)
 
 
-# ---- the gemv path: a few rows of x ------------------------------------------------------------------
-# The config's DOT (how the kernel multiplies: the kernel tests the numbers) and PREP (what runs before it).
-DOT_INT = 0  # int32 products on the CUDA / vector cores (with words: 4 sign-extended byte products per word)
-DOT_DP4A = 1  # NVIDIA: dp4a, 4 int8 products summed into int32 per instruction (words only)
-DOT_MMA = 2  # tl.dot: the weight tile as the A operand, x's rows (padded to 16) as B
-PREP_NONE = 0  # the gemv kernel computes the row stats itself (each program reads all of x)
-PREP_STATS = 1  # the stats kernel first (one launch); the gemv kernel quantizes x
-PREP_CODES = 2  # the codes kernel and the outlier-columns kernel first (two launches), as the gemm path
-
-
-@triton.jit
-def _or(a, b):
-    return a | b
-
-
-@triton.jit
-def _dot4(a, b, c, DP4A: tl.constexpr):
-    """c + the dot product of the four signed bytes of the int32 words a and b (byte i of a word is the
-    element at address 4j + i: little-endian).  Exact in int32."""
-    if DP4A:
-        return tl.inline_asm_elementwise("dp4a.s32.s32 $0, $1, $2, $3;", "=r,r,r,r", [a, b, c], dtype=tl.int32,
-                                         is_pure=True, pack=1)
-    else:
-        for i in tl.static_range(4):
-            c += ((a << (24 - 8 * i)) >> 24) * ((b << (24 - 8 * i)) >> 24)  # sign-extended bytes
-        return c
-
-
-@triton.jit
-def _mac(w, xa, c, PER: tl.constexpr, DP4A: tl.constexpr):
-    """c + w * xa element by element: [BLOCK_N, L] int32 weights (words of 4 codes with PER = 4, one code
-    with PER = 1) against [1, L] codes of one row of x, packed the same way."""
-    if PER == 4:
-        return _dot4(w, tl.broadcast_to(xa, w.shape), c, DP4A)
-    else:
-        return c + w * xa
-
-
-@triton.jit
-def _gemv_w(w_rows, c, K, row_mask, L: tl.constexpr, PER: tl.constexpr, EVEN_K: tl.constexpr):
-    """Step c's weight tile [BLOCK_N, L]: L words of 4 codes (PER = 4) or L codes (PER = 1) of each row."""
-    j = c * L + tl.arange(0, L)
-    if EVEN_K:
-        return tl.load(w_rows + j[None, :], mask=row_mask[:, None], other=0)
-    return tl.load(w_rows + j[None, :], mask=row_mask[:, None] & (PER * j < K)[None, :], other=0)
-
-
-@triton.jit
-def _gemv_outliers(facc, x_rows, w_rows, col, valid, m_mask, n_mask, scb, x_ptr, MMA: tl.constexpr):
-    """facc [BLOCK_N, BLOCK_M] plus x's columns ``col`` (where ``valid``) times the dequantized weight
-    columns, in fp32: the mixed decomposition's fp part, a dot step's worth of listed columns at a time."""
-    xo = tl.load(x_rows + col[None, :], mask=m_mask[:, None] & valid[None, :], other=0.0)  # [BLOCK_M, STEP]
-    w = tl.load(w_rows + col[None, :], mask=n_mask[:, None] & valid[None, :], other=0)  # [BLOCK_N, STEP]
-    wd = _dequantized(w, scb, x_ptr)
-    if MMA:
-        return _fp_dot(wd, xo, facc)
-    else:
-        return facc + tl.sum(wd.to(tl.float32)[:, None, :] * xo.to(tl.float32)[None, :, :], axis=2)
-
-
-@triton.jit
-def _int8_gemv_kernel(x_ptr, a_ptr, w_ptr, row_stats_ptr, scb_ptr, bias_ptr, cols_ptr, count_ptr, part_ptr,
-                      fpart_ptr, out_ptr, M, N, K, stride_xm, stride_om, stride_w, SPLITS, threshold,
-                      PREP: tl.constexpr, DOT: tl.constexpr, WORDS: tl.constexpr, BLOCK_M: tl.constexpr,
-                      ROWS: tl.constexpr, BLOCK_N: tl.constexpr, CHUNK: tl.constexpr, STATS_CHUNK: tl.constexpr,
-                      EVEN_K: tl.constexpr, PREFETCH: tl.constexpr, PARTIAL: tl.constexpr,
-                      HAS_BIAS: tl.constexpr, HAS_THRESHOLD: tl.constexpr):
-    # One program: BLOCK_N output features (rows of CB) for all M <= BLOCK_M rows of x, over 1/SPLITS of
-    # K, CHUNK elements per step.  The result is computed transposed, [BLOCK_N, BLOCK_M].  x: [M, K] in
-    # its dtype (PREP 0, 1) or a: its codes (PREP 2, outlier columns already zeroed, listed in cols /
-    # count).  w: CB [N, K], read as int32 words with WORDS (stride_w = K / 4, an argument so that Triton
-    # sees its divisibility and emits 16-byte loads), else as bytes (stride_w = K).  PARTIAL: this
-    # split's int32 sums and fp32 outlier-column sums go to part / fpart [SPLITS, M, N] for
-    # _int8_gemv_reduce_kernel; otherwise the epilogue is here.
-    MMA: tl.constexpr = DOT == 2  # DOT_MMA
-    PER: tl.constexpr = 4 if (WORDS and not MMA) else 1  # codes per element of the weight tile
-    L: tl.constexpr = CHUNK // PER
-    pid_n = tl.program_id(0)
-    pid_k = tl.program_id(1)
-    n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    n_mask = n < N
-    n64 = n.to(tl.int64)
-    r = tl.arange(0, BLOCK_M)
-    m_mask = r < M
-    r64 = r.to(tl.int64)
-    x_rows = x_ptr + r64[:, None] * stride_xm  # [BLOCK_M, 1]
-    w_bytes = w_ptr + n64[:, None] * K  # [BLOCK_N, 1]
-    if PER == 4:
-        w_rows = w_ptr.to(tl.pointer_type(tl.int32)) + n64[:, None] * stride_w
-    else:
-        w_rows = w_ptr + n64[:, None] * stride_w
-    scb = tl.load(scb_ptr + n, mask=n_mask, other=0.0)
-    chunks = tl.cdiv(K, CHUNK)
-    per_split = tl.cdiv(chunks, SPLITS)
-    c_start = pid_k * per_split
-    c_end = tl.minimum(c_start + per_split, chunks)
-    if PREP == 0:
-        row_stat = _row_absmax(x_ptr, M, K, stride_xm, threshold, BLOCK_M, ROWS, STATS_CHUNK, HAS_THRESHOLD)
-    else:
-        row_stat = tl.load(row_stats_ptr + r, mask=m_mask, other=0.0)
-    scale = _scale(row_stat, BLOCK_M)
-
-    acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.int32)
-    acc2 = tl.zeros([BLOCK_N, L], dtype=tl.int32)  # one row of x: products summed across steps, reduced once
-    j = tl.arange(0, L)
-    i4 = tl.arange(0, PER)
-    # Steps holding outlier columns, one bit each (the 64th stands for every later one), gathered per
-    # element and reduced once after the loop: no block-wide reduction in the main loop.
-    if MMA:
-        seen = tl.zeros([CHUNK], dtype=tl.int64)
-    else:
-        seen = tl.zeros([L, PER], dtype=tl.int64)
-    if PREFETCH:  # the next step's weights are loaded before this step's are used: two loads in flight
-        w = _gemv_w(w_rows, c_start, K, n < tl.where(c_start < c_end, N, 0), L, PER, EVEN_K)
-    for c in range(c_start, c_end):
-        # x's side first, then the weight load: Triton's layout propagation lets the anchor written last
-        # win a conflict, so the dp4a / products take the weight tile's (16-byte, coalesced) layout and the
-        # x codes are converted to it, not the other way round (a trip of the whole tile through shared
-        # memory every step).
-        k0 = c * CHUNK
-        bit = tl.minimum(c - c_start, 63).to(tl.int64)
-        if MMA:
-            kk = k0 + tl.arange(0, CHUNK)
-            mk = m_mask[:, None] & (kk < K)[None, :]
-            if PREP == 2:
-                a = tl.load(a_ptr + r64[:, None] * K + kk[None, :], mask=mk, other=0)
-            else:
-                x16 = _as_fp16(tl.load(x_rows + kk[None, :], mask=mk, other=0.0))
-                q = _rint(x16 * scale[:, None])
-                if HAS_THRESHOLD:
-                    col_out = tl.max((tl.abs(x16) >= threshold).to(tl.int32), axis=0)  # [CHUNK]
-                    q = tl.where(col_out[None, :] != 0, 0.0, q)
-                    seen = seen | (col_out.to(tl.int64) << bit)
-                a = q.to(tl.int8)
-        else:
-            if PREP == 2:
-                if PER == 4:
-                    jw = c * L + j
-                    a_words = a_ptr.to(tl.pointer_type(tl.int32)) + r64[:, None] * stride_w
-                    xa = tl.load(a_words + jw[None, :], mask=m_mask[:, None] & (4 * jw < K)[None, :], other=0)
-                else:
-                    kk = k0 + j
-                    xa = tl.load(a_ptr + r64[:, None] * K + kk[None, :], mask=m_mask[:, None] & (kk < K)[None, :],
-                                 other=0).to(tl.int32)
-            else:
-                kx = k0 + PER * j[None, :, None] + i4[None, None, :]  # [1, L, PER]
-                mk = m_mask[:, None, None] & (kx < K)
-                x16 = _as_fp16(tl.load(x_rows[:, :, None] + kx, mask=mk, other=0.0))
-                q = _rint(x16 * scale[:, None, None])
-                if HAS_THRESHOLD:
-                    col_out = tl.max((tl.abs(x16) >= threshold).to(tl.int32), axis=0)  # [L, PER]
-                    q = tl.where(col_out[None, :, :] != 0, 0.0, q)
-                    seen = seen | (col_out.to(tl.int64) << bit)
-                if PER == 4:  # 4 codes to a word, as the weight words hold them
-                    xa = tl.reduce((q.to(tl.int32) & 0xFF) << (8 * i4)[None, None, :], 2, _or)
-                else:
-                    xa = tl.reshape(q.to(tl.int32), [BLOCK_M, L])
-        if PREFETCH:
-            following = _gemv_w(w_rows, c + 1, K, n < tl.where(c + 1 < c_end, N, 0), L, PER, EVEN_K)
-        else:
-            w = _gemv_w(w_rows, c, K, n_mask, L, PER, EVEN_K)
-        if MMA:
-            acc = tl.dot(w, tl.trans(a), acc, out_dtype=tl.int32)
-        else:
-            wi = w.to(tl.int32)
-            if BLOCK_M == 1:
-                acc2 = _mac(wi, xa, acc2, PER, DOT == 1)
-            else:
-                for rr in tl.static_range(BLOCK_M):
-                    xr = tl.sum(tl.where(r[:, None] == rr, xa, 0), axis=0)  # row rr's codes (exact: + zeros)
-                    part = tl.sum(_mac(wi, xr[None, :], tl.zeros([BLOCK_N, L], dtype=tl.int32), PER,
-                                       DOT == 1), axis=1)
-                    acc = tl.where(r[None, :] == rr, acc + part[:, None], acc)
-        if PREFETCH:
-            w = following
-    if not MMA and BLOCK_M == 1:
-        acc = tl.sum(acc2, axis=1)[:, None]
-
-    if HAS_THRESHOLD:
-        # -0.0, the identity of fp addition: without outlier columns y + facc is y, bit for bit (as the
-        # reference, which adds nothing then), -0.0 included.
-        facc = tl.full([BLOCK_N, BLOCK_M], -2147483648, tl.int32).to(tl.float32, bitcast=True)
-        if PREP == 2:  # the list of every outlier column: split 0 takes them all
-            if pid_k == 0:
-                n_out = tl.load(count_ptr)
-                for g in range(0, n_out, OUTLIER_STEP):
-                    slot = g + tl.arange(0, OUTLIER_STEP)
-                    valid = slot < n_out
-                    col = tl.load(cols_ptr + slot, mask=valid, other=0)
-                    facc = _gemv_outliers(facc, x_rows, w_bytes, col, valid, m_mask, n_mask, scb, x_ptr, MMA)
-        else:  # the steps that held outlier columns, again: list their columns, OUTLIER_STEP at a time
-            if MMA:
-                bits = tl.reduce(seen, 0, _or)
-            else:
-                bits = tl.reduce(tl.reduce(seen, 1, _or), 0, _or)
-            for c in range(c_start, c_end):
-                if ((bits >> tl.minimum(c - c_start, 63).to(tl.int64)) & 1) != 0:
-                    kk = c * CHUNK + tl.arange(0, CHUNK)
-                    xv = tl.load(x_rows + kk[None, :], mask=m_mask[:, None] & (kk < K)[None, :], other=0.0)
-                    f = tl.max((tl.abs(_as_fp16(xv)) >= threshold).to(tl.int32), axis=0)  # [CHUNK]
-                    pos = tl.cumsum(f, axis=0) - f
-                    n_c = tl.sum(f, axis=0)
-                    for g in range(0, n_c, OUTLIER_STEP):
-                        slot = g + tl.arange(0, OUTLIER_STEP)
-                        hit = (f[None, :] != 0) & (pos[None, :] == slot[:, None])  # [STEP, CHUNK]: one-hot
-                        col = tl.sum(tl.where(hit, kk[None, :], 0), axis=1)
-                        facc = _gemv_outliers(facc, x_rows, w_bytes, col, slot < n_c, m_mask, n_mask, scb, x_ptr,
-                                              MMA)
-
-    o_mask = n_mask[:, None] & m_mask[None, :]
-    if PARTIAL:  # this split's slice of the [SPLITS, M, N] partials
-        offs = (pid_k * M + r).to(tl.int64)[None, :] * N + n64[:, None]
-        tl.store(part_ptr + offs, acc, mask=o_mask)
-        if HAS_THRESHOLD:
-            tl.store(fpart_ptr + offs, facc, mask=o_mask)
-        if PREP == 0:  # the reduce kernel needs the row stats: every program has them, one writes them
-            if pid_n == 0:
-                if pid_k == 0:
-                    tl.store(row_stats_ptr + r, row_stat, mask=m_mask)
-    else:
-        y = acc.to(tl.float32) * ((row_stat[None, :] * scb[:, None]) * _f32(INV_127_SQUARED_BITS))
-        if HAS_BIAS:
-            y = y + tl.load(bias_ptr + n, mask=n_mask, other=0.0).to(tl.float32)[:, None]
-        if HAS_THRESHOLD:  # the int8 part rounded to x's dtype, then the outlier columns', rounded again
-            y = _round_to(y, out_ptr) + facc
-        tl.store(out_ptr + r64[None, :] * stride_om + n64[:, None], to_output(y, out_ptr), mask=o_mask)
-
-
-@triton.jit
-def _int8_gemv_reduce_kernel(part_ptr, fpart_ptr, row_stats_ptr, scb_ptr, bias_ptr, out_ptr, M, N, stride_om,
-                             SPLITS, HAS_BIAS: tl.constexpr, HAS_THRESHOLD: tl.constexpr, BLOCK: tl.constexpr):
-    """out = the gemv's epilogue on the sum of its SPLITS partials: int32 sums added exactly, then the
-    fp32 outlier-column sums in split order (deterministic, no atomics)."""
-    i = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-    mn = M.to(tl.int64) * N
-    mask = i < mn
-    m = i // N
-    n = i % N
-    acc = tl.load(part_ptr + i, mask=mask, other=0)
-    for s in range(1, SPLITS):
-        acc += tl.load(part_ptr + s * mn + i, mask=mask, other=0)
-    row_stat = tl.load(row_stats_ptr + m, mask=mask, other=0.0)
-    scb = tl.load(scb_ptr + n, mask=mask, other=0.0)
-    y = acc.to(tl.float32) * ((row_stat * scb) * _f32(INV_127_SQUARED_BITS))
-    if HAS_BIAS:
-        y = y + tl.load(bias_ptr + n, mask=mask, other=0.0).to(tl.float32)
-    if HAS_THRESHOLD:
-        f = tl.load(fpart_ptr + i, mask=mask, other=0.0)
-        for s in range(1, SPLITS):
-            f += tl.load(fpart_ptr + s * mn + i, mask=mask, other=0.0)
-        y = _round_to(y, out_ptr) + f
-    tl.store(out_ptr + m * stride_om + n, to_output(y, out_ptr), mask=mask)
-
-
 # ---- configs: per target, per path ---------------------------------------------------------------
 # First guesses, unmeasured (written without a GPU; registers and shared memory from the cross-compile
 # reports): to be swept on the hardware.  fused: one row tile of 16 rows (the smallest MMA) and every
@@ -622,59 +353,21 @@ OUTLIER_COLUMNS_CONFIGS = {
 # ``small``: the most rows the gemm path runs with GEMM_SMALL_CONFIGS.
 # H200 (anygpu bench int8, N = K = 8192 fp16, threshold 6): the GEMM path beat the fused ones at every M
 # (M=1: 32.8 us vs fused_stats 136 us; M=16: 36.8 vs fused 153 us; each program of the fused kernel re-reads
-# x for its row absmax) and torch._int_mm + epilogue at M=4096 (682 vs 735 us).  So GEMM past 16 rows until
+# x for its row absmax) and torch._int_mm + epilogue at M=4096 (682 vs 735 us).  So GEMM everywhere until
 # the fused paths are made faster; they stay selectable (plan_for, set_plan_override) and tested.
-# ``gemv``: the most rows the gemv path takes (issue 4: M = 1 and 16; unmeasured when written -- the
-# gemm path at M = 1 was 27 us with its three launches, F.linear fp16 34.7 us).
 PATH_LIMITS = {
-    "default": {"gemv": 16, "fused": 0, "fused_stats": 0, "small": 64, "int_mm_from": None},
+    "default": {"fused": 0, "fused_stats": 0, "small": 64, "int_mm_from": None},
 }
-STATS_ELEMENTS = 4096  # fused, gemv PREP 0: x elements per step of the stats pass (ROWS x STATS_CHUNK)
-
-
-# gemv (M <= 16): BLOCK_N rows of CB per program and every row of x, CHUNK elements of K per step; the
-# first config whose MAX_ROWS takes M runs.  One row: DOT_DP4A (NVIDIA) / DOT_INT on 16-byte words of
-# CB, the next step's weights loaded before this step's are used (PREFETCH), the row stats in the
-# kernel (PREP_NONE): a single launch.  More rows: the tensor cores (DOT_MMA, CB as the A operand,
-# software-pipelined by num_stages: cp.async + wgmma on sm_90), the stats kernel first (PREP_STATS).
-# K is split (partials + _int8_gemv_reduce_kernel, a second launch) only while the programs would not
-# cover half the GPU's SMs / CUs, up to MAX_SPLIT.
-# First guesses, unmeasured (written without a GPU), from the cross-compile reports: sm_90 one row
-# 159 registers (3 programs an SM), 8 16-byte loads and 32 dp4a a thread a step, no shared-memory
-# round trip of the weight tile; rows 147 registers, 92 KiB of shared memory (4 stages).  AMD: 4 waves
-# (256 threads), sizes without VGPR spills on gfx90a / gfx942 / gfx950 (aligned variant).
-def _gemv_cfg(max_rows, dot, prep, bn, chunk, warps=4, stages=None, prefetch=False, max_split=8, **amd):
-    return LaunchConfig({"MAX_ROWS": max_rows, "DOT": dot, "PREP": prep, "BLOCK_N": bn, "CHUNK": chunk,
-                         "PREFETCH": prefetch, "MAX_SPLIT": max_split}, num_warps=warps, num_stages=stages, **amd)
-
-
-GEMV_CONFIGS = {
-    "default": (_gemv_cfg(1, DOT_INT, PREP_NONE, 32, 256, prefetch=True),
-                _gemv_cfg(16, DOT_MMA, PREP_STATS, 32, 128, stages=2)),
-    # N = K = 8192: 256 programs of 32 rows x 8192 (256 KiB of CB each), 16 KiB a step, two in flight;
-    # rows: 128 programs of 64 rows.
-    "nvidia": (_gemv_cfg(1, DOT_DP4A, PREP_NONE, 32, 512, prefetch=True),
-               _gemv_cfg(16, DOT_MMA, PREP_STATS, 64, 256, stages=4)),
-    "amd": (_gemv_cfg(1, DOT_INT, PREP_NONE, 64, 256, prefetch=True),
-            _gemv_cfg(16, DOT_MMA, PREP_STATS, 64, 128, stages=2, matrix_instr_nonkdim=16)),
-    "rdna3": (_gemv_cfg(1, DOT_INT, PREP_NONE, 32, 256, prefetch=True),
-              _gemv_cfg(16, DOT_MMA, PREP_STATS, 32, 128, stages=2)),
-}
-GEMV_MAX_ROWS = 16  # the most rows of x one gemv program holds
-GEMV_MIN_CHUNKS = 4  # the fewest steps a split of K keeps
-GEMV_REDUCE_CONFIGS = {
-    "default": (LaunchConfig({"BLOCK": 1024}, num_warps=4),),
-}
+STATS_ELEMENTS = 4096  # fused: x elements per step of the stats pass (ROWS x STATS_CHUNK)
 
 
 @dataclass(frozen=True)
 class Plan:
-    path: str  # "gemv" | "fused" | "fused_stats" | "gemm" | "int_mm"
+    path: str  # "fused" | "fused_stats" | "gemm" | "int_mm"
     config: LaunchConfig
-    split_k: int = 1  # gemv: K split this many ways (partials added by a second kernel)
 
 
-PATHS = ("gemv", "fused", "fused_stats", "gemm", "int_mm")
+PATHS = ("fused", "fused_stats", "gemm", "int_mm")
 _PLAN_OVERRIDE = None
 
 
@@ -693,39 +386,12 @@ def plan(m: int, n: int, k: int, dtype: torch.dtype, device: torch.device, overr
         chosen = _PLAN_OVERRIDE(m, n, k, dtype, device)
         if chosen is not None:
             return chosen
-    return _plan(m, n, k, device.type, device_target(device), _units(device))
-
-
-def _units(device: torch.device) -> int:
-    """SMs / CUs of ``device`` (1 off GPUs): how many programs fill it."""
-    if device.type != "cuda":
-        return 1
-    return _multiprocessors(device.index if device.index is not None else torch.cuda.current_device())
-
-
-@functools.lru_cache(maxsize=16)
-def _multiprocessors(index: int) -> int:
-    return torch.cuda.get_device_properties(index).multi_processor_count
-
-
-def _gemv_plan(m: int, n: int, k: int, target, units: int) -> Plan:
-    if m > GEMV_MAX_ROWS:
-        raise ValueError(f"path: 'gemv' takes at most {GEMV_MAX_ROWS} rows, got {m}")
-    cfg = next((c for c in select(GEMV_CONFIGS, target) if m <= c.constexprs["MAX_ROWS"]), None)
-    if cfg is None:
-        raise ValueError(f"path: no gemv config takes {m} rows")
-    c = cfg.constexprs
-    programs, chunks, split = -(-n // c["BLOCK_N"]), -(-k // c["CHUNK"]), 1
-    while split < c["MAX_SPLIT"] and 2 * programs * split < units and chunks // (2 * split) >= GEMV_MIN_CHUNKS:
-        split *= 2
-    return Plan("gemv", cfg, split)
+    return _plan(m, n, k, device.type, device_target(device))
 
 
 @functools.lru_cache(maxsize=1024)
-def _plan(m: int, n: int, k: int, device_type: str, target, units: int = 1) -> Plan:
+def _plan(m: int, n: int, k: int, device_type: str, target) -> Plan:
     limits = select(PATH_LIMITS, target)
-    if m <= limits.get("gemv", 0):
-        return _gemv_plan(m, n, k, target, units)
     if m <= limits["fused"]:
         return Plan("fused", select(FUSED_CONFIGS, target)[0])
     if m <= limits["fused_stats"]:
@@ -742,8 +408,6 @@ def plan_for(path: str, m: int, n: int, k: int, device: torch.device) -> Plan:
     if path not in PATHS:
         raise ValueError(f"path: expected one of {PATHS}, got {path!r}")
     target = device_target(device)
-    if path == "gemv":
-        return _gemv_plan(m, n, k, target, _units(device))
     if path in ("fused", "fused_stats"):
         if m > FUSED_CONFIGS["default"][0].constexprs["BLOCK_M"]:
             raise ValueError(f"path: {path!r} takes at most 16 rows, got {m}")
@@ -846,9 +510,6 @@ def int8_matmul(x: torch.Tensor, CB: torch.Tensor, SCB: torch.Tensor, threshold:
     cfg = p.config
     c = cfg.constexprs
     out2 = out.view(m, n)
-    if p.path == "gemv":
-        _launch_gemv(x2, CB, SCB, bias, thr, p, out2)
-        return out
     dummy = SCB
     codes = stats = cols = count = acc = None
     if p.path == "fused_stats":
@@ -879,59 +540,6 @@ def int8_matmul(x: torch.Tensor, CB: torch.Tensor, SCB: torch.Tensor, threshold:
             STATS_CHUNK=STATS_ELEMENTS // rows if own_stats else 16,
             HAS_BIAS=bias is not None, HAS_THRESHOLD=has_threshold, **_options(cfg, x.device))
     return out
-
-
-def _launch_gemv(x2: torch.Tensor, CB: torch.Tensor, SCB: torch.Tensor, bias: torch.Tensor | None, thr: float,
-                 p: Plan, out2: torch.Tensor) -> None:
-    """The gemv path (the launcher's checks done): the PREP kernels, the gemv kernel, the reduce if split."""
-    m, k = x2.shape
-    n = CB.shape[0]
-    device = x2.device
-    cfg = p.config
-    c = cfg.constexprs
-    if m > GEMV_MAX_ROWS:
-        raise ValueError(f"plan: the gemv path takes at most {GEMV_MAX_ROWS} rows, got {m}")
-    dot, prep = c["DOT"], c["PREP"]
-    has_threshold = thr > 0
-    # CB (and the codes) as int32 words: 4 codes to a word, whole words per row
-    words = dot != DOT_MMA and k % 4 == 0 and CB.data_ptr() % 4 == 0
-    target = device_target(device)
-    if dot == DOT_DP4A and not (words and target is not None and target.vendor == "nvidia"):
-        dot = DOT_INT  # PTX only; the interpreter and AMD multiply the bytes of the words
-    rows = _pow2(m)
-    block_m = max(rows, 16) if dot == DOT_MMA else rows  # the smallest dot is 16 wide
-    split = max(int(p.split_k), 1)
-    codes = stats = cols = count = part = fpart = None
-    if prep == PREP_STATS:
-        _, stats, _ = quantize_rows(x2, thr, codes=False)
-    elif prep == PREP_CODES:
-        codes, stats, flags = quantize_rows(x2, thr)
-        if has_threshold:
-            cols, count = outlier_columns(flags, codes)
-    elif prep != PREP_NONE:
-        raise ValueError(f"plan: unknown gemv PREP {prep!r}")
-    if split > 1:
-        part = torch.empty(split, m, n, dtype=torch.int32, device=device)
-        fpart = torch.empty(split, m, n, dtype=torch.float32, device=device) if has_threshold else None
-        if stats is None:  # PREP_NONE: the gemv kernel writes the row stats for the reduce
-            stats = torch.empty(m, dtype=torch.float32, device=device)
-
-    def arg(t):
-        return t if t is not None else SCB
-
-    with on_device(device):
-        _int8_gemv_kernel[(triton.cdiv(n, c["BLOCK_N"]), split)](
-            x2, arg(codes), CB, arg(stats), SCB, arg(bias), arg(cols), arg(count), arg(part), arg(fpart), out2,
-            m, n, k, x2.stride(0), out2.stride(0), k // 4 if words else k, split, thr,
-            PREP=prep, DOT=dot, WORDS=words, BLOCK_M=block_m, ROWS=rows, BLOCK_N=c["BLOCK_N"], CHUNK=c["CHUNK"],
-            STATS_CHUNK=STATS_ELEMENTS // rows, EVEN_K=k % c["CHUNK"] == 0, PREFETCH=bool(c["PREFETCH"]),
-            PARTIAL=split > 1, HAS_BIAS=bias is not None, HAS_THRESHOLD=has_threshold, **_options(cfg, device))
-        if split > 1:
-            rcfg = select(GEMV_REDUCE_CONFIGS, target)[0]
-            block = rcfg.constexprs["BLOCK"]
-            _int8_gemv_reduce_kernel[(triton.cdiv(m * n, block),)](
-                part, arg(fpart), stats, SCB, arg(bias), out2, m, n, out2.stride(0), split,
-                HAS_BIAS=bias is not None, HAS_THRESHOLD=has_threshold, BLOCK=block, **_options(rcfg, device))
 
 
 # ---- cross-compilation specs ---------------------------------------------------------------------------
@@ -968,42 +576,6 @@ GEMM_SPEC = register(KernelSpec(
 EPILOGUE_SPEC = register(KernelSpec(
     "int8_matmul_epilogue", _int8_matmul_kernel, _matmul_signature, DTYPES,
     _with(EPILOGUE_CONFIGS, SOURCE=2, STATS_GIVEN=True, ROWS=1, STATS_CHUNK=16)))
-
-
-def _gemv_signature(dtype: torch.dtype) -> dict:
-    t = TRITON_DTYPE[dtype]
-    sig = {"x_ptr": f"*{t}", "a_ptr": "*i8", "w_ptr": "*i8", "row_stats_ptr": "*fp32", "scb_ptr": "*fp32",
-           "bias_ptr": f"*{t}", "cols_ptr": "*i32", "count_ptr": "*i32", "part_ptr": "*i32", "fpart_ptr": "*fp32",
-           "out_ptr": f"*{t}", "M": "i32", "N": "i32", "K": "i32", "stride_xm": "i32", "stride_om": "i32",
-           "stride_w": "i32", "SPLITS": "i32", "threshold": "fp32"}
-    sig.update(dict.fromkeys(("PREP", "DOT", "WORDS", "BLOCK_M", "ROWS", "BLOCK_N", "CHUNK", "STATS_CHUNK", "EVEN_K",
-                              "PREFETCH", "PARTIAL", "HAS_BIAS", "HAS_THRESHOLD"), "constexpr"))
-    return sig
-
-
-def _gemv_spec_config(cfg: LaunchConfig, **extra) -> LaunchConfig:
-    """A gemv config as the launcher runs it at its most rows (threshold and bias on), K a multiple of CHUNK."""
-    c = cfg.constexprs
-    rows = _pow2(c["MAX_ROWS"])
-    launch = {"PREP": c["PREP"], "DOT": c["DOT"], "WORDS": c["DOT"] != DOT_MMA,
-              "BLOCK_M": max(rows, 16) if c["DOT"] == DOT_MMA else rows, "ROWS": rows, "BLOCK_N": c["BLOCK_N"],
-              "CHUNK": c["CHUNK"], "STATS_CHUNK": STATS_ELEMENTS // rows, "EVEN_K": True,
-              "PREFETCH": bool(c["PREFETCH"]), "PARTIAL": False, "HAS_BIAS": True, "HAS_THRESHOLD": True, **extra}
-    return LaunchConfig(launch, cfg.num_warps, cfg.num_stages, cfg.waves_per_eu, cfg.matrix_instr_nonkdim, cfg.kpack)
-
-
-GEMV_SPEC = register(KernelSpec(
-    "int8_gemv", _int8_gemv_kernel, _gemv_signature, DTYPES,
-    {key: tuple(_gemv_spec_config(cfg) for cfg in cfgs) for key, cfgs in GEMV_CONFIGS.items()}))
-GEMV_REDUCE_SPEC = register(KernelSpec(
-    "int8_gemv_reduce", _int8_gemv_reduce_kernel,
-    lambda dtype: {"part_ptr": "*i32", "fpart_ptr": "*fp32", "row_stats_ptr": "*fp32", "scb_ptr": "*fp32",
-                   "bias_ptr": f"*{TRITON_DTYPE[dtype]}", "out_ptr": f"*{TRITON_DTYPE[dtype]}", "M": "i32", "N": "i32",
-                   "stride_om": "i32", "SPLITS": "i32", "HAS_BIAS": "constexpr", "HAS_THRESHOLD": "constexpr",
-                   "BLOCK": "constexpr"},
-    DTYPES,
-    {key: tuple(LaunchConfig({**cfg.constexprs, "HAS_BIAS": True, "HAS_THRESHOLD": True}, cfg.num_warps)
-                for cfg in cfgs) for key, cfgs in GEMV_REDUCE_CONFIGS.items()}))
 
 
 def _quantize_signature(dtype: torch.dtype) -> dict:
