@@ -121,8 +121,8 @@ def _prompt_ids(engine, messages, raw_text: str | None):
 @_options(SAMPLING_OPTIONS)
 def generate(prompt, raw, system, model, quantize, dtype, tune, max_model_len, eager, **sampling):
     """Answer PROMPT with a model (default: SmolLM2-135M-Instruct, no download). Ends with a summary line."""
+    params = _params(sampling)  # before the model loads: a typo should not cost a load
     engine = _engine(model, quantize, dtype, tune, max_model_len, eager)
-    params = _params(sampling)
     messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": prompt}]
     ids = _prompt_ids(engine, messages, prompt if raw else None)
     _, out = _stream(engine, "generate", ids, params)
@@ -136,10 +136,10 @@ def generate(prompt, raw, system, model, quantize, dtype, tune, max_model_len, e
 def chat(system, model, quantize, dtype, tune, max_model_len, eager, **sampling):
     """Talk with a model; the conversation so far goes through its chat template each turn.
     Commands: /reset (forget the history), /exit (or Ctrl-D)."""
-    engine = _engine(model, quantize, dtype, tune, max_model_len, eager)
-    if engine.tokenizer.chat_template is None:
-        raise click.ClickException(f"{engine.model_name} has no chat template; use `anygpu generate --raw`")
     params = _params(sampling)
+    engine = _engine(model, quantize, dtype, tune, max_model_len, eager)
+    if engine.tokenizer is None or engine.tokenizer.chat_template is None:
+        raise click.ClickException(f"{engine.model_name} has no chat template; use `anygpu generate --raw`")
     history = [{"role": "system", "content": system}] if system else []
     turn = 0
     while True:
