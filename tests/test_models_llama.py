@@ -40,6 +40,22 @@ def full_logits(model: LlamaForCausalLM, ids: list[int], block_size: int = 16) -
         return model.compute_logits(model(torch.tensor(ids), prefill_batch(len(ids), block_size)))
 
 
+def hf_greedy(hf, prompt: list[int], n: int) -> list[int]:
+    """transformers' greedy tokens, continuing past EOS (eos_token_id=None does not mask it)."""
+    with torch.inference_mode():
+        out = hf.generate(torch.tensor([prompt]), max_new_tokens=n, do_sample=False, eos_token_id=None, pad_token_id=0)
+    return out[0, len(prompt):].tolist()
+
+
+def greedy(engine: LLMEngine, prompt: list[int], n: int) -> list[int]:
+    engine.add_request("r", prompt, SamplingParams(max_tokens=n, temperature=0, ignore_eos=True))
+    out = None
+    while engine.has_unfinished():
+        for o in engine.step():
+            out = o
+    return out.token_ids
+
+
 @pytest.fixture(scope="module")
 def tiny_folder(tmp_path_factory):
     cfg = transformers.LlamaConfig(hidden_size=256, intermediate_size=512, num_attention_heads=4, num_key_value_heads=2,
@@ -67,16 +83,8 @@ def test_tiny_random_logits_equal_transformers(tiny_folder):
 def test_tiny_random_greedy_equals_transformers(tiny_folder):
     folder, hf = tiny_folder
     prompt = [5, 17, 300, 42, 7, 99, 512, 3]
-    with torch.inference_mode():
-        ref = hf.generate(torch.tensor([prompt]), max_new_tokens=24, do_sample=False, eos_token_id=None,
-                          pad_token_id=0)[0, len(prompt):].tolist()
     engine = LLMEngine(str(folder), progress=False, block_size=4)
-    engine.add_request("r", prompt, SamplingParams(max_tokens=24, temperature=0, ignore_eos=True))
-    out = None
-    while engine.has_unfinished():
-        for o in engine.step():
-            out = o
-    assert out.token_ids == ref
+    assert greedy(engine, prompt, 24) == hf_greedy(hf, prompt, 24)
 
 
 @lru_cache(maxsize=1)
@@ -107,16 +115,8 @@ def test_smollm_logits_equal_transformers(hf_smollm, our_smollm):
 
 
 def test_smollm_greedy_32_tokens_equal_transformers(hf_smollm, smollm_path):  # noqa: F811
-    with torch.inference_mode():
-        ref = hf_smollm.generate(torch.tensor([PROMPT]), max_new_tokens=32, do_sample=False, eos_token_id=None,
-                                 pad_token_id=0)[0, len(PROMPT):].tolist()
-    engine = LLMEngine(str(smollm_path), progress=False)
-    engine.add_request("r", PROMPT, SamplingParams(max_tokens=32, temperature=0, ignore_eos=True))
-    out = None
-    while engine.has_unfinished():
-        for o in engine.step():
-            out = o
-    assert out.token_ids == ref
+    ref = hf_greedy(hf_smollm, PROMPT, 32)
+    assert greedy(LLMEngine(str(smollm_path), progress=False), PROMPT, 32) == ref
     assert ref[:8] == [504, 3575, 282, 4649, 314, 7042, 30, 2]  # "The capital of France is Paris." + EOS
 
 
