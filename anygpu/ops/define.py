@@ -63,6 +63,7 @@ class Op:
     check: Callable
     gpu_kernel: str | None  # "module:function" in anygpu.kernels
     gpu_impl: Callable  # what torch.ops.anygpu.<name> runs for CUDA / ROCm tensors
+    cpu_impl: Callable  # what it runs for CPU tensors: check, then the reference
 
     @property
     def qualname(self) -> str:
@@ -85,8 +86,7 @@ class Op:
         if kind == "cuda":
             return self.gpu_impl(*args)
         if kind == "cpu":
-            self.check(*args)
-            return self.reference(*args)
+            return self.cpu_impl(*args)
         return self.overload(*args)
 
     @functools.cached_property
@@ -163,4 +163,4 @@ def define_op(schema: str, *, check: Callable, reference: Callable, fake: Callab
     torch.library.impl(qualname, "cuda", gpu_impl, lib=_LIB)
     if backward is not None:
         torch.library.register_autograd(qualname, backward, setup_context=setup_context, lib=_LIB)
-    return Op(name, schema, reference, check, gpu, gpu_impl)
+    return Op(name, schema, reference, check, gpu, gpu_impl, checked_reference)
