@@ -12,7 +12,6 @@ def bench_model(*, json_path, model, random_config, quantize, num_prompts, concu
                 baseline):
     from ..bench import model as bm
     from ..engine import LLMEngine
-    from ..models import open_checkpoint
 
     if model and random_config:
         raise click.UsageError("give --model or --random-config, not both")
@@ -20,15 +19,11 @@ def bench_model(*, json_path, model, random_config, quantize, num_prompts, concu
     try:
         if random_config:
             config = bm.random_config(random_config)
-            engine = LLMEngine(random_config, config=config, quantize=quantize,
-                               max_num_seqs=max(concurrency, 1), max_model_len=min(config.max_position,
-                                                                                  input_len + output_len + 16))
-            path = None
+            engine = LLMEngine(random_config, config=config, quantize=quantize, max_num_seqs=concurrency,
+                               max_model_len=min(config.max_position, input_len + output_len + 16))
         else:
-            path = open_checkpoint(model).path if model else None
-            engine = LLMEngine(model, quantize=quantize, max_num_seqs=max(concurrency, 1))
+            engine = LLMEngine(model, quantize=quantize, max_num_seqs=concurrency)
             config = engine.config
-            path = path or _default_path()
     except (ValueError, FileNotFoundError) as e:
         raise click.ClickException(str(e)) from None
     if input_len + output_len > engine.max_model_len:
@@ -41,7 +36,7 @@ def bench_model(*, json_path, model, random_config, quantize, num_prompts, concu
               "workload": f"{num_prompts} prompts x {input_len} in / {output_len} out, concurrency {concurrency}",
               "device": str(engine.device), "dtype": str(engine.dtype), "results": results}
     if baseline and not quantize:
-        dtype, device = engine.dtype, engine.device
+        dtype, device, path = engine.dtype, engine.device, engine.model_path
         del engine
         _free(device)
         results["transformers"] = bm.run_transformers(config, path, prompts, output_len, concurrency, dtype, device)
@@ -51,12 +46,6 @@ def bench_model(*, json_path, model, random_config, quantize, num_prompts, concu
     with open(json_path, "w") as f:
         json.dump(report, f, indent=2)
     click.echo(f"wrote {json_path}")
-
-
-def _default_path():
-    from ..models import default_model_path
-
-    return default_model_path()
 
 
 def _free(device) -> None:

@@ -69,8 +69,8 @@ def _params(kw):
         raise click.BadParameter(str(e)) from None
 
 
-def _stream(engine, request_id, prompt_ids, params) -> tuple[str, object]:
-    """Run one request, printing its text as it comes; returns (text, final output)."""
+def _stream(engine, request_id, prompt_ids, params):
+    """Run one request, printing its text as it comes; returns its final RequestOutput."""
     try:
         engine.add_request(request_id, prompt_ids, params)
     except ValueError as e:
@@ -82,32 +82,28 @@ def _stream(engine, request_id, prompt_ids, params) -> tuple[str, object]:
             sys.stdout.flush()
             last = out
     click.echo()
-    return last.text, last
+    return last
 
 
 def summary_line(engine, out) -> str:
     """One line: backend, model, prompt and generated tokens, time to first token, decode tokens/s (after the
     first token), peak memory (device allocator on GPUs, resident set on the CPU)."""
-    from .. import get_peak_memory
+    from .. import backend, get_peak_memory
 
     n = len(out.token_ids)
     ttft = out.first_token_time - out.arrival_time if out.first_token_time else float("nan")
     decode = out.finish_time - out.first_token_time if out.first_token_time else 0.0
     rate = (n - 1) / decode if n > 1 and decode > 0 else float("nan")
-    return (f"[anygpu] backend={_backend_name()} "
+    return (f"[anygpu] backend={backend.name()} "
             f"model={engine.model_name} dtype={str(engine.dtype).removeprefix('torch.')} "
             f"prompt_tokens={len(out.prompt_token_ids)} generated_tokens={n} ttft={ttft:.3f}s "
             f"tokens/s={rate:.1f} peak_memory={get_peak_memory() / 2**20:.0f}MiB")
 
 
-def _backend_name() -> str:
-    from .. import backend
-
-    return backend.name()
-
-
 def _prompt_ids(engine, messages, raw_text: str | None):
     tok = engine.tokenizer
+    if tok is None:
+        raise click.ClickException(f"{engine.model_name} has no tokenizer (no tokenizer.json): it cannot read text")
     if raw_text is not None or tok.chat_template is None:
         return tok.encode(raw_text if raw_text is not None else messages[-1]["content"])
     return tok.encode_chat(messages)
@@ -125,7 +121,7 @@ def generate(prompt, raw, system, model, quantize, dtype, tune, max_model_len, e
     engine = _engine(model, quantize, dtype, tune, max_model_len, eager)
     messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": prompt}]
     ids = _prompt_ids(engine, messages, prompt if raw else None)
-    _, out = _stream(engine, "generate", ids, params)
+    out = _stream(engine, "generate", ids, params)
     click.echo(summary_line(engine, out), err=True)
 
 
@@ -163,6 +159,6 @@ def chat(system, model, quantize, dtype, tune, max_model_len, eager, **sampling)
             history.pop()
             continue
         turn += 1
-        text, out = _stream(engine, f"chat-{turn}", ids, params)
-        history.append({"role": "assistant", "content": text})
+        out = _stream(engine, f"chat-{turn}", ids, params)
+        history.append({"role": "assistant", "content": out.text})
         click.echo(summary_line(engine, out), err=True)

@@ -18,7 +18,6 @@ Bad input (an empty or over-long prompt, bad sampling values, a duplicate reques
 from __future__ import annotations
 
 import contextlib
-import time
 from dataclasses import dataclass, field
 
 import torch
@@ -71,7 +70,9 @@ def resolve_dtype(dtype, device: torch.device, config) -> torch.dtype:
     if dtype not in (None, "auto"):
         raise ValueError(f"dtype: expected 'auto' or one of {sorted(DTYPES)}, got {dtype!r}")
     if device.type == "cpu":
-        return torch.float32  # fp32 on the CPU: the same tokens as the fp32 oracle; bf16 matmuls are slow here
+        # fp32 on the CPU: the fp32 oracle's tokens.  bf16 would halve the weight bytes, but it flips SmolLM2's
+        # first answer token (a 0.082 logit lead) and the answer goes wrong.
+        return torch.float32
     return config.dtype if config.dtype in (torch.float16, torch.bfloat16) else torch.bfloat16
 
 
@@ -87,9 +88,11 @@ class LLMEngine:
         if config is None:
             ckpt = open_checkpoint(model)
             config, self.tokenizer, self.model_name = ckpt.config, ckpt.tokenizer, ckpt.name
+            self.model_path = ckpt.path
             weights = ckpt.weights(progress=progress)
         else:
             self.tokenizer, self.model_name, weights = tokenizer, model or "random", "random"
+            self.model_path = None  # random weights: no file
         self.config = config
         self.dtype = resolve_dtype(dtype, self.device, config)
         gpu = self.device.type == "cuda"
@@ -169,30 +172,26 @@ class LLMEngine:
     # -- stepping --------------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         batch = self.scheduler.schedule()
-        outputs = []
-        if batch.seqs:
-            sampled = self.runner.run(batch)
-            self.scheduler.update(batch, sampled)
-            now = time.perf_counter()
-            for seq, token in zip(batch.seqs, sampled):
-                request_id = self._ids_by_seq.get(seq.seq_id)
-                if token is None or request_id is None:
-                    continue
-                req = self.requests[request_id]
-                if seq.first_token_time is None:
-                    seq.first_token_time = now
-                self._add_text(req, token)
-                outputs.append(self._output(request_id, req))
-        # Sequences finished without a new token (a lone sequence that outgrew the cache) still report.
-        reported = {o.request_id for o in outputs}
-        for request_id, req in list(self.requests.items()):
-            if req.seq.is_finished and request_id not in reported:
-                outputs.append(self._output(request_id, req))
-        for out in outputs:
+        sampled = self.runner.run(batch) if batch.seqs else []
+        finished = self.scheduler.update(batch, sampled)  # also those schedule() finished without computing
+        outputs: dict[str, RequestOutput] = {}
+        for seq, token in zip(batch.seqs, sampled):
+            request_id = self._ids_by_seq.get(seq.seq_id)
+            if token is None or request_id is None:
+                continue
+            req = self.requests[request_id]
+            self._add_text(req, token)
+            outputs[request_id] = self._output(request_id, req)
+        # Finished without a new token this step (a lone sequence that outgrew the cache) still report.
+        for seq in finished:
+            request_id = self._ids_by_seq.get(seq.seq_id)
+            if request_id is not None and request_id not in outputs:
+                outputs[request_id] = self._output(request_id, self.requests[request_id])
+        for out in outputs.values():
             if out.finished:
                 req = self.requests.pop(out.request_id)
                 self._ids_by_seq.pop(req.seq.seq_id, None)
-        return outputs
+        return list(outputs.values())
 
     def _add_text(self, req: _Request, token: int) -> None:
         seq, params = req.seq, req.seq.params
@@ -225,13 +224,13 @@ class LLMEngine:
         # Hold back what could still turn out to be the start of a stop string.
         hold = 0 if seq.is_finished or not params.stop else max(map(len, params.stop)) - 1
         visible = max(req.emitted_chars, len(req.text) - hold)
-        out = RequestOutput(request_id, seq.prompt_token_ids, text=req.text[:visible] if not seq.is_finished else req.text,
+        out = RequestOutput(request_id, seq.prompt_token_ids, text=req.text[:visible],
                             token_ids=list(seq.output_token_ids),
                             delta_text=req.text[req.emitted_chars: visible],
                             delta_token_ids=list(seq.output_token_ids[req.emitted_tokens:]),
                             finished=seq.is_finished, finish_reason=seq.finish_reason, stop_reason=req.stop_reason,
                             arrival_time=seq.arrival_time, first_token_time=seq.first_token_time,
-                            finish_time=time.perf_counter() if seq.is_finished else None,
+                            finish_time=seq.finish_time,
                             num_cached_tokens=seq.num_cached_tokens)
         req.emitted_chars, req.emitted_tokens = visible, len(seq.output_token_ids)
         return out

@@ -104,7 +104,7 @@ class ModelRunner:
         otherwise pay five small synchronous copies); the int32 ones are cast on the device."""
         ids, positions, slots, q_lens, k_lens, logit_rows = [], [], [], [], [], []
         bs = self.block_size
-        for seq, n in zip(batch.seqs, batch.num_tokens):
+        for seq, n, needs_logits in zip(batch.seqs, batch.num_tokens, batch.needs_logits):
             start = seq.num_computed_tokens
             ids.extend(seq.token_range(start, start + n))
             positions.extend(range(start, start + n))
@@ -112,7 +112,7 @@ class ModelRunner:
             slots.extend(table[p // bs] * bs + p % bs for p in range(start, start + n))
             q_lens.append(n)
             k_lens.append(start + n)
-            logit_rows.append(len(ids) - 1 if start + n >= seq.num_tokens else None)
+            logit_rows.append(len(ids) - 1 if needs_logits else None)
         if all(n == 1 for n in q_lens):
             mode = "decode"
         elif all(s.num_computed_tokens == 0 for s in batch.seqs):
@@ -122,10 +122,13 @@ class ModelRunner:
         cu = [0]
         for n in q_lens:
             cu.append(cu[-1] + n)
-        width = max(-(-k // bs) for k in k_lens)
-        tables = [t for s in batch.seqs for t in (s.block_table[:width] + [0] * (width - len(s.block_table[:width])))]
-        packed = torch.tensor(ids + positions + slots + cu + k_lens + (tables if mode != "prefill" else []),
-                              dtype=torch.long)
+        tables, width = [], 0
+        if mode != "prefill":  # a plain prefill attends to its new K/V only: no block tables
+            width = max(-(-k // bs) for k in k_lens)
+            for seq in batch.seqs:
+                row = seq.block_table[:width]
+                tables += row + [0] * (width - len(row))
+        packed = torch.tensor(ids + positions + slots + cu + k_lens + tables, dtype=torch.long)
         if self.device.type == "cuda":
             packed = packed.pin_memory().to(self.device, non_blocking=True)
         t, b = len(ids), len(q_lens)
