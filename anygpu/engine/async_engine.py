@@ -62,6 +62,11 @@ class AsyncLLMEngine:
     def num_requests(self) -> int:
         return len(self._streams)
 
+    @property
+    def healthy(self) -> bool:
+        """False once a step has failed or the engine thread has ended."""
+        return self._error is None and self._thread.is_alive()
+
     def shutdown(self) -> None:
         self._stopped = True
         self._wake.set()
@@ -74,14 +79,24 @@ class AsyncLLMEngine:
         self._wake.set()
 
     def _deliver(self, request_id: str, item) -> None:
-        stream = self._streams.get(request_id)
-        if stream is not None:
-            queue, loop = stream
+        self._deliver_all([(request_id, item)])
+
+    def _deliver_all(self, items) -> None:
+        """Hand outputs to their streams: one wake-up per event loop per step, not one per request (a step of
+        256 sequences would otherwise write 256 times to the loop's self-pipe)."""
+        by_loop: dict[asyncio.AbstractEventLoop, list] = {}
+        for request_id, item in items:
+            stream = self._streams.get(request_id)
+            if stream is not None:
+                queue, loop = stream
+                by_loop.setdefault(loop, []).append((request_id, queue, item))
+        for loop, batch in by_loop.items():
             try:
-                loop.call_soon_threadsafe(queue.put_nowait, item)
+                loop.call_soon_threadsafe(_put_all, batch)
             except RuntimeError:  # that event loop is closed: nobody is listening any more
-                self._streams.pop(request_id, None)
-                self.engine.abort(request_id)
+                for request_id, _, _ in batch:
+                    self._streams.pop(request_id, None)
+                    self.engine.abort(request_id)
 
     def _drain_inbox(self) -> None:
         with self._lock:
@@ -115,7 +130,12 @@ class AsyncLLMEngine:
                     self.engine.abort(request_id)
                 self._streams.clear()
                 raise
+            self._deliver_all([(out.request_id, out) for out in outputs])
             for out in outputs:
-                self._deliver(out.request_id, out)
                 if out.finished:
                     self._streams.pop(out.request_id, None)
+
+
+def _put_all(batch) -> None:
+    for _, queue, item in batch:
+        queue.put_nowait(item)

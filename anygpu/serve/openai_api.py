@@ -1,0 +1,119 @@
+"""OpenAI's ``/v1/completions`` and ``/v1/chat/completions``, streaming (server-sent events ending in
+``data: [DONE]``) and not.
+
+Defaults, as vLLM's: completions generate at most 16 tokens unless ``max_tokens`` says otherwise (OpenAI's
+default); chat generates until EOS or the end of the context.  A stream sends the assistant role first,
+then one chunk per new piece of text, then a chunk with ``finish_reason``, then (with
+``stream_options.include_usage``) a chunk with ``choices: []`` and the usage; every earlier chunk then carries
+``usage: null``.  An error after the stream has started is sent as ``data: {"error": {...}}``, which
+OpenAI's client raises as an APIError.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse
+
+from .metrics import RequestTimer
+from .protocol import ChatCompletionRequest, CompletionRequest
+from .state import EngineStream, Server, engine_error, sse
+
+COMPLETIONS_DEFAULT_MAX_TOKENS = 16
+
+
+def _usage(prompt_tokens: int, completion_tokens: int) -> dict:
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens}
+
+
+def add_openai_routes(app: FastAPI, server: Server) -> None:
+    @app.post("/v1/completions")
+    async def completions(request: Request):
+        arrival = time.monotonic()
+        server.authorize(request)
+        body = await server.read_body(request, CompletionRequest)
+        server.check_model(body.model)
+        body.check_supported()
+        ids = server.tokenize(body.single_prompt(), "prompt")
+        max_tokens = server.limit_tokens(ids, body.max_tokens, COMPLETIONS_DEFAULT_MAX_TOKENS, "prompt", "max_tokens")
+        params = server.sampling(lambda: body.sampling_params(max_tokens))
+        return await _respond(request, server, body, "cmpl", "text_completion", ids, params, arrival, chat=False)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request):
+        arrival = time.monotonic()
+        server.authorize(request)
+        body = await server.read_body(request, ChatCompletionRequest)
+        server.check_model(body.model)
+        body.check_supported()
+        ids = server.chat_ids(body)
+        param = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
+        max_tokens = server.limit_tokens(ids, body.requested_max_tokens, None, "messages", param)
+        params = server.sampling(lambda: body.sampling_params(max_tokens))
+        return await _respond(request, server, body, "chatcmpl", "chat.completion", ids, params, arrival, chat=True)
+
+
+async def _respond(request, server: Server, body, prefix: str, obj: str, ids, params, arrival: float, chat: bool):
+    request_id = f"{prefix}-{uuid.uuid4().hex}"
+    ticket = server.admit()
+    timer = RequestTimer(server.metrics, arrival)
+    head = {"id": request_id, "object": obj, "created": int(time.time()), "model": server.model_name}
+    if body.stream:
+        return EngineStream(_stream(server, request_id, ids, params, timer, ticket, head, chat, body.include_usage),
+                            ticket)
+
+    async def collect():
+        text, tokens, reason = "", 0, None
+        async with server.stream(request_id, ids, params, timer, ticket) as outputs:
+            async for out in outputs:
+                text, tokens, reason = out.text, len(out.token_ids), out.finish_reason
+        return text, tokens, reason
+
+    try:
+        result = await server.until_disconnect(request, collect())
+    except Exception as error:
+        raise engine_error(error) from None
+    finally:
+        ticket.release()
+    if result is None:  # the client left; nobody reads this
+        return JSONResponse({}, status_code=499)
+    text, tokens, reason = result
+    choice = ({"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
+               "finish_reason": reason} if chat else
+              {"index": 0, "text": text, "logprobs": None, "finish_reason": reason})
+    return {**head, "object": obj, "choices": [choice], "usage": _usage(len(ids), tokens)}
+
+
+async def _stream(server: Server, request_id, ids, params, timer, ticket, head, chat: bool, include_usage: bool):
+    obj = "chat.completion.chunk" if chat else "text_completion"
+    base = {**head, "object": obj}
+    if include_usage:
+        base["usage"] = None
+
+    def chunk(text: str | None, finish_reason=None, role: bool = False):
+        if chat:
+            delta = {"role": "assistant", "content": ""} if role else ({} if text is None else {"content": text})
+            choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
+        else:
+            choice = {"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish_reason}
+        return sse({**base, "choices": [choice]})
+
+    tokens = 0
+    try:
+        async with server.stream(request_id, ids, params, timer, ticket) as outputs:
+            if chat:
+                yield chunk(None, role=True)
+            async for out in outputs:
+                tokens = len(out.token_ids)
+                if out.delta_text:
+                    yield chunk(out.delta_text)
+                if out.finished:
+                    yield chunk(None if chat else "", finish_reason=out.finish_reason)
+        if include_usage:
+            yield sse({**base, "choices": [], "usage": _usage(len(ids), tokens)})
+    except Exception as error:  # the stream has started: the status line is sent, so report in-band
+        yield sse(engine_error(error).openai_body())
+    yield "data: [DONE]\n\n"

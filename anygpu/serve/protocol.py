@@ -1,0 +1,204 @@
+"""Request bodies of the OpenAI and TGI routes, and how each becomes ``SamplingParams``.
+
+Parsed with pydantic in strict JSON mode: a number sent as a string, a bool where an int is expected or a
+float where an int is expected is an error naming the field (lax coercion would run a request the client
+did not write).  Ranges are OpenAI's (temperature 0-2, penalties -2..2, top_p in (0, 1]).  Unknown fields
+are ignored, as OpenAI's own API does; fields we know but do not implement (``logprobs``, ``tools``,
+``logit_bias``, ``n`` > 1, ...) are refused with a 400 naming them rather than silently dropped.
+
+vLLM's extensions that a client may send through ``extra_body`` are accepted: ``top_k``, ``min_p``,
+``repetition_penalty``, ``ignore_eos``, ``stop_token_ids``, ``skip_special_tokens``,
+``include_stop_str_in_output``.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from ..engine import SamplingParams
+from .errors import APIError
+
+Penalty = Annotated[float, Field(ge=-2.0, le=2.0)]
+
+
+class _Body(BaseModel):
+    model_config = ConfigDict(extra="ignore", strict=True)
+
+
+class StreamOptions(_Body):
+    include_usage: bool = False
+
+
+class _OpenAISampling(_Body):
+    """Fields the two OpenAI routes share."""
+
+    model: str
+    max_tokens: Annotated[int, Field(ge=1)] | None = None
+    temperature: Annotated[float, Field(ge=0.0, le=2.0)] | None = None
+    top_p: Annotated[float, Field(gt=0.0, le=1.0)] | None = None
+    n: Annotated[int, Field(ge=1)] | None = None
+    stop: str | list[str] | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    seed: int | None = None
+    presence_penalty: Penalty | None = None
+    frequency_penalty: Penalty | None = None
+    logprobs: Any = None
+    logit_bias: dict[str, float] | None = None
+    user: str | None = None
+    # vLLM's extensions
+    top_k: Annotated[int, Field(ge=-1)] | None = None
+    min_p: Annotated[float, Field(ge=0.0, le=1.0)] | None = None
+    repetition_penalty: Annotated[float, Field(gt=0.0)] | None = None
+    ignore_eos: bool = False
+    stop_token_ids: list[int] | None = None
+    skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+
+    def check_supported(self) -> None:
+        if self.n not in (None, 1):
+            raise APIError(400, "n: only 1 choice per request is supported; send n requests", "n")
+        if self.logprobs not in (None, False, 0):
+            raise APIError(400, "logprobs: log probabilities are not supported by this server", "logprobs")
+        if self.logit_bias:
+            raise APIError(400, "logit_bias: not supported by this server", "logit_bias")
+        if self.stream_options is not None and not self.stream:
+            raise APIError(400, "stream_options: only allowed when stream is true", "stream_options")
+
+    def sampling_params(self, max_tokens: int | None) -> SamplingParams:
+        """``SamplingParams`` for this body; ``max_tokens`` is the route's resolved limit."""
+        values = dict(max_tokens=max_tokens, seed=self.seed, ignore_eos=self.ignore_eos,
+                      skip_special_tokens=self.skip_special_tokens,
+                      include_stop_str_in_output=self.include_stop_str_in_output)
+        for name in ("temperature", "top_p", "presence_penalty", "frequency_penalty", "top_k", "min_p",
+                     "repetition_penalty", "stop_token_ids"):
+            if getattr(self, name) is not None:
+                values[name] = getattr(self, name)
+        if self.stop is not None:
+            values["stop"] = [self.stop] if isinstance(self.stop, str) else self.stop
+        return SamplingParams(**values)
+
+    @property
+    def include_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.include_usage)
+
+
+class CompletionRequest(_OpenAISampling):
+    prompt: str | list[int] | list[str] | list[list[int]]
+    echo: bool = False
+    best_of: Annotated[int, Field(ge=1)] | None = None
+    suffix: str | None = None
+
+    def check_supported(self) -> None:
+        super().check_supported()
+        for name, off in (("echo", False), ("best_of", 1), ("suffix", None)):
+            if getattr(self, name) not in (off, None):
+                raise APIError(400, f"{name}: not supported by this server", name)
+
+    def single_prompt(self) -> str | list[int]:
+        """The one prompt (a string or token ids); a batch of several is refused."""
+        p = self.prompt
+        if isinstance(p, list) and p and isinstance(p[0], (str, list)):
+            if len(p) != 1:
+                raise APIError(400, f"prompt: batches of prompts are not supported (got {len(p)}); send one "
+                                    f"request per prompt", "prompt")
+            p = p[0]
+        if not p:
+            raise APIError(400, "prompt: expected a non-empty string or list of token ids", "prompt")
+        return p
+
+
+class TextPart(_Body):
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(_Body):
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[TextPart] | None = None
+    name: str | None = None
+
+    def as_template_message(self) -> dict:
+        content = self.content
+        if isinstance(content, list):
+            content = "".join(part.text for part in content)
+        # "developer" is OpenAI's newer name for "system"; chat templates know only the latter.
+        role = "system" if self.role == "developer" else self.role
+        return {"role": role, "content": content or ""}
+
+
+class ChatCompletionRequest(_OpenAISampling):
+    messages: Annotated[list[ChatMessage], Field(min_length=1)]
+    max_completion_tokens: Annotated[int, Field(ge=1)] | None = None
+    top_logprobs: int | None = None
+    tools: list[Any] | None = None
+    tool_choice: Any = None
+    response_format: dict[str, Any] | None = None
+
+    def check_supported(self) -> None:
+        super().check_supported()
+        if self.top_logprobs:
+            raise APIError(400, "top_logprobs: log probabilities are not supported by this server", "top_logprobs")
+        if self.tools:
+            raise APIError(400, "tools: tool calling is not supported by this server", "tools")
+        if self.tool_choice not in (None, "none", "auto"):
+            raise APIError(400, "tool_choice: tool calling is not supported by this server", "tool_choice")
+        if self.response_format and self.response_format.get("type") not in (None, "text"):
+            raise APIError(400, "response_format: only {'type': 'text'} is supported", "response_format")
+
+    @property
+    def requested_max_tokens(self) -> int | None:
+        # max_completion_tokens replaced max_tokens in OpenAI's API; a client may send either.
+        return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+
+# -- TGI -----------------------------------------------------------------------------------------------
+class TGIParameters(_Body):
+    do_sample: bool = False
+    temperature: Annotated[float, Field(gt=0.0)] | None = None
+    top_k: Annotated[int, Field(gt=0)] | None = None
+    top_p: Annotated[float, Field(gt=0.0, lt=1.0)] | None = None
+    repetition_penalty: Annotated[float, Field(gt=0.0)] | None = None
+    frequency_penalty: Penalty | None = None
+    max_new_tokens: Annotated[int, Field(ge=1)] | None = 100  # TGI's default
+    return_full_text: bool = False
+    stop: list[str] = Field(default_factory=list)
+    truncate: Annotated[int, Field(ge=1)] | None = None
+    seed: Annotated[int, Field(ge=0)] | None = None
+    details: bool = False
+    decoder_input_details: bool = False
+    best_of: int | None = None
+    typical_p: float | None = None
+    watermark: bool = False
+    top_n_tokens: int | None = None
+    grammar: Any = None
+    adapter_id: str | None = None
+
+    def check_supported(self) -> None:
+        for name, off in (("decoder_input_details", False), ("best_of", 1), ("typical_p", None),
+                          ("watermark", False), ("top_n_tokens", None), ("grammar", None), ("adapter_id", None)):
+            if getattr(self, name) not in (off, None):
+                raise APIError(422, f"parameters.{name}: not supported by this server", f"parameters.{name}")
+
+    def sampling_params(self, max_tokens: int | None) -> SamplingParams:
+        # TGI samples when asked to, or when any sampling warper is set; otherwise it decodes greedily.
+        sample = self.do_sample or any(v is not None for v in (self.temperature, self.top_k, self.top_p))
+        values = dict(max_tokens=max_tokens, temperature=(self.temperature or 1.0) if sample else 0.0,
+                      stop=self.stop, seed=self.seed)
+        if sample and self.top_k is not None:
+            values["top_k"] = self.top_k
+        if sample and self.top_p is not None:
+            values["top_p"] = self.top_p
+        if self.repetition_penalty is not None:
+            values["repetition_penalty"] = self.repetition_penalty
+        if self.frequency_penalty is not None:
+            values["frequency_penalty"] = self.frequency_penalty
+        return SamplingParams(**values)
+
+
+class GenerateRequest(_Body):
+    inputs: Annotated[str, Field(min_length=1)]
+    parameters: TGIParameters = Field(default_factory=TGIParameters)
+    stream: bool = False

@@ -1,0 +1,118 @@
+"""TGI's native routes: ``/generate`` (one JSON answer) and ``/generate_stream`` (server-sent events, one per
+token; the last carries ``generated_text`` and ``details``; no ``[DONE]``, as in TGI), and ``/info``.
+
+TGI's conventions, kept so its clients work unchanged: validation errors are 422 with
+``{"error", "error_type"}``; ``max_new_tokens`` defaults to 100; decoding is greedy unless ``do_sample`` or a
+sampling warper (temperature, top_k, top_p) is given; ``truncate`` keeps the last N prompt tokens;
+finish reasons are ``length``, ``eos_token`` and ``stop_sequence``.  Token log-probabilities are not
+computed (``logprob: null``).
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse
+
+from .._version import __version__
+from .metrics import RequestTimer
+from .protocol import GenerateRequest
+from .state import EngineStream, Server, engine_error, sse
+
+TGI_PATHS = ("/generate", "/generate_stream", "/info")
+
+
+def _finish_reason(out, eos_ids) -> str:
+    if out.finish_reason == "length":
+        return "length"
+    if isinstance(out.stop_reason, str):
+        return "stop_sequence"
+    return "eos_token" if out.token_ids and out.token_ids[-1] in eos_ids else "stop_sequence"
+
+
+def add_tgi_routes(app: FastAPI, server: Server) -> None:
+    eos_ids = server.llm.scheduler.eos_token_ids
+
+    async def prepare(request: Request):
+        arrival = time.monotonic()
+        server.authorize(request)
+        body = await server.read_body(request, GenerateRequest, tgi=True)
+        p = body.parameters
+        p.check_supported()
+        ids = server.tokenize(body.inputs, "inputs", status=422)
+        if p.truncate is not None:
+            ids = ids[-p.truncate:]
+        max_tokens = server.limit_tokens(ids, p.max_new_tokens, None, "inputs", "parameters.max_new_tokens",
+                                         status=422)
+        params = server.sampling(lambda: p.sampling_params(max_tokens), status=422)
+        ticket = server.admit()
+        return body, ids, params, RequestTimer(server.metrics, arrival), f"tgi-{uuid.uuid4().hex}", ticket
+
+    def token(tid: int, text: str) -> dict:
+        return {"id": tid, "text": text, "logprob": None, "special": tid in eos_ids}
+
+    @app.get("/info")
+    async def info(request: Request):
+        server.authorize(request)
+        return {"model_id": server.model_name, "max_input_tokens": server.max_model_len - 1,
+                "max_total_tokens": server.max_model_len,
+                "max_concurrent_requests": server.max_concurrent_requests, "version": __version__,
+                "router": "anygpu"}
+
+    @app.post("/generate")
+    async def generate(request: Request):
+        body, ids, params, timer, request_id, ticket = await prepare(request)
+
+        async def collect():
+            last = None
+            async with server.stream(request_id, ids, params, timer, ticket) as outputs:
+                async for out in outputs:
+                    last = out
+            return last
+
+        try:
+            out = await server.until_disconnect(request, collect())
+        except Exception as error:
+            raise engine_error(error) from None
+        finally:
+            ticket.release()
+        if out is None:
+            return JSONResponse({}, status_code=499)
+        text = (body.inputs + out.text) if body.parameters.return_full_text else out.text
+        answer = {"generated_text": text}
+        if body.parameters.details:
+            tok = server.tokenizer
+            answer["details"] = {
+                "finish_reason": _finish_reason(out, eos_ids), "generated_tokens": len(out.token_ids),
+                "seed": params.seed, "prefill": [],
+                "tokens": [token(t, tok.decode([t], skip_special_tokens=False) if tok else "") for t in out.token_ids]}
+        return answer
+
+    @app.post("/generate_stream")
+    async def generate_stream(request: Request):
+        body, ids, params, timer, request_id, ticket = await prepare(request)
+        return EngineStream(_stream(body, ids, params, timer, request_id, ticket), ticket)
+
+    async def _stream(body, ids, params, timer, request_id, ticket):
+        index = 0
+        try:
+            async with server.stream(request_id, ids, params, timer, ticket) as outputs:
+                async for out in outputs:
+                    new = out.delta_token_ids
+                    for i, tid in enumerate(new):
+                        index += 1
+                        # A step brings one token; its text is the delta (text held back for a stop string
+                        # or an incomplete character arrives with a later token).
+                        event = {"index": index, "token": token(tid, out.delta_text if i == len(new) - 1 else ""),
+                                 "top_tokens": None, "generated_text": None, "details": None}
+                        if out.finished and i == len(new) - 1:
+                            full = (body.inputs + out.text) if body.parameters.return_full_text else out.text
+                            event["generated_text"] = full
+                            event["details"] = {"finish_reason": _finish_reason(out, eos_ids),
+                                                "generated_tokens": len(out.token_ids), "seed": params.seed,
+                                                "input_length": len(ids)}
+                        yield sse(event)
+        except Exception as error:
+            yield sse(engine_error(error).tgi_body())
