@@ -21,6 +21,7 @@ import torch
 
 from ..engine import LLMEngine, SamplingParams
 from ..models import ModelConfig
+from ..models.tokenizer import Tokenizer
 
 # Real shapes for benchmarks without a download (random weights).
 RANDOM_CONFIGS = {
@@ -40,6 +41,14 @@ def random_config(name: str) -> ModelConfig:
     if name not in RANDOM_CONFIGS:
         raise ValueError(f"random_config: expected one of {sorted(RANDOM_CONFIGS)}, got {name!r}")
     return ModelConfig(**RANDOM_CONFIGS[name])
+
+
+def random_engine(name: str, **engine_kwargs) -> LLMEngine:
+    """An engine with random weights in the named shapes and a synthetic word-per-id tokenizer (so a server
+    streams real text and pays for detokenization as it would with a checkpoint)."""
+    config = random_config(name)
+    eos = config.eos_token_ids[0] if config.eos_token_ids else None
+    return LLMEngine(name, config=config, tokenizer=Tokenizer.synthetic(config.vocab_size, eos), **engine_kwargs)
 
 
 def percentiles(values: list[float]) -> dict:

@@ -51,11 +51,25 @@ def doctor(as_json, targets, no_probe):
 @click.option("--input-len", type=click.IntRange(min=1), default=512, show_default=True, help="model suite.")
 @click.option("--output-len", type=click.IntRange(min=1), default=256, show_default=True, help="model suite.")
 @click.option("--baseline/--no-baseline", default=True, show_default=True,
-              help="model suite: also run transformers' generate on the same workload.")
-def bench(suite, list_suites, quick, json_path, png_path, **model_options):
+              help="model suite: also run transformers' generate on the same workload. serve suite: also run the "
+                   "offline engine on the same workload.")
+@click.option("--tp", type=click.IntRange(min=1), default=1, show_default=True, help="model and serve suites.")
+@click.option("--url", default=None, help="serve suite: load this running server instead of starting one.")
+@click.option("--api-key", envvar="ANYGPU_API_KEY", default=None, help="serve suite, with --url.")
+@click.option("--request-rate", type=click.FloatRange(min=0, min_open=True), default=float("inf"),
+              help="serve suite: Poisson arrivals at this many requests/s (default: all at once).")
+@click.option("--half-load", is_flag=True,
+              help="serve suite: then run again at half the measured peak request rate (TTFT at moderate load).")
+@click.option("--disconnect-fraction", type=click.FloatRange(0, 1), default=0.0, show_default=True,
+              help="serve suite: this fraction of requests leave mid-stream.")
+@click.option("--client-procs", type=click.IntRange(min=1), default=4, show_default=True,
+              help="serve suite: load-generator processes.")
+def bench(suite, list_suites, quick, json_path, png_path, tp, url, api_key, request_rate, half_load,
+          disconnect_fraction, client_procs, **model_options):
     """Run a benchmark SUITE on this backend against its baselines.
 
-    `anygpu bench model` is the engine's offline throughput (the model-suite options)."""
+    `anygpu bench model` is the engine's offline throughput (the model-suite options); `anygpu bench serve` the
+    HTTP server's, with vLLM's serving metrics."""
     from .. import bench as harness
 
     harness.load_suites()
@@ -63,11 +77,19 @@ def bench(suite, list_suites, quick, json_path, png_path, **model_options):
         for name, fn in sorted(harness.SUITES.items()):
             click.echo(f"{name:14s} {getattr(fn, 'description', '')}")
         click.echo(f"{'model':14s} the engine's offline throughput, TTFT and TPOT vs transformers' generate")
+        click.echo(f"{'serve':14s} the HTTP server under load: TTFT, TPOT, ITL, throughput vs the offline engine")
         return
     if suite == "model":
         from .bench_model import bench_model
 
-        bench_model(json_path=json_path or "bench-results/model.json", **model_options)
+        bench_model(json_path=json_path or "bench-results/model.json", tp=tp, **model_options)
+        return
+    if suite == "serve":
+        from .bench_serve import bench_serve
+
+        bench_serve(json_path=json_path or "bench-results/serve.json", tp=tp, url=url, api_key=api_key,
+                    request_rate=request_rate, half_load=half_load, disconnect_fraction=disconnect_fraction,
+                    client_procs=client_procs, **model_options)
         return
     if suite not in harness.SUITES:
         raise click.BadParameter(f"expected one of {', '.join(sorted(harness.SUITES))}, got {suite!r}",
@@ -230,6 +252,10 @@ from .generate import chat, generate  # noqa: E402 - the engine's commands live 
 
 cli.add_command(generate)
 cli.add_command(chat)
+
+from .serve import serve  # noqa: E402
+
+cli.add_command(serve)
 
 
 def main(argv=None):

@@ -9,34 +9,24 @@ import click
 
 
 def bench_model(*, json_path, model, random_config, quantize, num_prompts, concurrency, input_len, output_len,
-                baseline):
+                baseline, tp=1):
     from ..bench import model as bm
-    from ..engine import LLMEngine
 
-    if model and random_config:
-        raise click.UsageError("give --model or --random-config, not both")
     concurrency = concurrency or num_prompts
-    try:
-        if random_config:
-            config = bm.random_config(random_config)
-            engine = LLMEngine(random_config, config=config, quantize=quantize, max_num_seqs=concurrency,
-                               max_model_len=min(config.max_position, input_len + output_len + 16))
-        else:
-            engine = LLMEngine(model, quantize=quantize, max_num_seqs=concurrency)
-            config = engine.config
-    except (ValueError, FileNotFoundError) as e:
-        raise click.ClickException(str(e)) from None
+    engine = make_engine(model, random_config, quantize, concurrency, input_len + output_len, tp)
+    config = engine.config
     if input_len + output_len > engine.max_model_len:
         raise click.BadParameter(f"input_len + output_len = {input_len + output_len} is over the context of "
                                  f"{engine.max_model_len}", param_hint="--input-len/--output-len")
     prompts = bm.random_prompts(num_prompts, input_len, config.vocab_size)
     bm.warm_up(engine, input_len, config.vocab_size)
     results = {"anygpu": bm.run_engine(engine, prompts, output_len, concurrency)}
-    report = {"model": engine.model_name + (f" ({quantize})" if quantize else ""),
+    report = {"model": engine.model_name + (f" ({quantize})" if quantize else "") + (f" tp={tp}" if tp > 1 else ""),
               "workload": f"{num_prompts} prompts x {input_len} in / {output_len} out, concurrency {concurrency}",
               "device": str(engine.device), "dtype": str(engine.dtype), "results": results}
     if baseline and not quantize:
         dtype, device, path = engine.dtype, engine.device, engine.model_path
+        engine.close()
         del engine
         _free(device)
         results["transformers"] = bm.run_transformers(config, path, prompts, output_len, concurrency, dtype, device)
@@ -46,6 +36,25 @@ def bench_model(*, json_path, model, random_config, quantize, num_prompts, concu
     with open(json_path, "w") as f:
         json.dump(report, f, indent=2)
     click.echo(f"wrote {json_path}")
+
+
+def make_engine(model, random_config, quantize, max_num_seqs: int, context: int, tp: int = 1):
+    """The engine for a benchmark: a checkpoint, or random weights in a named model's shapes with a context
+    just long enough for the workload (the KV cache then holds more sequences)."""
+    from ..bench import model as bm
+    from ..engine import LLMEngine
+
+    if model and random_config:
+        raise click.UsageError("give --model or --random-config, not both")
+    extra = {"tp": tp} if tp > 1 else {}  # TODO(tp): always, once LLMEngine takes tp
+    try:
+        if random_config:
+            max_len = min(bm.random_config(random_config).max_position, context + 16)
+            return bm.random_engine(random_config, quantize=quantize, max_num_seqs=max_num_seqs,
+                                    max_model_len=max_len, **extra)
+        return LLMEngine(model, quantize=quantize, max_num_seqs=max_num_seqs, **extra)
+    except (ValueError, FileNotFoundError) as e:
+        raise click.ClickException(str(e)) from None
 
 
 def _free(device) -> None:

@@ -16,11 +16,14 @@ ValueError from the iterator, and the engine goes on serving the others.
 from __future__ import annotations
 
 import asyncio
+import logging
 import threading
 from collections.abc import AsyncIterator
 
 from .llm_engine import LLMEngine, RequestOutput
 from .sampling_params import SamplingParams
+
+log = logging.getLogger("anygpu.engine")
 
 
 class AsyncLLMEngine:
@@ -129,7 +132,8 @@ class AsyncLLMEngine:
                     self._deliver(request_id, RuntimeError(f"engine step failed: {error!r}"))
                     self.engine.abort(request_id)
                 self._streams.clear()
-                raise
+                log.exception("engine step failed; the engine is stopped (health checks now fail)")
+                return
             self._deliver_all([(out.request_id, out) for out in outputs])
             for out in outputs:
                 if out.finished:

@@ -107,6 +107,16 @@ class Tokenizer:
                    add_bos_token=bool(metadata.get("tokenizer.ggml.add_bos_token", False)),
                    add_eos_token=bool(metadata.get("tokenizer.ggml.add_eos_token", False)))
 
+    @classmethod
+    def synthetic(cls, vocab_size: int, eos_token_id: int | None = None) -> Tokenizer:
+        """A word-per-id tokenizer ("w0" ... "w{vocab_size-1}", space-separated) for models with random weights:
+        benchmarks then stream and detokenize real text, as they would with a checkpoint's tokenizer."""
+        words = {f"w{i}": i for i in range(vocab_size)}
+        backend = _Backend(models.WordLevel(words, unk_token="w0"))
+        backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+        eos = [f"w{eos_token_id}"] if eos_token_id is not None else []
+        return cls(backend, bos_token=None, eos_tokens=eos, chat_template=None)
+
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         ids = self.backend.encode(text, add_special_tokens=add_special_tokens).ids
         return self._prepend + ids + self._append if add_special_tokens else ids

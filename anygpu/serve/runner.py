@@ -8,7 +8,9 @@ a port already in use fails before the model is loaded twice.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
+import signal
 import socket
 import threading
 
@@ -39,9 +41,27 @@ def _config(app, log_level: str) -> uvicorn.Config:
                           lifespan="off", backlog=2048)
 
 
+class _ForegroundServer(uvicorn.Server):
+    """uvicorn's server, but SIGINT and SIGTERM only stop it: uvicorn re-raises the signal once it has shut
+    down, which would kill the process before the caller can stop the engine (and its tensor-parallel
+    workers).  A second signal still forces the exit, as in uvicorn."""
+
+    @contextlib.contextmanager
+    def capture_signals(self):
+        if threading.current_thread() is not threading.main_thread():
+            yield
+            return
+        previous = {sig: signal.signal(sig, self.handle_exit) for sig in (signal.SIGINT, signal.SIGTERM)}
+        try:
+            yield
+        finally:
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
+
+
 def serve(app, sock: socket.socket, log_level: str = "info") -> None:
-    """Serve until interrupted (Ctrl-C or SIGTERM)."""
-    uvicorn.Server(_config(app, log_level)).run(sockets=[sock])
+    """Serve until SIGINT (Ctrl-C) or SIGTERM; returns once open streams are done or cut."""
+    _ForegroundServer(_config(app, log_level)).run(sockets=[sock])
 
 
 class ServerThread:

@@ -1,0 +1,76 @@
+"""``anygpu serve``: the OpenAI- and TGI-compatible HTTP server over the engine.
+
+Binds 127.0.0.1 unless ``--host`` says otherwise; with ``--api-key`` (or ``ANYGPU_API_KEY``) every route but
+``/health`` and ``/metrics`` needs ``Authorization: Bearer <key>``.  Listening beyond loopback without a key
+is allowed but warned about.
+"""
+
+from __future__ import annotations
+
+import click
+
+from .generate import ENGINE_OPTIONS, _options
+
+
+@click.command()
+@_options(ENGINE_OPTIONS)
+@click.option("--random-config", default=None, metavar="NAME",
+              help="Serve random weights in these shapes instead of --model (llama3-8b, tiny): for benchmarks.")
+@click.option("--host", default="127.0.0.1", show_default=True, help="Address to listen on.")
+@click.option("--port", type=click.IntRange(0, 65535), default=8000, show_default=True)
+@click.option("--api-key", envvar="ANYGPU_API_KEY", default=None,
+              help="Require 'Authorization: Bearer KEY' (env ANYGPU_API_KEY).")
+@click.option("--tp", type=click.IntRange(min=1), default=1, show_default=True,
+              help="Tensor-parallel size: shard the model over this many GPUs (processes over gloo on the CPU).")
+@click.option("--served-model-name", default=None, help="The model id clients send (default: the file's name).")
+@click.option("--max-num-seqs", type=click.IntRange(min=1), default=None,
+              help="Sequences per batch (default 256 on GPUs, 16 on the CPU).")
+@click.option("--max-concurrent-requests", type=click.IntRange(min=1), default=1024, show_default=True,
+              help="Requests in flight before new ones get 429 with Retry-After.")
+@click.option("--max-body-bytes", type=click.IntRange(min=1), default=4 << 20, show_default=True,
+              help="Largest request body accepted (413 above).")
+@click.option("--gpu-memory-utilization", type=click.FloatRange(0.05, 0.99), default=0.9, show_default=True)
+@click.option("--log-level", type=click.Choice(["critical", "error", "warning", "info", "debug"]), default="info")
+def serve(model, quantize, dtype, tune, max_model_len, eager, random_config, host, port, api_key, tp,
+          served_model_name, max_num_seqs, max_concurrent_requests, max_body_bytes, gpu_memory_utilization,
+          log_level):
+    """Serve a model over HTTP: OpenAI's /v1/chat/completions, /v1/completions and /v1/models, TGI's /generate
+    and /generate_stream, /health and /metrics."""
+    from ..engine import AsyncLLMEngine, LLMEngine
+    from ..serve import build_app, runner
+
+    if model and random_config:
+        raise click.UsageError("give --model or --random-config, not both")
+    if api_key is not None and not api_key.strip():
+        raise click.BadParameter("expected a non-empty key", param_hint="--api-key")
+    if host not in runner.LOOPBACK and api_key is None:
+        click.echo(f"warning: listening on {host} without --api-key: anyone who can reach this port can use "
+                   f"the model", err=True)
+    try:
+        sock = runner.bind(host, port)  # before loading: a busy port should not cost a model load
+    except ValueError as e:
+        raise click.BadParameter(str(e), param_hint="--port") from None
+    kwargs = dict(quantize=quantize, dtype=dtype, tune=tune, max_model_len=max_model_len, enforce_eager=eager,
+                  max_num_seqs=max_num_seqs, gpu_memory_utilization=gpu_memory_utilization,
+                  **({"tp": tp} if tp > 1 else {}))  # TODO(tp): always, once LLMEngine takes tp
+    try:
+        if random_config:
+            from ..bench.model import random_engine
+
+            engine = random_engine(random_config, **kwargs)
+        else:
+            engine = LLMEngine(model, **kwargs)
+    except (ValueError, FileNotFoundError) as e:
+        sock.close()
+        raise click.ClickException(f"cannot load the model: {e}") from None
+    async_engine = AsyncLLMEngine(engine)
+    app = build_app(async_engine, model_name=served_model_name, api_key=api_key, max_body_bytes=max_body_bytes,
+                    max_concurrent_requests=max_concurrent_requests)
+    name = app.state.server.model_name
+    click.echo(f"anygpu: serving {name!r} on http://{host}:{sock.getsockname()[1]} (tp={tp}, "
+               f"device={engine.device}, dtype={str(engine.dtype).removeprefix('torch.')})", err=True)
+    try:
+        runner.serve(app, sock, log_level=log_level)
+    finally:
+        async_engine.shutdown()
+        engine.close()
