@@ -48,6 +48,10 @@ class AsyncLLMEngine:
         try:
             while True:
                 item = await queue.get()
+                # Outputs that piled up while this consumer was busy (a loaded server) go out as one:
+                # fewer, larger chunks instead of falling further behind.
+                while not isinstance(item, BaseException) and not queue.empty():
+                    item = _merge(item, queue.get_nowait())
                 if isinstance(item, BaseException):
                     raise item
                 finished = item.finished
@@ -138,6 +142,15 @@ class AsyncLLMEngine:
             for out in outputs:
                 if out.finished:
                     self._streams.pop(out.request_id, None)
+
+
+def _merge(older: RequestOutput, newer):
+    """``newer`` with the deltas of both (outputs carry cumulative text and ids, and per-step deltas)."""
+    if isinstance(newer, BaseException):
+        return newer
+    newer.delta_text = older.delta_text + newer.delta_text
+    newer.delta_token_ids = older.delta_token_ids + newer.delta_token_ids
+    return newer
 
 
 def _put_all(batch) -> None:

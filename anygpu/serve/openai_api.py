@@ -19,7 +19,7 @@ from fastapi.responses import JSONResponse
 
 from .metrics import RequestTimer
 from .protocol import ChatCompletionRequest, CompletionRequest
-from .state import EngineStream, Server, engine_error, sse
+from .state import EngineStream, Server, dumps, engine_error, sse
 
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16
 
@@ -101,6 +101,13 @@ async def _stream(server: Server, request_id, ids, params, timer, ticket, head, 
             choice = {"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish_reason}
         return sse({**base, "choices": [choice]})
 
+    # The chunk sent for every new piece of text, as a template: at a few thousand chunks per second on one
+    # event loop, building and serializing the whole dict each time is a measurable share of the server.
+    before, after = chunk("\x00").split(dumps("\x00"))
+
+    def text_chunk(text: str) -> str:
+        return before + dumps(text) + after
+
     tokens = 0
     try:
         async with server.stream(request_id, ids, params, timer, ticket) as outputs:
@@ -109,7 +116,7 @@ async def _stream(server: Server, request_id, ids, params, timer, ticket, head, 
             async for out in outputs:
                 tokens = len(out.token_ids)
                 if out.delta_text:
-                    yield chunk(out.delta_text)
+                    yield text_chunk(out.delta_text)
                 if out.finished:
                     yield chunk(None if chat else "", finish_reason=out.finish_reason)
         if include_usage:

@@ -36,6 +36,8 @@ def bind(host: str, port: int) -> socket.socket:
 
 
 def _config(app, log_level: str) -> uvicorn.Config:
+    # http/loop "auto": httptools and uvloop when installed (C parsers and loop: several times less Python per
+    # streamed chunk than h11 and asyncio's loop), else the pure-Python ones.
     # timeout_graceful_shutdown: open streams get a few seconds to finish, then are cut (their requests abort).
     return uvicorn.Config(app, log_level=log_level, timeout_graceful_shutdown=5, access_log=False,
                           lifespan="off", backlog=2048)
@@ -76,7 +78,9 @@ class ServerThread:
         self._thread = threading.Thread(target=self._run, name="anygpu-http", daemon=True)
 
     def _run(self) -> None:
-        self.loop = asyncio.new_event_loop()
+        # uvicorn's choice of loop (uvloop when installed), as the foreground server gets.
+        factory = self.server.config.get_loop_factory() if hasattr(self.server.config, "get_loop_factory") else None
+        self.loop = factory() if factory is not None else asyncio.new_event_loop()
         asyncio.set_event_loop(self.loop)
         self.loop.run_until_complete(self.server.serve(sockets=[self.sock]))
 
