@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
 # One bundled GPU session (the device tool): install the carried wheels, then run what the arguments name.
-# Usage on the device: bash tools/gpu_session.sh STEP...   (steps: tests-engine, tests-issue4, bench-engine, bench-int8)
+# Usage on the device: bash tools/gpu_session.sh STEP...
+# steps: tests-engine, tests-issue4, tests-int8, tests-tp, bench-engine, bench-int8, bench-tp, bench-serve
+# (tests-tp and bench-tp need two GPUs: the nvidia-h200-x2 kind.)
 set -u
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target .gpu-site .whl/*.whl \
   2>&1 | grep -v "^WARNING" | tail -3
@@ -24,6 +26,17 @@ for step in "$@"; do
       done
       timeout 400 python3 -m anygpu.cli bench model --random-config llama3-8b --num-prompts 64 --input-len 512 \
         --output-len 256 --json "$OUT/model_c64.json" 2>&1 | grep -v "it/s\]" | tail -8 ;;
+    tests-tp)
+      timeout 400 python3 -m pytest -q -m gpu tests/test_engine_gpu.py tests/test_engine_tp.py 2>&1 | tail -15 ;;
+    bench-tp)
+      for tp in 1 2; do
+        timeout 240 python3 -m anygpu.cli bench model --random-config llama3-8b --num-prompts 1 --input-len 128 \
+          --output-len 256 --no-baseline --tp $tp --json "$OUT/model_b1_tp$tp.json" 2>&1 | grep -v "it/s\]" | tail -6
+      done ;;
+    bench-serve)
+      timeout 500 python3 -m anygpu.cli bench serve --random-config llama3-8b --num-prompts ${SERVE_PROMPTS:-512} \
+        --concurrency 256 --input-len 512 --output-len 256 --half-load --client-procs 4 \
+        --json "$OUT/serve_c256.json" 2>&1 | grep -v "it/s\]" | tail -30 ;;
     bench-int8)
       timeout 200 python3 -m anygpu.cli bench int8 --json "$OUT/int8.json" 2>&1 | tail -25 ;;
   esac

@@ -116,7 +116,8 @@ async def run_load(url: str, model: str, prompts: list, output_len: int, concurr
     return records, start, end
 
 
-def _client_main(args, results) -> None:
+def _client_main(args, results, barrier) -> None:
+    barrier.wait()  # every process imported and ready: start together, or the run's duration would include imports
     results.put(asyncio.run(run_load(*args)))
 
 
@@ -131,13 +132,13 @@ def run_load_in_processes(url: str, model: str, prompts: list, output_len: int, 
                                                    disconnect_fraction, 0, api_key))
         return records, end - start
     ctx = multiprocessing.get_context("spawn")
-    results = ctx.Queue()
+    results, barrier = ctx.Queue(), ctx.Barrier(procs)
     workers = []
     for p in range(procs):
         share = concurrency // procs + (1 if p < concurrency % procs else 0)
         args = (url, model, prompts[p::procs], output_len, share, request_rate / procs, disconnect_fraction, p,
                 api_key)
-        workers.append(ctx.Process(target=_client_main, args=(args, results), daemon=True))
+        workers.append(ctx.Process(target=_client_main, args=(args, results, barrier), daemon=True))
     for w in workers:
         w.start()
     parts = [results.get() for _ in workers]
