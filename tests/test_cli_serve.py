@@ -70,7 +70,7 @@ def test_busy_port_and_bad_arguments_are_named():
         assert r.returncode != 0 and "--port" in r.stderr and str(port) in r.stderr
     r = subprocess.run([sys.executable, "-m", "anygpu.cli", "serve", "--random-config", "tiny", "--tp", "3",
                         "--port", "0"], capture_output=True, text=True, timeout=120)
-    assert r.returncode != 0 and "tp" in r.stderr
+    assert r.returncode != 0 and "tp: 3" in r.stderr
     r = subprocess.run([sys.executable, "-m", "anygpu.cli", "serve", "--random-config", "nope", "--port", "0"],
                        capture_output=True, text=True, timeout=120)
     assert r.returncode != 0 and "random_config" in r.stderr
@@ -82,3 +82,19 @@ def test_listening_beyond_loopback_without_a_key_warns():
         assert any("without --api-key" in line for line in lines)
     finally:
         stop(proc)
+
+
+def test_tp2_server_answers_as_tp1():
+    """``--tp 2`` on the CPU: a second process over gloo holds half of every layer; the tokens are TP=1's."""
+    body = {"model": "tiny", "prompt": [100, 200, 300, 400], "max_tokens": 12, "temperature": 0,
+            "ignore_eos": True}
+    texts = []
+    for tp in ("1", "2"):
+        proc, url, _ = start("--random-config", "tiny", "--port", "0", "--tp", tp, "--max-num-seqs", "4")
+        try:
+            r = httpx.post(url + "/v1/completions", json=body, timeout=60)
+            assert r.status_code == 200, r.text
+            texts.append(r.json()["choices"][0]["text"])
+        finally:
+            assert stop(proc) == 0
+    assert texts[0] == texts[1] and len(texts[0].split()) == 12

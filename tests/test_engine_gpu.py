@@ -66,3 +66,35 @@ def test_seeded_sampling_equal_alone_and_batched(folder):
     while engine.has_unfinished():
         alone = next((o.token_ids for o in engine.step() if o.finished), alone)
     assert alone == batched[1]
+
+
+# -- tensor parallelism (2 GPUs) --------------------------------------------------------------------------
+# fp32 for token equality: TP sums a layer's output as two partial sums (one all-reduce), so the logits differ
+# from TP=1 in the last bits; fp32 keeps that far below this model's logit gaps, bf16 (whose all-reduce rounds
+# each partial sum to 8 bits of mantissa) does not.  The speedup is measured by ``anygpu bench model --tp``.
+two_gpus = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA or ROCm GPUs")
+TP_ARGS = dict(device="cuda", progress=False, max_num_seqs=8, max_num_batched_tokens=32, block_size=8)
+
+
+def _tp_tokens(path, tp: int, **kwargs) -> list[list[int]]:
+    engine = LLMEngine(str(path), tp=tp, **{**TP_ARGS, **kwargs})
+    try:
+        if not kwargs.get("enforce_eager"):
+            assert engine.runner.graphs, "no decode graph was captured"
+        return tokens(engine)
+    finally:
+        engine.close()
+
+
+@two_gpus
+@pytest.mark.parametrize("enforce_eager", [False, True], ids=["graphs", "eager"])
+def test_tp2_fp32_tokens_equal_tp1(folder, enforce_eager):
+    one = _tp_tokens(folder, 1, dtype="float32", enforce_eager=enforce_eager)
+    assert _tp_tokens(folder, 2, dtype="float32", enforce_eager=enforce_eager) == one
+
+
+@two_gpus
+@pytest.mark.parametrize("quantize", ["nf4", "int8"])
+def test_tp2_quantized_engine_runs(folder, quantize):
+    out = _tp_tokens(folder, 2, dtype="float16", quantize=quantize)
+    assert all(len(t) == GREEDY.max_tokens for t in out)

@@ -38,12 +38,12 @@ def main():
         engine.step()
     torch.cuda.synchronize()
     # Split a step into its phases (host clock, with a sync at the end of each).
-    phases = {"schedule": 0.0, "prepare": 0.0, "model+sample": 0.0, "update": 0.0}
+    phases = {"schedule": 0.0, "pack": 0.0, "model+sample": 0.0, "update": 0.0}
     for _ in range(args.steps):
         t0 = time.perf_counter()
         batch = engine.scheduler.schedule()
         t1 = time.perf_counter()
-        engine.runner.prepare(batch)
+        engine.runner.pack(batch)
         t2 = time.perf_counter()
         sampled = engine.runner.run(batch)
         t3 = time.perf_counter()

@@ -46,13 +46,12 @@ def make_engine(model, random_config, quantize, max_num_seqs: int, context: int,
 
     if model and random_config:
         raise click.UsageError("give --model or --random-config, not both")
-    extra = {"tp": tp} if tp > 1 else {}  # TODO(tp): always, once LLMEngine takes tp
     try:
         if random_config:
             max_len = min(bm.random_config(random_config).max_position, context + 16)
             return bm.random_engine(random_config, quantize=quantize, max_num_seqs=max_num_seqs,
-                                    max_model_len=max_len, **extra)
-        return LLMEngine(model, quantize=quantize, max_num_seqs=max_num_seqs, **extra)
+                                    max_model_len=max_len, tp=tp)
+        return LLMEngine(model, quantize=quantize, max_num_seqs=max_num_seqs, tp=tp)
     except (ValueError, FileNotFoundError) as e:
         raise click.ClickException(str(e)) from None
 

@@ -51,8 +51,7 @@ def serve(model, quantize, dtype, tune, max_model_len, eager, random_config, hos
     except ValueError as e:
         raise click.BadParameter(str(e), param_hint="--port") from None
     kwargs = dict(quantize=quantize, dtype=dtype, tune=tune, max_model_len=max_model_len, enforce_eager=eager,
-                  max_num_seqs=max_num_seqs, gpu_memory_utilization=gpu_memory_utilization,
-                  **({"tp": tp} if tp > 1 else {}))  # TODO(tp): always, once LLMEngine takes tp
+                  max_num_seqs=max_num_seqs, gpu_memory_utilization=gpu_memory_utilization, tp=tp)
     try:
         if random_config:
             from ..bench.model import random_engine

@@ -57,6 +57,10 @@ class LLM:
         prompts = [self.tokenizer.encode_chat(conv) for conv in conversations]
         return self.generate(prompts, sampling_params, use_tqdm)
 
+    def close(self) -> None:
+        """Release the engine (with ``tp > 1``: stop its worker processes; garbage collection does it too)."""
+        self.engine.close()
+
     def _run(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
         wanted = set(ids)
         done: dict[str, RequestOutput] = {}

@@ -13,21 +13,27 @@ each new token is detokenized incrementally, stop strings are searched in the ne
 
 Bad input (an empty or over-long prompt, bad sampling values, a duplicate request id) raises ValueError from
 ``add_request`` and changes nothing: the requests already running go on.
+
+``tp=N`` shards the model over N ranks (``distributed.py``): this process is rank 0 (it schedules and samples),
+N - 1 spawned workers hold the other shards; on CUDA/ROCm one GPU each (from the engine's device on), on the
+CPU gloo ranks (for tests).  Scripts that use it need the usual ``if __name__ == "__main__":`` guard of
+``multiprocessing``'s spawn.  ``close()`` stops the workers; so do garbage collection and interpreter exit.
 """
 
 from __future__ import annotations
 
 import contextlib
+import weakref
 from dataclasses import dataclass, field
 
 import torch
 
 from .. import backend
 from ..models import open_checkpoint
-from ..models.registry import build_model
+from ..models.parallel import check_tp
 from ..models.tokenizer import IncrementalDetokenizer
 from .block_manager import BlockManager
-from .model_runner import ModelRunner
+from .distributed import RankSpec, TPWorkers
 from .sampling_params import SamplingParams
 from .scheduler import Scheduler
 from .sequence import Sequence
@@ -81,10 +87,17 @@ class LLMEngine:
                  block_size: int = 16, max_num_seqs: int | None = None, max_num_batched_tokens: int | None = None,
                  max_model_len: int | None = None, num_kv_blocks: int | None = None, kv_cache_memory: int | None = None,
                  gpu_memory_utilization: float = 0.9, enforce_eager: bool = False, progress: bool = True,
-                 config=None, tokenizer=None):
+                 config=None, tokenizer=None, tp: int = 1):
         """``model``: a GGUF file, an HF folder, or None for the default model.  For benchmarks in real shapes
-        without a checkpoint: ``config=ModelConfig(...)`` (random weights; ``tokenizer`` optional)."""
+        without a checkpoint: ``config=ModelConfig(...)`` (random weights; ``tokenizer`` optional).  ``tp``: the
+        number of tensor-parallel ranks (GPUs)."""
+        self._exit = contextlib.ExitStack()  # first: close() must work whatever __init__ got to
+        self._workers: TPWorkers | None = None
+        if not isinstance(tp, int) or isinstance(tp, bool) or tp < 1:
+            raise ValueError(f"tp: expected a positive int (the number of GPUs to shard the model over), got {tp!r}")
         self.device = torch.device(device) if device is not None else backend.current().device
+        if tp > 1:
+            self.device = _tp_device(self.device, tp)
         if config is None:
             ckpt = open_checkpoint(model)
             config, self.tokenizer, self.model_name = ckpt.config, ckpt.tokenizer, ckpt.name
@@ -94,6 +107,8 @@ class LLMEngine:
             self.tokenizer, self.model_name, weights = tokenizer, model or "random", "random"
             self.model_path = None  # random weights: no file
         self.config = config
+        check_tp(config, tp)  # before anything is built or spawned
+        self.tp = tp
         self.dtype = resolve_dtype(dtype, self.device, config)
         gpu = self.device.type == "cuda"
         max_model_len = min(max_model_len or config.max_position, config.max_position)
@@ -106,19 +121,20 @@ class LLMEngine:
         if block_size & (block_size - 1):
             raise ValueError(f"block_size: expected a power of two, got {block_size}")
         self.max_model_len = max_model_len
-        self.model = build_model(config, weights, dtype=self.dtype, device=self.device, quantize=quantize,
-                                 progress=progress)
-        self._exit = contextlib.ExitStack()
-        if tune:
-            from ..tunable import route
-
-            self._exit.enter_context(route(self.model))
-        self.runner = ModelRunner(self.model, block_size=block_size, max_num_seqs=max_num_seqs,
-                                  max_model_len=max_model_len, max_num_batched_tokens=max_num_batched_tokens,
-                                  num_blocks=num_kv_blocks, kv_cache_memory=kv_cache_memory,
-                                  gpu_memory_utilization=gpu_memory_utilization, enforce_eager=enforce_eager)
+        runner_args = dict(block_size=block_size, max_num_seqs=max_num_seqs, max_model_len=max_model_len,
+                           max_num_batched_tokens=max_num_batched_tokens, num_blocks=num_kv_blocks,
+                           kv_cache_memory=kv_cache_memory, gpu_memory_utilization=gpu_memory_utilization,
+                           enforce_eager=enforce_eager)
+        spec = RankSpec(config, None if self.model_path is None else str(self.model_path), self.dtype, self.device,
+                        world_size=tp, quantize=quantize, tune=tune, runner_args=runner_args)
+        if tp == 1:
+            self.model = spec.build_model(0, weights, progress)
+            self.runner = spec.build_runner(self.model, self._exit)
+        else:
+            self._start_tp(spec, weights, progress)
         capacity = self.runner.num_blocks * block_size
         if capacity < max_model_len:
+            self.close()  # the workers, if any, would otherwise wait for the engine's garbage collection
             raise ValueError(f"max_model_len: {max_model_len} tokens do not fit the KV cache ({capacity} tokens); "
                              f"lower max_model_len or give the cache more memory")
         self.block_manager = BlockManager(self.runner.num_blocks, block_size)
@@ -235,5 +251,39 @@ class LLMEngine:
         req.emitted_chars, req.emitted_tokens = visible, len(seq.output_token_ids)
         return out
 
+    def _start_tp(self, spec: RankSpec, weights, progress: bool) -> None:
+        """Rank 0's side of the start-up (see distributed.py): the workers build while this process does."""
+        self._workers = workers = TPWorkers(spec)
+        # Garbage collection and interpreter exit stop the workers too (the callback holds no engine reference).
+        self._finalizer = weakref.finalize(self, workers.close)
+        try:
+            self.model = spec.build_model(0, weights, progress)
+            workers.wait_for("built")
+            workers.init_process_group()
+            self.runner = spec.build_runner(self.model, self._exit, workers=workers)
+            workers.wait_for("ready")
+        except BaseException as e:  # KeyboardInterrupt too: never leave the workers behind
+            errors = workers.worker_errors()
+            workers.close()
+            if errors:
+                raise RuntimeError(f"tp: starting the {spec.world_size} ranks failed:\n{errors}") from e
+            raise
+
     def close(self) -> None:
+        """Release the engine: tuning routes, and under tensor parallelism the workers and the process group."""
         self._exit.close()
+        if self._workers is not None:
+            self._workers.close()
+
+
+def _tp_device(device: torch.device, tp: int) -> torch.device:
+    """Rank 0's device for ``tp`` ranks: the CPU (gloo), or an indexed CUDA/ROCm device with tp - 1 after it."""
+    if device.type == "cpu":
+        return device
+    if device.type != "cuda":
+        raise ValueError(f"tp: tensor parallelism runs on CUDA/ROCm GPUs or the CPU, not on {device}")
+    first = device.index if device.index is not None else torch.cuda.current_device()
+    available = torch.cuda.device_count() - first
+    if tp > available:
+        raise ValueError(f"tp: {tp} ranks need {tp} GPUs from {device} on, but {available} are visible; reduce tp")
+    return torch.device("cuda", first)

@@ -1,7 +1,13 @@
 """The model runner: owns the paged KV cache, turns a scheduled batch into the model's flat inputs, runs the
 model and samples.
 
-- **KV cache**: one tensor ``[2, layers, num_blocks, block_size, Hkv, D]`` in the model's dtype, sliced per layer.
+A step is two halves, so that tensor-parallel workers can run the second one: ``pack`` (host side, rank 0 only)
+turns the scheduled batch into one int64 message (a header of a few ints, then the flat inputs), and
+``execute`` (every rank) copies it to the device and runs the forward and ``compute_logits``.  Under tensor
+parallelism rank 0 hands the message to ``workers.send`` before executing it, and samples alone.
+
+- **KV cache**: one tensor ``[2, layers, num_blocks, block_size, Hkv, D]`` in the model's dtype, sliced per layer
+  (Hkv: this rank's KV heads under tensor parallelism; the block count is the smallest any rank can hold).
   On GPUs it takes ``gpu_memory_utilization`` of the device minus what the weights and a warmup forward at the
   full token budget use (nano-vllm's sizing); on the CPU ``kv_cache_memory`` bytes (default 1 GiB, capped by
   what ``max_num_seqs`` sequences of ``max_model_len`` tokens can use).
@@ -12,18 +18,23 @@ model and samples.
   the smallest batch size >= B (1, 2, 4, 8, then steps of 8 up to ``max_num_seqs``), with the inputs copied into
   static buffers.  Block tables are padded to ``max_model_len`` and ``paged_decode`` gets ``max_model_len`` as
   its bound, so one graph serves every context length.  Padded rows write to slot -1 (skipped) and read
-  nothing (seqlen 0).
+  nothing (seqlen 0).  Every rank captures the same graphs in the same order (NCCL collectives are captured).
 """
 
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
 
-from ..models.llama import AttentionBatch, LlamaForCausalLM
+from ..models.llama import MODES, AttentionBatch, LlamaForCausalLM
 from .sampler import Sampler
 from .scheduler import ScheduledBatch
 
 CPU_KV_CACHE_BYTES = 1 << 30
+# A step message: HEADER ints (mode index in MODES, tokens T, sequences B, block-table width, max_seqlen_q,
+# max_seqlen_k, logit rows R), then ids [T], positions [T], slots [T], cu_seqlens_q [B + 1], seqlens_k [B],
+# block tables [B * width] and, unless every token needs its logits (R == T), the R row indices.
+HEADER = 7
 
 
 def graph_batch_sizes(max_num_seqs: int) -> list[int]:
@@ -35,9 +46,13 @@ def graph_batch_sizes(max_num_seqs: int) -> list[int]:
 class ModelRunner:
     def __init__(self, model: LlamaForCausalLM, *, block_size: int, max_num_seqs: int, max_model_len: int,
                  max_num_batched_tokens: int, num_blocks: int | None = None, kv_cache_memory: int | None = None,
-                 gpu_memory_utilization: float = 0.9, enforce_eager: bool = False):
+                 gpu_memory_utilization: float = 0.9, enforce_eager: bool = False, workers=None):
+        """``workers``: rank 0's handle on its tensor-parallel workers (``send(message)``), None otherwise."""
         self.model = model
         self.config = model.config
+        self.tp = model.tp
+        self.workers = workers
+        self.num_kv_heads = model.shard.num_kv_heads
         self.device = next(model.parameters()).device
         self.dtype = model.embed_tokens.weight.dtype
         self.block_size = block_size
@@ -46,14 +61,18 @@ class ModelRunner:
         self.max_blocks_per_seq = -(-max_model_len // block_size)
         self.sampler = Sampler()
         cfg = self.config
-        self.block_bytes = 2 * cfg.num_layers * block_size * cfg.num_kv_heads * cfg.head_dim * self.dtype.itemsize
+        self.block_bytes = 2 * cfg.num_layers * block_size * self.num_kv_heads * cfg.head_dim * self.dtype.itemsize
         if num_blocks is None:
             num_blocks = self._blocks_that_fit(kv_cache_memory, gpu_memory_utilization, max_num_batched_tokens)
+            if self.tp.world_size > 1:  # one block manager (rank 0's) hands out block ids valid on every rank
+                count = torch.tensor([num_blocks], device=self.device)
+                dist.all_reduce(count, op=dist.ReduceOp.MIN, group=self.tp.group)
+                num_blocks = int(count.item())
         if num_blocks < 1:
             raise ValueError(f"num_blocks: the KV cache has room for no block of {self.block_bytes} bytes; lower "
                              f"max_num_batched_tokens or raise the memory given to the cache")
         self.num_blocks = num_blocks
-        self.kv_cache = torch.empty(2, cfg.num_layers, num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim,
+        self.kv_cache = torch.empty(2, cfg.num_layers, num_blocks, block_size, self.num_kv_heads, cfg.head_dim,
                                     dtype=self.dtype, device=self.device)
         model.set_kv_caches([(self.kv_cache[0, i], self.kv_cache[1, i]) for i in range(cfg.num_layers)])
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
@@ -82,7 +101,7 @@ class ModelRunner:
         cfg = self.config
         tokens = min(tokens, self.max_model_len)
         blocks = -(-tokens // self.block_size)
-        cache = torch.zeros(2, cfg.num_layers, blocks, self.block_size, cfg.num_kv_heads, cfg.head_dim,
+        cache = torch.zeros(2, cfg.num_layers, blocks, self.block_size, self.num_kv_heads, cfg.head_dim,
                             dtype=self.dtype, device=self.device)
         self.model.set_kv_caches([(cache[0, i], cache[1, i]) for i in range(cfg.num_layers)])
         ids = torch.zeros(tokens, dtype=torch.long, device=self.device)
@@ -96,12 +115,11 @@ class ModelRunner:
         torch.cuda.synchronize(self.device)
         torch.cuda.empty_cache()
 
-    # -- one step --------------------------------------------------------------------------------------
-    def prepare(self, batch: ScheduledBatch):
-        """Flat inputs for the model, and the index of each sequence's last token if it needs logits.
-
-        Every integer input is packed into one host tensor and sent with one copy (a decode step would
-        otherwise pay five small synchronous copies); the int32 ones are cast on the device."""
+    # -- one step ---------------------------------------------------------------------------------------
+    def pack(self, batch: ScheduledBatch) -> tuple[torch.Tensor, list[int | None]]:
+        """The step as one host int64 message (see HEADER), and the index of each sequence's last token if it
+        needs logits.  One tensor: a single host-to-device copy (a decode step would otherwise pay five small
+        synchronous copies) and a single message to each tensor-parallel worker."""
         ids, positions, slots, q_lens, k_lens, logit_rows = [], [], [], [], [], []
         bs = self.block_size
         for seq, n, needs_logits in zip(batch.seqs, batch.num_tokens, batch.needs_logits):
@@ -128,38 +146,59 @@ class ModelRunner:
             for seq in batch.seqs:
                 row = seq.block_table[:width]
                 tables += row + [0] * (width - len(row))
-        packed = torch.tensor(ids + positions + slots + cu + k_lens + tables, dtype=torch.long)
+        rows = [r for r in logit_rows if r is not None]
+        header = [MODES.index(mode), len(ids), len(q_lens), width, max(q_lens), max(k_lens), len(rows)]
+        if len(rows) == len(ids):  # a decode step: every token needs its logits, no gather
+            rows = []
+        message = torch.tensor(header + ids + positions + slots + cu + k_lens + tables + rows, dtype=torch.long)
+        return message, logit_rows
+
+    @torch.inference_mode()
+    def execute(self, message: torch.Tensor) -> torch.Tensor | None:
+        """Run a packed step on this rank: fill the KV cache, and return the fp32 logits of the rows that need
+        them (None when none do).  Every rank of a tensor-parallel group executes every message."""
+        mode, t, b, width, max_q, max_k, num_rows = message[:HEADER].tolist()
+        mode = MODES[mode]
+        payload = message[HEADER:]
         if self.device.type == "cuda":
-            packed = packed.pin_memory().to(self.device, non_blocking=True)
-        t, b = len(ids), len(q_lens)
-        parts = packed.split([t, t, t, b + 1, b, packed.numel() - 3 * t - 2 * b - 1])
-        attn = AttentionBatch(positions=parts[1], slot_mapping=parts[2], mode=mode, max_seqlen_q=max(q_lens),
-                              max_seqlen_k=max(k_lens))
+            payload = payload.pin_memory().to(self.device, non_blocking=True)
+        ids, positions, slots, cu, k_lens, tables, rows = payload.split(
+            [t, t, t, b + 1, b, b * width, payload.numel() - 3 * t - 2 * b - 1 - b * width])
+        attn = AttentionBatch(positions=positions, slot_mapping=slots, mode=mode, max_seqlen_q=max_q,
+                              max_seqlen_k=max_k)
         if mode != "decode":
-            attn.cu_seqlens_q = parts[3].int()
+            attn.cu_seqlens_q = cu.int()
         if mode != "prefill":
-            attn.seqlens_k = parts[4].int()
-            attn.block_tables = parts[5].view(b, width).int()
-        return parts[0], attn, logit_rows
+            attn.seqlens_k = k_lens.int()
+            attn.block_tables = tables.view(b, width).int()
+        if num_rows == 0:  # only prefill chunks that stop mid-prompt: fill the cache, nothing to sample
+            self.model(ids, attn)
+            return None
+        every_row = num_rows == t
+        if mode == "decode" and self._graph_size(t) is not None:
+            logits = self._replay(ids, attn)
+            return logits[:t] if every_row else logits.index_select(0, rows)
+        hidden = self.model(ids, attn)
+        return self.model.compute_logits(hidden if every_row else hidden.index_select(0, rows))
 
     @torch.inference_mode()
     def run(self, batch: ScheduledBatch) -> list[int | None]:
         """Run one scheduled step; returns the sampled token of each sequence (None where no logits were needed)."""
-        ids, attn, logit_rows = self.prepare(batch)
-        rows = [r for r in logit_rows if r is not None]
-        if not rows:  # only prefill chunks that stop mid-prompt: fill the cache, nothing to sample
-            self.model(ids, attn)
+        message, logit_rows = self.pack(batch)
+        if self.workers is not None:
+            self.workers.send(message)
+        try:
+            logits = self.execute(message)
+        except Exception as e:
+            if self.workers is not None:
+                self.workers.check(e)  # a collective failed because a worker did: say which and why
+            raise
+        if logits is None:
             return [None] * len(logit_rows)
-        every_row = len(rows) == len(ids)  # a decode step: every token needs its logits, no gather
-        index = None if every_row else torch.tensor(rows).to(self.device, non_blocking=True)
-        if attn.mode == "decode" and self._graph_size(len(ids)) is not None:
-            logits = self._replay(ids, attn)
-            logits = logits[: len(ids)] if every_row else logits.index_select(0, index)
-        else:
-            hidden = self.model(ids, attn)
-            logits = self.model.compute_logits(hidden if every_row else hidden.index_select(0, index))
         seqs = [s for s, r in zip(batch.seqs, logit_rows) if r is not None]
         sampled = iter(self.sampler.sample(logits, seqs))
+        if self.workers is not None:
+            self.workers.check()  # a worker that died mid-step leaves garbage logits behind (its NCCL group aborted)
         return [next(sampled) if r is not None else None for r in logit_rows]
 
     # -- decode graphs ---------------------------------------------------------------------------------

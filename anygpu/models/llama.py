@@ -15,6 +15,11 @@ prefix-cache hits, a step mixing decodes and prefills).
 Linears are plain ``nn.Linear``, so ``anygpu.nn.quantize_model`` swaps them for NF4/FP4/int8 layers and
 ``anygpu.tunable.route`` sends them through the tuner, with no model code of their own.  Fusing q/k/v and
 gate/up into one Linear each means one GEMM (and one quantized matmul) instead of three or two.
+
+Tensor parallelism (``tp=TensorParallel(rank, world_size)``, rules in ``parallel.py``): each rank's Linears hold
+its shard only (still plain ``nn.Linear``, so quantizing a sharded model quantizes the shards), o_proj and
+down_proj outputs are all-reduced, and ``compute_logits`` all-gathers the vocab-parallel head so every rank
+returns the full logits.  ``load_weights`` cuts each rank's shard out of the full checkpoint tensors.
 """
 
 from __future__ import annotations
@@ -37,6 +42,7 @@ from ..ops import (
 )
 from ..ops.rotary_embedding import rotary_cos_sin_cache
 from .config import ModelConfig
+from .parallel import LlamaShard, TensorParallel
 
 MODES = ("prefill", "decode", "mixed")
 
@@ -68,11 +74,13 @@ class RMSNorm(nn.Module):
 
 
 class Attention(nn.Module):
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, shard: LlamaShard, tp: TensorParallel):
         super().__init__()
-        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        self.num_heads, self.num_kv_heads, self.head_dim = shard.num_heads, shard.num_kv_heads, cfg.head_dim
+        self.tp = tp
         self.q_size, self.kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         self.qkv_proj = nn.Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.attention_bias)
+        # Row-parallel and bias-free (were there a bias, only one rank could add it: the all-reduce sums them all).
         self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=False)
         self.scale = self.head_dim ** -0.5
         # HF's sliding window W lets a token see itself and the W - 1 before it.
@@ -98,26 +106,27 @@ class Attention(nn.Module):
         else:
             out = paged_prefill(q, k_cache, v_cache, batch.block_tables, batch.cu_seqlens_q, batch.seqlens_k,
                                 batch.max_seqlen_q, batch.max_seqlen_k, self.scale, self.window_left)
-        return self.o_proj(out.reshape(tokens, self.q_size))
+        return self.tp.all_reduce(self.o_proj(out.reshape(tokens, self.q_size)))
 
 
 class MLP(nn.Module):
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, shard: LlamaShard, tp: TensorParallel):
         super().__init__()
-        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+        self.tp = tp
+        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * shard.intermediate, bias=False)
+        self.down_proj = nn.Linear(shard.intermediate, cfg.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
+        return self.tp.all_reduce(self.down_proj(silu_and_mul(self.gate_up_proj(x))))
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, shard: LlamaShard, tp: TensorParallel):
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.self_attn = Attention(cfg)
+        self.self_attn = Attention(cfg, shard, tp)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.mlp = MLP(cfg)
+        self.mlp = MLP(cfg, shard, tp)
 
     def forward(self, x, residual, batch: AttentionBatch):
         if residual is None:
@@ -130,20 +139,27 @@ class DecoderLayer(nn.Module):
 
 
 class LlamaForCausalLM(nn.Module):
-    """``model(input_ids [T], batch) -> hidden [T, hidden]``; ``compute_logits(hidden [B, hidden])`` -> fp32."""
+    """``model(input_ids [T], batch) -> hidden [T, hidden]``; ``compute_logits(hidden [B, hidden])`` -> fp32.
+    ``tp``: this rank's place in a tensor-parallel group (None: the whole model in this process)."""
 
-    def __init__(self, cfg: ModelConfig, dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu"):
+    def __init__(self, cfg: ModelConfig, dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu",
+                 tp: TensorParallel | None = None):
         super().__init__()
         self.config = cfg
+        self.tp = tp = tp if tp is not None else TensorParallel()
+        self.shard = shard = LlamaShard.of(cfg, tp)
         device = torch.device(device)
-        with torch.device("meta"):  # no memory until to_empty; load_weights (or random_weights_) fills it
-            self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-            self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_layers))
+        with torch.device("meta"):  # no memory until to_empty; load_weights fills it
+            self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)  # replicated: lookups only
+            self.layers = nn.ModuleList(DecoderLayer(cfg, shard, tp) for _ in range(cfg.num_layers))
             self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-            self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+            self.lm_head = nn.Linear(cfg.hidden_size, shard.vocab_rows, bias=False)
         self.to_empty(device=device).to(dtype)
-        if cfg.tie_word_embeddings:
+        if cfg.tie_word_embeddings and tp.world_size == 1:
             self.lm_head.weight = self.embed_tokens.weight
+        # (Tied under tp > 1: lm_head is this rank's rows of the embedding, a copy that load_weights fills.)
+        if shard.vocab_real < shard.vocab_rows:
+            self.lm_head.weight.data[shard.vocab_real:].zero_()  # padding rows: their logits are cut off anyway
         # Made after to_empty (which would leave it uninitialised) and kept fp32 whatever the model's dtype.
         self.rotary = rotary_cos_sin_cache(cfg.head_dim, cfg.max_position, cfg.rope_theta, cfg.rope_scaling,
                                            device=device)
@@ -158,7 +174,10 @@ class LlamaForCausalLM(nn.Module):
         return x
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(hidden).float()
+        logits = self.lm_head(hidden)
+        if self.tp.world_size > 1:
+            logits = self.tp.all_gather_last_dim(logits)[:, : self.config.vocab_size]  # drop the padding rows
+        return logits.float()
 
     def set_kv_caches(self, caches: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
         if len(caches) != len(self.layers):
@@ -167,38 +186,90 @@ class LlamaForCausalLM(nn.Module):
             layer.self_attn.kv_cache = cache
 
     # -- weights ---------------------------------------------------------------------------------------
+    def _placements(self) -> dict[str, _Placement]:
+        """Where each HF projection goes: q/k/v into their rows of qkv_proj, gate/up into gate_up_proj, and which
+        part of the full tensor is this rank's (rows of column-parallel ones, columns of row-parallel ones)."""
+        cfg, s, d = self.config, self.shard, self.config.head_dim
+        q, kv, inter = s.num_heads * d, s.num_kv_heads * d, s.intermediate
+        heads = _Cut(0, cfg.num_heads * d, s.head_start * d, q)
+        kv_heads = _Cut(0, cfg.num_kv_heads * d, s.kv_head_start * d, kv)
+        inter_rows = _Cut(0, cfg.intermediate_size, s.intermediate_start, inter)
+        return {"q_proj": _Placement("qkv_proj", 0, heads), "k_proj": _Placement("qkv_proj", q, kv_heads),
+                "v_proj": _Placement("qkv_proj", q + kv, kv_heads),
+                "gate_proj": _Placement("gate_up_proj", 0, inter_rows),
+                "up_proj": _Placement("gate_up_proj", inter, inter_rows),
+                "o_proj": _Placement("o_proj", 0, _Cut(1, cfg.num_heads * d, s.head_start * d, q)),
+                "down_proj": _Placement("down_proj", 0, _Cut(1, cfg.intermediate_size, s.intermediate_start, inter)),
+                "lm_head": _Placement("lm_head", 0, _Cut(0, cfg.vocab_size, s.vocab_start, s.vocab_real))}
+
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Copy HF-named tensors in (``Checkpoint.weights()``): q/k/v land in their rows of qkv_proj, gate/up in
-        theirs of gate_up_proj.  Every parameter must be written exactly once; an unknown name, a wrong shape or a
-        missing tensor is a ValueError naming it (a silently half-loaded model would generate garbage)."""
-        params = dict(self.named_parameters())  # a tied lm_head appears once, as embed_tokens.weight
+        """Copy HF-named full tensors in (``Checkpoint.weights()``): q/k/v land in their rows of qkv_proj, gate/up
+        in theirs of gate_up_proj, each cut to this rank's shard under tensor parallelism.  Every parameter must
+        be written exactly once; an unknown name, a wrong shape or a missing tensor is a ValueError naming it (a
+        silently half-loaded model would generate garbage)."""
+        params = dict(self.named_parameters())  # a tied lm_head (tp == 1) appears once, as embed_tokens.weight
         cfg = self.config
-        q, kv, inter = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim, cfg.intermediate_size
-        fused = {"q_proj": ("qkv_proj", 0, q), "k_proj": ("qkv_proj", q, kv), "v_proj": ("qkv_proj", q + kv, kv),
-                 "gate_proj": ("gate_up_proj", 0, inter), "up_proj": ("gate_up_proj", inter, inter)}
+        placements = self._placements()
+        fused_starts: dict[str, set[int]] = {}
+        for p in placements.values():
+            fused_starts.setdefault(p.module, set()).add(p.row)
         expected = set()
         for pname in params:
             parts = pname.split(".")
-            starts = {s for f, s, _ in fused.values() if len(parts) >= 2 and parts[-2] == f}
-            expected |= {(pname, s) for s in (starts or {0})}
+            module = parts[-2] if len(parts) >= 2 else ""
+            expected |= {(pname, s) for s in fused_starts.get(module, {0})}
         written: set[tuple[str, int]] = set()
         for name, tensor in weights:
-            target, rows = name.removeprefix("model."), None
+            target = name.removeprefix("model.")
             if cfg.tie_word_embeddings and target == "lm_head.weight":
                 continue  # a checkpoint may store the tied copy too
             parts = target.split(".")
-            if len(parts) >= 2 and parts[-2] in fused:
-                fused_name, start, size = fused[parts[-2]]
-                target, rows = ".".join([*parts[:-2], fused_name, parts[-1]]), (start, size)
-            param = params.get(target)
-            if param is None:
-                raise ValueError(f"weights: unexpected tensor {name!r} for a {cfg.architecture} model")
-            dest = param.data if rows is None else param.data.narrow(0, *rows)
-            if tuple(dest.shape) != tuple(tensor.shape):
-                raise ValueError(f"weights: {name!r} has shape {tuple(tensor.shape)}, expected {tuple(dest.shape)}")
-            dest.copy_(tensor)
-            written.add((target, rows[0] if rows else 0))
+            placement = placements.get(parts[-2]) if len(parts) >= 2 else None
+            if placement is not None:
+                target = ".".join([*parts[:-2], placement.module, parts[-1]])
+            self._copy_in(params, name, target, tensor, placement)
+            written.add((target, placement.row if placement else 0))
+            if cfg.tie_word_embeddings and target == "embed_tokens.weight" and "lm_head.weight" in params:
+                # tp > 1: the tied head is a separate parameter holding this rank's vocab rows
+                self._copy_in(params, name, "lm_head.weight", tensor, placements["lm_head"])
+                written.add(("lm_head.weight", 0))
         missing = sorted(expected - written)
         if missing:
             raise ValueError(f"weights: {len(missing)} tensor(s) missing from the checkpoint, e.g. "
                              f"{[f'{n} rows {s}:' if s else n for n, s in missing[:3]]}")
+
+    def _copy_in(self, params, name: str, target: str, tensor: torch.Tensor, placement: _Placement | None) -> None:
+        param = params.get(target)
+        if param is None:
+            raise ValueError(f"weights: unexpected tensor {name!r} for a {self.config.architecture} model")
+        dest, cut = param.data, placement.cut if placement else None
+        if cut is not None:
+            if cut.dim == 0:
+                dest = dest.narrow(0, placement.row, cut.size)
+            full = list(dest.shape)
+            if len(full) > cut.dim:
+                full[cut.dim] = cut.full  # the checkpoint holds the whole tensor, whatever this rank keeps
+        else:
+            full = list(dest.shape)
+        if list(tensor.shape) != full:
+            raise ValueError(f"weights: {name!r} has shape {tuple(tensor.shape)}, expected {tuple(full)}")
+        dest.copy_(tensor if cut is None else tensor.narrow(cut.dim, cut.start, cut.size))
+
+
+@dataclass(frozen=True)
+class _Cut:
+    """This rank's part of a checkpoint tensor: ``size`` indices from ``start`` along ``dim`` (of ``full``)."""
+
+    dim: int
+    full: int
+    start: int
+    size: int
+
+
+@dataclass(frozen=True)
+class _Placement:
+    """Where a checkpoint projection goes: ``module`` (our Linear), from its row ``row``, cut by ``cut``."""
+
+    module: str
+    row: int
+    cut: _Cut

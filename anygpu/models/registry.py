@@ -2,21 +2,27 @@
 
 ``build_model(config, weights=..., dtype=..., device=..., quantize=...)``: the model class comes from
 ``ARCHITECTURES`` (one entry per supported ``ModelConfig.architecture``); weights are a checkpoint's
-``weights()`` iterator or ``"random"`` (vLLM's dummy weights: uniform in [-1e-3, 1e-3] from a fixed seed, norms
-at 1, for benchmarks in real shapes without a download).  ``quantize`` re-quantizes every linear but the
-output head with ``anygpu.nn.quantize_model`` (nf4, fp4, int8 = LLM.int8() at threshold 6.0), with a
-progress bar.
+``weights()`` iterator or ``"random"`` (vLLM's dummy weights: uniform in [-1e-3, 1e-3], norms at 1, for
+benchmarks in real shapes without a download).  ``quantize`` re-quantizes every linear but the output head with
+``anygpu.nn.quantize_model`` (nf4, fp4, int8 = LLM.int8() at threshold 6.0), with a progress bar.
+
+``tp``: build one rank's shard of a tensor-parallel model.  Random weights are generated as full HF-named
+tensors, each from a seed derived from its name, and go through ``load_weights`` like a checkpoint's: every
+rank cuts its shard out of the same full tensors, so a model is the same whatever the number of ranks (and
+TP=2 can be checked against TP=1 on a random model).  Quantizing after sharding quantizes each rank's shards.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+import zlib
+from collections.abc import Iterable, Iterator
 
 import torch
 
 from ..nn import quantize_model
 from .config import ModelConfig
 from .llama import LlamaForCausalLM
+from .parallel import TensorParallel
 
 # The Llama family shares one implementation: Mistral adds a sliding window, Qwen2 q/k/v biases, both
 # read from the config.
@@ -32,28 +38,52 @@ def model_class(config: ModelConfig):
                          f"{sorted(ARCHITECTURES)}") from None
 
 
-@torch.no_grad()
-def random_weights_(model: torch.nn.Module, seed: int = 1234, scale: float = 1e-3) -> None:
-    gen = torch.Generator(device=next(model.parameters()).device).manual_seed(seed)
-    for name, param in model.named_parameters():
+def random_weights(config: ModelConfig, dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu",
+                   seed: int = 1234, scale: float = 1e-3) -> Iterator[tuple[str, torch.Tensor]]:
+    """Full HF-named tensors of a Llama-family model: norms at 1, everything else uniform in [-scale, scale].
+    Each tensor has its own generator, seeded from ``seed`` and a CRC of its name (stable across processes,
+    unlike ``hash``), so it does not depend on which tensors a rank keeps or in what order they are made.
+    Made on ``device`` in ``dtype``, one at a time: an 8B model takes well under a second on a GPU."""
+    c = config
+    q, kv = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
+    shapes = {"model.embed_tokens.weight": (c.vocab_size, c.hidden_size), "model.norm.weight": (c.hidden_size,)}
+    if not c.tie_word_embeddings:
+        shapes["lm_head.weight"] = (c.vocab_size, c.hidden_size)
+    for i in range(c.num_layers):
+        p = f"model.layers.{i}."
+        shapes.update({p + "input_layernorm.weight": (c.hidden_size,),
+                       p + "post_attention_layernorm.weight": (c.hidden_size,),
+                       p + "self_attn.q_proj.weight": (q, c.hidden_size),
+                       p + "self_attn.k_proj.weight": (kv, c.hidden_size),
+                       p + "self_attn.v_proj.weight": (kv, c.hidden_size),
+                       p + "self_attn.o_proj.weight": (c.hidden_size, q),
+                       p + "mlp.gate_proj.weight": (c.intermediate_size, c.hidden_size),
+                       p + "mlp.up_proj.weight": (c.intermediate_size, c.hidden_size),
+                       p + "mlp.down_proj.weight": (c.hidden_size, c.intermediate_size)})
+        if c.attention_bias:
+            shapes.update({p + "self_attn.q_proj.bias": (q,), p + "self_attn.k_proj.bias": (kv,),
+                           p + "self_attn.v_proj.bias": (kv,)})
+    device = torch.device(device)
+    for name, shape in shapes.items():
         if name.endswith("norm.weight"):
-            param.fill_(1.0)
-        else:
-            param.uniform_(-scale, scale, generator=gen)
+            yield name, torch.ones(shape, dtype=dtype, device=device)
+            continue
+        gen = torch.Generator(device=device).manual_seed(seed + zlib.crc32(name.encode()))
+        yield name, torch.empty(shape, dtype=dtype, device=device).uniform_(-scale, scale, generator=gen)
 
 
 def build_model(config: ModelConfig, weights: Iterable[tuple[str, torch.Tensor]] | str,
                 dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu",
-                quantize: str | None = None, progress: bool = True) -> LlamaForCausalLM:
+                quantize: str | None = None, progress: bool = True,
+                tp: TensorParallel | None = None) -> LlamaForCausalLM:
     if quantize is not None and quantize not in QUANT_TYPES:
         raise ValueError(f"quantize: expected one of {QUANT_TYPES} or None, got {quantize!r}")
-    model = model_class(config)(config, dtype=dtype, device=device)
     if isinstance(weights, str):
         if weights != "random":
             raise ValueError(f"weights: expected a (name, tensor) iterator or 'random', got {weights!r}")
-        random_weights_(model)
-    else:
-        model.load_weights(weights)
+        weights = random_weights(config, dtype, device)
+    model = model_class(config)(config, dtype=dtype, device=device, tp=tp)
+    model.load_weights(weights)
     if quantize is not None:
         # int8 is LLM.int8() with transformers' outlier threshold: activations' outlier columns stay in 16 bits.
         extra = {"threshold": 6.0} if quantize == "int8" else {}
