@@ -27,16 +27,18 @@ for step in "$@"; do
       timeout 400 python3 -m anygpu.cli bench model --random-config llama3-8b --num-prompts 64 --input-len 512 \
         --output-len 256 --json "$OUT/model_c64.json" 2>&1 | grep -v "it/s\]" | tail -8 ;;
     tests-tp)
-      timeout 400 python3 -m pytest -q -m gpu tests/test_engine_gpu.py tests/test_engine_tp.py 2>&1 | tail -15 ;;
+      timeout ${TP_TEST_TIMEOUT:-400} python3 -m pytest -q -x -m gpu tests/test_engine_gpu.py -k "${TP_TESTS:-tp2}" \
+        > "$OUT/tests_tp.log" 2>&1; tail -15 "$OUT/tests_tp.log" ;;
     bench-tp)
-      for tp in 1 2; do
+      for tp in ${TPS:-1 2}; do
         timeout 240 python3 -m anygpu.cli bench model --random-config llama3-8b --num-prompts 1 --input-len 128 \
-          --output-len 256 --no-baseline --tp $tp --json "$OUT/model_b1_tp$tp.json" 2>&1 | grep -v "it/s\]" | tail -6
+          --output-len 256 --no-baseline --tp $tp --json "$OUT/model_b1_tp$tp.json" > "$OUT/bench_tp$tp.log" 2>&1
+        echo "exit $?"; grep -v "it/s\]" "$OUT/bench_tp$tp.log" | tail -6
       done ;;
     bench-serve)
       timeout 500 python3 -m anygpu.cli bench serve --random-config llama3-8b --num-prompts ${SERVE_PROMPTS:-512} \
         --concurrency 256 --input-len 512 --output-len 256 --half-load --client-procs 4 \
-        --json "$OUT/serve_c256.json" 2>&1 | grep -v "it/s\]" | tail -30 ;;
+        --json "$OUT/serve_c256.json" > "$OUT/serve.log" 2>&1; echo "exit $?"; grep -v "it/s\]" "$OUT/serve.log" | tail -30 ;;
     bench-int8)
       timeout 200 python3 -m anygpu.cli bench int8 --json "$OUT/int8.json" 2>&1 | tail -25 ;;
   esac

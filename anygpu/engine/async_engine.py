@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import sys
 import threading
 from collections.abc import AsyncIterator
 
@@ -24,6 +25,7 @@ from .llm_engine import LLMEngine, RequestOutput
 from .sampling_params import SamplingParams
 
 log = logging.getLogger("anygpu.engine")
+SWITCH_INTERVAL_S = 0.0005
 
 
 class AsyncLLMEngine:
@@ -35,6 +37,11 @@ class AsyncLLMEngine:
         self._streams: dict[str, tuple[asyncio.Queue, asyncio.AbstractEventLoop]] = {}
         self._stopped = False
         self._error: BaseException | None = None
+        # The engine thread and the event loop share the GIL.  When the GPU finishes a step the engine thread
+        # wants it back at once (the next step's launches wait on it), but CPython only makes a busy thread
+        # let go every switch interval (5 ms by default): at a 30 ms step that alone cost a third of the
+        # server's throughput on the H200.  A 0.5 ms interval keeps the GPU fed; it is process-wide.
+        sys.setswitchinterval(min(sys.getswitchinterval(), SWITCH_INTERVAL_S))
         self._thread = threading.Thread(target=self._loop, name="anygpu-engine", daemon=True)
         self._thread.start()
 
