@@ -154,3 +154,60 @@ def test_engine_failure_is_reported_not_hung():
             assert r.status_code == 200 and '"error"' in r.text and r.text.endswith("data: [DONE]\n\n")
     finally:
         eng.shutdown()
+
+
+# -- the engine in its own process (what `anygpu serve` runs) -----------------------------------------------------
+def test_engine_process_serves_the_same_tokens_and_frees_on_disconnect(engine):
+    import functools
+
+    from anygpu.engine.engine_process import EngineClient
+
+    client = EngineClient(functools.partial(random_engine, "tiny", max_num_seqs=8, progress=False))
+    remote = AsyncLLMEngine(client)
+    try:
+        body = {"model": "tiny", "prompt": [100, 200, 300], "max_tokens": 10, "temperature": 0, "ignore_eos": True}
+        with ServerThread(build_app(engine)) as here, ServerThread(build_app(remote)) as there:
+            a = httpx.post(here.url + "/v1/completions", json=body, timeout=60).json()
+            b = httpx.post(there.url + "/v1/completions", json=body, timeout=60).json()
+            assert a["choices"][0]["text"] == b["choices"][0]["text"] and b["usage"]["completion_tokens"] == 10
+            # A stream that leaves: the engine process frees the blocks and reports it.
+            long = {**body, "max_tokens": 1900, "stream": True}
+            with httpx.stream("POST", there.url + "/v1/completions", json=long, timeout=60) as r:
+                lines = r.iter_lines()
+                next(lines)
+            deadline = time.monotonic() + 2
+            while (client.requests or client.block_manager.num_free_blocks < client.block_manager.num_blocks) \
+                    and time.monotonic() < deadline:
+                time.sleep(0.01)
+            assert not client.requests
+            assert client.block_manager.num_free_blocks == client.block_manager.num_blocks
+            assert client.scheduler.num_running == 0
+            metrics = httpx.get(there.url + "/metrics").text
+            assert 'anygpu_kv_cache_usage_perc{model_name="tiny"} 0.0' in metrics
+    finally:
+        remote.shutdown()
+        client.close()
+    assert not client._proc.is_alive()
+
+
+def test_engine_process_errors():
+    import functools
+
+    from anygpu.engine.engine_process import EngineClient
+
+    with pytest.raises(ValueError, match="random_config"):
+        EngineClient(functools.partial(random_engine, "nope"))
+    client = EngineClient(functools.partial(random_engine, "tiny", max_num_seqs=2, progress=False))
+    try:
+        with pytest.raises(ValueError, match="prompt"):
+            client.add_request("a", [10**9])
+        client.add_request("a", [100, 101])
+        with pytest.raises(ValueError, match="request_id"):
+            client.add_request("a", [100, 101])
+        client._proc.kill()  # the engine process dies: the next step says so instead of waiting forever
+        client._proc.join()
+        with pytest.raises(RuntimeError, match="engine process died"):
+            for _ in range(100):
+                client.step()
+    finally:
+        client.close()

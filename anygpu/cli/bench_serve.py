@@ -5,11 +5,14 @@ Without ``--url`` it starts everything itself, in this order, on one engine:
 2. the server (a real socket on loopback, the load generator in ``--client-procs`` other processes) at
    ``--concurrency`` (and ``--request-rate`` if given): the peak run;
 3. with ``--half-load``: again at half the peak run's request rate (TTFT at moderate load).
+The server's engine runs in its own process (``EngineClient``), as ``anygpu serve`` runs it; the offline engine
+runs in this one and is freed first.
 Each run gets its own random prompts (same lengths), so no run is served from another's prefix cache.
 """
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import os
@@ -53,30 +56,37 @@ def bench_serve(*, json_path, model, random_config, quantize, num_prompts, concu
 
 def _self_hosted(bm, bs, model, random_config, quantize, num_prompts, input_len, tp, baseline, request_rate,
                  half_load, load) -> dict:
+    import torch
+
     from ..engine import AsyncLLMEngine
+    from ..engine.engine_process import EngineClient
     from ..serve import ServerThread, build_app
     from .bench_model import make_engine
 
-    engine = make_engine(model, random_config, quantize, load["concurrency"], input_len + load["output_len"], tp)
-    vocab = engine.config.vocab_size
-    out = {"model": engine.model_name + (f" ({quantize})" if quantize else "") + (f" tp={tp}" if tp > 1 else ""),
-           "device": str(engine.device), "dtype": str(engine.dtype), "results": {}}
-    bm.warm_up(engine, input_len, vocab)
-    if baseline:
+    args = (model, random_config, quantize, load["concurrency"], input_len + load["output_len"], tp)
+    out = {"results": {}}
+    if baseline:  # the offline engine in this process; freed before the server's engine is built
+        engine = make_engine(*args)
+        vocab = engine.config.vocab_size
+        bm.warm_up(engine, input_len, vocab)
         offline = bm.run_engine(engine, bm.random_prompts(num_prompts, input_len, vocab, seed=0), load["output_len"],
                                 load["concurrency"])
-        out["results"]["offline"] = {
-            "completed": offline["requests"], "failed": 0, "disconnected": 0, "status_5xx": 0,
-            "duration_s": offline["seconds"], "total_input_tokens": num_prompts * input_len,
-            "total_output_tokens": offline["output_tokens"], "request_throughput": offline["requests"] / offline["seconds"],
-            "output_throughput": offline["output_tokens_per_s"],
-            "total_token_throughput": (num_prompts * input_len + offline["output_tokens"]) / offline["seconds"],
-            "ttft_s": _vllm_stats(offline["ttft_s"]), "tpot_s": _vllm_stats(offline["tpot_s"]),
-            "itl_s": _vllm_stats(offline["tpot_s"]), "e2el_s": _vllm_stats(None), "errors": []}
+        out["results"]["offline"] = _offline_summary(offline, num_prompts * input_len)
+        engine.close()
+        del engine
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+    # The server's engine runs in its own process, as `anygpu serve` runs it.
+    engine = EngineClient(functools.partial(make_engine, *args))
+    vocab = engine.config.vocab_size
+    out.update(model=engine.model_name + (f" ({quantize})" if quantize else "") + (f" tp={tp}" if tp > 1 else ""),
+               device=str(engine.device), dtype=str(engine.dtype))
     async_engine = AsyncLLMEngine(engine)
     try:
         with ServerThread(build_app(async_engine)) as server:
             name = server.server.config.app.state.server.model_name
+            # Warm-up through the server: the engine process compiles what the timed runs will meet.
+            bs.run_load_in_processes(server.url, name, bm.random_prompts(4, input_len, vocab, seed=99), 3, 2)
             runs = [("server", request_rate, 1)]
             for label, rate, seed in runs:
                 prompts = bm.random_prompts(num_prompts, input_len, vocab, seed=seed)
@@ -90,6 +100,18 @@ def _self_hosted(bm, bs, model, random_config, quantize, num_prompts, input_len,
     if baseline:
         out["server_vs_offline"] = out["results"]["server"]["output_throughput"] / out["results"]["offline"]["output_throughput"]
     return out
+
+
+def _offline_summary(offline: dict, input_tokens: int) -> dict:
+    """bench.model's result in bench.serve's keys (the offline run has no ITL or E2EL of its own)."""
+    return {"completed": offline["requests"], "failed": 0, "disconnected": 0, "status_5xx": 0,
+            "duration_s": offline["seconds"], "total_input_tokens": input_tokens,
+            "total_output_tokens": offline["output_tokens"],
+            "request_throughput": offline["requests"] / offline["seconds"],
+            "output_throughput": offline["output_tokens_per_s"],
+            "total_token_throughput": (input_tokens + offline["output_tokens"]) / offline["seconds"],
+            "ttft_s": _vllm_stats(offline["ttft_s"]), "tpot_s": _vllm_stats(offline["tpot_s"]),
+            "itl_s": _vllm_stats(None), "e2el_s": _vllm_stats(None), "errors": []}
 
 
 def _vllm_stats(p: dict | None) -> dict:

@@ -7,6 +7,8 @@ is allowed but warned about.
 
 from __future__ import annotations
 
+import functools
+
 import click
 
 from .generate import ENGINE_OPTIONS, _options
@@ -30,13 +32,17 @@ from .generate import ENGINE_OPTIONS, _options
 @click.option("--max-body-bytes", type=click.IntRange(min=1), default=4 << 20, show_default=True,
               help="Largest request body accepted (413 above).")
 @click.option("--gpu-memory-utilization", type=click.FloatRange(0.05, 0.99), default=0.9, show_default=True)
+@click.option("--engine-in-thread", is_flag=True,
+              help="Run the engine in a thread of the server's process instead of its own process (they then "
+                   "share the GIL: slower under load, but one process).")
 @click.option("--log-level", type=click.Choice(["critical", "error", "warning", "info", "debug"]), default="info")
 def serve(model, quantize, dtype, tune, max_model_len, eager, random_config, host, port, api_key, tp,
           served_model_name, max_num_seqs, max_concurrent_requests, max_body_bytes, gpu_memory_utilization,
-          log_level):
+          engine_in_thread, log_level):
     """Serve a model over HTTP: OpenAI's /v1/chat/completions, /v1/completions and /v1/models, TGI's /generate
     and /generate_stream, /health and /metrics."""
     from ..engine import AsyncLLMEngine, LLMEngine
+    from ..engine.engine_process import EngineClient
     from ..serve import build_app, runner
 
     if model and random_config:
@@ -52,13 +58,15 @@ def serve(model, quantize, dtype, tune, max_model_len, eager, random_config, hos
         raise click.BadParameter(str(e), param_hint="--port") from None
     kwargs = dict(quantize=quantize, dtype=dtype, tune=tune, max_model_len=max_model_len, enforce_eager=eager,
                   max_num_seqs=max_num_seqs, gpu_memory_utilization=gpu_memory_utilization, tp=tp)
-    try:
-        if random_config:
-            from ..bench.model import random_engine
+    if random_config:
+        from ..bench.model import random_engine
 
-            engine = random_engine(random_config, **kwargs)
-        else:
-            engine = LLMEngine(model, **kwargs)
+        factory = functools.partial(random_engine, random_config, **kwargs)
+    else:
+        factory = functools.partial(LLMEngine, model, **kwargs)
+    try:
+        # By default the engine gets its own process (its own GIL): the web side never delays a step.
+        engine = factory() if engine_in_thread else EngineClient(factory)
     except (ValueError, FileNotFoundError) as e:
         sock.close()
         raise click.ClickException(f"cannot load the model: {e}") from None

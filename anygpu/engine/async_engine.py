@@ -11,13 +11,17 @@ aborts reach it through a lock-protected inbox, outputs go back with ``loop.call
 Leaving the ``async for`` early (a client that disconnects, a cancelled task) aborts the request, and its KV
 blocks are freed by the next step.  A request the engine rejects (bad prompt or sampling values) raises
 ValueError from the iterator, and the engine goes on serving the others.
+
+The engine may be an ``LLMEngine`` in this process (it then shares the GIL with the event loop) or an
+``EngineClient`` (``engine_process.py``), the same interface over a pipe to an engine in its own process,
+which is what ``anygpu serve`` uses.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
-import sys
 import threading
 from collections.abc import AsyncIterator
 
@@ -25,7 +29,6 @@ from .llm_engine import LLMEngine, RequestOutput
 from .sampling_params import SamplingParams
 
 log = logging.getLogger("anygpu.engine")
-SWITCH_INTERVAL_S = 0.0005
 
 
 class AsyncLLMEngine:
@@ -37,11 +40,6 @@ class AsyncLLMEngine:
         self._streams: dict[str, tuple[asyncio.Queue, asyncio.AbstractEventLoop]] = {}
         self._stopped = False
         self._error: BaseException | None = None
-        # The engine thread and the event loop share the GIL.  When the GPU finishes a step the engine thread
-        # wants it back at once (the next step's launches wait on it), but CPython only makes a busy thread
-        # let go every switch interval (5 ms by default): at a 30 ms step that alone cost a third of the
-        # server's throughput on the H200.  A 0.5 ms interval keeps the GPU fed; it is process-wide.
-        sys.setswitchinterval(min(sys.getswitchinterval(), SWITCH_INTERVAL_S))
         self._thread = threading.Thread(target=self._loop, name="anygpu-engine", daemon=True)
         self._thread.start()
 
@@ -131,17 +129,19 @@ class AsyncLLMEngine:
     def _loop(self) -> None:
         while not self._stopped:
             self._drain_inbox()
-            if not self.engine.has_unfinished():
-                self._wake.wait(timeout=0.5)
-                self._wake.clear()
-                continue
             try:
+                if not self.engine.has_unfinished():
+                    self._wake.wait(timeout=0.5)
+                    self._wake.clear()
+                    continue
                 outputs = self.engine.step()
-            except BaseException as error:  # a bug, or the device failed: fail every open stream, loudly
+            except BaseException as error:  # a bug, the device failed, the engine process died: fail every
+                # open stream, loudly
                 self._error = error
                 for request_id in list(self._streams):
                     self._deliver(request_id, RuntimeError(f"engine step failed: {error!r}"))
-                    self.engine.abort(request_id)
+                    with contextlib.suppress(Exception):  # the engine may be gone
+                        self.engine.abort(request_id)
                 self._streams.clear()
                 log.exception("engine step failed; the engine is stopped (health checks now fail)")
                 return

@@ -68,6 +68,33 @@ class _Request:
     stop_reason: str | int | None = None
 
 
+def check_request(prompt, params, vocab_size: int, tokenizer, max_model_len: int) -> tuple[list[int], SamplingParams]:
+    """The prompt's token ids and the validated params, or a ValueError naming the bad field.  Shared by
+    ``LLMEngine.add_request`` and the client of an engine in another process (which must refuse the same things
+    synchronously)."""
+    params = params if params is not None else SamplingParams()
+    if not isinstance(params, SamplingParams):
+        raise ValueError(f"params: expected a SamplingParams, got {type(params).__name__}")
+    params.validate(vocab_size)
+    if isinstance(prompt, str):
+        if tokenizer is None:
+            raise ValueError("prompt: this engine has no tokenizer; pass token ids")
+        ids = tokenizer.encode(prompt)
+    elif isinstance(prompt, (list, tuple)) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+        ids = list(prompt)
+        bad = [t for t in ids if not 0 <= t < vocab_size]
+        if bad:
+            raise ValueError(f"prompt: token ids must be in [0, {vocab_size}), got {bad[:3]}")
+    else:
+        raise ValueError(f"prompt: expected a string or a list of token ids, got {type(prompt).__name__}")
+    if not ids:
+        raise ValueError("prompt: expected at least one token, got an empty prompt")
+    if len(ids) >= max_model_len:
+        raise ValueError(f"prompt: {len(ids)} tokens leave no room to generate in the context of "
+                         f"{max_model_len} tokens (max_model_len)")
+    return ids, params
+
+
 def resolve_dtype(dtype, device: torch.device, config) -> torch.dtype:
     if isinstance(dtype, torch.dtype):
         return dtype
@@ -147,28 +174,9 @@ class LLMEngine:
 
     # -- requests --------------------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams | None = None) -> None:
-        params = params if params is not None else SamplingParams()
-        if not isinstance(params, SamplingParams):
-            raise ValueError(f"params: expected a SamplingParams, got {type(params).__name__}")
-        params.validate(self.config.vocab_size)
         if request_id in self.requests:
             raise ValueError(f"request_id: {request_id!r} is already running")
-        if isinstance(prompt, str):
-            if self.tokenizer is None:
-                raise ValueError("prompt: this engine has no tokenizer; pass token ids")
-            ids = self.tokenizer.encode(prompt)
-        elif isinstance(prompt, (list, tuple)) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
-            ids = list(prompt)
-            bad = [t for t in ids if not 0 <= t < self.config.vocab_size]
-            if bad:
-                raise ValueError(f"prompt: token ids must be in [0, {self.config.vocab_size}), got {bad[:3]}")
-        else:
-            raise ValueError(f"prompt: expected a string or a list of token ids, got {type(prompt).__name__}")
-        if not ids:
-            raise ValueError("prompt: expected at least one token, got an empty prompt")
-        if len(ids) >= self.max_model_len:
-            raise ValueError(f"prompt: {len(ids)} tokens leave no room to generate in the context of "
-                             f"{self.max_model_len} tokens (max_model_len)")
+        ids, params = check_request(prompt, params, self.config.vocab_size, self.tokenizer, self.max_model_len)
         seq = Sequence(ids, params)
         detok = IncrementalDetokenizer(self.tokenizer, ids, params.skip_special_tokens) if self.tokenizer else None
         self.requests[request_id] = _Request(seq, detok)

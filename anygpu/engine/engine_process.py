@@ -1,0 +1,233 @@
+"""``EngineClient``: an ``LLMEngine`` in its own process, driven through the same step-at-a-time interface
+(``add_request`` / ``abort`` / ``step`` / ``has_unfinished``), so ``AsyncLLMEngine(EngineClient(factory))`` serves
+from it unchanged.
+
+Why a process: in one process the HTTP event loop and the engine share the GIL.  At 256 concurrent streams the
+loop turns ~8k tokens a second into SSE chunks, and every millisecond it holds the GIL when a step ends is a
+millisecond the GPU waits for its next launch: on the H200 the server reached only ~70 % of the offline engine's
+throughput that way.  Here the engine loop runs on its own interpreter and never waits for the web side.
+
+    client = EngineClient(functools.partial(LLMEngine, "model.gguf", dtype="bfloat16"))
+
+``factory`` builds the engine in the child (it must pickle: a top-level function or a partial of one).  The
+protocol is plain tuples over a pipe, our own data only (nothing from a checkpoint is unpickled here):
+
+    client -> engine   ("add", request_id, prompt_ids, params) | ("abort", request_id) | ("stop",)
+    engine -> client   ("ready", info) once, or ("failed", kind, message)
+                       ("step", deltas, stats) after every step and after control messages
+    delta = (request_id, delta_text, delta_token_ids, finished, finish_reason, stop_reason,
+             arrival_time, first_token_time, finish_time, num_cached_tokens)
+
+Only deltas cross the pipe (a step of 256 sequences is a few tens of KB); the client rebuilds each request's
+cumulative text and ids.  Prompts are tokenized and checked in the client with the engine's own rules
+(``check_request``), so bad input still fails synchronously in ``add_request``.  Timestamps come from
+``time.monotonic``-based clocks, which are system-wide on Linux, so they compare across the two processes.
+If the engine process dies, ``step`` raises and ``AsyncLLMEngine`` fails the open streams.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import threading
+from dataclasses import dataclass, field
+
+from .llm_engine import RequestOutput, check_request
+
+STARTUP_TIMEOUT_S = 1800  # an 8B checkpoint read from a slow disk, plus warmup and graph capture
+
+
+@dataclass
+class SchedulerStats:
+    """What the server reads from ``engine.scheduler`` (the engine process reports it with every step)."""
+
+    num_running: int = 0
+    num_waiting: int = 0
+    eos_token_ids: frozenset = frozenset()
+
+
+@dataclass
+class BlockStats:
+    """What the server and tests read from ``engine.block_manager``."""
+
+    num_blocks: int = 0
+    num_free_blocks: int = 0
+
+    @property
+    def usage(self) -> float:
+        return 1.0 - self.num_free_blocks / self.num_blocks if self.num_blocks else 0.0
+
+
+@dataclass
+class _Live:
+    prompt_token_ids: list[int]
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+
+
+class EngineClient:
+    def __init__(self, factory, poll_s: float = 0.01):
+        ctx = multiprocessing.get_context("spawn")
+        self._conn, child = ctx.Pipe()
+        # Not a daemon: the engine may start tensor-parallel workers of its own, which daemons cannot.
+        self._proc = ctx.Process(target=_engine_main, args=(factory, child), name="anygpu-engine-process")
+        self._proc.start()
+        child.close()
+        self._poll_s = poll_s
+        self._send_lock = threading.Lock()
+        if not self._conn.poll(STARTUP_TIMEOUT_S):
+            self.close()
+            raise RuntimeError(f"the engine process did not start within {STARTUP_TIMEOUT_S} s")
+        try:
+            message = self._conn.recv()
+        except EOFError:
+            self._proc.join(timeout=5)
+            raise RuntimeError(f"the engine process exited while starting (exit code {self._proc.exitcode})") from None
+        if message[0] == "failed":
+            self.close()
+            _, kind, text = message
+            raise (ValueError if kind == "ValueError" else RuntimeError)(text)
+        info = message[1]
+        self.config, self.tokenizer = info["config"], info["tokenizer"]
+        self.model_name, self.model_path = info["model_name"], info["model_path"]
+        self.max_model_len, self.device, self.dtype = info["max_model_len"], info["device"], info["dtype"]
+        self.scheduler = SchedulerStats(eos_token_ids=info["eos_token_ids"])
+        self.block_manager = BlockStats(info["num_blocks"], info["num_blocks"])
+        self.requests: dict[str, _Live] = {}
+        self._pending: list[RequestOutput] = []
+
+    # -- the LLMEngine interface -----------------------------------------------------------------------
+    def add_request(self, request_id: str, prompt, params=None) -> None:
+        if request_id in self.requests:
+            raise ValueError(f"request_id: {request_id!r} is already running")
+        ids, params = check_request(prompt, params, self.config.vocab_size, self.tokenizer, self.max_model_len)
+        self.requests[request_id] = _Live(ids)
+        self._send(("add", request_id, ids, params))
+
+    def abort(self, request_id: str) -> None:
+        if self.requests.pop(request_id, None) is not None:
+            self._send(("abort", request_id))
+
+    def has_unfinished(self) -> bool:
+        # Also read what has arrived: after an abort the engine reports its freed blocks although no request
+        # is left here to step for.
+        self._pending += self._receive(0)
+        return bool(self.requests or self._pending)
+
+    def step(self) -> list[RequestOutput]:
+        """The outputs of the engine's next step, or [] if none arrives within ``poll_s`` (so the caller can
+        take new requests and aborts meanwhile)."""
+        outputs, self._pending = self._pending, []
+        return outputs + self._receive(0 if outputs else self._poll_s)
+
+    def _receive(self, timeout: float) -> list[RequestOutput]:
+        outputs: list[RequestOutput] = []
+        # Wait once, then take everything already there: a caller that fell behind catches up in one call.
+        while True:
+            try:
+                if not self._conn.poll(timeout):
+                    break
+                _, deltas, stats = self._conn.recv()
+            except (EOFError, OSError):  # closed pipe, or reset when the process was killed
+                raise RuntimeError(f"the engine process died (exit code {self._proc.exitcode})") from None
+            self._take_stats(stats)
+            for d in deltas:
+                out = self._output(*d)
+                if out is not None:
+                    outputs.append(out)
+            timeout = 0
+        return outputs
+
+    def close(self) -> None:
+        if self._proc.is_alive():
+            try:
+                self._send(("stop",))
+            except (BrokenPipeError, OSError):
+                pass
+            self._proc.join(timeout=60)
+        if self._proc.is_alive():
+            self._proc.terminate()
+            self._proc.join(timeout=10)
+        self._conn.close()
+
+    # -- internals -------------------------------------------------------------------------------------
+    def _send(self, message) -> None:
+        with self._send_lock:
+            self._conn.send(message)
+
+    def _take_stats(self, stats) -> None:
+        self.scheduler.num_running, self.scheduler.num_waiting, self.block_manager.num_free_blocks = stats
+
+    def _output(self, request_id, delta_text, delta_ids, finished, finish_reason, stop_reason, arrival,
+                first_token, finish, cached) -> RequestOutput | None:
+        live = self.requests.get(request_id)
+        if live is None:  # aborted here before the engine heard of it
+            return None
+        live.text += delta_text
+        live.token_ids.extend(delta_ids)
+        if finished:
+            del self.requests[request_id]
+        return RequestOutput(request_id, live.prompt_token_ids, text=live.text, token_ids=list(live.token_ids),
+                             delta_text=delta_text, delta_token_ids=delta_ids, finished=finished,
+                             finish_reason=finish_reason, stop_reason=stop_reason, arrival_time=arrival,
+                             first_token_time=first_token, finish_time=finish, num_cached_tokens=cached)
+
+
+def _stats(engine) -> tuple:
+    return engine.scheduler.num_running, engine.scheduler.num_waiting, engine.block_manager.num_free_blocks
+
+
+def _handle(engine, conn, message) -> bool:
+    """Apply one control message; False for "stop"."""
+    if message[0] == "stop":
+        return False
+    if message[0] == "abort":
+        engine.abort(message[1])
+        return True
+    _, request_id, ids, params = message
+    try:
+        engine.add_request(request_id, ids, params)
+    except ValueError as error:  # checked by the client already: only a race could get here
+        conn.send(("step", [(request_id, "", [], True, "abort", str(error), 0.0, None, None, 0)], _stats(engine)))
+    return True
+
+
+def _engine_main(factory, conn) -> None:
+    """The engine process: build the engine, then step while there is work and block on the pipe when idle."""
+    import traceback
+
+    try:
+        engine = factory()
+    except BaseException as error:  # report it: the parent would otherwise only see an exit code
+        kind = "ValueError" if isinstance(error, (ValueError, FileNotFoundError)) else "RuntimeError"
+        text = str(error) if kind == "ValueError" else traceback.format_exc()
+        conn.send(("failed", kind, text))
+        return
+    try:
+        conn.send(("ready", {
+            "config": engine.config, "tokenizer": engine.tokenizer, "model_name": engine.model_name,
+            "model_path": engine.model_path, "max_model_len": engine.max_model_len, "device": engine.device,
+            "dtype": engine.dtype, "eos_token_ids": engine.scheduler.eos_token_ids,
+            "num_blocks": engine.block_manager.num_blocks}))
+        dirty = False  # control messages changed the state since the last report
+        while True:
+            while conn.poll(0):
+                if not _handle(engine, conn, conn.recv()):
+                    return
+                dirty = True
+            if not engine.has_unfinished():
+                if dirty:  # e.g. an abort freed blocks: say so now, not at the next step
+                    conn.send(("step", [], _stats(engine)))
+                    dirty = False
+                if not _handle(engine, conn, conn.recv()):  # idle: block until there is something to do
+                    return
+                dirty = True
+                continue
+            outputs = engine.step()
+            dirty = False
+            conn.send(("step", [(o.request_id, o.delta_text, o.delta_token_ids, o.finished, o.finish_reason,
+                                 o.stop_reason, o.arrival_time, o.first_token_time, o.finish_time,
+                                 o.num_cached_tokens) for o in outputs], _stats(engine)))
+    except (EOFError, BrokenPipeError, KeyboardInterrupt):
+        pass  # the parent went away or is stopping us
+    finally:
+        engine.close()
