@@ -1,11 +1,18 @@
-"""The engine on a GPU (CUDA or ROCm): the same tokens as on the CPU, and decode graphs equal eager decoding."""
+"""The engine on a GPU (CUDA or ROCm): the same tokens as on the CPU, and decode graphs equal eager decoding.  On 2
+GPUs: tensor parallelism (TP=2 == TP=1 in fp32), its symmetric-memory all-reduce against NCCL's, and shutdown."""
 
 from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+import time
 
 import pytest
 import torch
 
 from anygpu.engine import LLMEngine, SamplingParams
+from anygpu.engine.distributed import DESTROY_TIMEOUT_S
 
 pytestmark = pytest.mark.gpu
 transformers = pytest.importorskip("transformers")
@@ -98,3 +105,53 @@ def test_tp2_fp32_tokens_equal_tp1(folder, enforce_eager):
 def test_tp2_quantized_engine_runs(folder, quantize):
     out = _tp_tokens(folder, 2, dtype="float16", quantize=quantize)
     assert all(len(t) == GREEDY.max_tokens for t in out)
+
+
+def _tp2_run(path, dtype: str, all_reduce: str, monkeypatch) -> tuple[str, list[list[int]]]:
+    """(the all-reduce path rank 0 took, the tokens) for ANYGPU_TP_ALLREDUCE=all_reduce; the close is timed:
+    it must be clean and quick (graphs released before the NCCL communicator is destroyed)."""
+    monkeypatch.setenv("ANYGPU_TP_ALLREDUCE", all_reduce)
+    engine = LLMEngine(str(path), tp=2, dtype=dtype, **TP_ARGS)
+    (worker,) = engine._workers.procs
+    try:
+        assert engine.runner.graphs, "no decode graph was captured"
+        return engine.model.tp.all_reduce_path, tokens(engine)
+    finally:
+        start = time.monotonic()
+        engine.close()
+        assert time.monotonic() - start < DESTROY_TIMEOUT_S and worker.exitcode == 0
+
+
+@two_gpus
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_tp2_symm_mem_all_reduce_equals_nccl(folder, monkeypatch, dtype):
+    # Two ranks: both paths add the two partial sums once (one-shot in rank order, the same on both ranks), so
+    # the tokens are the same in bf16 too.  fp32 TP=2 == TP=1 is test_tp2_fp32_tokens_equal_tp1 (auto: symm_mem).
+    path, auto = _tp2_run(folder, dtype, "auto", monkeypatch)
+    assert path == "symm_mem"  # chosen by default on 2 CUDA GPUs
+    if dtype == "float32":
+        assert _tp2_run(folder, dtype, "symm_mem", monkeypatch) == ("symm_mem", auto)
+    assert _tp2_run(folder, dtype, "nccl", monkeypatch) == ("nccl", auto)
+
+
+@two_gpus
+def test_tp2_engine_left_open_exits(folder, tmp_path):
+    # ``anygpu bench model --tp 2`` never closes its engine: the interpreter's exit does (weakref.finalize),
+    # with the decode graphs alive.  That exit must be quick and clean (no destroy left to its timeout).
+    script = tmp_path / "left_open.py"
+    script.write_text(textwrap.dedent(f"""
+        import time
+        from anygpu.engine import LLMEngine, SamplingParams
+        if __name__ == "__main__":
+            engine = LLMEngine({str(folder)!r}, tp=2, device="cuda", dtype="bfloat16", progress=False,
+                               max_num_seqs=8, block_size=8, num_kv_blocks=128)  # (this process holds GPU 0)
+            engine.add_request("a", [5, 17, 300], SamplingParams(max_tokens=8, temperature=0, ignore_eos=True))
+            while engine.has_unfinished():
+                engine.step()
+            print("done", engine.model.tp.all_reduce_path, time.time(), flush=True)
+    """))
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=300)
+    exited = time.time()
+    assert done.returncode == 0 and "done symm_mem" in done.stdout, done.stderr[-3000:]
+    assert exited - float(done.stdout.split()[-1]) < DESTROY_TIMEOUT_S
+    assert "did not finish" not in done.stderr

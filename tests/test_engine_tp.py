@@ -21,6 +21,7 @@ import torch
 
 from anygpu.engine import LLMEngine, SamplingParams
 from anygpu.models import ModelConfig
+from anygpu.models import parallel
 from anygpu.models.parallel import TensorParallel
 from anygpu.models.registry import build_model, random_weights
 
@@ -121,6 +122,7 @@ def test_tp2_random_model_equals_tp1():
     engine.close()  # twice is fine
     assert worker.exitcode == 0  # a clean shutdown, not a kill
     assert modes == {0, 1, 2}  # prefill, decode and mixed steps all crossed to the worker
+    assert engine.model.tp.all_reduce_path == "gloo"  # no symmetric memory on the CPU
     assert two == run(1, config=TINY)
 
 
@@ -230,3 +232,150 @@ def test_engine_that_fails_after_starting_its_workers_stops_them():
     with pytest.raises(ValueError, match="max_model_len: 64 tokens do not fit the KV cache"):
         _engine(2, config=TINY, num_kv_blocks=2, max_model_len=64)
     # (the autouse fixture checks that no worker is left)
+
+
+# -- the all-reduce path (the symmetric-memory one itself runs on 2 GPUs: test_engine_gpu.py) ------------------
+def test_all_reduce_mode_from_the_environment(monkeypatch):
+    monkeypatch.delenv("ANYGPU_TP_ALLREDUCE", raising=False)
+    assert parallel.all_reduce_mode() == "auto"
+    for value, mode in [("", "auto"), (" NCCL ", "nccl"), ("symm_mem", "symm_mem"), ("auto", "auto")]:
+        monkeypatch.setenv("ANYGPU_TP_ALLREDUCE", value)
+        assert parallel.all_reduce_mode() == mode
+    monkeypatch.setenv("ANYGPU_TP_ALLREDUCE", "fast")
+    with pytest.raises(ValueError, match="ANYGPU_TP_ALLREDUCE: expected one of auto, nccl, symm_mem, got 'fast'"):
+        parallel.all_reduce_mode()
+    with pytest.raises(ValueError, match="ANYGPU_TP_ALLREDUCE"):  # before any worker is spawned
+        LLMEngine(config=TINY, tp=2, **ENGINE)
+
+
+def test_symm_mem_support_decision(monkeypatch):
+    cuda = torch.device("cuda", 0)
+    unsupported = parallel.symm_mem_unsupported
+    assert unsupported(cuda, 2, torch.bfloat16) is None  # (torch 2.11+ has the ops, CPU builds too)
+    assert unsupported(cuda, 8, torch.float32) is None
+    assert unsupported("cpu", 2, torch.bfloat16) == "cpu device"
+    assert "3 ranks" in unsupported(cuda, 3, torch.bfloat16)
+    assert "torch.float16" in unsupported(cuda, 2, torch.float16)  # the kernels have no fp16
+    monkeypatch.setattr(torch.version, "hip", "6.4")
+    assert "ROCm" in unsupported(cuda, 2, torch.bfloat16)
+    assert unsupported(cuda, 2, torch.bfloat16, forced=True) is None  # forced: tried, falls back if setup fails
+    monkeypatch.setattr(torch.version, "hip", None)
+    monkeypatch.setattr(torch, "__version__", "2.10.1+cu128")
+    assert "needs 2.11" in unsupported(cuda, 2, torch.bfloat16)
+
+
+def test_forcing_symm_mem_where_it_cannot_run_is_a_value_error(monkeypatch):
+    monkeypatch.setenv("ANYGPU_TP_ALLREDUCE", "symm_mem")
+    with pytest.raises(ValueError, match="ANYGPU_TP_ALLREDUCE=symm_mem: .* cannot run here: cpu device"):
+        LLMEngine(config=TINY, tp=2, **ENGINE)
+    LLMEngine(config=TINY, tp=1, **ENGINE)  # one rank: no all-reduce to choose
+
+
+class FakeSymmMemOps:
+    """The symm_mem ops on the CPU, as if every rank held the same input: the sum is world_size times it."""
+
+    def __init__(self, world_size: int, fused: bool = True):
+        self.world_size, self.calls = world_size, []
+        if fused:
+            self.one_shot_all_reduce_copy = self._copy
+
+    def one_shot_all_reduce(self, buf, op, group_name):
+        self.calls.append("one_shot")
+        return buf * self.world_size
+
+    def _copy(self, buf, x, op, group_name):
+        self.calls.append("one_shot_copy")
+        buf.copy_(x)
+        return buf * self.world_size
+
+    def two_shot_all_reduce_(self, buf, op, group_name):
+        self.calls.append("two_shot")
+        return buf.mul_(self.world_size)
+
+
+@pytest.mark.parametrize("world_size, fused, numel, calls", [
+    (2, True, 8 * 256, ["one_shot_copy"]), (2, False, 8 * 256, ["one_shot"]),
+    (2, True, 1 << 20, ["one_shot_copy"]),  # 2 ranks: one-shot whatever the size
+    (4, True, 8 * 256, ["one_shot_copy"]), (4, True, 1 << 20, ["two_shot"])])  # 2 MiB: over ONE_SHOT_MAX_BYTES
+def test_symm_mem_all_reduce_paths(world_size, fused, numel, calls):
+    ops = FakeSymmMemOps(world_size, fused)
+    fast = parallel._SymmMemAllReduce(torch.zeros(2 << 20, dtype=torch.bfloat16), "0", world_size, ops=ops)
+    x = torch.randn(numel // 256, 256).bfloat16()
+    expect = x * world_size
+    assert fast.fits(x)
+    out = fast(x)
+    assert ops.calls == calls and torch.equal(out, expect)
+    assert torch.equal(fast.buffer[:numel].view_as(x), x if calls != ["two_shot"] else expect)
+    if calls == ["two_shot"]:
+        assert out is x  # in place, like dist.all_reduce (the buffer is the next call's)
+
+
+def test_symm_mem_all_reduce_takes_what_fits_and_leaves_the_rest_to_the_process_group(monkeypatch):
+    fast = parallel._SymmMemAllReduce(torch.zeros(4096, dtype=torch.bfloat16), "0", 2, ops=FakeSymmMemOps(2))
+    x = torch.randn(16, 256).bfloat16()
+    assert fast.fits(x) and fast.fits(x[8:])
+    assert not fast.fits(x.half())  # another dtype
+    assert not fast.fits(torch.randn(17, 256).bfloat16())  # over the buffer
+    assert not fast.fits(x.t())  # not contiguous
+    assert not fast.fits(x.view(-1)[1:257])  # 2-byte offset: the kernels load 16-byte vectors
+    assert not fast.fits(x.view(-1)[:7])  # 14 bytes
+    tp = TensorParallel(0, 2)
+    tp._fast = fast
+    reduced = []
+    monkeypatch.setattr(parallel.dist, "all_reduce", lambda t, group=None: reduced.append(t))
+    assert torch.equal(tp.all_reduce(x), 2 * x) and reduced == []
+    y = x.half()
+    assert tp.all_reduce(y) is y and reduced == [y]
+
+
+@pytest.fixture
+def fake_cuda_group(monkeypatch):
+    """TensorParallel.init_fast_all_reduce on 'CUDA' with the collectives and the setup faked: the decision only."""
+    monkeypatch.setattr(parallel.dist, "get_backend", lambda group=None: "nccl")
+    monkeypatch.setattr(TensorParallel, "_peer_access", lambda self, device, agree: None)
+    setups = []  # the buffer sizes asked for; a None in it makes the next setup fail
+
+    def setup(numel, dtype, device, group, agree):
+        if None in setups:
+            raise RuntimeError("symmetric memory rendezvous: CUDA driver error")
+        setups.append(numel)
+        return parallel._SymmMemAllReduce(torch.zeros(numel, dtype=dtype), "0", 2, ops=FakeSymmMemOps(2))
+
+    monkeypatch.setattr(parallel._SymmMemAllReduce, "setup", staticmethod(setup))
+    return setups
+
+
+@pytest.mark.parametrize("mode", ["", "auto", "symm_mem"])
+def test_fast_all_reduce_is_set_up_where_supported(fake_cuda_group, monkeypatch, mode):
+    monkeypatch.setenv("ANYGPU_TP_ALLREDUCE", mode)
+    tp = TensorParallel(0, 2)
+    tp.init_fast_all_reduce(256 * 4096, torch.bfloat16, torch.device("cuda", 0))
+    assert tp.all_reduce_path == "symm_mem" and fake_cuda_group == [256 * 4096]  # 2 MiB: under the cap
+    tp.init_fast_all_reduce(256 * 4096, torch.bfloat16, torch.device("cuda", 0))  # once
+    assert fake_cuda_group == [256 * 4096]
+    TensorParallel(0, 2).init_fast_all_reduce(1024 * 8192, torch.float32, torch.device("cuda", 0))
+    assert fake_cuda_group[1] == parallel.SYMM_MEM_BUFFER_MAX_BYTES // 4  # capped
+
+
+def test_fast_all_reduce_falls_back_to_the_process_group(fake_cuda_group, monkeypatch, caplog):
+    monkeypatch.setenv("ANYGPU_TP_ALLREDUCE", "nccl")
+    tp = TensorParallel(0, 2)
+    tp.init_fast_all_reduce(4096, torch.bfloat16, torch.device("cuda", 0))
+    assert tp.all_reduce_path == "nccl" and fake_cuda_group == [] and tp._fast is None
+    monkeypatch.setenv("ANYGPU_TP_ALLREDUCE", "auto")
+    for dtype, device, world_size in [(torch.float16, "cuda:0", 2), (torch.bfloat16, "cpu", 2),
+                                      (torch.bfloat16, "cuda:0", 3)]:
+        tp = TensorParallel(0, world_size)
+        tp.init_fast_all_reduce(4096, dtype, torch.device(device))
+        assert tp.all_reduce_path == "nccl" and fake_cuda_group == []
+    fake_cuda_group.append(None)
+    tp = TensorParallel(0, 2)
+    with caplog.at_level("WARNING", logger="anygpu.models.parallel"):
+        tp.init_fast_all_reduce(4096, torch.bfloat16, torch.device("cuda", 0))
+    assert tp.all_reduce_path == "nccl" and "could not be set up, using nccl" in caplog.text
+    monkeypatch.setenv("ANYGPU_TP_ALLREDUCE", "symm_mem")
+    with pytest.raises(RuntimeError, match="ANYGPU_TP_ALLREDUCE=symm_mem: .*rendezvous: CUDA driver error"):
+        TensorParallel(1, 2).init_fast_all_reduce(4096, torch.bfloat16, torch.device("cuda", 0))
+    one = TensorParallel()
+    one.init_fast_all_reduce(4096, torch.bfloat16, torch.device("cuda", 0))
+    assert one.all_reduce_path is None  # one rank: nothing to reduce

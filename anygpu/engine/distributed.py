@@ -23,13 +23,22 @@ dies sees EOF and exits (no orphans).  Only token ids, positions and block table
 Failures: a worker that raises sends its traceback and exits; rank 0 re-raises it as a RuntimeError naming the
 worker.  A monitor thread waits on the workers' process sentinels: a worker that dies while rank 0 may be inside
 an NCCL collective (which would otherwise wait for the 10-minute NCCL timeout) gets the group aborted, and the
-next step raises.  ``close()`` (also run when the engine is garbage collected or the interpreter exits) sends
-the shutdown, destroys the process group and joins the workers (terminating any that do not exit).
+next step raises.  (A symmetric-memory all-reduce kernel cannot be aborted: there rank 0 polls each step's end,
+see model_runner.py.)
+
+Shutdown: ``close()`` (also run when the engine is garbage collected or the interpreter exits) sends the
+shutdown, releases rank 0's CUDA graphs, destroys the process group and joins the workers, each step bounded.
+Under NCCL the order matters: ``destroy_process_group`` flushes and destroys the communicator, which waits for
+every CUDA graph that captured one of its collectives to be destroyed (NCCL counts them; pytorch#115388) and
+for the peers to destroy theirs too.  So every rank releases its decode graphs first, and the destroy runs in a
+thread given DESTROY_TIMEOUT_S (a peer that died leaves it waiting; the process exit cleans up after it).
+Then each worker exits with ``os._exit``, and rank 0 joins it for JOIN_TIMEOUT_S before terminating it.
 """
 
 from __future__ import annotations
 
 import contextlib
+import logging
 import multiprocessing
 import multiprocessing.connection
 import os
@@ -51,6 +60,8 @@ from .model_runner import ModelRunner
 
 STARTUP_TIMEOUT_S = 1800.0  # a worker that neither finishes nor fails a start-up stage in this long is stuck
 JOIN_TIMEOUT_S = 30.0
+DESTROY_TIMEOUT_S = 10.0  # destroy_process_group takes well under a second when every rank takes part
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -104,6 +115,7 @@ class TPWorkers:
                              "engine needs its own process group (one such engine per process at a time)")
         self.spec = spec
         self.failure: str | None = None  # set by the monitor thread when a worker dies before close()
+        self.runner: ModelRunner | None = None  # rank 0's: its CUDA graphs go before the process group (close)
         self._closed = False
         self._store = dist.TCPStore("127.0.0.1", 0, spec.world_size, is_master=True, wait_for_workers=False,
                                     timeout=timedelta(seconds=STARTUP_TIMEOUT_S))
@@ -194,9 +206,11 @@ class TPWorkers:
         for conn in self.conns:
             with contextlib.suppress(OSError):
                 conn.send_bytes(b"")  # the shutdown message
-        if dist.is_initialized():
-            with contextlib.suppress(Exception):
-                dist.destroy_process_group()
+        if self.runner is not None:
+            self.runner.close()
+        if not destroy_process_group(self.spec.device_of(0)):
+            log.warning("tp: destroying the process group did not finish within %.0f s; left to the process exit",
+                        DESTROY_TIMEOUT_S)
         for proc in self.procs:
             proc.join(JOIN_TIMEOUT_S)
             if proc.is_alive():
@@ -231,7 +245,7 @@ class TPWorkers:
 def _worker_main(rank: int, spec: RankSpec, store_port: int, conn) -> None:
     """A worker process: build this rank's model, join the group, build the runner, then execute every step
     rank 0 sends until the shutdown message (or EOF: rank 0 is gone)."""
-    stack = contextlib.ExitStack()
+    stack, runner = contextlib.ExitStack(), None
     try:
         device = spec.device_of(rank)
         if device.type == "cuda":
@@ -259,10 +273,30 @@ def _worker_main(rank: int, spec: RankSpec, store_port: int, conn) -> None:
         raise
     finally:
         stack.close()
-        if dist.is_initialized():
-            with contextlib.suppress(Exception):
-                dist.destroy_process_group()
-    # A clean shutdown: skip the interpreter's teardown of torch (about a second of close() otherwise).
+        if runner is not None:
+            runner.close()  # the graphs before the process group (see the module docstring)
+        destroy_process_group(spec.device_of(rank))
+    # A clean shutdown: skip the interpreter's teardown of torch (about a second of close() otherwise; and the
+    # symmetric-memory buffer is not freed, which would synchronize the device).
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)
+
+
+def destroy_process_group(device: torch.device, timeout: float = DESTROY_TIMEOUT_S) -> bool:
+    """``dist.destroy_process_group()`` in a daemon thread, given up on after ``timeout`` seconds (see the
+    module docstring for what it can wait for); errors are ignored.  ``device``: this rank's.  True if it
+    finished (or there was no group)."""
+    if not dist.is_initialized():
+        return True
+
+    def destroy():
+        with contextlib.suppress(Exception):
+            if device.type == "cuda":
+                torch.cuda.set_device(device)  # this thread's, for NCCL's teardown (a new thread starts on device 0)
+            dist.destroy_process_group()
+
+    thread = threading.Thread(target=destroy, name="anygpu-tp-destroy", daemon=True)
+    thread.start()
+    thread.join(timeout)
+    return not thread.is_alive()

@@ -18,6 +18,8 @@ Bad input (an empty or over-long prompt, bad sampling values, a duplicate reques
 N - 1 spawned workers hold the other shards; on CUDA/ROCm one GPU each (from the engine's device on), on the
 CPU gloo ranks (for tests).  Scripts that use it need the usual ``if __name__ == "__main__":`` guard of
 ``multiprocessing``'s spawn.  ``close()`` stops the workers; so do garbage collection and interpreter exit.
+The all-reduces use PyTorch's symmetric memory on CUDA where they can, NCCL otherwise; the environment variable
+``ANYGPU_TP_ALLREDUCE=auto|nccl|symm_mem`` chooses (``models/parallel.py``).
 """
 
 from __future__ import annotations
@@ -30,7 +32,7 @@ import torch
 
 from .. import backend
 from ..models import open_checkpoint
-from ..models.parallel import check_tp
+from ..models.parallel import check_all_reduce_mode, check_tp
 from ..models.tokenizer import IncrementalDetokenizer
 from .block_manager import BlockManager
 from .distributed import RankSpec, TPWorkers
@@ -137,6 +139,8 @@ class LLMEngine:
         check_tp(config, tp)  # before anything is built or spawned
         self.tp = tp
         self.dtype = resolve_dtype(dtype, self.device, config)
+        if tp > 1:
+            check_all_reduce_mode(self.device, tp, self.dtype)  # ANYGPU_TP_ALLREDUCE, before anything is spawned
         gpu = self.device.type == "cuda"
         max_model_len = min(max_model_len or config.max_position, config.max_position)
         max_num_seqs = max_num_seqs or (256 if gpu else 16)
@@ -268,7 +272,7 @@ class LLMEngine:
             self.model = spec.build_model(0, weights, progress)
             workers.wait_for("built")
             workers.init_process_group()
-            self.runner = spec.build_runner(self.model, self._exit, workers=workers)
+            self.runner = workers.runner = spec.build_runner(self.model, self._exit, workers=workers)
             workers.wait_for("ready")
         except BaseException as e:  # KeyboardInterrupt too: never leave the workers behind
             errors = workers.worker_errors()

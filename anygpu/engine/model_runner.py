@@ -19,9 +19,19 @@ parallelism rank 0 hands the message to ``workers.send`` before executing it, an
   static buffers.  Block tables are padded to ``max_model_len`` and ``paged_decode`` gets ``max_model_len`` as
   its bound, so one graph serves every context length.  Padded rows write to slot -1 (skipped) and read
   nothing (seqlen 0).  Every rank captures the same graphs in the same order (NCCL collectives are captured).
+  ``close()`` releases them: NCCL cannot destroy a communicator while a graph that captured one of its
+  collectives exists (``destroy_process_group`` would wait forever), so under tensor parallelism the graphs go
+  first.
+- **All-reduce** (tensor parallelism): every rank's runner first calls ``tp.init_fast_all_reduce`` (collective,
+  before any other collective and before capture), which sets up the symmetric-memory all-reduce for
+  messages up to ``max_num_seqs`` rows of hidden size (parallel.py).  Its kernels wait for the peers with no
+  timeout and nothing can abort them, so under it rank 0 polls the end of each step instead of blocking in a
+  device sync: a worker that dies mid-step makes the step raise (the monitor thread saw it) rather than hang.
 """
 
 from __future__ import annotations
+
+import time
 
 import torch
 import torch.distributed as dist
@@ -35,6 +45,7 @@ CPU_KV_CACHE_BYTES = 1 << 30
 # max_seqlen_k, logit rows R), then ids [T], positions [T], slots [T], cu_seqlens_q [B + 1], seqlens_k [B],
 # block tables [B * width] and, unless every token needs its logits (R == T), the R row indices.
 HEADER = 7
+STEP_TIMEOUT_S = 600.0  # rank 0's wait for a step under the symmetric-memory all-reduce (NCCL's default timeout)
 
 
 def graph_batch_sizes(max_num_seqs: int) -> list[int]:
@@ -61,6 +72,12 @@ class ModelRunner:
         self.max_blocks_per_seq = -(-max_model_len // block_size)
         self.sampler = Sampler()
         cfg = self.config
+        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        if self.tp.world_size > 1:  # first: its setup is collective, and the warmup below all-reduces already
+            self.tp.init_fast_all_reduce(max_num_seqs * cfg.hidden_size, self.dtype, self.device)
+        # Rank 0 polls for the end of a step (see the docstring); the workers never wait for one.
+        self._poll_steps = workers is not None and self.tp.all_reduce_path == "symm_mem"
+        self._step_done: torch.cuda.Event | None = None
         self.block_bytes = 2 * cfg.num_layers * block_size * self.num_kv_heads * cfg.head_dim * self.dtype.itemsize
         if num_blocks is None:
             num_blocks = self._blocks_that_fit(kv_cache_memory, gpu_memory_utilization, max_num_batched_tokens)
@@ -75,9 +92,19 @@ class ModelRunner:
         self.kv_cache = torch.empty(2, cfg.num_layers, num_blocks, block_size, self.num_kv_heads, cfg.head_dim,
                                     dtype=self.dtype, device=self.device)
         model.set_kv_caches([(self.kv_cache[0, i], self.kv_cache[1, i]) for i in range(cfg.num_layers)])
-        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         if self.device.type == "cuda" and not enforce_eager:
-            self._capture_decode_graphs()
+            try:
+                self._capture_decode_graphs()
+            except BaseException:
+                self.close()  # graphs captured so far would block the process group's destruction
+                raise
+
+    def close(self) -> None:
+        """Release the decode graphs (before the process group is destroyed, see above); later steps run eagerly.
+        Safe to call twice."""
+        for graph, _ in self.graphs.values():
+            graph.reset()
+        self.graphs.clear()
 
     # -- KV cache sizing -------------------------------------------------------------------------------
     def _blocks_that_fit(self, kv_cache_memory, utilization, max_num_batched_tokens) -> int:
@@ -193,6 +220,8 @@ class ModelRunner:
             if self.workers is not None:
                 self.workers.check(e)  # a collective failed because a worker did: say which and why
             raise
+        if self._poll_steps:
+            self._wait_for_step()
         if logits is None:
             return [None] * len(logit_rows)
         seqs = [s for s, r in zip(batch.seqs, logit_rows) if r is not None]
@@ -200,6 +229,26 @@ class ModelRunner:
         if self.workers is not None:
             self.workers.check()  # a worker that died mid-step leaves garbage logits behind (its NCCL group aborted)
         return [next(sampled) if r is not None else None for r in logit_rows]
+
+    def _wait_for_step(self) -> None:
+        """Rank 0 under the symmetric-memory all-reduce: wait for this step's kernels by polling an event, raising
+        once the monitor thread has seen a worker die (or after STEP_TIMEOUT_S).  A blocking sync would never
+        return then: the all-reduce kernel waits for the dead peer forever.  The GPU stays stuck in it: the
+        error says to restart the process."""
+        if self._step_done is None:
+            self._step_done = torch.cuda.Event()
+        done = self._step_done
+        done.record(torch.cuda.current_stream(self.device))
+        deadline = time.monotonic() + STEP_TIMEOUT_S
+        while not done.query():
+            stuck = time.monotonic() > deadline
+            if self.workers.failure is not None or stuck:
+                reason = "a worker died" if not stuck else f"a step did not finish in {STEP_TIMEOUT_S:.0f} s"
+                self.workers.check(RuntimeError(
+                    f"tp: {reason} inside a symmetric-memory all-reduce, which cannot be aborted: this GPU stays "
+                    f"busy until the process exits; restart it"))
+                raise RuntimeError(f"tp: {reason}; restart the process")
+            time.sleep(0)  # lets other threads take the GIL, as a blocking sync would
 
     # -- decode graphs ---------------------------------------------------------------------------------
     def _graph_size(self, batch_size: int) -> int | None:
