@@ -31,12 +31,12 @@ for step in "$@"; do
         > "$OUT/tests_tp.log" 2>&1; tail -15 "$OUT/tests_tp.log" ;;
     bench-tp)
       for tp in ${TPS:-1 2}; do
-        timeout 240 python3 -m anygpu.cli bench model --random-config llama3-8b --num-prompts 1 --input-len 128 \
-          --output-len 256 --no-baseline --tp $tp --json "$OUT/model_b1_tp$tp.json" > "$OUT/bench_tp$tp.log" 2>&1
+        timeout ${TP_BENCH_TIMEOUT:-240} python3 -m anygpu.cli bench model --random-config llama3-8b --num-prompts 1 \
+          --input-len 128 --output-len 256 --no-baseline --tp $tp --json "$OUT/model_b1_tp$tp.json" > "$OUT/bench_tp$tp.log" 2>&1
         echo "exit $?"; grep -v "it/s\]" "$OUT/bench_tp$tp.log" | tail -6
       done ;;
     bench-serve)
-      timeout 500 python3 -m anygpu.cli bench serve --random-config llama3-8b --num-prompts ${SERVE_PROMPTS:-512} \
+      timeout ${SERVE_TIMEOUT:-500} python3 -m anygpu.cli bench serve --random-config llama3-8b --num-prompts ${SERVE_PROMPTS:-512} \
         --concurrency 256 --input-len 512 --output-len 256 --half-load --client-procs 4 \
         --json "$OUT/serve_c256.json" > "$OUT/serve.log" 2>&1; echo "exit $?"; grep -v "it/s\]" "$OUT/serve.log" | tail -30 ;;
     bench-int8)
