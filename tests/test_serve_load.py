@@ -60,7 +60,23 @@ def tasks_on(server) -> int:
     return server.call(count)
 
 
-def test_500_requests_with_disconnects(engine):
+@pytest.fixture(scope="module")
+def process_engine():
+    """The engine in its own process, as `anygpu serve` runs it."""
+    import functools
+
+    from anygpu.engine.engine_process import EngineClient
+
+    client = EngineClient(functools.partial(random_engine, "tiny", max_num_seqs=32, progress=False))
+    eng = AsyncLLMEngine(client)
+    yield eng
+    eng.shutdown()
+    client.close()
+
+
+@pytest.mark.parametrize("where", ["thread", "process"])
+def test_500_requests_with_disconnects(where, request):
+    engine = request.getfixturevalue("engine" if where == "thread" else "process_engine")
     app = build_app(engine)
     with ServerThread(app) as server:
         before = tasks_on(server)
