@@ -65,22 +65,10 @@ async def _respond(request, server: Server, body, prefix: str, obj: str, ids, pa
         return EngineStream(_stream(server, request_id, ids, params, timer, ticket, head, chat, body.include_usage),
                             ticket)
 
-    async def collect():
-        text, tokens, reason = "", 0, None
-        async with server.stream(request_id, ids, params, timer, ticket) as outputs:
-            async for out in outputs:
-                text, tokens, reason = out.text, len(out.token_ids), out.finish_reason
-        return text, tokens, reason
-
-    try:
-        result = await server.until_disconnect(request, collect())
-    except Exception as error:
-        raise engine_error(error) from None
-    finally:
-        ticket.release()
-    if result is None:  # the client left; nobody reads this
+    out = await server.complete(request, request_id, ids, params, timer, ticket)
+    if out is None:  # the client left; nobody reads this
         return JSONResponse({}, status_code=499)
-    text, tokens, reason = result
+    text, tokens, reason = out.text, len(out.token_ids), out.finish_reason
     choice = ({"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
                "finish_reason": reason} if chat else
               {"index": 0, "text": text, "logprobs": None, "finish_reason": reason})

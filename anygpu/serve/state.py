@@ -198,9 +198,18 @@ class Server:
             ticket.release()
             timer.finished(time.monotonic(), len(ids), reason)
 
-    async def until_disconnect(self, request: Request, work):
-        """Run ``work`` (a coroutine), cancelling it if the client goes away (a non-streaming request)."""
-        task = asyncio.ensure_future(work)
+    async def complete(self, request: Request, request_id: str, ids: list[int], params: SamplingParams,
+                       timer: RequestTimer, ticket: Ticket) -> RequestOutput | None:
+        """Run a non-streaming request to its end: the last output, or None if the client left first (the
+        request is then aborted).  Polls for the disconnect, which Starlette only notices for streams."""
+        async def last_output():
+            last = None
+            async with self.stream(request_id, ids, params, timer, ticket) as outputs:
+                async for out in outputs:
+                    last = out
+            return last
+
+        task = asyncio.ensure_future(last_output())
         try:
             while True:
                 done, _ = await asyncio.wait({task}, timeout=0.5)
@@ -211,7 +220,10 @@ class Server:
                     with contextlib.suppress(asyncio.CancelledError):
                         await task
                     return None
+        except Exception as error:
+            raise engine_error(error) from None
         finally:
             if not task.done():
                 task.cancel()
+            ticket.release()
 

@@ -64,20 +64,7 @@ def add_tgi_routes(app: FastAPI, server: Server) -> None:
     @app.post("/generate")
     async def generate(request: Request):
         body, ids, params, timer, request_id, ticket = await prepare(request)
-
-        async def collect():
-            last = None
-            async with server.stream(request_id, ids, params, timer, ticket) as outputs:
-                async for out in outputs:
-                    last = out
-            return last
-
-        try:
-            out = await server.until_disconnect(request, collect())
-        except Exception as error:
-            raise engine_error(error) from None
-        finally:
-            ticket.release()
+        out = await server.complete(request, request_id, ids, params, timer, ticket)
         if out is None:
             return JSONResponse({}, status_code=499)
         text = (body.inputs + out.text) if body.parameters.return_full_text else out.text
