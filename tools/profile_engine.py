@@ -1,6 +1,6 @@
 """Where a decode step's time goes on a GPU: random Llama-3-8B-shaped weights, torch.profiler over decode steps.
 
-    python3 tools/profile_engine.py [--quantize nf4] [--batch 1] [--steps 20]
+    python3 tools/profile_engine.py [--quantize nf4] [--batch 1] [--steps 20] [--tp 2]
 
 Prints the host wall time per step (schedule + prepare + model + sample), the GPU kernels by total time, and
 the split of a step between scheduling, input preparation, the model call and sampling.
@@ -23,10 +23,11 @@ def main():
     ap.add_argument("--batch", type=int, default=1)
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--input-len", type=int, default=128)
+    ap.add_argument("--tp", type=int, default=1, help="tensor-parallel size (rank 0 is profiled)")
     args = ap.parse_args()
     cfg = random_config("llama3-8b")
     engine = LLMEngine("llama3-8b", config=cfg, quantize=args.quantize, max_num_seqs=args.batch,
-                       max_model_len=args.input_len + 4 * args.steps + 64, progress=False)
+                       max_model_len=args.input_len + 4 * args.steps + 64, progress=False, tp=args.tp)
     params = SamplingParams(max_tokens=4 * args.steps, temperature=0, ignore_eos=True)
     for i, p in enumerate(random_prompts(args.batch, args.input_len, cfg.vocab_size)):
         engine.add_request(str(i), p, params)
@@ -60,6 +61,7 @@ def main():
         torch.cuda.synchronize()
     print(f"profiled steps: {1e3 * (time.perf_counter() - t) / args.steps:.3f} ms/step (with profiler overhead)")
     print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=18, max_name_column_width=60))
+    engine.close()
 
 
 if __name__ == "__main__":
