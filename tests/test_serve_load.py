@@ -93,11 +93,13 @@ def test_500_requests_with_disconnects(where, request):
         while tasks_on(server) > before and time.monotonic() < deadline:
             time.sleep(0.01)
         assert tasks_on(server) <= before
-        # The metrics saw every request: completed ones by "length", the others as aborted.
+        # The metrics saw every request once: finished by "length", or aborted.  A client that left after the
+        # last token had been sent (several tokens can share a chunk under load) counts as finished there.
         text = httpx.get(server.url + "/metrics").text
-        length = [line for line in text.splitlines() if line.startswith("anygpu_request_success_total")
-                  and 'finished_reason="length"' in line]
-        assert float(length[0].rsplit(" ", 1)[1]) == summary["completed"]
+        by_reason = {line.split('finished_reason="')[1].split('"')[0]: float(line.rsplit(" ", 1)[1])
+                     for line in text.splitlines() if line.startswith("anygpu_request_success_total")}
+        assert sum(by_reason.values()) == 500
+        assert summary["completed"] <= by_reason["length"] <= summary["completed"] + summary["disconnected"]
 
 
 def test_stream_disconnect_frees_blocks_at_once(slow_engine):
