@@ -28,7 +28,7 @@ def bench_model(*, json_path, model, random_config, quantize, num_prompts, concu
         dtype, device, path = engine.dtype, engine.device, engine.model_path
         engine.close()
         del engine
-        _free(device)
+        free_device(device)
         results["transformers"] = bm.run_transformers(config, path, prompts, output_len, concurrency, dtype, device)
         report["speedup"] = results["anygpu"]["output_tokens_per_s"] / results["transformers"]["output_tokens_per_s"]
     click.echo(bm.format_report(report))
@@ -56,7 +56,7 @@ def make_engine(model, random_config, quantize, max_num_seqs: int, context: int,
         raise click.ClickException(str(e)) from None
 
 
-def _free(device) -> None:
+def free_device(device) -> None:
     import gc
 
     import torch

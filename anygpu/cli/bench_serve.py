@@ -1,6 +1,6 @@
 """``anygpu bench serve``: the HTTP server under load (``anygpu.bench.serve``), printed and written as JSON.
 
-Without ``--url`` it starts everything itself, in this order, on one engine:
+Without ``--url`` it starts everything itself, in this order:
 1. the offline engine on the workload (``--baseline``, the default): the ceiling the server is held to;
 2. the server (a real socket on loopback, the load generator in ``--client-procs`` other processes) at
    ``--concurrency`` (and ``--request-rate`` if given): the peak run;
@@ -56,12 +56,10 @@ def bench_serve(*, json_path, model, random_config, quantize, num_prompts, concu
 
 def _self_hosted(bm, bs, model, random_config, quantize, num_prompts, input_len, tp, baseline, request_rate,
                  half_load, load) -> dict:
-    import torch
-
     from ..engine import AsyncLLMEngine
     from ..engine.engine_process import EngineClient
     from ..serve import ServerThread, build_app
-    from .bench_model import make_engine
+    from .bench_model import free_device, make_engine
 
     args = (model, random_config, quantize, load["concurrency"], input_len + load["output_len"], tp)
     out = {"results": {}}
@@ -72,10 +70,10 @@ def _self_hosted(bm, bs, model, random_config, quantize, num_prompts, input_len,
         offline = bm.run_engine(engine, bm.random_prompts(num_prompts, input_len, vocab, seed=0), load["output_len"],
                                 load["concurrency"])
         out["results"]["offline"] = _offline_summary(offline, num_prompts * input_len)
+        device = engine.device
         engine.close()
         del engine
-        if torch.cuda.is_available():
-            torch.cuda.empty_cache()
+        free_device(device)
     # The server's engine runs in its own process, as `anygpu serve` runs it.
     engine = EngineClient(functools.partial(make_engine, *args))
     vocab = engine.config.vocab_size

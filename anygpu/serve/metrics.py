@@ -30,20 +30,27 @@ class ServerMetrics:
         gauge("num_requests_running", "Requests in the running batch.", lambda: scheduler.num_running)
         gauge("num_requests_waiting", "Requests waiting to be scheduled.", lambda: scheduler.num_waiting)
         gauge("kv_cache_usage_perc", "Fraction of KV-cache blocks in use (0-1).", lambda: blocks.usage)
-        self.prompt_tokens = Counter("anygpu_prompt_tokens", "Prompt tokens processed.", labels, registry=r)
-        self.generation_tokens = Counter("anygpu_generation_tokens", "Tokens generated.", labels, registry=r)
-        self.request_success = Counter("anygpu_request_success", "Finished requests, by finish reason.",
-                                       labels + ["finished_reason"], registry=r)
+        # One label value per app: take each family's child once (``labels()`` costs a lock and a lookup, and
+        # the ITL histogram is observed for every streamed token).
+        self.prompt_tokens = Counter("anygpu_prompt_tokens", "Prompt tokens processed.", labels,
+                                     registry=r).labels(model_name)
+        self.generation_tokens = Counter("anygpu_generation_tokens", "Tokens generated.", labels,
+                                         registry=r).labels(model_name)
+        self._request_success = Counter("anygpu_request_success", "Finished requests, by finish reason.",
+                                        labels + ["finished_reason"], registry=r)
         self.ttft = Histogram("anygpu_time_to_first_token_seconds", "Arrival to first token.", labels,
-                              buckets=_SLOW, registry=r)
+                              buckets=_SLOW, registry=r).labels(model_name)
         self.itl = Histogram("anygpu_inter_token_latency_seconds", "Gap between consecutive tokens.", labels,
-                             buckets=_FAST, registry=r)
+                             buckets=_FAST, registry=r).labels(model_name)
         self.e2e = Histogram("anygpu_e2e_request_latency_seconds", "Arrival to the last token.", labels,
-                             buckets=_SLOW, registry=r)
+                             buckets=_SLOW, registry=r).labels(model_name)
         self.prompt_len = Histogram("anygpu_request_prompt_tokens", "Prompt length.", labels, buckets=_TOKENS,
-                                    registry=r)
+                                    registry=r).labels(model_name)
         self.output_len = Histogram("anygpu_request_generation_tokens", "Generated tokens per request.", labels,
-                                    buckets=_TOKENS, registry=r)
+                                    buckets=_TOKENS, registry=r).labels(model_name)
+
+    def request_success(self, reason: str):
+        return self._request_success.labels(self._model, reason)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
@@ -59,22 +66,20 @@ class RequestTimer:
     def tokens_out(self, now: float, count: int) -> None:
         if count <= 0:
             return
-        model = self.m._model
         if self.last is None:
-            self.m.ttft.labels(model).observe(now - self.arrival)
+            self.m.ttft.observe(now - self.arrival)
         else:
             # Several tokens in one delivery (a busy event loop): spread the gap over them.
             gap = (now - self.last) / count
             for _ in range(count):
-                self.m.itl.labels(model).observe(gap)
+                self.m.itl.observe(gap)
         self.last = now
         self.tokens += count
-        self.m.generation_tokens.labels(model).inc(count)
+        self.m.generation_tokens.inc(count)
 
     def finished(self, now: float, prompt_tokens: int, reason: str | None) -> None:
-        model = self.m._model
-        self.m.e2e.labels(model).observe(now - self.arrival)
-        self.m.prompt_tokens.labels(model).inc(prompt_tokens)
-        self.m.prompt_len.labels(model).observe(prompt_tokens)
-        self.m.output_len.labels(model).observe(self.tokens)
-        self.m.request_success.labels(model, reason or "abort").inc()
+        self.m.e2e.observe(now - self.arrival)
+        self.m.prompt_tokens.inc(prompt_tokens)
+        self.m.prompt_len.observe(prompt_tokens)
+        self.m.output_len.observe(self.tokens)
+        self.m.request_success(reason or "abort").inc()

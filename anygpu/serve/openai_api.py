@@ -106,7 +106,7 @@ async def _stream(server: Server, request_id, ids, params, timer, ticket, head, 
                 if out.delta_text:
                     yield text_chunk(out.delta_text)
                 if out.finished:
-                    yield chunk(None if chat else "", finish_reason=out.finish_reason)
+                    yield chunk(None, finish_reason=out.finish_reason)
         if include_usage:
             yield sse({**base, "choices": [], "usage": _usage(len(ids), tokens)})
     except Exception as error:  # the stream has started: the status line is sent, so report in-band
