@@ -96,14 +96,16 @@ def test_kernel_matches_reference(kdevice, path, m, dtype, threshold, bias):
     assert_matches_reference(y, x, CB, SCB, threshold, b)
 
 
-@pytest.mark.parametrize("path, m", [("fused", 2), ("fused_stats", 5), ("gemm", 33), ("int_mm", 9)])
+@pytest.mark.parametrize("path, m", [("fused", 2), ("fused_stats", 5), ("gemm", 33), ("gemm", 3), ("gemm", 1),
+                                     ("int_mm", 9)])
 def test_every_loop_with_small_tiles(kdevice, path, m, monkeypatch):
     """Small blocks, so each kernel's loops take several steps: the stats pass, the two-pass quantize,
     the outlier-column list over several blocks and programs, the K loop; more outlier columns than
     one dot step of the list takes."""
     monkeypatch.setattr(K, "STATS_ELEMENTS", 64)
-    monkeypatch.setattr(K, "QUANTIZE_CONFIGS", {"default": (LaunchConfig({"BLOCK_R": 2, "MAX_BLOCK_K": 64}),)})
-    monkeypatch.setattr(K, "OUTLIER_COLUMNS_CONFIGS", {"default": (LaunchConfig({"BLOCK_R": 3, "BLOCK": 64}),)})
+    monkeypatch.setattr(K, "QUANTIZE_CONFIGS", {"default": (LaunchConfig(
+        {"BLOCK_R": 2, "MAX_BLOCK_K": 64, "ROW_PROGRAMS_UP_TO": 4}),)})  # m 33: 2 rows a program, 9: one
+    monkeypatch.setattr(K, "OUTLIER_COLUMNS_CONFIGS", {"default": (LaunchConfig({"BLOCK_P": 4, "BLOCK_W": 2}),)})
     config = LaunchConfig({"BLOCK_M": 16, "BLOCK_N": 16, "BLOCK_K": 32, "GROUP_M": 2})
     path_plan(path, m, N, KDIM, kdevice)  # skips int_mm where torch._int_mm does not take the shape
     CB, SCB = weight()
@@ -121,24 +123,39 @@ def test_every_loop_with_small_tiles(kdevice, path, m, monkeypatch):
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("threshold", [0.0, 3.0, 6.1])
-def test_quantize_kernels_give_the_reference_codes(kdevice, dtype, threshold, monkeypatch):
-    """Codes (after the outlier-column pass), row stats and the ordered outlier list are the reference's
-    bits: round-half-even ties, a zero row, a threshold that fp16 rounds (6.1 -> 6.1015625)."""
-    monkeypatch.setattr(K, "OUTLIER_COLUMNS_CONFIGS", {"default": (LaunchConfig({"BLOCK_R": 2, "BLOCK": 64}),)})
-    x = torch.randn(7, 150) * 2
+@pytest.mark.parametrize("rows", [1, 7, 37])  # one program (lists itself), a program per row, 16 rows a program
+def test_quantize_kernels_give_the_reference_codes(kdevice, dtype, threshold, rows, monkeypatch):
+    """Row stats, codes and the ordered outlier list are the reference's bits: round-half-even ties, a zero
+    row, a threshold that fp16 rounds (6.1 -> 6.1015625).  The kernel keeps the codes of an outlier
+    column's other entries (the matmul takes their products out); the reference zeroes them."""
+    monkeypatch.setattr(K, "OUTLIER_COLUMNS_CONFIGS", {"default": (LaunchConfig({"BLOCK_P": 2, "BLOCK_W": 2}),)})
+    monkeypatch.setattr(K, "QUANTIZE_CONFIGS", {"default": (LaunchConfig(
+        {"BLOCK_R": 16, "MAX_BLOCK_K": 256, "ROW_PROGRAMS_UP_TO": 8}),)})  # 16 rows: two passes of 16 columns
+    x = torch.randn(rows, 150) * 2
     x[0, :4] = torch.tensor([127.0, 2.5, 3.5, -0.5])  # absmax 127: scale 1, codes of exact ties
-    x[1] = 0.0
-    x[2, 9] = 6.1015625  # == fp16(6.1)
-    x[3, 10] = 6.09765625  # the fp16 value below it
+    x[0, 140] = -7.0  # an outlier column in the last, partial, bit word
+    if rows > 3:
+        x[1] = 0.0
+        x[2, 9] = 6.1015625  # == fp16(6.1)
+        x[3, 10] = 6.09765625  # the fp16 value below it
+    if rows > 30:
+        x[33, 70] = 40.0  # a column only the second block of rows flags
     x = x.to(dtype)
     thr = K.fp16_threshold(threshold) if threshold else 0.0
-    codes, stats, flags = K.quantize_rows(x.to(kdevice), thr)
+    codes, stats, outliers = K.quantize_rows(x.to(kdevice), thr)
     expected_codes, expected_stats, expected_cols = quantize_rows(x.half(), threshold)
     assert same_bits(stats.cpu(), expected_stats)
+    kept = torch.zeros(150, dtype=torch.bool)
     if threshold:
-        cols, count = K.outlier_columns(flags, codes)
-        assert torch.equal(cols[:count.item()].cpu().long(), expected_cols)
-    assert torch.equal(codes.cpu(), expected_codes)
+        assert isinstance(outliers, tuple) == (rows == 1)
+        cols, count = outliers if rows == 1 else K.outlier_columns(outliers, 150)
+        assert torch.equal(cols[:count.item()].cpu().long(), expected_cols) and expected_cols.numel() >= 1
+        kept[expected_cols] = True
+        outlier_entries = x.half().abs() >= thr
+        assert torch.equal(codes.cpu()[outlier_entries], torch.zeros(int(outlier_entries.sum()), dtype=torch.int8))
+    else:
+        assert outliers is None
+    assert torch.equal(codes.cpu()[:, ~kept], expected_codes[:, ~kept])
     _, stats_only, _ = K.quantize_rows(x.to(kdevice), thr, codes=False)
     assert same_bits(stats_only.cpu(), expected_stats)
 

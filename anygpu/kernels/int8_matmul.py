@@ -141,17 +141,25 @@ def _row_absmax(x_ptr, M, K, stride_xm, threshold, BLOCK_M: tl.constexpr, ROWS: 
 
 
 @triton.jit
-def _outlier_fp(y, x_rows, w_rows, scb, x_ptr, cols_ptr, count_ptr, m_mask, n_mask, STEP: tl.constexpr):
-    """y plus x's outlier columns times the dequantized weight columns, accumulated in fp32."""
+def _outlier_sums(x_rows, a_rows, w_rows, scb, x_ptr, cols_ptr, count_ptr, m_mask, n_mask, BLOCK_M: tl.constexpr,
+                  BLOCK_N: tl.constexpr, STEP: tl.constexpr):
+    """Over the listed outlier columns: (their int8 products codes @ CB.T, which the main loop added and the
+    reference leaves out, exact in int32; x's outlier columns times the dequantized weight columns, in
+    fp32).  The int8 products go through an fp32-accumulated dot of 16-bit values: |code * w| <= 127**2
+    and STEP of them sum below 2**24, so every partial sum is an exact integer."""
     n_out = tl.load(count_ptr)
+    kept = tl.zeros([BLOCK_M, BLOCK_N], tl.int32)
+    fp = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     for c in range(0, n_out, STEP):
         j = c + tl.arange(0, STEP)
         j_mask = j < n_out
         col = tl.load(cols_ptr + j, mask=j_mask, other=0)
         xo = tl.load(x_rows + col[None, :], mask=m_mask[:, None] & j_mask[None, :], other=0.0)
+        ao = tl.load(a_rows + col[None, :], mask=m_mask[:, None] & j_mask[None, :], other=0)
         w = tl.load(w_rows + col[None, :], mask=n_mask[:, None] & j_mask[None, :], other=0)
-        y = _fp_dot(xo, _dequantized(w, scb, x_ptr), y)
-    return y
+        kept += _fp_dot(ao.to(tl.float16), w.to(tl.float16), tl.zeros([BLOCK_M, BLOCK_N], tl.float32)).to(tl.int32)
+        fp = _fp_dot(xo, _dequantized(w, scb, x_ptr), fp)
+    return kept, fp
 
 
 @triton.jit
@@ -210,6 +218,10 @@ def _int8_matmul_kernel(x_ptr, a_ptr, w_ptr, row_stats_ptr, scb_ptr, bias_ptr, c
                 a = tl.load(a_rows + k[None, :], mask=m_mask[:, None] & k_mask[None, :], other=0)
             acc = tl.dot(a, tl.trans(w), acc, out_dtype=tl.int32)  # triton 3.6 wants it said
 
+    if HAS_THRESHOLD and SOURCE != 0:
+        kept, fp_out = _outlier_sums(x_rows, a_rows, w_rows, scb, x_ptr, cols_ptr, count_ptr, m_mask, n_mask,
+                                     BLOCK_M, BLOCK_N, OUTLIER_STEP)
+        acc -= kept
     y = acc.to(tl.float32) * ((row_stat[:, None] * scb[None, :]) * _f32(INV_127_SQUARED_BITS))
     if HAS_BIAS:
         y = y + tl.load(bias_ptr + rn, mask=n_mask, other=0.0).to(tl.float32)[None, :]
@@ -218,24 +230,43 @@ def _int8_matmul_kernel(x_ptr, a_ptr, w_ptr, row_stats_ptr, scb_ptr, bias_ptr, c
         if SOURCE == 0:
             y = y + facc
         else:
-            y = _outlier_fp(y, x_rows, w_rows, scb, x_ptr, cols_ptr, count_ptr, m_mask, n_mask, OUTLIER_STEP)
+            y = y + fp_out
     out = out_ptr + rm64[:, None] * stride_om + rn[None, :]
     tl.store(out, to_output(y, out_ptr), mask=m_mask[:, None] & n_mask[None, :])
 
 
 @triton.jit
-def _int8_quantize_kernel(x_ptr, codes_ptr, stats_ptr, flags_ptr, M, K, stride_xm, threshold,
-                          BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, ONE_TILE: tl.constexpr,
-                          WRITE_CODES: tl.constexpr, HAS_THRESHOLD: tl.constexpr):
-    """Row stats of BLOCK_R rows and, with WRITE_CODES, their codes and the outlier-column flags.  Codes of
-    outlier entries are 0; the rest of an outlier column is zeroed by ``_outlier_columns_kernel``, once
-    every row has flagged its columns.  A flag is set by a plain store of 1 from every program that sees
-    an outlier in the column (into zeros): all write the same value, so no atomics."""
+def _column_bits(out, k0, words_ptr, cols_ptr, base, W, BLOCK_K: tl.constexpr, LIST: tl.constexpr):
+    """The outlier columns of one [rows, BLOCK_K] step (``out``: the outlier entries), packed 32 to an int32
+    word at words_ptr[k0 // 32 ...]; with LIST (every row in this program) also appended, in order, to
+    cols[base:].  Returns the new base."""
+    bit = tl.max(out.to(tl.int32), axis=0)  # [BLOCK_K]: 1 where a row of the step holds an outlier
+    packed = tl.sum(tl.reshape(bit, [BLOCK_K // 32, 32]) << tl.arange(0, 32)[None, :], axis=1)  # disjoint bits
+    w = k0 // 32 + tl.arange(0, BLOCK_K // 32)
+    tl.store(words_ptr + w, packed, mask=w < W)
+    if LIST:
+        k = k0 + tl.arange(0, BLOCK_K)
+        tl.store(cols_ptr + base + tl.cumsum(bit, axis=0) - bit, k, mask=bit != 0)
+        base += tl.sum(bit, axis=0)
+    return base
+
+
+@triton.jit
+def _int8_quantize_kernel(x_ptr, codes_ptr, stats_ptr, words_ptr, cols_ptr, count_ptr, M, K, W, stride_xm,
+                          threshold, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, ONE_TILE: tl.constexpr,
+                          WRITE_CODES: tl.constexpr, HAS_THRESHOLD: tl.constexpr, LIST: tl.constexpr):
+    """Row stats of BLOCK_R rows and, with WRITE_CODES, their codes (0 for outlier entries) and the outlier
+    columns of these rows, as a row of W bit words (words[program]).  Codes of the other entries of an
+    outlier column are kept: the matmul subtracts their products, exactly, where it adds the column's
+    fp products.  LIST (one program holds every row): the columns are listed here, not by
+    ``_outlier_list_kernel``.  No atomics, nothing to zero beforehand."""
     r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     r_mask = r < M
     r64 = r.to(tl.int64)
     rows = x_ptr + r64[:, None] * stride_xm
     codes = codes_ptr + r64[:, None] * K
+    words = words_ptr + tl.program_id(0).to(tl.int64) * W
+    base = tl.zeros([], tl.int32)
     rk = tl.arange(0, BLOCK_K)
     if ONE_TILE:  # the whole row in registers: one read
         mask = r_mask[:, None] & (rk < K)[None, :]
@@ -245,7 +276,7 @@ def _int8_quantize_kernel(x_ptr, codes_ptr, stats_ptr, flags_ptr, M, K, stride_x
             out = (mag >= threshold) & mask
             mag = tl.where(out, 0.0, mag)
             if WRITE_CODES:
-                tl.store(flags_ptr + rk, tl.full([BLOCK_K], 1, tl.int8), mask=tl.max(out.to(tl.int32), axis=0) != 0)
+                base = _column_bits(out, 0, words, cols_ptr, base, W, BLOCK_K, LIST)
         amax = tl.max(mag, axis=1)
         if WRITE_CODES:
             scale = _scale(amax, BLOCK_R)
@@ -263,8 +294,7 @@ def _int8_quantize_kernel(x_ptr, codes_ptr, stats_ptr, flags_ptr, M, K, stride_x
                 out = (mag >= threshold) & mask
                 mag = tl.where(out, 0.0, mag)
                 if WRITE_CODES:
-                    tl.store(flags_ptr + k, tl.full([BLOCK_K], 1, tl.int8),
-                             mask=tl.max(out.to(tl.int32), axis=0) != 0)
+                    base = _column_bits(out, k0, words, cols_ptr, base, W, BLOCK_K, LIST)
             amax = tl.maximum(amax, tl.max(mag, axis=1))
         if WRITE_CODES:
             scale = _scale(amax, BLOCK_R)
@@ -277,28 +307,34 @@ def _int8_quantize_kernel(x_ptr, codes_ptr, stats_ptr, flags_ptr, M, K, stride_x
                     q = tl.where(tl.abs(x16) >= threshold, 0.0, q)
                 tl.store(codes + k[None, :], q.to(tl.int8), mask=mask)
     tl.store(stats_ptr + r, amax, mask=r_mask)
+    if LIST:
+        tl.store(count_ptr, base)
 
 
 @triton.jit
-def _outlier_columns_kernel(flags_ptr, codes_ptr, cols_ptr, count_ptr, M, K, BLOCK_R: tl.constexpr,
-                            BLOCK: tl.constexpr):
-    """Zero the codes of the flagged (outlier) columns in BLOCK_R rows; program 0 also lists the flagged
-    columns in increasing order (cols[:count]) by a prefix sum per block of flags."""
-    first = tl.program_id(0) * BLOCK_R
-    last = tl.minimum(first + BLOCK_R, M)
+def _or(a, b):
+    return a | b
+
+
+@triton.jit
+def _outlier_list_kernel(words_ptr, cols_ptr, count_ptr, P, W, BLOCK_P: tl.constexpr, BLOCK_W: tl.constexpr):
+    """One program: the outlier columns, in increasing order, in cols[:count], from the P rows of W bit
+    words the quantize programs wrote (a column is an outlier column when any row holds an outlier)."""
     base = tl.zeros([], tl.int32)
-    for k0 in range(0, K, BLOCK):
-        k = k0 + tl.arange(0, BLOCK)
-        f = tl.load(flags_ptr + k, mask=k < K, other=0).to(tl.int32)
-        if tl.program_id(0) == 0:
-            tl.store(cols_ptr + base + tl.cumsum(f, axis=0) - f, k, mask=f != 0)
-            base += tl.sum(f, axis=0)
-        row = codes_ptr + first.to(tl.int64) * K
-        for _ in range(first, last):
-            tl.store(row + k, tl.zeros([BLOCK], tl.int8), mask=f != 0)
-            row += K
-    if tl.program_id(0) == 0:
-        tl.store(count_ptr, base)
+    rp = tl.arange(0, BLOCK_P)
+    for w0 in range(0, W, BLOCK_W):
+        w = w0 + tl.arange(0, BLOCK_W)
+        word = tl.zeros([BLOCK_W], tl.int32)
+        for p0 in range(0, P, BLOCK_P):
+            p = p0 + rp
+            tile = tl.load(words_ptr + p.to(tl.int64)[:, None] * W + w[None, :], mask=(p < P)[:, None] & (w < W)[None, :],
+                           other=0)
+            word = word | tl.reduce(tile, 0, _or)
+        bit = tl.reshape((word[:, None] >> tl.arange(0, 32)[None, :]) & 1, [BLOCK_W * 32])
+        k = w0 * 32 + tl.arange(0, BLOCK_W * 32)
+        tl.store(cols_ptr + base + tl.cumsum(bit, axis=0) - bit, k, mask=bit != 0)
+        base += tl.sum(bit, axis=0)
+    tl.store(count_ptr, base)
 
 
 # ---- configs: per target, per path ---------------------------------------------------------------
@@ -340,12 +376,14 @@ EPILOGUE_CONFIGS = {
     "default": (_cfg(64, 64, 32, warps=4),),
 }
 # Stats (and codes): one row per program, the whole row in registers up to MAX_BLOCK_K elements.
+# Up to ROW_PROGRAMS_UP_TO rows, a program per row (decode: as many SMs as rows, and a single row is listed
+# in the same launch); past that BLOCK_R rows a program, so the outlier-list program reads few words.
 QUANTIZE_CONFIGS = {
-    "default": (LaunchConfig({"BLOCK_R": 1, "MAX_BLOCK_K": 8192}, num_warps=8),),
-    "amd": (LaunchConfig({"BLOCK_R": 1, "MAX_BLOCK_K": 8192}, num_warps=4),),  # wave64: the same 256 threads
+    "default": (LaunchConfig({"BLOCK_R": 16, "MAX_BLOCK_K": 8192, "ROW_PROGRAMS_UP_TO": 64}, num_warps=8),),
+    "amd": (LaunchConfig({"BLOCK_R": 16, "MAX_BLOCK_K": 8192, "ROW_PROGRAMS_UP_TO": 64}, num_warps=4),),  # wave64
 }
 OUTLIER_COLUMNS_CONFIGS = {
-    "default": (LaunchConfig({"BLOCK_R": 32, "BLOCK": 4096}, num_warps=4),),
+    "default": (LaunchConfig({"BLOCK_P": 16, "BLOCK_W": 64}, num_warps=4),),
 }
 # The most rows each path takes.  fused: the kernel's own stats pass reads every row from each program;
 # fused_stats: each program reads x in its dtype (2 bytes an element where the codes are 1); past that,
@@ -444,36 +482,46 @@ def _pow2(v: int) -> int:
 
 
 def quantize_rows(x2: torch.Tensor, threshold: float, codes: bool = True):
-    """(codes int8 [M, K], row stats fp32 [M], outlier flags int8 [K] or None) of x2 [M, K] (unit stride in
-    K): the quantize kernel; ``codes=False``: (None, row stats, None).  ``threshold``: as ``fp16_threshold``
+    """(codes int8 [M, K], row stats fp32 [M], outliers) of x2 [M, K] (unit stride in K): the quantize kernel.
+    Codes of outlier entries are 0; the other entries of outlier columns keep theirs (the matmul takes
+    their products back out).  ``outliers``: None without a threshold, else ``(cols, count)`` when one
+    program held every row (it listed the columns), else the bit words [programs, ceil(K / 32)] for
+    ``outlier_columns``.  ``codes=False``: (None, row stats, None).  ``threshold``: as ``fp16_threshold``
     returns it, 0 for none."""
     m, k = x2.shape
     device = x2.device
     cfg = select(QUANTIZE_CONFIGS, device_target(device))[0]
     c = cfg.constexprs
-    block_k = min(_pow2(k), c["MAX_BLOCK_K"])
+    block_r = 1 if m <= c["ROW_PROGRAMS_UP_TO"] else c["BLOCK_R"]
+    block_k = max(32, min(_pow2(k), c["MAX_BLOCK_K"] // block_r))
+    programs = triton.cdiv(m, block_r)
+    has_threshold = threshold > 0 and codes
+    listed = has_threshold and programs == 1
+    words_per_row = triton.cdiv(k, 32)
     out_codes = torch.empty(m, k, dtype=torch.int8, device=device) if codes else None
     stats = torch.empty(m, dtype=torch.float32, device=device)
-    flags = torch.zeros(k, dtype=torch.int8, device=device) if threshold > 0 and codes else None
+    words = torch.empty(programs, words_per_row, dtype=torch.int32, device=device) if has_threshold else stats
+    cols = torch.empty(k, dtype=torch.int32, device=device) if listed else stats
+    count = torch.empty(1, dtype=torch.int32, device=device) if listed else stats
     with on_device(device):
-        _int8_quantize_kernel[(triton.cdiv(m, c["BLOCK_R"]),)](
-            x2, out_codes if codes else stats, stats, flags if flags is not None else stats, m, k, x2.stride(0),
-            threshold, BLOCK_R=c["BLOCK_R"], BLOCK_K=block_k, ONE_TILE=block_k >= k, WRITE_CODES=codes,
-            HAS_THRESHOLD=threshold > 0, **_options(cfg, device))
-    return out_codes, stats, flags
+        _int8_quantize_kernel[(programs,)](
+            x2, out_codes if codes else stats, stats, words, cols, count, m, k, words_per_row, x2.stride(0),
+            threshold, BLOCK_R=block_r, BLOCK_K=block_k, ONE_TILE=block_k >= k, WRITE_CODES=codes,
+            HAS_THRESHOLD=threshold > 0, LIST=listed, **_options(cfg, device))
+    outliers = None if not has_threshold else (cols, count) if listed else words
+    return out_codes, stats, outliers
 
 
-def outlier_columns(flags: torch.Tensor, codes: torch.Tensor):
-    """Zero ``codes``' outlier columns (flagged in ``flags``) and return (cols int32 [K], count int32 [1]):
-    the flagged columns, in increasing order, in cols[:count].  No host sync."""
-    m, k = codes.shape
-    cols = torch.empty(k, dtype=torch.int32, device=flags.device)
-    count = torch.empty(1, dtype=torch.int32, device=flags.device)
-    cfg = select(OUTLIER_COLUMNS_CONFIGS, device_target(flags.device))[0]
+def outlier_columns(words: torch.Tensor, k: int):
+    """(cols int32 [k], count int32 [1]): the outlier columns flagged in any row of ``words`` (the bit
+    words of ``quantize_rows``), in increasing order, in cols[:count].  One program; no host sync."""
+    cols = torch.empty(k, dtype=torch.int32, device=words.device)
+    count = torch.empty(1, dtype=torch.int32, device=words.device)
+    cfg = select(OUTLIER_COLUMNS_CONFIGS, device_target(words.device))[0]
     c = cfg.constexprs
-    with on_device(flags.device):
-        _outlier_columns_kernel[(triton.cdiv(m, c["BLOCK_R"]),)](flags, codes, cols, count, m, k, BLOCK_R=c["BLOCK_R"],
-                                                               BLOCK=c["BLOCK"], **_options(cfg, flags.device))
+    with on_device(words.device):
+        _outlier_list_kernel[(1,)](words, cols, count, words.shape[0], words.shape[1], BLOCK_P=c["BLOCK_P"],
+                                   BLOCK_W=c["BLOCK_W"], **_options(cfg, words.device))
     return cols, count
 
 
@@ -515,9 +563,9 @@ def int8_matmul(x: torch.Tensor, CB: torch.Tensor, SCB: torch.Tensor, threshold:
     if p.path == "fused_stats":
         _, stats, _ = quantize_rows(x2, thr, codes=False)
     elif p.path in ("gemm", "int_mm"):
-        codes, stats, flags = quantize_rows(x2, thr)
+        codes, stats, outliers = quantize_rows(x2, thr)
         if has_threshold:
-            cols, count = outlier_columns(flags, codes)
+            cols, count = outliers if isinstance(outliers, tuple) else outlier_columns(outliers, k)
         if p.path == "int_mm":
             acc = torch._int_mm(codes, CB.t())
     source = {"fused": 0, "fused_stats": 0, "gemm": 1, "int_mm": 2}[p.path]
@@ -579,18 +627,27 @@ EPILOGUE_SPEC = register(KernelSpec(
 
 
 def _quantize_signature(dtype: torch.dtype) -> dict:
-    return {"x_ptr": f"*{TRITON_DTYPE[dtype]}", "codes_ptr": "*i8", "stats_ptr": "*fp32", "flags_ptr": "*i8",
-            "M": "i32", "K": "i32", "stride_xm": "i32", "threshold": "fp32", "BLOCK_R": "constexpr",
-            "BLOCK_K": "constexpr", "ONE_TILE": "constexpr", "WRITE_CODES": "constexpr", "HAS_THRESHOLD": "constexpr"}
+    return {"x_ptr": f"*{TRITON_DTYPE[dtype]}", "codes_ptr": "*i8", "stats_ptr": "*fp32", "words_ptr": "*i32",
+            "cols_ptr": "*i32", "count_ptr": "*i32", "M": "i32", "K": "i32", "W": "i32", "stride_xm": "i32",
+            "threshold": "fp32", "BLOCK_R": "constexpr", "BLOCK_K": "constexpr", "ONE_TILE": "constexpr",
+            "WRITE_CODES": "constexpr", "HAS_THRESHOLD": "constexpr", "LIST": "constexpr"}
+
+
+def _quantize_forms(cfg: LaunchConfig) -> tuple:
+    """The two forms the launcher uses: a whole row per program (listing the columns when it is the only
+    one), and BLOCK_R rows in two passes over K."""
+    c = cfg.constexprs
+    one_row = {"BLOCK_R": 1, "BLOCK_K": c["MAX_BLOCK_K"], "ONE_TILE": True, "LIST": True}
+    blocked = {"BLOCK_R": c["BLOCK_R"], "BLOCK_K": c["MAX_BLOCK_K"] // c["BLOCK_R"], "ONE_TILE": False, "LIST": False}
+    return tuple(LaunchConfig({**form, "WRITE_CODES": True, "HAS_THRESHOLD": True}, cfg.num_warps)
+                 for form in (one_row, blocked))
 
 
 QUANTIZE_SPEC = register(KernelSpec(
     "int8_quantize_rows", _int8_quantize_kernel, _quantize_signature, (torch.float16, torch.bfloat16, torch.float32),
-    {key: tuple(LaunchConfig({"BLOCK_R": cfg.constexprs["BLOCK_R"], "BLOCK_K": cfg.constexprs["MAX_BLOCK_K"],
-                              "ONE_TILE": True, "WRITE_CODES": True, "HAS_THRESHOLD": True}, cfg.num_warps)
-                for cfg in cfgs) for key, cfgs in QUANTIZE_CONFIGS.items()}))
+    {key: _quantize_forms(cfgs[0]) for key, cfgs in QUANTIZE_CONFIGS.items()}))
 OUTLIER_COLUMNS_SPEC = register(KernelSpec(
-    "int8_outlier_columns", _outlier_columns_kernel,
-    lambda dtype: {"flags_ptr": "*i8", "codes_ptr": "*i8", "cols_ptr": "*i32", "count_ptr": "*i32", "M": "i32",
-                   "K": "i32", "BLOCK_R": "constexpr", "BLOCK": "constexpr"},
-    (torch.int8,), OUTLIER_COLUMNS_CONFIGS))
+    "int8_outlier_columns", _outlier_list_kernel,
+    lambda dtype: {"words_ptr": "*i32", "cols_ptr": "*i32", "count_ptr": "*i32", "P": "i32", "W": "i32",
+                   "BLOCK_P": "constexpr", "BLOCK_W": "constexpr"},
+    (torch.int32,), OUTLIER_COLUMNS_CONFIGS))
