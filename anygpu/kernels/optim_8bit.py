@@ -75,7 +75,7 @@ def _lut_search(q, neg, lut_ptr, SIGNED: tl.constexpr):
 
 
 @triton.jit
-def _scaled_magnitude(s, absmax, EXACT: tl.constexpr):
+def _scaled_magnitude(s, absmax):
     """|s / absmax| per row, correctly rounded, as (|q|, neg): the reference's ``s / absmax`` (0 where
     absmax is 0) without a division per element.  Per row: the reciprocal y = RN(1 / a) of the row's
     absmax brought into [2^-60, 2^64] by a power of two (applied to s as well: exact); per element
@@ -90,9 +90,8 @@ def _scaled_magnitude(s, absmax, EXACT: tl.constexpr):
     y = tl.div_rn(tl.full(a.shape, 1.0, tl.float32), a)
     s_abs = tl.abs(s) * f[:, None]
     q = s_abs * y[:, None]
-    if EXACT:
-        q = tl.fma(tl.fma(-q, a[:, None], s_abs), y[:, None], q)
-        q = tl.fma(tl.fma(-q, a[:, None], s_abs), y[:, None], q)
+    q = tl.fma(tl.fma(-q, a[:, None], s_abs), y[:, None], q)
+    q = tl.fma(tl.fma(-q, a[:, None], s_abs), y[:, None], q)
     neg = tl.where(absmax[:, None] > 0, s.to(tl.int32, bitcast=True) >> 31, 0)  # a zero row: +0.0
     return q, neg
 
@@ -132,12 +131,12 @@ def _dequantize(q_ptr, absmax_ptr, code_ptr, search_ptr, first, base, rows, loca
 
 @triton.jit
 def _requantize(s, search_ptr, code_ptr, q_ptr, absmax_ptr, first, base, rows, local, in_range, left,
-                SIGNED: tl.constexpr, LUT: tl.constexpr, EXACT: tl.constexpr = True):
+                SIGNED: tl.constexpr, LUT: tl.constexpr):
     """Store s's block absmax and codes (the reference's ``quantize_state``)."""
     absmax = tl.max(tl.abs(s), axis=1)
     tl.store(absmax_ptr + first + rows, absmax, mask=rows * 256 < left)
     if LUT:
-        q, neg = _scaled_magnitude(s, absmax, EXACT)
+        q, neg = _scaled_magnitude(s, absmax)
         code = _lut_search(q, neg, search_ptr, SIGNED)
     else:
         safe = tl.where(absmax > 0, absmax, 1.0)
@@ -149,16 +148,13 @@ def _requantize(s, search_ptr, code_ptr, q_ptr, absmax_ptr, first, base, rows, l
 @triton.jit
 def _update(p, g, s1, s2, m2, beta1, beta2, one_minus_beta1, one_minus_beta2, eps, step_size, weight_decay,
             decay, first_step, beta3, one_minus_beta3, alpha, correction1, correction2,
-            OPT: tl.constexpr, HAS_DECAY: tl.constexpr, FAST: tl.constexpr = False):
+            OPT: tl.constexpr, HAS_DECAY: tl.constexpr):
     """One element-wise update in the reference's fp32 operation order; g already finite.
     Returns (new p, s1, s2, m2); s2 and m2 come back unchanged where the optimizer has none."""
     if OPT == 0:  # adam / adamw
         s1 = s1 * beta1 + one_minus_beta1 * g
         s2 = s2 * beta2 + one_minus_beta2 * (g * g)
-        if FAST:
-            new_p = p + (s1 / (tl.sqrt(s2) + eps)) * step_size
-        else:
-            new_p = p + tl.div_rn(s1, tl.sqrt_rn(s2) + eps) * step_size
+        new_p = p + tl.div_rn(s1, tl.sqrt_rn(s2) + eps) * step_size
         if HAS_DECAY:
             new_p = new_p * decay
     elif OPT == 1:  # momentum
@@ -192,8 +188,7 @@ def _update(p, g, s1, s2, m2, beta1, beta2, one_minus_beta1, one_minus_beta2, ep
 def _optim_8bit_kernel(p_ptr, g_ptr, s1_ptr, s2_ptr, absmax1_ptr, absmax2_ptr, code1_ptr, code2_ptr,
                        search1_ptr, search2_ptr, n, beta1, beta2, one_minus_beta1, one_minus_beta2, eps, step_size,
                        weight_decay, decay, first_step, beta3, one_minus_beta3, alpha, correction1, correction2,
-                       OPT: tl.constexpr, HAS_DECAY: tl.constexpr, LUT: tl.constexpr, BLOCKS: tl.constexpr,
-                       FAST: tl.constexpr = False, EXACT: tl.constexpr = True):
+                       OPT: tl.constexpr, HAS_DECAY: tl.constexpr, LUT: tl.constexpr, BLOCKS: tl.constexpr):
     first = tl.program_id(0).to(tl.int64) * BLOCKS  # int64: tensors can pass 2**31 elements
     base = first * 256
     rows = tl.arange(0, BLOCKS)
@@ -215,21 +210,21 @@ def _optim_8bit_kernel(p_ptr, g_ptr, s1_ptr, s2_ptr, absmax1_ptr, absmax2_ptr, c
     g = tl.where(finite, g, 0.0)
     new_p, s1, s2, m2 = _update(p, g, s1, s2, m2, beta1, beta2, one_minus_beta1, one_minus_beta2, eps, step_size,
                                 weight_decay, decay, first_step, beta3, one_minus_beta3, alpha, correction1,
-                                correction2, OPT, HAS_DECAY, FAST)
+                                correction2, OPT, HAS_DECAY)
     new_p = tl.where(finite, new_p, p)
     tl.store(p_ptr + base + local, to_output(new_p, p_ptr), mask=in_range)
     # Zero the states of non-finite gradients, and (search tree) past the end, where they are not 0.
     keep = finite if LUT else finite & in_range
     s1 = tl.where(keep, s1, 0.0)
-    _requantize(s1, search1_ptr, code1_ptr, s1_ptr, absmax1_ptr, first, base, rows, local, in_range, left, True, LUT, EXACT)
+    _requantize(s1, search1_ptr, code1_ptr, s1_ptr, absmax1_ptr, first, base, rows, local, in_range, left, True, LUT)
     if OPT == 4:
         m2 = tl.where(keep, m2, 0.0)
         _requantize(m2, search1_ptr, code1_ptr, s1_ptr + n, absmax1_ptr + n_blocks, first, base, rows, local,
-                    in_range, left, True, LUT, EXACT)
+                    in_range, left, True, LUT)
     if OPT == 0 or OPT == 4:
         s2 = tl.where(keep, s2, 0.0)
         _requantize(s2, search2_ptr, code2_ptr, s2_ptr, absmax2_ptr, first, base, rows, local, in_range, left,
-                    False, LUT, EXACT)
+                    False, LUT)
 
 
 @triton.jit
@@ -466,8 +461,7 @@ def update_8bit(name: str, p: torch.Tensor, g: torch.Tensor, state1: torch.Tenso
         _optim_8bit_kernel[(-(-n // (blocks * BLOCKSIZE)),)](
             p, g, state1, state2 if two else state1, absmax1, absmax2 if two else absmax1, qmap1,
             qmap2 if two else qmap1, search1, search2, n, *_scalars(k), OPT=OPT_IDS[name],
-            HAS_DECAY=k.weight_decay > 0, LUT=lut, BLOCKS=blocks, FAST=cfg.constexprs.get("FAST", False),
-            EXACT=cfg.constexprs.get("EXACT", True), **options)
+            HAS_DECAY=k.weight_decay > 0, LUT=lut, BLOCKS=blocks, **options)
 
 
 def update_32bit(name: str, p: torch.Tensor, g: torch.Tensor, state1: torch.Tensor, state2: torch.Tensor | None,
