@@ -16,12 +16,12 @@ One kernel, ``_int8_matmul_kernel``, takes its int8 A operand from one of three 
 
 A column is an outlier column when any row holds an outlier, which a program per row cannot know when
 it writes its codes, so (sources 1 and 2) only the outlier entries' codes are 0 and the column's other
-codes stay.  The rows' programs OR their outlier columns into int32 bit words (a single row stores them
-and lists them itself; otherwise ``_outlier_list_kernel`` lists the non-zero words, in order).  After
-its main loop the matmul takes each listed word's 32 columns in one dot step: it subtracts their kept
-codes' products from the int32 sums (exact: the result is the reference's sum without those columns)
-and adds x's fp values times the dequantized weight columns.  A few outlier columns cost a few steps,
-not a pass over K; nothing is zeroed beforehand except the words of a multi-row call.
+codes stay.  The rows' programs OR their outlier columns into int32 bit words, and
+``_outlier_list_kernel`` lists the set columns in order (a single row lists them itself).  After its
+main loop the matmul takes the listed columns, 16 a dot step: it subtracts their kept codes' products
+from the int32 sums (exact: the result is the reference's sum without those columns) and adds x's fp
+values times the dequantized weight columns.  A few outlier columns cost a step or two, not a pass
+over K; only a multi-row call's bit words are zeroed beforehand.
 The epilogue is the reference's fp32 operation order:
 ``acc * ((row_stat * SCB) * 1/127**2) + bias``, rounded to x's dtype; with a threshold, the outlier
 columns' products are accumulated (fp32) onto that rounded value, which is rounded again.  No
@@ -57,6 +57,7 @@ from .config import (TRITON_DTYPE, KernelSpec, LaunchConfig, cached_options, dev
                      select)
 from .quant_blockwise import ROUND_BF16_BY_HAND, to_output
 
+OUTLIER_STEP = tl.constexpr(16)  # outlier columns per dot step after the main loop (the smallest K of an MMA)
 _INTERPRETED = tl.constexpr(os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"))
 # The reference's fp32 constants, as bit patterns (a Python float becomes a constant of the compiler's choosing).
 INV_127_BITS = tl.constexpr(torch.tensor(7.874015718698502e-3, dtype=torch.float32).view(torch.int32).item())
@@ -144,20 +145,19 @@ def _row_absmax(x_ptr, M, K, stride_xm, threshold, BLOCK_M: tl.constexpr, ROWS: 
 
 
 @triton.jit
-def _outlier_sums(x_rows, a_rows, w_rows, scb, x_ptr, words_ptr, list_ptr, count_ptr, m_mask, n_mask,
-                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
-    """Over the outlier columns, a listed bit word (32 columns) a step: (their int8 products codes @ CB.T,
-    which the main loop added and the reference leaves out; x's outlier columns times the dequantized
-    weight columns, in fp32).  The int8 products go through an fp32-accumulated dot of 16-bit values:
-    |code * w| <= 127**2 and 32 of them sum below 2**24, so every partial sum is an exact integer."""
-    n_words = tl.load(count_ptr)
+def _outlier_sums(x_rows, a_rows, w_rows, scb, x_ptr, cols_ptr, count_ptr, m_mask, n_mask, BLOCK_M: tl.constexpr,
+                  BLOCK_N: tl.constexpr, STEP: tl.constexpr):
+    """Over the listed outlier columns, STEP a dot step: (their int8 products codes @ CB.T, which the main
+    loop added and the reference leaves out; x's outlier columns times the dequantized weight columns, in
+    fp32).  The int8 products go through an fp32-accumulated dot of 16-bit values: |code * w| <= 127**2
+    and STEP of them sum below 2**24, so every partial sum is an exact integer."""
+    n_out = tl.load(count_ptr)
     kept = tl.zeros([BLOCK_M, BLOCK_N], tl.int32)
     fp = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-    j = tl.arange(0, 32)
-    for i in range(0, n_words):
-        w = tl.load(list_ptr + i)
-        j_mask = ((tl.load(words_ptr + w) >> j) & 1) != 0
-        col = w * 32 + j
+    for c in range(0, n_out, STEP):
+        j = c + tl.arange(0, STEP)
+        j_mask = j < n_out
+        col = tl.load(cols_ptr + j, mask=j_mask, other=0)
         xo = tl.load(x_rows + col[None, :], mask=m_mask[:, None] & j_mask[None, :], other=0.0)
         ao = tl.load(a_rows + col[None, :], mask=m_mask[:, None] & j_mask[None, :], other=0)
         wo = tl.load(w_rows + col[None, :], mask=n_mask[:, None] & j_mask[None, :], other=0)
@@ -167,14 +167,13 @@ def _outlier_sums(x_rows, a_rows, w_rows, scb, x_ptr, words_ptr, list_ptr, count
 
 
 @triton.jit
-def _int8_matmul_kernel(x_ptr, a_ptr, w_ptr, row_stats_ptr, scb_ptr, bias_ptr, words_ptr, list_ptr, count_ptr,
-                        acc_ptr, out_ptr,
+def _int8_matmul_kernel(x_ptr, a_ptr, w_ptr, row_stats_ptr, scb_ptr, bias_ptr, cols_ptr, count_ptr, acc_ptr, out_ptr,
                         M, N, K, stride_xm, stride_om, threshold,
                         SOURCE: tl.constexpr, STATS_GIVEN: tl.constexpr, BLOCK_M: tl.constexpr,
                         BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, ROWS: tl.constexpr,
                         STATS_CHUNK: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_THRESHOLD: tl.constexpr):
     # x [M, K] (x's dtype, unit stride in K); a: the int8 codes [M, K] (SOURCE 1, 2); w: CB int8 [N, K];
-    # acc: torch._int_mm's int32 [M, N] (SOURCE 2); words / list / count: the outlier columns (SOURCE 1, 2).
+    # acc: torch._int_mm's int32 [M, N] (SOURCE 2); cols / count: the outlier columns (SOURCE 1, 2).
     if SOURCE == 0:  # every row in the one row tile
         pid_m = 0
         pid_n = tl.program_id(0)
@@ -224,8 +223,8 @@ def _int8_matmul_kernel(x_ptr, a_ptr, w_ptr, row_stats_ptr, scb_ptr, bias_ptr, w
             acc = tl.dot(a, tl.trans(w), acc, out_dtype=tl.int32)  # triton 3.6 wants it said
 
     if HAS_THRESHOLD and SOURCE != 0:
-        kept, fp_out = _outlier_sums(x_rows, a_rows, w_rows, scb, x_ptr, words_ptr, list_ptr, count_ptr, m_mask,
-                                     n_mask, BLOCK_M, BLOCK_N)
+        kept, fp_out = _outlier_sums(x_rows, a_rows, w_rows, scb, x_ptr, cols_ptr, count_ptr, m_mask, n_mask,
+                                     BLOCK_M, BLOCK_N, OUTLIER_STEP)
         acc -= kept
     y = acc.to(tl.float32) * ((row_stat[:, None] * scb[None, :]) * _f32(INV_127_SQUARED_BITS))
     if HAS_BIAS:
@@ -241,33 +240,42 @@ def _int8_matmul_kernel(x_ptr, a_ptr, w_ptr, row_stats_ptr, scb_ptr, bias_ptr, w
 
 
 @triton.jit
-def _column_bits(out, k0, words_ptr, list_ptr, base, W, BLOCK_K: tl.constexpr, LIST: tl.constexpr):
-    """The outlier columns of one [rows, BLOCK_K] step (``out``: its outlier entries) as int32 bit words,
-    32 columns a word, at words[k0 // 32 ...]: OR-ed in by atomics from every row's program, or, with LIST
-    (this program holds every row), stored, and the indices of the non-zero words appended, in order, to
-    list[base:] (a scan over words: outlier columns are few).  Returns the new base."""
-    bit = tl.max(out.to(tl.int32), axis=0)  # [BLOCK_K]: 1 where a row of the step holds an outlier
-    packed = tl.sum(tl.reshape(bit, [BLOCK_K // 32, 32]) << tl.arange(0, 32)[None, :], axis=1)  # disjoint bits
-    w = k0 // 32 + tl.arange(0, BLOCK_K // 32)
+def _list_columns(bits, k0, cols_ptr, base, NW: tl.constexpr):
+    """Append the set columns of ``bits`` ([NW, 32] 0/1: column k0 + 32 * row + lane), in increasing order,
+    to cols[base:]; returns the new base.  Positions come from a scan over the NW words' bit counts and one
+    within each word (a single scan over NW * 32 columns is several times slower)."""
+    count = tl.sum(bits, axis=1)
+    before = tl.cumsum(count, axis=0) - count
+    inside = tl.cumsum(bits, axis=1) - bits
+    k = k0 + tl.arange(0, NW)[:, None] * 32 + tl.arange(0, 32)[None, :]
+    tl.store(cols_ptr + base + before[:, None] + inside, k, mask=bits != 0)
+    return base + tl.sum(count, axis=0)
+
+
+@triton.jit
+def _column_bits(out, k0, words_ptr, cols_ptr, base, W, BLOCK_K: tl.constexpr, LIST: tl.constexpr):
+    """The outlier columns of one [rows, BLOCK_K] step (``out``: its outlier entries).  LIST (this program
+    holds every row): appended to cols[base:] (returns the new base).  Else OR-ed, 32 columns to an int32
+    word, into words[k0 // 32 ...] by atomics (the same bits in any order) for ``_outlier_list_kernel``."""
+    bits = tl.reshape(tl.max(out.to(tl.int32), axis=0), [BLOCK_K // 32, 32])  # 1: a row holds an outlier
     if LIST:
-        tl.store(words_ptr + w, packed, mask=w < W)
-        used = (packed != 0).to(tl.int32)
-        tl.store(list_ptr + base + tl.cumsum(used, axis=0) - used, w, mask=used != 0)
-        base += tl.sum(used, axis=0)
+        base = _list_columns(bits, k0, cols_ptr, base, BLOCK_K // 32)
     else:
-        tl.atomic_or(words_ptr + w, packed, mask=(packed != 0) & (w < W))  # OR: the same bits in any order
+        packed = tl.sum(bits << tl.arange(0, 32)[None, :], axis=1)  # disjoint bits: the sum is the OR
+        w = k0 // 32 + tl.arange(0, BLOCK_K // 32)
+        tl.atomic_or(words_ptr + w, packed, mask=(packed != 0) & (w < W))
     return base
 
 
 @triton.jit
-def _int8_quantize_kernel(x_ptr, codes_ptr, stats_ptr, words_ptr, list_ptr, count_ptr, M, K, W, stride_xm,
+def _int8_quantize_kernel(x_ptr, codes_ptr, stats_ptr, words_ptr, cols_ptr, count_ptr, M, K, W, stride_xm,
                           threshold, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, ONE_TILE: tl.constexpr,
                           WRITE_CODES: tl.constexpr, HAS_THRESHOLD: tl.constexpr, LIST: tl.constexpr):
     """Row stats of BLOCK_R rows and, with WRITE_CODES, their codes (0 for outlier entries) and their
     outlier columns as W bit words (``_column_bits``).  The codes of an outlier column's other entries are
     kept: the matmul takes their products back out, exactly, where it adds the column's fp products.
-    LIST (one program holds every row): the non-zero words are listed here, not by
-    ``_outlier_list_kernel``, and the words need no zeroing beforehand."""
+    LIST (one program holds every row): the columns are listed here, not by ``_outlier_list_kernel``, and
+    no words are used."""
     r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     r_mask = r < M
     r64 = r.to(tl.int64)
@@ -283,7 +291,7 @@ def _int8_quantize_kernel(x_ptr, codes_ptr, stats_ptr, words_ptr, list_ptr, coun
             out = (mag >= threshold) & mask
             mag = tl.where(out, 0.0, mag)
             if WRITE_CODES:
-                base = _column_bits(out, 0, words_ptr, list_ptr, base, W, BLOCK_K, LIST)
+                base = _column_bits(out, 0, words_ptr, cols_ptr, base, W, BLOCK_K, LIST)
         amax = tl.max(mag, axis=1)
         if WRITE_CODES:
             scale = _scale(amax, BLOCK_R)
@@ -301,7 +309,7 @@ def _int8_quantize_kernel(x_ptr, codes_ptr, stats_ptr, words_ptr, list_ptr, coun
                 out = (mag >= threshold) & mask
                 mag = tl.where(out, 0.0, mag)
                 if WRITE_CODES:
-                    base = _column_bits(out, k0, words_ptr, list_ptr, base, W, BLOCK_K, LIST)
+                    base = _column_bits(out, k0, words_ptr, cols_ptr, base, W, BLOCK_K, LIST)
             amax = tl.maximum(amax, tl.max(mag, axis=1))
         if WRITE_CODES:
             scale = _scale(amax, BLOCK_R)
@@ -319,14 +327,13 @@ def _int8_quantize_kernel(x_ptr, codes_ptr, stats_ptr, words_ptr, list_ptr, coun
 
 
 @triton.jit
-def _outlier_list_kernel(words_ptr, list_ptr, count_ptr, W, BLOCK_W: tl.constexpr):
-    """One program: the indices of the non-zero outlier bit words, in increasing order, in list[:count]."""
+def _outlier_list_kernel(words_ptr, cols_ptr, count_ptr, W, BLOCK_W: tl.constexpr):
+    """One program: the columns set in the W outlier bit words, in increasing order, in cols[:count]."""
     base = tl.zeros([], tl.int32)
     for w0 in range(0, W, BLOCK_W):
         w = w0 + tl.arange(0, BLOCK_W)
-        used = (tl.load(words_ptr + w, mask=w < W, other=0) != 0).to(tl.int32)
-        tl.store(list_ptr + base + tl.cumsum(used, axis=0) - used, w, mask=used != 0)
-        base += tl.sum(used, axis=0)
+        word = tl.load(words_ptr + w, mask=w < W, other=0)
+        base = _list_columns((word[:, None] >> tl.arange(0, 32)[None, :]) & 1, w0 * 32, cols_ptr, base, BLOCK_W)
     tl.store(count_ptr, base)
 
 
@@ -477,9 +484,8 @@ def quantize_rows(x2: torch.Tensor, threshold: float, codes: bool = True):
     """(codes int8 [M, K], row stats fp32 [M], outliers) of x2 [M, K] (unit stride in K): a program per row.
     Codes of outlier entries are 0; the other entries of outlier columns keep theirs (the matmul takes
     their products back out).  ``outliers``: None without a threshold (or ``codes=False``), else
-    ``(words, word_list, count)``: the outlier columns as int32 bit words [ceil(K / 32)] (bit c % 32 of
-    word c // 32) and the non-zero words' indices in word_list[:count], increasing.  A single row lists
-    them in the same launch; more rows OR their words into zeros, and one small program lists them.
+    ``(cols, count)``: the outlier columns, increasing, in cols[:count].  A single row lists them in the
+    same launch; more rows OR them as bit words into zeros, and one small program lists them.
     ``threshold``: as ``fp16_threshold`` returns it, 0 for none.  No host sync."""
     m, k = x2.shape
     device = x2.device
@@ -490,28 +496,22 @@ def quantize_rows(x2: torch.Tensor, threshold: float, codes: bool = True):
     n_words = triton.cdiv(k, 32)
     out_codes = torch.empty(m, k, dtype=torch.int8, device=device) if codes else None
     stats = torch.empty(m, dtype=torch.float32, device=device)
-    words = word_list = count = stats
+    words = cols = count = stats
     if has_threshold:
-        words = (torch.empty if listed else torch.zeros)(n_words, dtype=torch.int32, device=device)
-        word_list = torch.empty(n_words, dtype=torch.int32, device=device)
+        if not listed:
+            words = torch.zeros(n_words, dtype=torch.int32, device=device)
+        cols = torch.empty(k, dtype=torch.int32, device=device)
         count = torch.empty(1, dtype=torch.int32, device=device)
     with on_device(device):
         _int8_quantize_kernel[(m,)](
-            x2, out_codes if codes else stats, stats, words, word_list, count, m, k, n_words, x2.stride(0),
+            x2, out_codes if codes else stats, stats, words, cols, count, m, k, n_words, x2.stride(0),
             threshold, BLOCK_R=1, BLOCK_K=block_k, ONE_TILE=block_k >= k, WRITE_CODES=codes,
             HAS_THRESHOLD=threshold > 0, LIST=listed, **_options(cfg, device))
         if has_threshold and not listed:
             list_cfg = select(OUTLIER_LIST_CONFIGS, device_target(device))[0]
-            _outlier_list_kernel[(1,)](words, word_list, count, n_words, **list_cfg.constexprs,
+            _outlier_list_kernel[(1,)](words, cols, count, n_words, **list_cfg.constexprs,
                                        **_options(list_cfg, device))
-    return out_codes, stats, (words, word_list, count) if has_threshold else None
-
-
-def outlier_columns(words: torch.Tensor, word_list: torch.Tensor, count: torch.Tensor) -> torch.Tensor:
-    """The outlier columns (int64, increasing) that ``quantize_rows``' outliers name, on the CPU (tests)."""
-    listed = word_list[:int(count)].long().cpu()
-    bits = (words.cpu()[listed].long()[:, None] >> torch.arange(32)) & 1
-    return (listed[:, None] * 32 + torch.arange(32))[bits != 0]
+    return out_codes, stats, (cols, count) if has_threshold else None
 
 
 def int8_matmul(x: torch.Tensor, CB: torch.Tensor, SCB: torch.Tensor, threshold: float = 0.0,
@@ -548,13 +548,13 @@ def int8_matmul(x: torch.Tensor, CB: torch.Tensor, SCB: torch.Tensor, threshold:
     c = cfg.constexprs
     out2 = out.view(m, n)
     dummy = SCB
-    codes = stats = words = word_list = count = acc = None
+    codes = stats = cols = count = acc = None
     if p.path == "fused_stats":
         _, stats, _ = quantize_rows(x2, thr, codes=False)
     elif p.path in ("gemm", "int_mm"):
         codes, stats, outliers = quantize_rows(x2, thr)
         if has_threshold:
-            words, word_list, count = outliers
+            cols, count = outliers
         if p.path == "int_mm":
             acc = torch._int_mm(codes, CB.t())
     source = {"fused": 0, "fused_stats": 0, "gemm": 1, "int_mm": 2}[p.path]
@@ -569,8 +569,7 @@ def int8_matmul(x: torch.Tensor, CB: torch.Tensor, SCB: torch.Tensor, threshold:
     with on_device(x.device):
         _int8_matmul_kernel[grid](
             x2, codes if codes is not None else dummy, CB, stats if stats is not None else dummy, SCB,
-            bias if bias is not None else dummy, words if words is not None else dummy,
-            word_list if word_list is not None else dummy,
+            bias if bias is not None else dummy, cols if cols is not None else dummy,
             count if count is not None else dummy, acc if acc is not None else dummy, out2,
             m, n, k, x2.stride(0), out2.stride(0), thr,
             SOURCE=source, STATS_GIVEN=not own_stats, BLOCK_M=c["BLOCK_M"], BLOCK_N=c["BLOCK_N"],
@@ -587,7 +586,7 @@ DTYPES = (torch.float16, torch.bfloat16)
 def _matmul_signature(dtype: torch.dtype) -> dict:
     t = TRITON_DTYPE[dtype]
     sig = {"x_ptr": f"*{t}", "a_ptr": "*i8", "w_ptr": "*i8", "row_stats_ptr": "*fp32", "scb_ptr": "*fp32",
-           "bias_ptr": f"*{t}", "words_ptr": "*i32", "list_ptr": "*i32", "count_ptr": "*i32", "acc_ptr": "*i32", "out_ptr": f"*{t}",
+           "bias_ptr": f"*{t}", "cols_ptr": "*i32", "count_ptr": "*i32", "acc_ptr": "*i32", "out_ptr": f"*{t}",
            "M": "i32", "N": "i32", "K": "i32", "stride_xm": "i32", "stride_om": "i32", "threshold": "fp32"}
     sig.update(dict.fromkeys(("SOURCE", "STATS_GIVEN", "BLOCK_M", "BLOCK_N", "BLOCK_K", "GROUP_M", "ROWS",
                               "STATS_CHUNK", "HAS_BIAS", "HAS_THRESHOLD"), "constexpr"))
@@ -618,7 +617,7 @@ EPILOGUE_SPEC = register(KernelSpec(
 
 def _quantize_signature(dtype: torch.dtype) -> dict:
     return {"x_ptr": f"*{TRITON_DTYPE[dtype]}", "codes_ptr": "*i8", "stats_ptr": "*fp32", "words_ptr": "*i32",
-            "list_ptr": "*i32", "count_ptr": "*i32", "M": "i32", "K": "i32", "W": "i32", "stride_xm": "i32",
+            "cols_ptr": "*i32", "count_ptr": "*i32", "M": "i32", "K": "i32", "W": "i32", "stride_xm": "i32",
             "threshold": "fp32", "BLOCK_R": "constexpr", "BLOCK_K": "constexpr", "ONE_TILE": "constexpr",
             "WRITE_CODES": "constexpr", "HAS_THRESHOLD": "constexpr", "LIST": "constexpr"}
 
@@ -636,5 +635,5 @@ QUANTIZE_SPEC = register(KernelSpec(
     {key: _quantize_forms(cfgs[0]) for key, cfgs in QUANTIZE_CONFIGS.items()}))
 OUTLIER_LIST_SPEC = register(KernelSpec(
     "int8_outlier_list", _outlier_list_kernel,
-    lambda dtype: {"words_ptr": "*i32", "list_ptr": "*i32", "count_ptr": "*i32", "W": "i32", "BLOCK_W": "constexpr"},
+    lambda dtype: {"words_ptr": "*i32", "cols_ptr": "*i32", "count_ptr": "*i32", "W": "i32", "BLOCK_W": "constexpr"},
     (torch.int32,), OUTLIER_LIST_CONFIGS))
