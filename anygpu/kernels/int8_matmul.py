@@ -145,25 +145,32 @@ def _row_absmax(x_ptr, M, K, stride_xm, threshold, BLOCK_M: tl.constexpr, ROWS: 
 
 
 @triton.jit
-def _outlier_sums(x_rows, a_rows, w_rows, scb, x_ptr, cols_ptr, count_ptr, m_mask, n_mask, BLOCK_M: tl.constexpr,
-                  BLOCK_N: tl.constexpr, STEP: tl.constexpr):
-    """Over the listed outlier columns, STEP a dot step: (their int8 products codes @ CB.T, which the main
-    loop added and the reference leaves out; x's outlier columns times the dequantized weight columns, in
-    fp32).  The int8 products go through an fp32-accumulated dot of 16-bit values: |code * w| <= 127**2
-    and STEP of them sum below 2**24, so every partial sum is an exact integer."""
+def _without_outlier_codes(acc, a_rows, w_rows, cols_ptr, count_ptr, m_mask, n_mask, STEP: tl.constexpr):
+    """acc minus the int8 products of the listed outlier columns' kept codes (the main loop added them, the
+    reference leaves them out): exact, one int8 dot of the negated codes a step (-127..127 fit int8)."""
     n_out = tl.load(count_ptr)
-    kept = tl.zeros([BLOCK_M, BLOCK_N], tl.int32)
-    fp = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    for c in range(0, n_out, STEP):
+        j = c + tl.arange(0, STEP)
+        j_mask = j < n_out
+        col = tl.load(cols_ptr + j, mask=j_mask, other=0)
+        a = tl.load(a_rows + col[None, :], mask=m_mask[:, None] & j_mask[None, :], other=0)
+        w = tl.load(w_rows + col[None, :], mask=n_mask[:, None] & j_mask[None, :], other=0)
+        acc = tl.dot(-a, tl.trans(w), acc, out_dtype=tl.int32)
+    return acc
+
+
+@triton.jit
+def _outlier_fp(y, x_rows, w_rows, scb, x_ptr, cols_ptr, count_ptr, m_mask, n_mask, STEP: tl.constexpr):
+    """y plus x's outlier columns times the dequantized weight columns, accumulated in fp32."""
+    n_out = tl.load(count_ptr)
     for c in range(0, n_out, STEP):
         j = c + tl.arange(0, STEP)
         j_mask = j < n_out
         col = tl.load(cols_ptr + j, mask=j_mask, other=0)
         xo = tl.load(x_rows + col[None, :], mask=m_mask[:, None] & j_mask[None, :], other=0.0)
-        ao = tl.load(a_rows + col[None, :], mask=m_mask[:, None] & j_mask[None, :], other=0)
-        wo = tl.load(w_rows + col[None, :], mask=n_mask[:, None] & j_mask[None, :], other=0)
-        kept += _fp_dot(ao.to(tl.float16), wo.to(tl.float16), tl.zeros([BLOCK_M, BLOCK_N], tl.float32)).to(tl.int32)
-        fp = _fp_dot(xo, _dequantized(wo, scb, x_ptr), fp)
-    return kept, fp
+        w = tl.load(w_rows + col[None, :], mask=n_mask[:, None] & j_mask[None, :], other=0)
+        y = _fp_dot(xo, _dequantized(w, scb, x_ptr), y)
+    return y
 
 
 @triton.jit
@@ -223,9 +230,7 @@ def _int8_matmul_kernel(x_ptr, a_ptr, w_ptr, row_stats_ptr, scb_ptr, bias_ptr, c
             acc = tl.dot(a, tl.trans(w), acc, out_dtype=tl.int32)  # triton 3.6 wants it said
 
     if HAS_THRESHOLD and SOURCE != 0:
-        kept, fp_out = _outlier_sums(x_rows, a_rows, w_rows, scb, x_ptr, cols_ptr, count_ptr, m_mask, n_mask,
-                                     BLOCK_M, BLOCK_N, OUTLIER_STEP)
-        acc -= kept
+        acc = _without_outlier_codes(acc, a_rows, w_rows, cols_ptr, count_ptr, m_mask, n_mask, 2 * OUTLIER_STEP)
     y = acc.to(tl.float32) * ((row_stat[:, None] * scb[None, :]) * _f32(INV_127_SQUARED_BITS))
     if HAS_BIAS:
         y = y + tl.load(bias_ptr + rn, mask=n_mask, other=0.0).to(tl.float32)[None, :]
@@ -234,41 +239,52 @@ def _int8_matmul_kernel(x_ptr, a_ptr, w_ptr, row_stats_ptr, scb_ptr, bias_ptr, c
         if SOURCE == 0:
             y = y + facc
         else:
-            y = y + fp_out
+            y = _outlier_fp(y, x_rows, w_rows, scb, x_ptr, cols_ptr, count_ptr, m_mask, n_mask, OUTLIER_STEP)
     out = out_ptr + rm64[:, None] * stride_om + rn[None, :]
     tl.store(out, to_output(y, out_ptr), mask=m_mask[:, None] & n_mask[None, :])
 
 
 @triton.jit
-def _list_columns(bits, k0, cols_ptr, base, NW: tl.constexpr):
-    """Append the set columns of ``bits`` ([NW, 32] 0/1: column k0 + 32 * row + lane), in increasing order,
-    to cols[base:]; returns the new base.  Positions come from a scan over the NW words' bit counts and one
-    within each word (a single scan over NW * 32 columns is several times slower)."""
-    count = tl.sum(bits, axis=1)
+def _popcount(v):
+    """Set bits of each uint32 (SWAR: no popc instruction in Triton)."""
+    v = v - ((v >> 1) & 0x55555555)
+    v = (v & 0x33333333) + ((v >> 2) & 0x33333333)
+    return (((v + (v >> 4)) & 0x0F0F0F0F) * 0x01010101) >> 24
+
+
+@triton.jit
+def _list_columns(word, w0, cols_ptr, base, NW: tl.constexpr):
+    """Append the columns set in the NW bit words ``word`` (uint32; bit j of word i: column 32 * (w0 + i) + j),
+    in increasing order, to cols[base:]; returns the new base.  A column's position is the set bits of the
+    words before its own (a scan over NW words) plus those below it in its word (a popcount): a scan over
+    all NW * 32 columns is several times slower."""
+    count = _popcount(word).to(tl.int32)
     before = tl.cumsum(count, axis=0) - count
-    inside = tl.cumsum(bits, axis=1) - bits
-    k = k0 + tl.arange(0, NW)[:, None] * 32 + tl.arange(0, 32)[None, :]
-    tl.store(cols_ptr + base + before[:, None] + inside, k, mask=bits != 0)
+    j = tl.arange(0, 32)
+    below = _popcount(word[:, None] & ((tl.full([32], 1, tl.uint32) << j.to(tl.uint32)) - 1)[None, :]).to(tl.int32)
+    k = (w0 + tl.arange(0, NW))[:, None] * 32 + j[None, :]
+    tl.store(cols_ptr + base + before[:, None] + below, k, mask=((word[:, None] >> j[None, :].to(tl.uint32)) & 1) != 0)
     return base + tl.sum(count, axis=0)
 
 
 @triton.jit
-def _column_bits(out, k0, words_ptr, cols_ptr, base, W, BLOCK_K: tl.constexpr, LIST: tl.constexpr):
+def _column_bits(out, k0, words_ptr, cols_ptr, base, BLOCK_K: tl.constexpr, LIST: tl.constexpr):
     """The outlier columns of one [rows, BLOCK_K] step (``out``: its outlier entries).  LIST (this program
-    holds every row): appended to cols[base:] (returns the new base).  Else OR-ed, 32 columns to an int32
-    word, into words[k0 // 32 ...] by atomics (the same bits in any order) for ``_outlier_list_kernel``."""
-    bits = tl.reshape(tl.max(out.to(tl.int32), axis=0), [BLOCK_K // 32, 32])  # 1: a row holds an outlier
+    holds every row): appended to cols[base:] (returns the new base).  Else each outlier entry ORs its
+    column's bit into the int32 words (32 columns a word) by an atomic, for ``_outlier_list_kernel``:
+    outliers are few, and OR gives the same bits in any order."""
     if LIST:
-        base = _list_columns(bits, k0, cols_ptr, base, BLOCK_K // 32)
+        bits = tl.reshape(tl.max(out.to(tl.int32), axis=0), [BLOCK_K // 32, 32])  # 1: a row holds an outlier
+        word = tl.sum(bits.to(tl.uint32) << tl.arange(0, 32).to(tl.uint32)[None, :], axis=1)  # disjoint bits
+        base = _list_columns(word, k0 // 32, cols_ptr, base, BLOCK_K // 32)
     else:
-        packed = tl.sum(bits << tl.arange(0, 32)[None, :], axis=1)  # disjoint bits: the sum is the OR
-        w = k0 // 32 + tl.arange(0, BLOCK_K // 32)
-        tl.atomic_or(words_ptr + w, packed, mask=(packed != 0) & (w < W))
+        k = k0 + tl.arange(0, BLOCK_K)[None, :] + tl.zeros_like(out.to(tl.int32))
+        tl.atomic_or(words_ptr + k // 32, (1 << (k % 32)), mask=out)
     return base
 
 
 @triton.jit
-def _int8_quantize_kernel(x_ptr, codes_ptr, stats_ptr, words_ptr, cols_ptr, count_ptr, M, K, W, stride_xm,
+def _int8_quantize_kernel(x_ptr, codes_ptr, stats_ptr, words_ptr, cols_ptr, count_ptr, M, K, stride_xm,
                           threshold, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, ONE_TILE: tl.constexpr,
                           WRITE_CODES: tl.constexpr, HAS_THRESHOLD: tl.constexpr, LIST: tl.constexpr):
     """Row stats of BLOCK_R rows and, with WRITE_CODES, their codes (0 for outlier entries) and their
@@ -291,7 +307,7 @@ def _int8_quantize_kernel(x_ptr, codes_ptr, stats_ptr, words_ptr, cols_ptr, coun
             out = (mag >= threshold) & mask
             mag = tl.where(out, 0.0, mag)
             if WRITE_CODES:
-                base = _column_bits(out, 0, words_ptr, cols_ptr, base, W, BLOCK_K, LIST)
+                base = _column_bits(out, 0, words_ptr, cols_ptr, base, BLOCK_K, LIST)
         amax = tl.max(mag, axis=1)
         if WRITE_CODES:
             scale = _scale(amax, BLOCK_R)
@@ -309,7 +325,7 @@ def _int8_quantize_kernel(x_ptr, codes_ptr, stats_ptr, words_ptr, cols_ptr, coun
                 out = (mag >= threshold) & mask
                 mag = tl.where(out, 0.0, mag)
                 if WRITE_CODES:
-                    base = _column_bits(out, k0, words_ptr, cols_ptr, base, W, BLOCK_K, LIST)
+                    base = _column_bits(out, k0, words_ptr, cols_ptr, base, BLOCK_K, LIST)
             amax = tl.maximum(amax, tl.max(mag, axis=1))
         if WRITE_CODES:
             scale = _scale(amax, BLOCK_R)
@@ -332,8 +348,8 @@ def _outlier_list_kernel(words_ptr, cols_ptr, count_ptr, W, BLOCK_W: tl.constexp
     base = tl.zeros([], tl.int32)
     for w0 in range(0, W, BLOCK_W):
         w = w0 + tl.arange(0, BLOCK_W)
-        word = tl.load(words_ptr + w, mask=w < W, other=0)
-        base = _list_columns((word[:, None] >> tl.arange(0, 32)[None, :]) & 1, w0 * 32, cols_ptr, base, BLOCK_W)
+        word = tl.load(words_ptr + w, mask=w < W, other=0).to(tl.uint32, bitcast=True)
+        base = _list_columns(word, w0, cols_ptr, base, BLOCK_W)
     tl.store(count_ptr, base)
 
 
@@ -504,7 +520,7 @@ def quantize_rows(x2: torch.Tensor, threshold: float, codes: bool = True):
         count = torch.empty(1, dtype=torch.int32, device=device)
     with on_device(device):
         _int8_quantize_kernel[(m,)](
-            x2, out_codes if codes else stats, stats, words, cols, count, m, k, n_words, x2.stride(0),
+            x2, out_codes if codes else stats, stats, words, cols, count, m, k, x2.stride(0),
             threshold, BLOCK_R=1, BLOCK_K=block_k, ONE_TILE=block_k >= k, WRITE_CODES=codes,
             HAS_THRESHOLD=threshold > 0, LIST=listed, **_options(cfg, device))
         if has_threshold and not listed:
@@ -617,7 +633,7 @@ EPILOGUE_SPEC = register(KernelSpec(
 
 def _quantize_signature(dtype: torch.dtype) -> dict:
     return {"x_ptr": f"*{TRITON_DTYPE[dtype]}", "codes_ptr": "*i8", "stats_ptr": "*fp32", "words_ptr": "*i32",
-            "cols_ptr": "*i32", "count_ptr": "*i32", "M": "i32", "K": "i32", "W": "i32", "stride_xm": "i32",
+            "cols_ptr": "*i32", "count_ptr": "*i32", "M": "i32", "K": "i32", "stride_xm": "i32",
             "threshold": "fp32", "BLOCK_R": "constexpr", "BLOCK_K": "constexpr", "ONE_TILE": "constexpr",
             "WRITE_CODES": "constexpr", "HAS_THRESHOLD": "constexpr", "LIST": "constexpr"}
 

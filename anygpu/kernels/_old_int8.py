@@ -1,0 +1,597 @@
+"""LLM.int8() matmul (bitsandbytes' MatMul8bitLt forward): ``y = x @ (CB * SCB / 127).T + bias`` with x
+quantized row-wise to int8, exact int32 products, and the outlier columns of x (``threshold > 0``) in
+x's own precision.  The arithmetic is the reference's (``anygpu/ops/int8_matmul.py``), step for step.
+
+One kernel, ``_int8_matmul_kernel``, takes its int8 A operand from one of three sources (``SOURCE``):
+
+* 0, x: the rows of x are quantized inside the kernel.  All rows sit in one BLOCK_M tile, so each
+  K step sees whole columns: the outlier columns are masked to 0 in the codes and multiplied in x's
+  dtype right there.  Row stats are the absmax of each row, over K, before the main loop (a pass over
+  x from L2: ``STATS_GIVEN=False``, for one or two rows) or from the stats kernel (``STATS_GIVEN``).
+  One launch (two), no atomics, no buffers: the decode path.
+* 1, codes: ``_int8_quantize_kernel`` wrote the codes, the row stats and the outlier-column flags;
+  the main loop is a plain int8 x int8 -> int32 ``tl.dot`` GEMM.
+* 2, int32: ``torch._int_mm`` (cuBLASLt / hipBLASLt) did the int8 GEMM on those codes; the kernel is
+  the epilogue.
+
+A column is an outlier column when any row holds an outlier, so with sources 1 and 2 the codes are
+written before the columns are known: ``_outlier_columns_kernel`` then zeroes the outlier columns'
+codes (the codes are the reference's, bit for bit) and lists the columns, in order, for the matmul,
+which adds their fp products after its main loop, 16 listed columns per dot step (a few outlier columns
+cost a step or two, not a pass over K).  The epilogue is the reference's fp32 operation order:
+``acc * ((row_stat * SCB) * 1/127**2) + bias``, rounded to x's dtype; with a threshold, the outlier
+columns' products are accumulated (fp32) onto that rounded value, which is rounded again.  No
+step reads a value back to the host: every path can be captured in a CUDA / HIP graph.
+
+Exactness: int32 accumulation is exact, the quantization and the epilogue are the reference's fp32
+operations in its order (``127 / absmax`` is torch's ``reciprocal() * 127``: an IEEE division, then a
+multiply; round-half-even; the threshold compared as the fp16 value it rounds to, as torch compares an
+fp16 tensor with a scalar on the CPU), and kernels launch with ``enable_fp_fusion=False`` (an FMA would
+round ``acc * s + bias`` once, the reference twice).  Without outlier columns the output is
+bit-identical to the reference; with them the fp32 sum over the outlier columns is in another order
+than the reference's GEMM, which can move a result by one unit in the last place of x's dtype.
+
+``plan`` picks the path (the one place it is decided): ``fused`` (source 0, stats in the kernel),
+``fused_stats`` (source 0 with the stats kernel), ``gemm`` (quantize + source 1) and ``int_mm``
+(quantize + torch._int_mm + source 2), by the number of rows and the per-target tables below.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import os
+import struct
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from ._program_order import grouped_tile
+from .config import (TRITON_DTYPE, KernelSpec, LaunchConfig, cached_options, device_target, on_device,
+                     select)
+register = lambda spec: spec  # noqa: E731 - an A/B copy for tools/probe_int8.py, not registered
+from .quant_blockwise import ROUND_BF16_BY_HAND, to_output
+
+_INTERPRETED = tl.constexpr(os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"))
+# The reference's fp32 constants, as bit patterns (a Python float becomes a constant of the compiler's choosing).
+INV_127_BITS = tl.constexpr(torch.tensor(7.874015718698502e-3, dtype=torch.float32).view(torch.int32).item())
+INV_127_SQUARED_BITS = tl.constexpr(torch.tensor(1.0 / (127 * 127), dtype=torch.float32).view(torch.int32).item())
+OUTLIER_STEP = tl.constexpr(16)  # outlier columns per dot step after the main loop (the smallest K of an MMA)
+
+
+@triton.jit
+def _f32(bits: tl.constexpr):
+    return tl.full([], bits, tl.int32).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _rint(v):
+    """Round to the nearest integer, ties to even (torch.round), in fp32: adding and subtracting 1.5 * 2**23
+    rounds in the adder, exact for |v| < 2**22 (codes are <= 127).  One way on every target: libdevice's rint
+    does not run in the interpreter and is missing from triton 3.6's HIP libdevice; the kernels run with
+    FP contraction off, so nothing fuses the scaling multiply into the add."""
+    return (v + 12582912.0) - 12582912.0
+
+
+@triton.jit
+def _scale(amax, SIZE: tl.constexpr):
+    """127 / amax as the reference computes it (torch's ``127.0 / t`` is ``t.reciprocal() * 127``, two
+    roundings), 0 for rows of zeros.  IEEE division: "/" is approximate on NVIDIA."""
+    positive = amax > 0
+    return tl.where(positive, tl.div_rn(tl.full([SIZE], 1.0, tl.float32), tl.where(positive, amax, 1.0)) * 127.0, 0.0)
+
+
+@triton.jit
+def _round_to(v, like_ptr):
+    """fp32 values rounded (to nearest even) to the element type of ``like_ptr`` and back to fp32."""
+    ty = like_ptr.dtype.element_ty
+    if ty == tl.float32:
+        return v
+    elif ROUND_BF16_BY_HAND and ty == tl.bfloat16:  # the interpreter truncates to bf16
+        bits = v.to(tl.uint32, bitcast=True)
+        return (((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16) << 16).to(tl.float32, bitcast=True)
+    else:
+        return v.to(ty).to(tl.float32)
+
+
+@triton.jit
+def _dequantized(w, scb, x_ptr):
+    """Weight tile [BN, BK] as the reference dequantizes outlier columns: ``(CB * SCB) * (1/127)`` in fp32,
+    rounded to x's dtype."""
+    return _round_to((w.to(tl.float32) * scb[:, None]) * _f32(INV_127_BITS), x_ptr).to(x_ptr.dtype.element_ty)
+
+
+@triton.jit
+def _fp_dot(xo, wd, acc):
+    """acc + xo @ wd.T in fp32 (xo [BM, BK], wd [BN, BK] in x's dtype)."""
+    if _INTERPRETED:  # the interpreter's bf16 dot multiplies bit patterns; fp32 tiles are exact for 16-bit values
+        return tl.dot(xo.to(tl.float32), tl.trans(wd.to(tl.float32)), acc, input_precision="ieee")
+    elif xo.dtype == tl.float32:
+        return tl.dot(xo, tl.trans(wd), acc, input_precision="ieee")  # torch's fp32 matmul is not TF32
+    else:
+        return tl.dot(xo, tl.trans(wd), acc)
+
+
+@triton.jit
+def _as_fp16(v):
+    """x's values as the reference quantizes them: cast to fp16, in fp32."""
+    return v.to(tl.float16).to(tl.float32)
+
+
+@triton.jit
+def _row_absmax(x_ptr, M, K, stride_xm, threshold, BLOCK_M: tl.constexpr, ROWS: tl.constexpr,
+                CHUNK: tl.constexpr, HAS_THRESHOLD: tl.constexpr):
+    """Per row of the tile, the absmax over K of |fp16(x)| below the threshold ([BLOCK_M] fp32).  The pass
+    reads ROWS (>= M) rows, CHUNK elements of each per step, and spreads the result over BLOCK_M rows."""
+    r = tl.arange(0, ROWS)
+    rows = x_ptr + r.to(tl.int64)[:, None] * stride_xm
+    amax = tl.zeros([ROWS], tl.float32)
+    for k0 in range(0, K, CHUNK):
+        k = k0 + tl.arange(0, CHUNK)
+        v = tl.abs(_as_fp16(tl.load(rows + k[None, :], mask=(r < M)[:, None] & (k < K)[None, :], other=0.0)))
+        if HAS_THRESHOLD:
+            v = tl.where(v >= threshold, 0.0, v)
+        amax = tl.maximum(amax, tl.max(v, axis=1))
+    if ROWS == BLOCK_M:
+        return amax
+    else:
+        one_hot = tl.arange(0, BLOCK_M)[:, None] == r[None, :]
+        return tl.sum(tl.where(one_hot, amax[None, :], 0.0), axis=1)
+
+
+@triton.jit
+def _outlier_fp(y, x_rows, w_rows, scb, x_ptr, cols_ptr, count_ptr, m_mask, n_mask, STEP: tl.constexpr):
+    """y plus x's outlier columns times the dequantized weight columns, accumulated in fp32."""
+    n_out = tl.load(count_ptr)
+    for c in range(0, n_out, STEP):
+        j = c + tl.arange(0, STEP)
+        j_mask = j < n_out
+        col = tl.load(cols_ptr + j, mask=j_mask, other=0)
+        xo = tl.load(x_rows + col[None, :], mask=m_mask[:, None] & j_mask[None, :], other=0.0)
+        w = tl.load(w_rows + col[None, :], mask=n_mask[:, None] & j_mask[None, :], other=0)
+        y = _fp_dot(xo, _dequantized(w, scb, x_ptr), y)
+    return y
+
+
+@triton.jit
+def _int8_matmul_kernel(x_ptr, a_ptr, w_ptr, row_stats_ptr, scb_ptr, bias_ptr, cols_ptr, count_ptr, acc_ptr, out_ptr,
+                        M, N, K, stride_xm, stride_om, threshold,
+                        SOURCE: tl.constexpr, STATS_GIVEN: tl.constexpr, BLOCK_M: tl.constexpr,
+                        BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, ROWS: tl.constexpr,
+                        STATS_CHUNK: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_THRESHOLD: tl.constexpr):
+    # x [M, K] (x's dtype, unit stride in K); a: the int8 codes [M, K] (SOURCE 1, 2); w: CB int8 [N, K];
+    # acc: torch._int_mm's int32 [M, N] (SOURCE 2); cols / count: the outlier columns (SOURCE 1, 2).
+    if SOURCE == 0:  # every row in the one row tile
+        pid_m = 0
+        pid_n = tl.program_id(0)
+    else:
+        pid_m, pid_n = grouped_tile(tl.program_id(0), M, N, BLOCK_M, BLOCK_N, GROUP_M)
+    rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    m_mask = rm < M
+    n_mask = rn < N
+    rm64 = rm.to(tl.int64)  # int64: rows x stride can pass 2**31
+    rk = tl.arange(0, BLOCK_K)
+    x_rows = x_ptr + rm64[:, None] * stride_xm
+    a_rows = a_ptr + rm64[:, None] * K
+    w_rows = w_ptr + rn.to(tl.int64)[:, None] * K
+    scb = tl.load(scb_ptr + rn, mask=n_mask, other=0.0)
+    if SOURCE == 0 and not STATS_GIVEN:
+        row_stat = _row_absmax(x_ptr, M, K, stride_xm, threshold, BLOCK_M, ROWS, STATS_CHUNK, HAS_THRESHOLD)
+    else:
+        row_stat = tl.load(row_stats_ptr + rm, mask=m_mask, other=0.0)
+
+    if SOURCE == 2:
+        acc = tl.load(acc_ptr + rm64[:, None] * N + rn[None, :], mask=m_mask[:, None] & n_mask[None, :], other=0)
+    else:
+        acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.int32)
+        if SOURCE == 0:
+            scale = _scale(row_stat, BLOCK_M)
+            if HAS_THRESHOLD:
+                facc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            k = k0 + rk
+            k_mask = k < K
+            w = tl.load(w_rows + k[None, :], mask=n_mask[:, None] & k_mask[None, :], other=0)
+            if SOURCE == 0:
+                mk = m_mask[:, None] & k_mask[None, :]
+                xv = tl.load(x_rows + k[None, :], mask=mk, other=0.0)
+                x16 = _as_fp16(xv)
+                q = _rint(x16 * scale[:, None])
+                if HAS_THRESHOLD:
+                    col_out = tl.max(((tl.abs(x16) >= threshold) & mk).to(tl.int32), axis=0)  # [BLOCK_K]
+                    q = tl.where(col_out[None, :] != 0, 0.0, q)
+                    if tl.max(col_out, axis=0) != 0:  # this step holds outlier columns: those in x's dtype,
+                        xo = tl.where(col_out[None, :] != 0, xv, 0.0)  # from the tiles in hand (no load)
+                        facc = _fp_dot(xo, _dequantized(w, scb, x_ptr), facc)
+                a = q.to(tl.int8)
+            else:
+                a = tl.load(a_rows + k[None, :], mask=m_mask[:, None] & k_mask[None, :], other=0)
+            acc = tl.dot(a, tl.trans(w), acc, out_dtype=tl.int32)  # triton 3.6 wants it said
+
+    y = acc.to(tl.float32) * ((row_stat[:, None] * scb[None, :]) * _f32(INV_127_SQUARED_BITS))
+    if HAS_BIAS:
+        y = y + tl.load(bias_ptr + rn, mask=n_mask, other=0.0).to(tl.float32)[None, :]
+    if HAS_THRESHOLD:  # the reference rounds the int8 part before it adds the outlier columns'
+        y = _round_to(y, out_ptr)
+        if SOURCE == 0:
+            y = y + facc
+        else:
+            y = _outlier_fp(y, x_rows, w_rows, scb, x_ptr, cols_ptr, count_ptr, m_mask, n_mask, OUTLIER_STEP)
+    out = out_ptr + rm64[:, None] * stride_om + rn[None, :]
+    tl.store(out, to_output(y, out_ptr), mask=m_mask[:, None] & n_mask[None, :])
+
+
+@triton.jit
+def _int8_quantize_kernel(x_ptr, codes_ptr, stats_ptr, flags_ptr, M, K, stride_xm, threshold,
+                          BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, ONE_TILE: tl.constexpr,
+                          WRITE_CODES: tl.constexpr, HAS_THRESHOLD: tl.constexpr):
+    """Row stats of BLOCK_R rows and, with WRITE_CODES, their codes and the outlier-column flags.  Codes of
+    outlier entries are 0; the rest of an outlier column is zeroed by ``_outlier_columns_kernel``, once
+    every row has flagged its columns.  A flag is set by a plain store of 1 from every program that sees
+    an outlier in the column (into zeros): all write the same value, so no atomics."""
+    r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    r_mask = r < M
+    r64 = r.to(tl.int64)
+    rows = x_ptr + r64[:, None] * stride_xm
+    codes = codes_ptr + r64[:, None] * K
+    rk = tl.arange(0, BLOCK_K)
+    if ONE_TILE:  # the whole row in registers: one read
+        mask = r_mask[:, None] & (rk < K)[None, :]
+        x16 = _as_fp16(tl.load(rows + rk[None, :], mask=mask, other=0.0))
+        mag = tl.abs(x16)
+        if HAS_THRESHOLD:
+            out = (mag >= threshold) & mask
+            mag = tl.where(out, 0.0, mag)
+            if WRITE_CODES:
+                tl.store(flags_ptr + rk, tl.full([BLOCK_K], 1, tl.int8), mask=tl.max(out.to(tl.int32), axis=0) != 0)
+        amax = tl.max(mag, axis=1)
+        if WRITE_CODES:
+            scale = _scale(amax, BLOCK_R)
+            q = _rint(x16 * scale[:, None])
+            if HAS_THRESHOLD:
+                q = tl.where(out, 0.0, q)
+            tl.store(codes + rk[None, :], q.to(tl.int8), mask=mask)
+    else:  # two passes: the absmax, then the codes (the second read mostly hits the cache)
+        amax = tl.zeros([BLOCK_R], tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            k = k0 + rk
+            mask = r_mask[:, None] & (k < K)[None, :]
+            mag = tl.abs(_as_fp16(tl.load(rows + k[None, :], mask=mask, other=0.0)))
+            if HAS_THRESHOLD:
+                out = (mag >= threshold) & mask
+                mag = tl.where(out, 0.0, mag)
+                if WRITE_CODES:
+                    tl.store(flags_ptr + k, tl.full([BLOCK_K], 1, tl.int8),
+                             mask=tl.max(out.to(tl.int32), axis=0) != 0)
+            amax = tl.maximum(amax, tl.max(mag, axis=1))
+        if WRITE_CODES:
+            scale = _scale(amax, BLOCK_R)
+            for k0 in range(0, K, BLOCK_K):
+                k = k0 + rk
+                mask = r_mask[:, None] & (k < K)[None, :]
+                x16 = _as_fp16(tl.load(rows + k[None, :], mask=mask, other=0.0))
+                q = _rint(x16 * scale[:, None])
+                if HAS_THRESHOLD:
+                    q = tl.where(tl.abs(x16) >= threshold, 0.0, q)
+                tl.store(codes + k[None, :], q.to(tl.int8), mask=mask)
+    tl.store(stats_ptr + r, amax, mask=r_mask)
+
+
+@triton.jit
+def _outlier_columns_kernel(flags_ptr, codes_ptr, cols_ptr, count_ptr, M, K, BLOCK_R: tl.constexpr,
+                            BLOCK: tl.constexpr):
+    """Zero the codes of the flagged (outlier) columns in BLOCK_R rows; program 0 also lists the flagged
+    columns in increasing order (cols[:count]) by a prefix sum per block of flags."""
+    first = tl.program_id(0) * BLOCK_R
+    last = tl.minimum(first + BLOCK_R, M)
+    base = tl.zeros([], tl.int32)
+    for k0 in range(0, K, BLOCK):
+        k = k0 + tl.arange(0, BLOCK)
+        f = tl.load(flags_ptr + k, mask=k < K, other=0).to(tl.int32)
+        if tl.program_id(0) == 0:
+            tl.store(cols_ptr + base + tl.cumsum(f, axis=0) - f, k, mask=f != 0)
+            base += tl.sum(f, axis=0)
+        row = codes_ptr + first.to(tl.int64) * K
+        for _ in range(first, last):
+            tl.store(row + k, tl.zeros([BLOCK], tl.int8), mask=f != 0)
+            row += K
+    if tl.program_id(0) == 0:
+        tl.store(count_ptr, base)
+
+
+# ---- configs: per target, per path ---------------------------------------------------------------
+# First guesses, unmeasured (written without a GPU; registers and shared memory from the cross-compile
+# reports): to be swept on the hardware.  fused: one row tile of 16 rows (the smallest MMA) and every
+# program streaming CB; at N = 8192, BLOCK_N 32 makes 256 programs (2 per H100/H200 SM) and 16 makes
+# 512 (MI300X has 304 CUs), and num_stages keeps several weight tiles in flight per program.  gemm:
+# 16-row tiles for a few dozen rows (CB is read once per row tile), the classic big tiles for prefill.
+# AMD: 64 KiB of LDS on CDNA2/3 and RDNA3; RDNA3 takes narrower tiles (wave32, spills otherwise).
+
+
+def _cfg(bm, bn, bk, warps=4, stages=None, group_m=8, **amd):
+    return LaunchConfig({"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "GROUP_M": group_m}, num_warps=warps,
+                        num_stages=stages, **amd)
+
+
+FUSED_CONFIGS = {
+    "default": (_cfg(16, 32, 256, stages=3),),
+    "nvidia": (_cfg(16, 32, 256, stages=4),),
+    "amd": (_cfg(16, 16, 256, stages=2, matrix_instr_nonkdim=16),),
+    "rdna3": (_cfg(16, 16, 128, stages=2),),
+}
+GEMM_SMALL_CONFIGS = {
+    "default": (_cfg(16, 64, 128, stages=3),),
+    "nvidia": (_cfg(16, 32, 512, stages=3),),  # H200 sweep: M=1 30.0 us (64x256: 32.8), M=16 35.4 us
+    "amd": (_cfg(16, 64, 128, stages=2, matrix_instr_nonkdim=16),),
+    "rdna3": (_cfg(16, 64, 64, stages=2),),
+}
+GEMM_LARGE_CONFIGS = {
+    "default": (_cfg(64, 64, 64, stages=2),),
+    "nvidia": (_cfg(128, 128, 64, warps=8, stages=4),),  # 64 KiB of stages: sm_86 / sm_89 have 99 KiB a block
+    "sm_80": (_cfg(128, 128, 128, warps=8, stages=3),),
+    "hopper": (_cfg(128, 128, 128, warps=8, stages=4),),
+    "amd": (_cfg(128, 128, 64, warps=8, stages=2, matrix_instr_nonkdim=16),),
+    "rdna3": (_cfg(64, 64, 64, warps=4, stages=2),),
+}
+# SOURCE 2 (after torch._int_mm): the epilogue and the outlier columns only.
+EPILOGUE_CONFIGS = {
+    "default": (_cfg(64, 64, 32, warps=4),),
+}
+# Stats (and codes): one row per program, the whole row in registers up to MAX_BLOCK_K elements.
+QUANTIZE_CONFIGS = {
+    "default": (LaunchConfig({"BLOCK_R": 1, "MAX_BLOCK_K": 8192}, num_warps=8),),
+    "amd": (LaunchConfig({"BLOCK_R": 1, "MAX_BLOCK_K": 8192}, num_warps=4),),  # wave64: the same 256 threads
+}
+OUTLIER_COLUMNS_CONFIGS = {
+    "default": (LaunchConfig({"BLOCK_R": 32, "BLOCK": 4096}, num_warps=4),),
+}
+# The most rows each path takes.  fused: the kernel's own stats pass reads every row from each program;
+# fused_stats: each program reads x in its dtype (2 bytes an element where the codes are 1); past that,
+# the codes once (gemm) and, where there are enough rows for the vendor int8 GEMM to beat ours, int_mm.
+# ``small``: the most rows the gemm path runs with GEMM_SMALL_CONFIGS.
+# H200 (anygpu bench int8, N = K = 8192 fp16, threshold 6): the GEMM path beat the fused ones at every M
+# (M=1: 32.8 us vs fused_stats 136 us; M=16: 36.8 vs fused 153 us; each program of the fused kernel re-reads
+# x for its row absmax) and torch._int_mm + epilogue at M=4096 (682 vs 735 us).  So GEMM everywhere until
+# the fused paths are made faster; they stay selectable (plan_for, set_plan_override) and tested.
+PATH_LIMITS = {
+    "default": {"fused": 0, "fused_stats": 0, "small": 64, "int_mm_from": None},
+}
+STATS_ELEMENTS = 4096  # fused: x elements per step of the stats pass (ROWS x STATS_CHUNK)
+
+
+@dataclass(frozen=True)
+class Plan:
+    path: str  # "fused" | "fused_stats" | "gemm" | "int_mm"
+    config: LaunchConfig
+
+
+PATHS = ("fused", "fused_stats", "gemm", "int_mm")
+_PLAN_OVERRIDE = None
+
+
+def set_plan_override(fn):
+    """Install ``fn(m, n, k, dtype, device) -> Plan | None`` (the tuner's hook, tests and sweeps; None from it
+    means the default plan); ``set_plan_override(None)`` removes it.  Returns the previous hook."""
+    global _PLAN_OVERRIDE
+    previous, _PLAN_OVERRIDE = _PLAN_OVERRIDE, fn
+    return previous
+
+
+def plan(m: int, n: int, k: int, dtype: torch.dtype, device: torch.device, override: bool = True) -> Plan:
+    """Which path and config run an [m, k] x [n, k]^T int8 matmul on ``device``: the one place it is decided
+    (``override=False``: the built-in choice, ignoring the hook)."""
+    if override and _PLAN_OVERRIDE is not None:
+        chosen = _PLAN_OVERRIDE(m, n, k, dtype, device)
+        if chosen is not None:
+            return chosen
+    return _plan(m, n, k, device.type, device_target(device))
+
+
+@functools.lru_cache(maxsize=1024)
+def _plan(m: int, n: int, k: int, device_type: str, target) -> Plan:
+    limits = select(PATH_LIMITS, target)
+    if m <= limits["fused"]:
+        return Plan("fused", select(FUSED_CONFIGS, target)[0])
+    if m <= limits["fused_stats"]:
+        return Plan("fused_stats", select(FUSED_CONFIGS, target)[0])
+    start = limits["int_mm_from"]
+    if start is not None and m >= start and _int_mm_applies(m, k, n, device_type):
+        return Plan("int_mm", select(EPILOGUE_CONFIGS, target)[0])
+    table = GEMM_SMALL_CONFIGS if m <= limits["small"] else GEMM_LARGE_CONFIGS
+    return Plan("gemm", select(table, target)[0])
+
+
+def plan_for(path: str, m: int, n: int, k: int, device: torch.device) -> Plan:
+    """The plan of ``path`` with its default config on ``device``'s target (for tests and benchmarks)."""
+    if path not in PATHS:
+        raise ValueError(f"path: expected one of {PATHS}, got {path!r}")
+    target = device_target(device)
+    if path in ("fused", "fused_stats"):
+        if m > FUSED_CONFIGS["default"][0].constexprs["BLOCK_M"]:
+            raise ValueError(f"path: {path!r} takes at most 16 rows, got {m}")
+        return Plan(path, select(FUSED_CONFIGS, target)[0])
+    if path == "int_mm":
+        if not _int_mm_applies(m, k, n, device.type):
+            raise ValueError(f"path: torch._int_mm does not take an [{m}, {k}] x [{k}, {n}] product on {device}")
+        return Plan(path, select(EPILOGUE_CONFIGS, target)[0])
+    limits = select(PATH_LIMITS, target)
+    return Plan(path, select(GEMM_SMALL_CONFIGS if m <= limits["small"] else GEMM_LARGE_CONFIGS, target)[0])
+
+
+def _int_mm_applies(m: int, k: int, n: int, device_type: str) -> bool:
+    if device_type == "cpu":
+        return True
+    return device_type == "cuda" and m > 16 and k % 8 == 0 and n % 8 == 0  # cuBLASLt / hipBLASLt limits
+
+
+def _options(cfg: LaunchConfig, device: torch.device) -> dict:
+    """``cfg``'s Triton options on ``device``, with FMA contraction off on GPUs (see the module doc)."""
+    return cached_options(cfg, device, enable_fp_fusion=False)
+
+
+@functools.lru_cache(maxsize=64)
+def fp16_threshold(threshold: float) -> float:
+    """The threshold as the reference compares it: rounded to fp16 (|x| is an fp16 value there)."""
+    if threshold >= 65520.0:  # rounds past fp16's largest finite value
+        return float("inf")
+    return struct.unpack("e", struct.pack("e", threshold))[0]
+
+
+def _pow2(v: int) -> int:
+    return 1 << max(v - 1, 0).bit_length()
+
+
+def quantize_rows(x2: torch.Tensor, threshold: float, codes: bool = True):
+    """(codes int8 [M, K], row stats fp32 [M], outlier flags int8 [K] or None) of x2 [M, K] (unit stride in
+    K): the quantize kernel; ``codes=False``: (None, row stats, None).  ``threshold``: as ``fp16_threshold``
+    returns it, 0 for none."""
+    m, k = x2.shape
+    device = x2.device
+    cfg = select(QUANTIZE_CONFIGS, device_target(device))[0]
+    c = cfg.constexprs
+    block_k = min(_pow2(k), c["MAX_BLOCK_K"])
+    out_codes = torch.empty(m, k, dtype=torch.int8, device=device) if codes else None
+    stats = torch.empty(m, dtype=torch.float32, device=device)
+    flags = torch.zeros(k, dtype=torch.int8, device=device) if threshold > 0 and codes else None
+    with on_device(device):
+        _int8_quantize_kernel[(triton.cdiv(m, c["BLOCK_R"]),)](
+            x2, out_codes if codes else stats, stats, flags if flags is not None else stats, m, k, x2.stride(0),
+            threshold, BLOCK_R=c["BLOCK_R"], BLOCK_K=block_k, ONE_TILE=block_k >= k, WRITE_CODES=codes,
+            HAS_THRESHOLD=threshold > 0, **_options(cfg, device))
+    return out_codes, stats, flags
+
+
+def outlier_columns(flags: torch.Tensor, codes: torch.Tensor):
+    """Zero ``codes``' outlier columns (flagged in ``flags``) and return (cols int32 [K], count int32 [1]):
+    the flagged columns, in increasing order, in cols[:count].  No host sync."""
+    m, k = codes.shape
+    cols = torch.empty(k, dtype=torch.int32, device=flags.device)
+    count = torch.empty(1, dtype=torch.int32, device=flags.device)
+    cfg = select(OUTLIER_COLUMNS_CONFIGS, device_target(flags.device))[0]
+    c = cfg.constexprs
+    with on_device(flags.device):
+        _outlier_columns_kernel[(triton.cdiv(m, c["BLOCK_R"]),)](flags, codes, cols, count, m, k, BLOCK_R=c["BLOCK_R"],
+                                                               BLOCK=c["BLOCK"], **_options(cfg, flags.device))
+    return cols, count
+
+
+def int8_matmul(x: torch.Tensor, CB: torch.Tensor, SCB: torch.Tensor, threshold: float = 0.0,
+                bias: torch.Tensor | None = None, *, out: torch.Tensor | None = None,
+                plan_: Plan | None = None) -> torch.Tensor:
+    """Launch on x's device.  x: [..., K] fp16/bf16/fp32; CB int8 [N, K]; SCB fp32 [N]; bias [N] (any float
+    dtype) or None; the caller (the op) has checked them.  ``out``: a contiguous [..., N] tensor of x's
+    dtype to write (tests poison it); ``plan_``: a path other than ``plan``'s."""
+    n, k = CB.shape
+    lead = x.shape[:-1]
+    m = math.prod(lead)
+    x2 = x.reshape(m, k)
+    if x2.stride(-1) != 1:
+        x2 = x2.contiguous()
+    if out is None:
+        out = torch.empty(*lead, n, dtype=x.dtype, device=x.device)
+    elif out.shape != (*lead, n) or out.dtype != x.dtype or out.device != x.device or not out.is_contiguous():
+        raise ValueError(f"out: expected a contiguous {x.dtype} tensor of shape {(*lead, n)} on {x.device}, got "
+                         f"{out.dtype} {tuple(out.shape)} on {out.device}")
+    if m == 0 or n == 0:
+        return out
+    if k == 0:
+        return out.zero_() if bias is None else out.copy_(bias.to(x.dtype).expand_as(out))
+    CB = CB if CB.is_contiguous() else CB.contiguous()
+    SCB = SCB.reshape(-1)
+    SCB = SCB if SCB.is_contiguous() else SCB.contiguous()
+    if bias is not None:
+        bias = bias.reshape(-1)
+        bias = bias if bias.is_contiguous() else bias.contiguous()
+    thr = fp16_threshold(float(threshold)) if threshold > 0 else 0.0
+    has_threshold = threshold > 0
+    p = plan_ or plan(m, n, k, x.dtype, x.device)
+    cfg = p.config
+    c = cfg.constexprs
+    out2 = out.view(m, n)
+    dummy = SCB
+    codes = stats = cols = count = acc = None
+    if p.path == "fused_stats":
+        _, stats, _ = quantize_rows(x2, thr, codes=False)
+    elif p.path in ("gemm", "int_mm"):
+        codes, stats, flags = quantize_rows(x2, thr)
+        if has_threshold:
+            cols, count = outlier_columns(flags, codes)
+        if p.path == "int_mm":
+            acc = torch._int_mm(codes, CB.t())
+    source = {"fused": 0, "fused_stats": 0, "gemm": 1, "int_mm": 2}[p.path]
+    if source == 0:
+        if m > c["BLOCK_M"]:
+            raise ValueError(f"plan: the {p.path} path takes at most {c['BLOCK_M']} rows, got {m}")
+        grid = (triton.cdiv(n, c["BLOCK_N"]),)
+    else:
+        grid = (triton.cdiv(m, c["BLOCK_M"]) * triton.cdiv(n, c["BLOCK_N"]),)
+    own_stats = stats is None and source == 0
+    rows = min(_pow2(m), c["BLOCK_M"]) if own_stats else 1  # only the kernel's own stats pass reads these two
+    with on_device(x.device):
+        _int8_matmul_kernel[grid](
+            x2, codes if codes is not None else dummy, CB, stats if stats is not None else dummy, SCB,
+            bias if bias is not None else dummy, cols if cols is not None else dummy,
+            count if count is not None else dummy, acc if acc is not None else dummy, out2,
+            m, n, k, x2.stride(0), out2.stride(0), thr,
+            SOURCE=source, STATS_GIVEN=not own_stats, BLOCK_M=c["BLOCK_M"], BLOCK_N=c["BLOCK_N"],
+            BLOCK_K=c["BLOCK_K"], GROUP_M=c["GROUP_M"], ROWS=rows,
+            STATS_CHUNK=STATS_ELEMENTS // rows if own_stats else 16,
+            HAS_BIAS=bias is not None, HAS_THRESHOLD=has_threshold, **_options(cfg, x.device))
+    return out
+
+
+# ---- cross-compilation specs ---------------------------------------------------------------------------
+DTYPES = (torch.float16, torch.bfloat16)
+
+
+def _matmul_signature(dtype: torch.dtype) -> dict:
+    t = TRITON_DTYPE[dtype]
+    sig = {"x_ptr": f"*{t}", "a_ptr": "*i8", "w_ptr": "*i8", "row_stats_ptr": "*fp32", "scb_ptr": "*fp32",
+           "bias_ptr": f"*{t}", "cols_ptr": "*i32", "count_ptr": "*i32", "acc_ptr": "*i32", "out_ptr": f"*{t}",
+           "M": "i32", "N": "i32", "K": "i32", "stride_xm": "i32", "stride_om": "i32", "threshold": "fp32"}
+    sig.update(dict.fromkeys(("SOURCE", "STATS_GIVEN", "BLOCK_M", "BLOCK_N", "BLOCK_K", "GROUP_M", "ROWS",
+                              "STATS_CHUNK", "HAS_BIAS", "HAS_THRESHOLD"), "constexpr"))
+    return sig
+
+
+def _with(table: dict, **extra) -> dict:
+    """The tables with the launcher-set constexprs filled in (threshold and bias on: the most registers)."""
+    return {key: tuple(LaunchConfig({**cfg.constexprs, "HAS_BIAS": True, "HAS_THRESHOLD": True, **extra},
+                                    cfg.num_warps, cfg.num_stages, cfg.waves_per_eu, cfg.matrix_instr_nonkdim,
+                                    cfg.kpack) for cfg in cfgs)
+            for key, cfgs in table.items()}
+
+
+FUSED_SPEC = register(KernelSpec(
+    "int8_matmul_fused", _int8_matmul_kernel, _matmul_signature, DTYPES,
+    _with(FUSED_CONFIGS, SOURCE=0, STATS_GIVEN=False, ROWS=2, STATS_CHUNK=STATS_ELEMENTS // 2)))
+GEMM_SMALL_SPEC = register(KernelSpec(
+    "int8_matmul_gemm_small", _int8_matmul_kernel, _matmul_signature, DTYPES,
+    _with(GEMM_SMALL_CONFIGS, SOURCE=1, STATS_GIVEN=True, ROWS=1, STATS_CHUNK=16)))
+GEMM_SPEC = register(KernelSpec(
+    "int8_matmul_gemm", _int8_matmul_kernel, _matmul_signature, DTYPES,
+    _with(GEMM_LARGE_CONFIGS, SOURCE=1, STATS_GIVEN=True, ROWS=1, STATS_CHUNK=16)))
+EPILOGUE_SPEC = register(KernelSpec(
+    "int8_matmul_epilogue", _int8_matmul_kernel, _matmul_signature, DTYPES,
+    _with(EPILOGUE_CONFIGS, SOURCE=2, STATS_GIVEN=True, ROWS=1, STATS_CHUNK=16)))
+
+
+def _quantize_signature(dtype: torch.dtype) -> dict:
+    return {"x_ptr": f"*{TRITON_DTYPE[dtype]}", "codes_ptr": "*i8", "stats_ptr": "*fp32", "flags_ptr": "*i8",
+            "M": "i32", "K": "i32", "stride_xm": "i32", "threshold": "fp32", "BLOCK_R": "constexpr",
+            "BLOCK_K": "constexpr", "ONE_TILE": "constexpr", "WRITE_CODES": "constexpr", "HAS_THRESHOLD": "constexpr"}
+
+
+QUANTIZE_SPEC = register(KernelSpec(
+    "int8_quantize_rows", _int8_quantize_kernel, _quantize_signature, (torch.float16, torch.bfloat16, torch.float32),
+    {key: tuple(LaunchConfig({"BLOCK_R": cfg.constexprs["BLOCK_R"], "BLOCK_K": cfg.constexprs["MAX_BLOCK_K"],
+                              "ONE_TILE": True, "WRITE_CODES": True, "HAS_THRESHOLD": True}, cfg.num_warps)
+                for cfg in cfgs) for key, cfgs in QUANTIZE_CONFIGS.items()}))
+OUTLIER_COLUMNS_SPEC = register(KernelSpec(
+    "int8_outlier_columns", _outlier_columns_kernel,
+    lambda dtype: {"flags_ptr": "*i8", "codes_ptr": "*i8", "cols_ptr": "*i32", "count_ptr": "*i32", "M": "i32",
+                   "K": "i32", "BLOCK_R": "constexpr", "BLOCK": "constexpr"},
+    (torch.int8,), OUTLIER_COLUMNS_CONFIGS))
