@@ -96,16 +96,17 @@ def test_kernel_matches_reference(kdevice, path, m, dtype, threshold, bias):
     assert_matches_reference(y, x, CB, SCB, threshold, b)
 
 
-@pytest.mark.parametrize("path, m", [("fused", 2), ("fused_stats", 5), ("gemm", 33), ("gemm", 3), ("gemm", 1),
-                                     ("int_mm", 9)])
+@pytest.mark.parametrize("path, m", [("fused", 2), ("fused_stats", 5), ("gemm", 33), ("gemm", 40), ("gemm", 3),
+                                     ("gemm", 1), ("int_mm", 9)])
 def test_every_loop_with_small_tiles(kdevice, path, m, monkeypatch):
     """Small blocks, so each kernel's loops take several steps: the stats pass, the two-pass quantize,
     the outlier-column list over several blocks and programs, the K loop; more outlier columns than
     one dot step of the list takes."""
     monkeypatch.setattr(K, "STATS_ELEMENTS", 64)
     monkeypatch.setattr(K, "QUANTIZE_CONFIGS", {"default": (LaunchConfig({"MAX_BLOCK_K": 64}),)})
-    monkeypatch.setattr(K, "OUTLIER_LIST_CONFIGS", {"default": (LaunchConfig({"BLOCK_W": 2}),)})
-    config = LaunchConfig({"BLOCK_M": 16, "BLOCK_N": 16, "BLOCK_K": 32, "GROUP_M": 2})
+    monkeypatch.setattr(K, "OUTLIER_LIST_CONFIGS", {"default": (LaunchConfig({"BLOCK_K": 64, "ZERO_ROWS": 3}),)})
+    # 16-row tiles take the kept codes of outlier columns back out; 32-row tiles (m 40) have them zeroed
+    config = LaunchConfig({"BLOCK_M": 32 if m == 40 else 16, "BLOCK_N": 16, "BLOCK_K": 32, "GROUP_M": 2})
     path_plan(path, m, N, KDIM, kdevice)  # skips int_mm where torch._int_mm does not take the shape
     CB, SCB = weight()
     x = activations(m)
@@ -127,7 +128,7 @@ def test_quantize_kernels_give_the_reference_codes(kdevice, dtype, threshold, ro
     """Row stats, codes and the ordered outlier columns are the reference's bits: round-half-even ties, a
     zero row, a threshold that fp16 rounds (6.1 -> 6.1015625).  The kernel keeps the codes of an outlier
     column's other entries (the matmul takes their products out); the reference zeroes them."""
-    monkeypatch.setattr(K, "OUTLIER_LIST_CONFIGS", {"default": (LaunchConfig({"BLOCK_W": 2}),)})  # 3 steps
+    monkeypatch.setattr(K, "OUTLIER_LIST_CONFIGS", {"default": (LaunchConfig({"BLOCK_K": 64, "ZERO_ROWS": 3}),)})
     monkeypatch.setattr(K, "QUANTIZE_CONFIGS", {"default": (LaunchConfig({"MAX_BLOCK_K": 64}),)})  # 3 passes
     x = torch.randn(rows, 150) * 2
     x[0, :4] = torch.tensor([127.0, 2.5, 3.5, -0.5])  # absmax 127: scale 1, codes of exact ties
@@ -140,7 +141,9 @@ def test_quantize_kernels_give_the_reference_codes(kdevice, dtype, threshold, ro
     x = x.to(dtype)
     thr = K.fp16_threshold(threshold) if threshold else 0.0
     codes, stats, outliers = K.quantize_rows(x.to(kdevice), thr)
+    zeroed = K.quantize_rows(x.to(kdevice), thr, zero_columns=True)[0]  # rows > 1: outlier columns zeroed
     expected_codes, expected_stats, expected_cols = quantize_rows(x.half(), threshold)
+    assert torch.equal(zeroed.cpu(), expected_codes if rows > 1 else codes.cpu())
     assert same_bits(stats.cpu(), expected_stats)
     kept = torch.zeros(150, dtype=torch.bool)
     if threshold:

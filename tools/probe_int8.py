@@ -44,15 +44,16 @@ for m in [int(a) for a in sys.argv[1:]] or (1, 16, 4096):
     base = t(lambda: F.linear(x, w, bias), graph)
     total = t(lambda: I.int8_matmul(x, cb, scb, 6.0, bias), graph)
     ref = I.int8_matmul(x, cb, scb, 6.0, bias)
-    q = t(lambda: I.quantize_rows(x, thr), graph)
-    codes, stats, (cols, count) = I.quantize_rows(x, thr)
     plan = I.plan(m, n, k, x.dtype, dev)
+    kept = plan.config.constexprs["BLOCK_M"] <= I.KEPT_CODES_UP_TO_BLOCK_M
+    q = t(lambda: I.quantize_rows(x, thr, zero_columns=not kept), graph)
+    codes, stats, (cols, count) = I.quantize_rows(x, thr, zero_columns=not kept)
     out = torch.empty(m, n, device=dev, dtype=torch.float16)
     c = plan.config.constexprs
     grid = (triton.cdiv(m, c["BLOCK_M"]) * triton.cdiv(n, c["BLOCK_N"]),)
     main = t(lambda: I._int8_matmul_kernel[grid](
         x, codes, cb, stats, scb, bias, cols, count, scb, out, m, n, k, x.stride(0), n, thr, SOURCE=1,
-        STATS_GIVEN=True, ROWS=1, STATS_CHUNK=16, HAS_BIAS=True, HAS_THRESHOLD=True, **c,
+        STATS_GIVEN=True, ROWS=1, STATS_CHUNK=16, HAS_BIAS=True, HAS_THRESHOLD=True, KEPT=kept, **c,
         **I._options(plan.config, dev)), graph)
     line = (f"M={m}: F.linear {base:.1f} us | int8 {total:.1f} us ({base / total:.2f}x): quantize+list {q:.1f}, "
             f"main kernel {main:.1f} ({plan.path} {plan.config.label()})")

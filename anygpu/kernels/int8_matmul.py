@@ -15,13 +15,13 @@ One kernel, ``_int8_matmul_kernel``, takes its int8 A operand from one of three 
   the epilogue.
 
 A column is an outlier column when any row holds an outlier, which a program per row cannot know when
-it writes its codes, so (sources 1 and 2) only the outlier entries' codes are 0 and the column's other
-codes stay.  The rows' programs OR their outlier columns into int32 bit words, and
-``_outlier_list_kernel`` lists the set columns in order (a single row lists them itself).  After its
-main loop the matmul takes the listed columns, 16 a dot step: it subtracts their kept codes' products
-from the int32 sums (exact: the result is the reference's sum without those columns) and adds x's fp
-values times the dequantized weight columns.  A few outlier columns cost a step or two, not a pass
-over K; only a multi-row call's bit words are zeroed beforehand.
+it writes its codes: only its outlier entries' codes are 0.  The rows' programs flag their outlier
+columns (a plain store of 1 into zeroed int8 flags), and ``_outlier_list_kernel`` lists the flagged
+columns in order (a single row lists them itself).  Then either the list kernel zeroes the columns' other
+codes (many rows: ``KEPT=False``), or, for a few rows, the matmul takes the kept codes' products back
+out of its int32 sums after the main loop (exact; a gather of the listed columns per program, cheaper
+than another launch).  The listed columns' fp products are added after the main loop too, 16 columns a
+dot step: a few outlier columns cost a step or two, not a pass over K.
 The epilogue is the reference's fp32 operation order:
 ``acc * ((row_stat * SCB) * 1/127**2) + bias``, rounded to x's dtype; with a threshold, the outlier
 columns' products are accumulated (fp32) onto that rounded value, which is rounded again.  No
@@ -178,7 +178,8 @@ def _int8_matmul_kernel(x_ptr, a_ptr, w_ptr, row_stats_ptr, scb_ptr, bias_ptr, c
                         M, N, K, stride_xm, stride_om, threshold,
                         SOURCE: tl.constexpr, STATS_GIVEN: tl.constexpr, BLOCK_M: tl.constexpr,
                         BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, ROWS: tl.constexpr,
-                        STATS_CHUNK: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_THRESHOLD: tl.constexpr):
+                        STATS_CHUNK: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_THRESHOLD: tl.constexpr,
+                        KEPT: tl.constexpr):
     # x [M, K] (x's dtype, unit stride in K); a: the int8 codes [M, K] (SOURCE 1, 2); w: CB int8 [N, K];
     # acc: torch._int_mm's int32 [M, N] (SOURCE 2); cols / count: the outlier columns (SOURCE 1, 2).
     if SOURCE == 0:  # every row in the one row tile
@@ -229,7 +230,7 @@ def _int8_matmul_kernel(x_ptr, a_ptr, w_ptr, row_stats_ptr, scb_ptr, bias_ptr, c
                 a = tl.load(a_rows + k[None, :], mask=m_mask[:, None] & k_mask[None, :], other=0)
             acc = tl.dot(a, tl.trans(w), acc, out_dtype=tl.int32)  # triton 3.6 wants it said
 
-    if HAS_THRESHOLD and SOURCE != 0:
+    if HAS_THRESHOLD and KEPT:
         acc = _without_outlier_codes(acc, a_rows, w_rows, cols_ptr, count_ptr, m_mask, n_mask, 2 * OUTLIER_STEP)
     y = acc.to(tl.float32) * ((row_stat[:, None] * scb[None, :]) * _f32(INV_127_SQUARED_BITS))
     if HAS_BIAS:
@@ -268,30 +269,33 @@ def _list_columns(word, w0, cols_ptr, base, NW: tl.constexpr):
 
 
 @triton.jit
-def _column_bits(out, k0, words_ptr, cols_ptr, base, BLOCK_K: tl.constexpr, LIST: tl.constexpr):
+def _pack(bits, NW: tl.constexpr):
+    """[NW * 32] 0/1 as NW uint32 bit words (bit j of word i: entry 32 * i + j)."""
+    lanes = tl.reshape(bits.to(tl.uint32), [NW, 32])
+    return tl.sum(lanes << tl.arange(0, 32).to(tl.uint32)[None, :], axis=1)  # disjoint bits: the sum is the OR
+
+
+@triton.jit
+def _column_bits(out, k0, flags_ptr, cols_ptr, base, K, BLOCK_K: tl.constexpr, LIST: tl.constexpr):
     """The outlier columns of one [rows, BLOCK_K] step (``out``: its outlier entries).  LIST (this program
-    holds every row): appended to cols[base:] (returns the new base).  Else each outlier entry ORs its
-    column's bit into the int32 words (32 columns a word) by an atomic, for ``_outlier_list_kernel``:
-    outliers are few, and OR gives the same bits in any order."""
+    holds every row): appended to cols[base:] (returns the new base).  Else flagged in flags[k] (int8, into
+    zeros) by a plain store of 1 from every row's program that sees one: the same value, so no atomics."""
+    column = tl.max(out.to(tl.int32), axis=0)  # 1 where a row of the step holds an outlier
     if LIST:
-        bits = tl.reshape(tl.max(out.to(tl.int32), axis=0), [BLOCK_K // 32, 32])  # 1: a row holds an outlier
-        word = tl.sum(bits.to(tl.uint32) << tl.arange(0, 32).to(tl.uint32)[None, :], axis=1)  # disjoint bits
-        base = _list_columns(word, k0 // 32, cols_ptr, base, BLOCK_K // 32)
+        base = _list_columns(_pack(column, BLOCK_K // 32), k0 // 32, cols_ptr, base, BLOCK_K // 32)
     else:
-        k = k0 + tl.arange(0, BLOCK_K)[None, :] + tl.zeros_like(out.to(tl.int32))
-        tl.atomic_or(words_ptr + k // 32, (1 << (k % 32)), mask=out)
+        k = k0 + tl.arange(0, BLOCK_K)
+        tl.store(flags_ptr + k, tl.full([BLOCK_K], 1, tl.int8), mask=(column != 0) & (k < K))
     return base
 
 
 @triton.jit
-def _int8_quantize_kernel(x_ptr, codes_ptr, stats_ptr, words_ptr, cols_ptr, count_ptr, M, K, stride_xm,
+def _int8_quantize_kernel(x_ptr, codes_ptr, stats_ptr, flags_ptr, cols_ptr, count_ptr, M, K, stride_xm,
                           threshold, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, ONE_TILE: tl.constexpr,
                           WRITE_CODES: tl.constexpr, HAS_THRESHOLD: tl.constexpr, LIST: tl.constexpr):
-    """Row stats of BLOCK_R rows and, with WRITE_CODES, their codes (0 for outlier entries) and their
-    outlier columns as W bit words (``_column_bits``).  The codes of an outlier column's other entries are
-    kept: the matmul takes their products back out, exactly, where it adds the column's fp products.
-    LIST (one program holds every row): the columns are listed here, not by ``_outlier_list_kernel``, and
-    no words are used."""
+    """Row stats of BLOCK_R rows and, with WRITE_CODES, their codes (0 for outlier entries; the rest of an
+    outlier column is dealt with later, see the module doc) and their outlier columns (``_column_bits``).
+    LIST (one program holds every row): the columns are listed here, not by ``_outlier_list_kernel``."""
     r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     r_mask = r < M
     r64 = r.to(tl.int64)
@@ -307,7 +311,7 @@ def _int8_quantize_kernel(x_ptr, codes_ptr, stats_ptr, words_ptr, cols_ptr, coun
             out = (mag >= threshold) & mask
             mag = tl.where(out, 0.0, mag)
             if WRITE_CODES:
-                base = _column_bits(out, 0, words_ptr, cols_ptr, base, BLOCK_K, LIST)
+                base = _column_bits(out, 0, flags_ptr, cols_ptr, base, K, BLOCK_K, LIST)
         amax = tl.max(mag, axis=1)
         if WRITE_CODES:
             scale = _scale(amax, BLOCK_R)
@@ -325,7 +329,7 @@ def _int8_quantize_kernel(x_ptr, codes_ptr, stats_ptr, words_ptr, cols_ptr, coun
                 out = (mag >= threshold) & mask
                 mag = tl.where(out, 0.0, mag)
                 if WRITE_CODES:
-                    base = _column_bits(out, k0, words_ptr, cols_ptr, base, BLOCK_K, LIST)
+                    base = _column_bits(out, k0, flags_ptr, cols_ptr, base, K, BLOCK_K, LIST)
             amax = tl.maximum(amax, tl.max(mag, axis=1))
         if WRITE_CODES:
             scale = _scale(amax, BLOCK_R)
@@ -343,14 +347,26 @@ def _int8_quantize_kernel(x_ptr, codes_ptr, stats_ptr, words_ptr, cols_ptr, coun
 
 
 @triton.jit
-def _outlier_list_kernel(words_ptr, cols_ptr, count_ptr, W, BLOCK_W: tl.constexpr):
-    """One program: the columns set in the W outlier bit words, in increasing order, in cols[:count]."""
+def _outlier_list_kernel(flags_ptr, codes_ptr, cols_ptr, count_ptr, M, K, BLOCK_K: tl.constexpr,
+                         ZERO_ROWS: tl.constexpr, ZERO: tl.constexpr):
+    """Program 0 lists the flagged columns, in increasing order, in cols[:count].  ZERO: every program also
+    zeroes the codes of the flagged columns in its ZERO_ROWS rows (then the matmul need not take their
+    products back out, which costs each of its programs a gather of the columns)."""
+    first = tl.program_id(0) * ZERO_ROWS
+    last = tl.minimum(first + ZERO_ROWS, M)
     base = tl.zeros([], tl.int32)
-    for w0 in range(0, W, BLOCK_W):
-        w = w0 + tl.arange(0, BLOCK_W)
-        word = tl.load(words_ptr + w, mask=w < W, other=0).to(tl.uint32, bitcast=True)
-        base = _list_columns(word, w0, cols_ptr, base, BLOCK_W)
-    tl.store(count_ptr, base)
+    for k0 in range(0, K, BLOCK_K):
+        k = k0 + tl.arange(0, BLOCK_K)
+        flag = tl.load(flags_ptr + k, mask=k < K, other=0) != 0
+        if tl.program_id(0) == 0:
+            base = _list_columns(_pack(flag, BLOCK_K // 32), k0 // 32, cols_ptr, base, BLOCK_K // 32)
+        if ZERO:
+            row = codes_ptr + first.to(tl.int64) * K
+            for _ in range(first, last):
+                tl.store(row + k, tl.zeros([BLOCK_K], tl.int8), mask=flag)
+                row += K
+    if tl.program_id(0) == 0:
+        tl.store(count_ptr, base)
 
 
 # ---- configs: per target, per path ---------------------------------------------------------------
@@ -398,7 +414,7 @@ QUANTIZE_CONFIGS = {
     "amd": (LaunchConfig({"MAX_BLOCK_K": 8192}, num_warps=4),),  # wave64: the same 256 threads
 }
 OUTLIER_LIST_CONFIGS = {
-    "default": (LaunchConfig({"BLOCK_W": 256}, num_warps=4),),
+    "default": (LaunchConfig({"BLOCK_K": 8192, "ZERO_ROWS": 32}, num_warps=4),),
 }
 # The most rows each path takes.  fused: the kernel's own stats pass reads every row from each program;
 # fused_stats: each program reads x in its dtype (2 bytes an element where the codes are 1); past that,
@@ -412,6 +428,9 @@ PATH_LIMITS = {
     "default": {"fused": 0, "fused_stats": 0, "small": 64, "int_mm_from": None},
 }
 STATS_ELEMENTS = 4096  # fused: x elements per step of the stats pass (ROWS x STATS_CHUNK)
+# Row tiles up to this many rows take the kept codes' products out in the matmul; bigger ones have the
+# codes zeroed (H200, N = K = 8192: the gather costs each 128x128 program more than a zeroing launch).
+KEPT_CODES_UP_TO_BLOCK_M = 16
 
 
 @dataclass(frozen=True)
@@ -496,37 +515,38 @@ def _pow2(v: int) -> int:
     return 1 << max(v - 1, 0).bit_length()
 
 
-def quantize_rows(x2: torch.Tensor, threshold: float, codes: bool = True):
+def quantize_rows(x2: torch.Tensor, threshold: float, codes: bool = True, zero_columns: bool = False):
     """(codes int8 [M, K], row stats fp32 [M], outliers) of x2 [M, K] (unit stride in K): a program per row.
-    Codes of outlier entries are 0; the other entries of outlier columns keep theirs (the matmul takes
-    their products back out).  ``outliers``: None without a threshold (or ``codes=False``), else
-    ``(cols, count)``: the outlier columns, increasing, in cols[:count].  A single row lists them in the
-    same launch; more rows OR them as bit words into zeros, and one small program lists them.
-    ``threshold``: as ``fp16_threshold`` returns it, 0 for none.  No host sync."""
+    Codes of outlier entries are 0, and with ``zero_columns`` (several rows) every code of an outlier column;
+    otherwise those keep theirs (the matmul takes their products back out).  ``outliers``: None without a
+    threshold (or ``codes=False``), else ``(cols, count)``: the outlier columns, increasing, in
+    cols[:count].  A single row lists them in the same launch; more rows flag them and one small launch
+    lists them.  ``threshold``: as ``fp16_threshold`` returns it, 0 for none.  No host sync."""
     m, k = x2.shape
     device = x2.device
     cfg = select(QUANTIZE_CONFIGS, device_target(device))[0]
     block_k = max(32, min(_pow2(k), cfg.constexprs["MAX_BLOCK_K"]))
     has_threshold = threshold > 0 and codes
     listed = has_threshold and m == 1
-    n_words = triton.cdiv(k, 32)
     out_codes = torch.empty(m, k, dtype=torch.int8, device=device) if codes else None
     stats = torch.empty(m, dtype=torch.float32, device=device)
-    words = cols = count = stats
+    flags = cols = count = stats
     if has_threshold:
         if not listed:
-            words = torch.zeros(n_words, dtype=torch.int32, device=device)
+            flags = torch.zeros(k, dtype=torch.int8, device=device)
         cols = torch.empty(k, dtype=torch.int32, device=device)
         count = torch.empty(1, dtype=torch.int32, device=device)
     with on_device(device):
         _int8_quantize_kernel[(m,)](
-            x2, out_codes if codes else stats, stats, words, cols, count, m, k, x2.stride(0),
-            threshold, BLOCK_R=1, BLOCK_K=block_k, ONE_TILE=block_k >= k, WRITE_CODES=codes,
-            HAS_THRESHOLD=threshold > 0, LIST=listed, **_options(cfg, device))
+            x2, out_codes if codes else stats, stats, flags, cols, count, m, k, x2.stride(0), threshold, BLOCK_R=1,
+            BLOCK_K=block_k, ONE_TILE=block_k >= k, WRITE_CODES=codes, HAS_THRESHOLD=threshold > 0, LIST=listed,
+            **_options(cfg, device))
         if has_threshold and not listed:
             list_cfg = select(OUTLIER_LIST_CONFIGS, device_target(device))[0]
-            _outlier_list_kernel[(1,)](words, cols, count, n_words, **list_cfg.constexprs,
-                                       **_options(list_cfg, device))
+            c = list_cfg.constexprs
+            grid = triton.cdiv(m, c["ZERO_ROWS"]) if zero_columns else 1
+            _outlier_list_kernel[(grid,)](flags, out_codes, cols, count, m, k, BLOCK_K=c["BLOCK_K"],
+                                          ZERO_ROWS=c["ZERO_ROWS"], ZERO=zero_columns, **_options(list_cfg, device))
     return out_codes, stats, (cols, count) if has_threshold else None
 
 
@@ -565,10 +585,12 @@ def int8_matmul(x: torch.Tensor, CB: torch.Tensor, SCB: torch.Tensor, threshold:
     out2 = out.view(m, n)
     dummy = SCB
     codes = stats = cols = count = acc = None
+    kept = False
     if p.path == "fused_stats":
         _, stats, _ = quantize_rows(x2, thr, codes=False)
     elif p.path in ("gemm", "int_mm"):
-        codes, stats, outliers = quantize_rows(x2, thr)
+        kept = p.path == "gemm" and c["BLOCK_M"] <= KEPT_CODES_UP_TO_BLOCK_M  # else zero the columns' codes
+        codes, stats, outliers = quantize_rows(x2, thr, zero_columns=not kept)
         if has_threshold:
             cols, count = outliers
         if p.path == "int_mm":
@@ -591,7 +613,7 @@ def int8_matmul(x: torch.Tensor, CB: torch.Tensor, SCB: torch.Tensor, threshold:
             SOURCE=source, STATS_GIVEN=not own_stats, BLOCK_M=c["BLOCK_M"], BLOCK_N=c["BLOCK_N"],
             BLOCK_K=c["BLOCK_K"], GROUP_M=c["GROUP_M"], ROWS=rows,
             STATS_CHUNK=STATS_ELEMENTS // rows if own_stats else 16,
-            HAS_BIAS=bias is not None, HAS_THRESHOLD=has_threshold, **_options(cfg, x.device))
+            HAS_BIAS=bias is not None, HAS_THRESHOLD=has_threshold, KEPT=kept, **_options(cfg, x.device))
     return out
 
 
@@ -605,7 +627,7 @@ def _matmul_signature(dtype: torch.dtype) -> dict:
            "bias_ptr": f"*{t}", "cols_ptr": "*i32", "count_ptr": "*i32", "acc_ptr": "*i32", "out_ptr": f"*{t}",
            "M": "i32", "N": "i32", "K": "i32", "stride_xm": "i32", "stride_om": "i32", "threshold": "fp32"}
     sig.update(dict.fromkeys(("SOURCE", "STATS_GIVEN", "BLOCK_M", "BLOCK_N", "BLOCK_K", "GROUP_M", "ROWS",
-                              "STATS_CHUNK", "HAS_BIAS", "HAS_THRESHOLD"), "constexpr"))
+                              "STATS_CHUNK", "HAS_BIAS", "HAS_THRESHOLD", "KEPT"), "constexpr"))
     return sig
 
 
@@ -619,20 +641,20 @@ def _with(table: dict, **extra) -> dict:
 
 FUSED_SPEC = register(KernelSpec(
     "int8_matmul_fused", _int8_matmul_kernel, _matmul_signature, DTYPES,
-    _with(FUSED_CONFIGS, SOURCE=0, STATS_GIVEN=False, ROWS=2, STATS_CHUNK=STATS_ELEMENTS // 2)))
+    _with(FUSED_CONFIGS, SOURCE=0, STATS_GIVEN=False, ROWS=2, STATS_CHUNK=STATS_ELEMENTS // 2, KEPT=False)))
 GEMM_SMALL_SPEC = register(KernelSpec(
     "int8_matmul_gemm_small", _int8_matmul_kernel, _matmul_signature, DTYPES,
-    _with(GEMM_SMALL_CONFIGS, SOURCE=1, STATS_GIVEN=True, ROWS=1, STATS_CHUNK=16)))
+    _with(GEMM_SMALL_CONFIGS, SOURCE=1, STATS_GIVEN=True, ROWS=1, STATS_CHUNK=16, KEPT=True)))
 GEMM_SPEC = register(KernelSpec(
     "int8_matmul_gemm", _int8_matmul_kernel, _matmul_signature, DTYPES,
-    _with(GEMM_LARGE_CONFIGS, SOURCE=1, STATS_GIVEN=True, ROWS=1, STATS_CHUNK=16)))
+    _with(GEMM_LARGE_CONFIGS, SOURCE=1, STATS_GIVEN=True, ROWS=1, STATS_CHUNK=16, KEPT=False)))
 EPILOGUE_SPEC = register(KernelSpec(
     "int8_matmul_epilogue", _int8_matmul_kernel, _matmul_signature, DTYPES,
-    _with(EPILOGUE_CONFIGS, SOURCE=2, STATS_GIVEN=True, ROWS=1, STATS_CHUNK=16)))
+    _with(EPILOGUE_CONFIGS, SOURCE=2, STATS_GIVEN=True, ROWS=1, STATS_CHUNK=16, KEPT=False)))
 
 
 def _quantize_signature(dtype: torch.dtype) -> dict:
-    return {"x_ptr": f"*{TRITON_DTYPE[dtype]}", "codes_ptr": "*i8", "stats_ptr": "*fp32", "words_ptr": "*i32",
+    return {"x_ptr": f"*{TRITON_DTYPE[dtype]}", "codes_ptr": "*i8", "stats_ptr": "*fp32", "flags_ptr": "*i8",
             "cols_ptr": "*i32", "count_ptr": "*i32", "M": "i32", "K": "i32", "stride_xm": "i32",
             "threshold": "fp32", "BLOCK_R": "constexpr", "BLOCK_K": "constexpr", "ONE_TILE": "constexpr",
             "WRITE_CODES": "constexpr", "HAS_THRESHOLD": "constexpr", "LIST": "constexpr"}
@@ -651,5 +673,7 @@ QUANTIZE_SPEC = register(KernelSpec(
     {key: _quantize_forms(cfgs[0]) for key, cfgs in QUANTIZE_CONFIGS.items()}))
 OUTLIER_LIST_SPEC = register(KernelSpec(
     "int8_outlier_list", _outlier_list_kernel,
-    lambda dtype: {"words_ptr": "*i32", "cols_ptr": "*i32", "count_ptr": "*i32", "W": "i32", "BLOCK_W": "constexpr"},
-    (torch.int32,), OUTLIER_LIST_CONFIGS))
+    lambda dtype: {"flags_ptr": "*i8", "codes_ptr": "*i8", "cols_ptr": "*i32", "count_ptr": "*i32", "M": "i32",
+                   "K": "i32", "BLOCK_K": "constexpr", "ZERO_ROWS": "constexpr", "ZERO": "constexpr"},
+    (torch.int8,), {key: tuple(LaunchConfig({**cfg.constexprs, "ZERO": True}, cfg.num_warps) for cfg in cfgs)
+                    for key, cfgs in OUTLIER_LIST_CONFIGS.items()}))
