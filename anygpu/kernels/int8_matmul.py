@@ -57,6 +57,7 @@ from .config import (TRITON_DTYPE, KernelSpec, LaunchConfig, cached_options, dev
                      select)
 from .quant_blockwise import ROUND_BF16_BY_HAND, to_output
 
+LIST_CHUNK = tl.constexpr(1024)  # columns a step when listing outlier columns ([32, 32] bit tiles: few registers)
 OUTLIER_STEP = tl.constexpr(16)  # outlier columns per dot step after the main loop (the smallest K of an MMA)
 _INTERPRETED = tl.constexpr(os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"))
 # The reference's fp32 constants, as bit patterns (a Python float becomes a constant of the compiler's choosing).
@@ -276,17 +277,23 @@ def _pack(bits, NW: tl.constexpr):
 
 
 @triton.jit
-def _column_bits(out, k0, flags_ptr, cols_ptr, base, K, BLOCK_K: tl.constexpr, LIST: tl.constexpr):
-    """The outlier columns of one [rows, BLOCK_K] step (``out``: its outlier entries).  LIST (this program
-    holds every row): appended to cols[base:] (returns the new base).  Else flagged in flags[k] (int8, into
-    zeros) by a plain store of 1 from every row's program that sees one: the same value, so no atomics."""
-    column = tl.max(out.to(tl.int32), axis=0)  # 1 where a row of the step holds an outlier
-    if LIST:
-        base = _list_columns(_pack(column, BLOCK_K // 32), k0 // 32, cols_ptr, base, BLOCK_K // 32)
-    else:
+def _flag_columns(out, k0, flags_ptr, K, BLOCK_K: tl.constexpr):
+    """Flag the outlier columns of one [rows, BLOCK_K] step (``out``: its outlier entries) in flags[k] (int8,
+    into zeros) by a plain store of 1 from every row's program that sees one: the same value, no atomics."""
+    k = k0 + tl.arange(0, BLOCK_K)
+    tl.store(flags_ptr + k, tl.full([BLOCK_K], 1, tl.int8), mask=(tl.max(out.to(tl.int32), axis=0) != 0) & (k < K))
+
+
+@triton.jit
+def _list_row_outliers(x_ptr, cols_ptr, count_ptr, K, threshold, BLOCK_K: tl.constexpr):
+    """The outlier columns of a single row x[0, :K] (its outlier entries), in order, in cols[:count]."""
+    base = tl.zeros([], tl.int32)
+    for k0 in range(0, K, BLOCK_K):
         k = k0 + tl.arange(0, BLOCK_K)
-        tl.store(flags_ptr + k, tl.full([BLOCK_K], 1, tl.int8), mask=(column != 0) & (k < K))
-    return base
+        mag = tl.abs(_as_fp16(tl.load(x_ptr + k, mask=k < K, other=0.0)))
+        out = ((mag >= threshold) & (k < K)).to(tl.int32)
+        base = _list_columns(_pack(out, BLOCK_K // 32), k0 // 32, cols_ptr, base, BLOCK_K // 32)
+    tl.store(count_ptr, base)
 
 
 @triton.jit
@@ -294,14 +301,25 @@ def _int8_quantize_kernel(x_ptr, codes_ptr, stats_ptr, flags_ptr, cols_ptr, coun
                           threshold, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, ONE_TILE: tl.constexpr,
                           WRITE_CODES: tl.constexpr, HAS_THRESHOLD: tl.constexpr, LIST: tl.constexpr):
     """Row stats of BLOCK_R rows and, with WRITE_CODES, their codes (0 for outlier entries; the rest of an
-    outlier column is dealt with later, see the module doc) and their outlier columns (``_column_bits``).
-    LIST (one program holds every row): the columns are listed here, not by ``_outlier_list_kernel``."""
+    outlier column is dealt with later, see the module doc) and their outlier columns, flagged.  LIST (a
+    single row): no flags; an extra program (program M) lists the row's outlier columns instead of
+    ``_outlier_list_kernel``, beside the row's program rather than after it."""
+    if LIST and tl.program_id(0) == M:
+        _list_row_outliers(x_ptr, cols_ptr, count_ptr, K, threshold, LIST_CHUNK)
+    else:
+        _quantize_rows(x_ptr, codes_ptr, stats_ptr, flags_ptr, M, K, stride_xm, threshold, BLOCK_R, BLOCK_K,
+                       ONE_TILE, WRITE_CODES, HAS_THRESHOLD, WRITE_CODES and HAS_THRESHOLD and not LIST)
+
+
+@triton.jit
+def _quantize_rows(x_ptr, codes_ptr, stats_ptr, flags_ptr, M, K, stride_xm, threshold, BLOCK_R: tl.constexpr,
+                   BLOCK_K: tl.constexpr, ONE_TILE: tl.constexpr, WRITE_CODES: tl.constexpr,
+                   HAS_THRESHOLD: tl.constexpr, FLAGS: tl.constexpr):
     r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     r_mask = r < M
     r64 = r.to(tl.int64)
     rows = x_ptr + r64[:, None] * stride_xm
     codes = codes_ptr + r64[:, None] * K
-    base = tl.zeros([], tl.int32)
     rk = tl.arange(0, BLOCK_K)
     if ONE_TILE:  # the whole row in registers: one read
         mask = r_mask[:, None] & (rk < K)[None, :]
@@ -310,8 +328,8 @@ def _int8_quantize_kernel(x_ptr, codes_ptr, stats_ptr, flags_ptr, cols_ptr, coun
         if HAS_THRESHOLD:
             out = (mag >= threshold) & mask
             mag = tl.where(out, 0.0, mag)
-            if WRITE_CODES:
-                base = _column_bits(out, 0, flags_ptr, cols_ptr, base, K, BLOCK_K, LIST)
+            if FLAGS:
+                _flag_columns(out, 0, flags_ptr, K, BLOCK_K)
         amax = tl.max(mag, axis=1)
         if WRITE_CODES:
             scale = _scale(amax, BLOCK_R)
@@ -328,8 +346,8 @@ def _int8_quantize_kernel(x_ptr, codes_ptr, stats_ptr, flags_ptr, cols_ptr, coun
             if HAS_THRESHOLD:
                 out = (mag >= threshold) & mask
                 mag = tl.where(out, 0.0, mag)
-                if WRITE_CODES:
-                    base = _column_bits(out, k0, flags_ptr, cols_ptr, base, K, BLOCK_K, LIST)
+                if FLAGS:
+                    _flag_columns(out, k0, flags_ptr, K, BLOCK_K)
             amax = tl.maximum(amax, tl.max(mag, axis=1))
         if WRITE_CODES:
             scale = _scale(amax, BLOCK_R)
@@ -342,8 +360,6 @@ def _int8_quantize_kernel(x_ptr, codes_ptr, stats_ptr, flags_ptr, cols_ptr, coun
                     q = tl.where(tl.abs(x16) >= threshold, 0.0, q)
                 tl.store(codes + k[None, :], q.to(tl.int8), mask=mask)
     tl.store(stats_ptr + r, amax, mask=r_mask)
-    if LIST:
-        tl.store(count_ptr, base)
 
 
 @triton.jit
@@ -391,7 +407,7 @@ FUSED_CONFIGS = {
 }
 GEMM_SMALL_CONFIGS = {
     "default": (_cfg(16, 64, 128, stages=3),),
-    "nvidia": (_cfg(16, 32, 512, stages=3),),  # H200 sweep: M=1 30.0 us (64x256: 32.8), M=16 35.4 us
+    "nvidia": (_cfg(16, 32, 512, warps=2, stages=3),),  # H200, main kernel alone: M=1 20.7 us, M=16 21.5
     "amd": (_cfg(16, 64, 128, stages=2, matrix_instr_nonkdim=16),),
     "rdna3": (_cfg(16, 64, 64, stages=2),),
 }
@@ -414,7 +430,7 @@ QUANTIZE_CONFIGS = {
     "amd": (LaunchConfig({"MAX_BLOCK_K": 8192}, num_warps=4),),  # wave64: the same 256 threads
 }
 OUTLIER_LIST_CONFIGS = {
-    "default": (LaunchConfig({"BLOCK_K": 8192, "ZERO_ROWS": 32}, num_warps=4),),
+    "default": (LaunchConfig({"BLOCK_K": 1024, "ZERO_ROWS": 32}, num_warps=4),),
 }
 # The most rows each path takes.  fused: the kernel's own stats pass reads every row from each program;
 # fused_stats: each program reads x in its dtype (2 bytes an element where the codes are 1); past that,
@@ -537,7 +553,7 @@ def quantize_rows(x2: torch.Tensor, threshold: float, codes: bool = True, zero_c
         cols = torch.empty(k, dtype=torch.int32, device=device)
         count = torch.empty(1, dtype=torch.int32, device=device)
     with on_device(device):
-        _int8_quantize_kernel[(m,)](
+        _int8_quantize_kernel[(m + listed,)](
             x2, out_codes if codes else stats, stats, flags, cols, count, m, k, x2.stride(0), threshold, BLOCK_R=1,
             BLOCK_K=block_k, ONE_TILE=block_k >= k, WRITE_CODES=codes, HAS_THRESHOLD=threshold > 0, LIST=listed,
             **_options(cfg, device))
