@@ -301,6 +301,32 @@ def test_nvidia_code_rounds_as_the_reference():
     fused = ptx(K.FUSED_SPEC, enable_fp_fusion=False)
     assert "0f4B400000" in fused and "fma.rn.f32" not in fused
     assert "fma.rn.f32" in ptx(K.FUSED_SPEC, enable_fp_fusion=True)  # the check above can fail
+    # sm_90 launches the small-M matmul as a programmatic dependent: it prefetches its weights, then waits
+    small = ptx(K.GEMM_SMALL_SPEC, enable_fp_fusion=False, launch_pdl=True)
+    assert "prefetch.global.L2" in small and "griddepcontrol.wait" in small
+    assert small.index("prefetch.global.L2") < small.index("griddepcontrol.wait")
+    assert "griddepcontrol.launch_dependents" in quantize
+    assert "griddepcontrol.launch_dependents" in ptx(K.OUTLIER_LIST_SPEC)
+
+
+def test_programmatic_dependent_launch_only_where_it_exists(monkeypatch):
+    """PDL (and its prefetch) on NVIDIA sm_90 and later only; ANYGPU_INT8_PDL=0 turns it off."""
+    from anygpu.backend.targets import TARGETS
+
+    uses_pdl = K.uses_pdl.__wrapped__
+    cuda = torch.device("cuda", 0)
+    for arch, expected in (("sm_90", True), ("sm_100", True), ("sm_80", False), ("gfx942", False), ("gfx950", False)):
+        if arch not in TARGETS:
+            continue
+        monkeypatch.setattr(K, "device_target", lambda device, arch=arch: TARGETS[arch])
+        pytest.importorskip("triton.backends.nvidia.compiler")
+        assert uses_pdl(cuda) is expected, arch
+    monkeypatch.setenv("ANYGPU_INT8_PDL", "0")
+    monkeypatch.setattr(K, "device_target", lambda device: TARGETS["sm_90"])
+    assert uses_pdl(cuda) is False
+    monkeypatch.delenv("ANYGPU_INT8_PDL")
+    monkeypatch.setattr(K, "device_target", lambda device: None)  # the CPU (the interpreter)
+    assert uses_pdl(torch.device("cpu")) is False
 
 
 # -- on a GPU ----------------------------------------------------------------------------------------

@@ -2,6 +2,7 @@
 alone, against the previous version of the kernels (``anygpu/kernels/_old_int8.py`` when present), at
 N = K = 8192 fp16, threshold 6, 8 outlier columns.  Usage: python3 tools/probe_int8.py [M ...]"""
 
+import os
 import sys
 
 import torch
@@ -44,6 +45,12 @@ for m in [int(a) for a in sys.argv[1:]] or (1, 16, 4096):
     base = t(lambda: F.linear(x, w, bias), graph)
     total = t(lambda: I.int8_matmul(x, cb, scb, 6.0, bias), graph)
     ref = I.int8_matmul(x, cb, scb, 6.0, bias)
+    os.environ["ANYGPU_INT8_PDL"] = "0"  # the same without programmatic dependent launch
+    I.uses_pdl.cache_clear()
+    no_pdl = t(lambda: I.int8_matmul(x, cb, scb, 6.0, bias), graph)
+    same_no_pdl = torch.equal(I.int8_matmul(x, cb, scb, 6.0, bias), ref)
+    del os.environ["ANYGPU_INT8_PDL"]
+    I.uses_pdl.cache_clear()
     plan = I.plan(m, n, k, x.dtype, dev)
     kept = plan.config.constexprs["BLOCK_M"] <= I.KEPT_CODES_UP_TO_BLOCK_M
     q = t(lambda: I.quantize_rows(x, thr, zero_columns=not kept), graph)
@@ -55,7 +62,8 @@ for m in [int(a) for a in sys.argv[1:]] or (1, 16, 4096):
         x, codes, cb, stats, scb, bias, cols, count, scb, out, m, n, k, x.stride(0), n, thr, SOURCE=1,
         STATS_GIVEN=True, ROWS=1, STATS_CHUNK=16, HAS_BIAS=True, HAS_THRESHOLD=True, KEPT=kept, **c,
         **I._options(plan.config, dev)), graph)
-    line = (f"M={m}: F.linear {base:.1f} us | int8 {total:.1f} us ({base / total:.2f}x): quantize+list {q:.1f}, "
+    line = (f"M={m}: F.linear {base:.1f} us | int8 {total:.1f} us ({base / total:.2f}x; pdl {I.uses_pdl(dev)}, "
+            f"without {no_pdl:.1f} us, same {same_no_pdl}): quantize+list {q:.1f}, "
             f"main kernel {main:.1f} ({plan.path} {plan.config.label()})")
     if O is not None:
         old_total = t(lambda: O.int8_matmul(x, cb, scb, 6.0, bias), graph)

@@ -57,7 +57,7 @@ from .config import (TRITON_DTYPE, KernelSpec, LaunchConfig, cached_options, dev
                      select)
 from .quant_blockwise import ROUND_BF16_BY_HAND, to_output
 
-LIST_CHUNK = tl.constexpr(1024)  # columns a step when listing outlier columns ([32, 32] bit tiles: few registers)
+LIST_CHUNK = tl.constexpr(8192)  # columns a step when listing outlier columns (steps are sequential: few, wide)
 OUTLIER_STEP = tl.constexpr(16)  # outlier columns per dot step after the main loop (the smallest K of an MMA)
 _INTERPRETED = tl.constexpr(os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"))
 # The reference's fp32 constants, as bit patterns (a Python float becomes a constant of the compiler's choosing).
@@ -175,12 +175,23 @@ def _outlier_fp(y, x_rows, w_rows, scb, x_ptr, cols_ptr, count_ptr, m_mask, n_ma
 
 
 @triton.jit
+def _prefetch_l2(w_rows, n_mask, K, PREFETCH_K: tl.constexpr):
+    """Ask L2 for the first PREFETCH_K bytes of each weight row of this tile, a 128-byte line a thread-op
+    (NVIDIA ``prefetch.global.L2``: no registers, nothing waits for it)."""
+    line = tl.arange(0, PREFETCH_K // 128) * 128
+    ok = n_mask[:, None] & (line < K)[None, :]
+    ptrs = tl.where(ok, w_rows + line[None, :], w_rows + tl.zeros_like(line)[None, :])  # in bounds
+    tl.inline_asm_elementwise("prefetch.global.L2 [$1]; mov.u32 $0, 0;", "=r,l", [ptrs], dtype=tl.int32,
+                              is_pure=False, pack=1)
+
+
+@triton.jit
 def _int8_matmul_kernel(x_ptr, a_ptr, w_ptr, row_stats_ptr, scb_ptr, bias_ptr, cols_ptr, count_ptr, acc_ptr, out_ptr,
                         M, N, K, stride_xm, stride_om, threshold,
                         SOURCE: tl.constexpr, STATS_GIVEN: tl.constexpr, BLOCK_M: tl.constexpr,
                         BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, ROWS: tl.constexpr,
                         STATS_CHUNK: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_THRESHOLD: tl.constexpr,
-                        KEPT: tl.constexpr):
+                        KEPT: tl.constexpr, PDL: tl.constexpr = False, PREFETCH_K: tl.constexpr = 0):
     # x [M, K] (x's dtype, unit stride in K); a: the int8 codes [M, K] (SOURCE 1, 2); w: CB int8 [N, K];
     # acc: torch._int_mm's int32 [M, N] (SOURCE 2); cols / count: the outlier columns (SOURCE 1, 2).
     if SOURCE == 0:  # every row in the one row tile
@@ -197,6 +208,10 @@ def _int8_matmul_kernel(x_ptr, a_ptr, w_ptr, row_stats_ptr, scb_ptr, bias_ptr, c
     x_rows = x_ptr + rm64[:, None] * stride_xm
     a_rows = a_ptr + rm64[:, None] * K
     w_rows = w_ptr + rn.to(tl.int64)[:, None] * K
+    if PDL:  # launched as a programmatic dependent of the launch that writes the codes (see int8_matmul)
+        if PREFETCH_K > 0:  # the weights do not depend on it: start fetching them meanwhile
+            _prefetch_l2(w_rows, n_mask, K, PREFETCH_K)
+        tl.extra.cuda.gdc_wait()  # that launch's writes are visible past this point
     scb = tl.load(scb_ptr + rn, mask=n_mask, other=0.0)
     if SOURCE == 0 and not STATS_GIVEN:
         row_stat = _row_absmax(x_ptr, M, K, stride_xm, threshold, BLOCK_M, ROWS, STATS_CHUNK, HAS_THRESHOLD)
@@ -299,11 +314,14 @@ def _list_row_outliers(x_ptr, cols_ptr, count_ptr, K, threshold, BLOCK_K: tl.con
 @triton.jit
 def _int8_quantize_kernel(x_ptr, codes_ptr, stats_ptr, flags_ptr, cols_ptr, count_ptr, M, K, stride_xm,
                           threshold, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, ONE_TILE: tl.constexpr,
-                          WRITE_CODES: tl.constexpr, HAS_THRESHOLD: tl.constexpr, LIST: tl.constexpr):
+                          WRITE_CODES: tl.constexpr, HAS_THRESHOLD: tl.constexpr, LIST: tl.constexpr,
+                          PDL: tl.constexpr = False):
     """Row stats of BLOCK_R rows and, with WRITE_CODES, their codes (0 for outlier entries; the rest of an
     outlier column is dealt with later, see the module doc) and their outlier columns, flagged.  LIST (a
     single row): no flags; an extra program (program M) lists the row's outlier columns instead of
     ``_outlier_list_kernel``, beside the row's program rather than after it."""
+    if PDL:
+        tl.extra.cuda.gdc_launch_dependents()  # the matmul may launch now: it waits for our writes itself
     if LIST and tl.program_id(0) == M:
         _list_row_outliers(x_ptr, cols_ptr, count_ptr, K, threshold, LIST_CHUNK)
     else:
@@ -364,10 +382,12 @@ def _quantize_rows(x_ptr, codes_ptr, stats_ptr, flags_ptr, M, K, stride_xm, thre
 
 @triton.jit
 def _outlier_list_kernel(flags_ptr, codes_ptr, cols_ptr, count_ptr, M, K, BLOCK_K: tl.constexpr,
-                         ZERO_ROWS: tl.constexpr, ZERO: tl.constexpr):
+                         ZERO_ROWS: tl.constexpr, ZERO: tl.constexpr, PDL: tl.constexpr = False):
     """Program 0 lists the flagged columns, in increasing order, in cols[:count].  ZERO: every program also
     zeroes the codes of the flagged columns in its ZERO_ROWS rows (then the matmul need not take their
     products back out, which costs each of its programs a gather of the columns)."""
+    if PDL:
+        tl.extra.cuda.gdc_launch_dependents()
     first = tl.program_id(0) * ZERO_ROWS
     last = tl.minimum(first + ZERO_ROWS, M)
     base = tl.zeros([], tl.int32)
@@ -430,7 +450,7 @@ QUANTIZE_CONFIGS = {
     "amd": (LaunchConfig({"MAX_BLOCK_K": 8192}, num_warps=4),),  # wave64: the same 256 threads
 }
 OUTLIER_LIST_CONFIGS = {
-    "default": (LaunchConfig({"BLOCK_K": 1024, "ZERO_ROWS": 32}, num_warps=4),),
+    "default": (LaunchConfig({"BLOCK_K": 8192, "ZERO_ROWS": 32}, num_warps=4),),
 }
 # The most rows each path takes.  fused: the kernel's own stats pass reads every row from each program;
 # fused_stats: each program reads x in its dtype (2 bytes an element where the codes are 1); past that,
@@ -514,9 +534,33 @@ def _int_mm_applies(m: int, k: int, n: int, device_type: str) -> bool:
     return device_type == "cuda" and m > 16 and k % 8 == 0 and n % 8 == 0  # cuBLASLt / hipBLASLt limits
 
 
-def _options(cfg: LaunchConfig, device: torch.device) -> dict:
+def _options(cfg: LaunchConfig, device: torch.device, **extra) -> dict:
     """``cfg``'s Triton options on ``device``, with FMA contraction off on GPUs (see the module doc)."""
-    return cached_options(cfg, device, enable_fp_fusion=False)
+    return cached_options(cfg, device, enable_fp_fusion=False, **extra)
+
+
+# Programmatic dependent launch (NVIDIA sm_90+): the small-M matmul launches while the quantize (or list)
+# launch runs, asks L2 for the first PDL_PREFETCH_K bytes of each of its weight rows (the weights do not
+# depend on x), then waits for the codes (``gdc_wait``).  At M = 1 the matmul is a weight stream of ~21 us
+# behind a ~4 us quantize launch, so part of the stream starts during it.  ANYGPU_INT8_PDL=0 turns it off.
+PDL_PREFETCH_K = 1024
+
+
+@functools.lru_cache(maxsize=16)
+def uses_pdl(device: torch.device) -> bool:
+    """Whether the small-M matmul on ``device`` launches as a programmatic dependent (see PDL_PREFETCH_K)."""
+    target = device_target(device)
+    if target is None or target.is_amd or os.environ.get("ANYGPU_INT8_PDL", "1") == "0":
+        return False
+    if not target.arch.startswith("sm_") or int(target.arch[3:]) < 90:
+        return False
+    try:  # triton's NVIDIA options grew launch_pdl in 3.3
+        import dataclasses
+
+        from triton.backends.nvidia.compiler import CUDAOptions
+    except ImportError:
+        return False
+    return "launch_pdl" in {f.name for f in dataclasses.fields(CUDAOptions)}
 
 
 @functools.lru_cache(maxsize=64)
@@ -531,13 +575,15 @@ def _pow2(v: int) -> int:
     return 1 << max(v - 1, 0).bit_length()
 
 
-def quantize_rows(x2: torch.Tensor, threshold: float, codes: bool = True, zero_columns: bool = False):
+def quantize_rows(x2: torch.Tensor, threshold: float, codes: bool = True, zero_columns: bool = False,
+                  signal: bool = False):
     """(codes int8 [M, K], row stats fp32 [M], outliers) of x2 [M, K] (unit stride in K): a program per row.
     Codes of outlier entries are 0, and with ``zero_columns`` (several rows) every code of an outlier column;
     otherwise those keep theirs (the matmul takes their products back out).  ``outliers``: None without a
     threshold (or ``codes=False``), else ``(cols, count)``: the outlier columns, increasing, in
     cols[:count].  A single row lists them in the same launch; more rows flag them and one small launch
-    lists them.  ``threshold``: as ``fp16_threshold`` returns it, 0 for none.  No host sync."""
+    lists them.  ``threshold``: as ``fp16_threshold`` returns it, 0 for none.  ``signal``: the last launch
+    lets a programmatic dependent launch start early (``uses_pdl``).  No host sync."""
     m, k = x2.shape
     device = x2.device
     cfg = select(QUANTIZE_CONFIGS, device_target(device))[0]
@@ -556,13 +602,14 @@ def quantize_rows(x2: torch.Tensor, threshold: float, codes: bool = True, zero_c
         _int8_quantize_kernel[(m + listed,)](
             x2, out_codes if codes else stats, stats, flags, cols, count, m, k, x2.stride(0), threshold, BLOCK_R=1,
             BLOCK_K=block_k, ONE_TILE=block_k >= k, WRITE_CODES=codes, HAS_THRESHOLD=threshold > 0, LIST=listed,
-            **_options(cfg, device))
+            PDL=signal and not (has_threshold and not listed), **_options(cfg, device))
         if has_threshold and not listed:
             list_cfg = select(OUTLIER_LIST_CONFIGS, device_target(device))[0]
             c = list_cfg.constexprs
             grid = triton.cdiv(m, c["ZERO_ROWS"]) if zero_columns else 1
             _outlier_list_kernel[(grid,)](flags, out_codes, cols, count, m, k, BLOCK_K=c["BLOCK_K"],
-                                          ZERO_ROWS=c["ZERO_ROWS"], ZERO=zero_columns, **_options(list_cfg, device))
+                                          ZERO_ROWS=c["ZERO_ROWS"], ZERO=zero_columns, PDL=signal,
+                                          **_options(list_cfg, device))
     return out_codes, stats, (cols, count) if has_threshold else None
 
 
@@ -601,12 +648,13 @@ def int8_matmul(x: torch.Tensor, CB: torch.Tensor, SCB: torch.Tensor, threshold:
     out2 = out.view(m, n)
     dummy = SCB
     codes = stats = cols = count = acc = None
-    kept = False
+    kept = pdl = False
     if p.path == "fused_stats":
         _, stats, _ = quantize_rows(x2, thr, codes=False)
     elif p.path in ("gemm", "int_mm"):
         kept = p.path == "gemm" and c["BLOCK_M"] <= KEPT_CODES_UP_TO_BLOCK_M  # else zero the columns' codes
-        codes, stats, outliers = quantize_rows(x2, thr, zero_columns=not kept)
+        pdl = kept and uses_pdl(x.device)
+        codes, stats, outliers = quantize_rows(x2, thr, zero_columns=not kept, signal=pdl)
         if has_threshold:
             cols, count = outliers
         if p.path == "int_mm":
@@ -629,7 +677,9 @@ def int8_matmul(x: torch.Tensor, CB: torch.Tensor, SCB: torch.Tensor, threshold:
             SOURCE=source, STATS_GIVEN=not own_stats, BLOCK_M=c["BLOCK_M"], BLOCK_N=c["BLOCK_N"],
             BLOCK_K=c["BLOCK_K"], GROUP_M=c["GROUP_M"], ROWS=rows,
             STATS_CHUNK=STATS_ELEMENTS // rows if own_stats else 16,
-            HAS_BIAS=bias is not None, HAS_THRESHOLD=has_threshold, KEPT=kept, **_options(cfg, x.device))
+            HAS_BIAS=bias is not None, HAS_THRESHOLD=has_threshold, KEPT=kept, PDL=pdl,
+            PREFETCH_K=PDL_PREFETCH_K if pdl else 0, **(_options(cfg, x.device, launch_pdl=True) if pdl
+                                                       else _options(cfg, x.device)))
     return out
 
 
@@ -643,7 +693,7 @@ def _matmul_signature(dtype: torch.dtype) -> dict:
            "bias_ptr": f"*{t}", "cols_ptr": "*i32", "count_ptr": "*i32", "acc_ptr": "*i32", "out_ptr": f"*{t}",
            "M": "i32", "N": "i32", "K": "i32", "stride_xm": "i32", "stride_om": "i32", "threshold": "fp32"}
     sig.update(dict.fromkeys(("SOURCE", "STATS_GIVEN", "BLOCK_M", "BLOCK_N", "BLOCK_K", "GROUP_M", "ROWS",
-                              "STATS_CHUNK", "HAS_BIAS", "HAS_THRESHOLD", "KEPT"), "constexpr"))
+                              "STATS_CHUNK", "HAS_BIAS", "HAS_THRESHOLD", "KEPT", "PDL", "PREFETCH_K"), "constexpr"))
     return sig
 
 
@@ -658,9 +708,17 @@ def _with(table: dict, **extra) -> dict:
 FUSED_SPEC = register(KernelSpec(
     "int8_matmul_fused", _int8_matmul_kernel, _matmul_signature, DTYPES,
     _with(FUSED_CONFIGS, SOURCE=0, STATS_GIVEN=False, ROWS=2, STATS_CHUNK=STATS_ELEMENTS // 2, KEPT=False)))
+def _hopper_pdl(table: dict, **pdl) -> dict:
+    """``table`` plus a "hopper" entry: the NVIDIA configs as sm_90+ launch them (programmatic dependent
+    launch, see ``uses_pdl``), so that form is cross-compiled too."""
+    return {**table, "hopper": tuple(LaunchConfig({**cfg.constexprs, **pdl}, cfg.num_warps, cfg.num_stages)
+                                     for cfg in table["nvidia" if "nvidia" in table else "default"])}
+
+
 GEMM_SMALL_SPEC = register(KernelSpec(
     "int8_matmul_gemm_small", _int8_matmul_kernel, _matmul_signature, DTYPES,
-    _with(GEMM_SMALL_CONFIGS, SOURCE=1, STATS_GIVEN=True, ROWS=1, STATS_CHUNK=16, KEPT=True)))
+    _hopper_pdl(_with(GEMM_SMALL_CONFIGS, SOURCE=1, STATS_GIVEN=True, ROWS=1, STATS_CHUNK=16, KEPT=True), PDL=True,
+                PREFETCH_K=PDL_PREFETCH_K)))
 GEMM_SPEC = register(KernelSpec(
     "int8_matmul_gemm", _int8_matmul_kernel, _matmul_signature, DTYPES,
     _with(GEMM_LARGE_CONFIGS, SOURCE=1, STATS_GIVEN=True, ROWS=1, STATS_CHUNK=16, KEPT=False)))
@@ -673,7 +731,7 @@ def _quantize_signature(dtype: torch.dtype) -> dict:
     return {"x_ptr": f"*{TRITON_DTYPE[dtype]}", "codes_ptr": "*i8", "stats_ptr": "*fp32", "flags_ptr": "*i8",
             "cols_ptr": "*i32", "count_ptr": "*i32", "M": "i32", "K": "i32", "stride_xm": "i32",
             "threshold": "fp32", "BLOCK_R": "constexpr", "BLOCK_K": "constexpr", "ONE_TILE": "constexpr",
-            "WRITE_CODES": "constexpr", "HAS_THRESHOLD": "constexpr", "LIST": "constexpr"}
+            "WRITE_CODES": "constexpr", "HAS_THRESHOLD": "constexpr", "LIST": "constexpr", "PDL": "constexpr"}
 
 
 def _quantize_forms(cfg: LaunchConfig) -> tuple:
@@ -686,10 +744,10 @@ def _quantize_forms(cfg: LaunchConfig) -> tuple:
 
 QUANTIZE_SPEC = register(KernelSpec(
     "int8_quantize_rows", _int8_quantize_kernel, _quantize_signature, (torch.float16, torch.bfloat16, torch.float32),
-    {key: _quantize_forms(cfgs[0]) for key, cfgs in QUANTIZE_CONFIGS.items()}))
+    _hopper_pdl({key: _quantize_forms(cfgs[0]) for key, cfgs in QUANTIZE_CONFIGS.items()}, PDL=True)))
 OUTLIER_LIST_SPEC = register(KernelSpec(
     "int8_outlier_list", _outlier_list_kernel,
     lambda dtype: {"flags_ptr": "*i8", "codes_ptr": "*i8", "cols_ptr": "*i32", "count_ptr": "*i32", "M": "i32",
-                   "K": "i32", "BLOCK_K": "constexpr", "ZERO_ROWS": "constexpr", "ZERO": "constexpr"},
-    (torch.int8,), {key: tuple(LaunchConfig({**cfg.constexprs, "ZERO": True}, cfg.num_warps) for cfg in cfgs)
-                    for key, cfgs in OUTLIER_LIST_CONFIGS.items()}))
+                   "K": "i32", "BLOCK_K": "constexpr", "ZERO_ROWS": "constexpr", "ZERO": "constexpr", "PDL": "constexpr"},
+    (torch.int8,), _hopper_pdl({key: tuple(LaunchConfig({**cfg.constexprs, "ZERO": True}, cfg.num_warps) for cfg in cfgs)
+                                for key, cfgs in OUTLIER_LIST_CONFIGS.items()}, PDL=True)))
