@@ -1,5 +1,7 @@
 """Sweep launch configs on this GPU (a tuning aid; winners go into the config tables): the int8 GEMM path at
-M = 1 and 16 (N = K = 8192 fp16, threshold 6) and the 8-bit AdamW kernel (1B fp32 elements).
+M = 1 and 16 (N = K = 8192 fp16, threshold 6) and the 8-bit AdamW kernel (1B fp32 elements: blocks and warps
+a program, and a register cap), against torch's fused AdamW.  docs/benchmarks-h200.md has the results and the
+variants tried before (persistent programs, approximate math).
 Usage: python3 tools/sweep_int8_optim.py [int8] [optim]"""
 
 import itertools
@@ -63,6 +65,7 @@ def sweep_optim():
     luts = search_tables(q1, q2)
     k = reference.step_scalars("adam", 1e-3, 0.9, 0.999, 1e-8, 0.01, 10)
     rows = []
+
     class Cfg(LaunchConfig):  # a register cap for the sweep (Triton's NVIDIA ``maxnreg`` option)
         def options(self, target):
             opts = super().options(target)

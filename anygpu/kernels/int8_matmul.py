@@ -21,7 +21,10 @@ columns in order (a single row lists them itself).  Then either the list kernel 
 codes (many rows: ``KEPT=False``), or, for a few rows, the matmul takes the kept codes' products back
 out of its int32 sums after the main loop (exact; a gather of the listed columns per program, cheaper
 than another launch).  The listed columns' fp products are added after the main loop too, 16 columns a
-dot step: a few outlier columns cost a step or two, not a pass over K.
+dot step: a few outlier columns cost a step or two, not a pass over K.  On NVIDIA sm_90+ the 16-row
+gemm launch is a programmatic dependent of the launch before it: it starts early, asks L2 for the head
+of its weight rows and waits for the codes there (``uses_pdl``).
+
 The epilogue is the reference's fp32 operation order:
 ``acc * ((row_stat * SCB) * 1/127**2) + bias``, rounded to x's dtype; with a threshold, the outlier
 columns' products are accumulated (fp32) onto that rounded value, which is rounded again.  No
@@ -146,16 +149,23 @@ def _row_absmax(x_ptr, M, K, stride_xm, threshold, BLOCK_M: tl.constexpr, ROWS: 
 
 
 @triton.jit
+def _listed_columns(x_rows, w_rows, cols_ptr, c, n_out, m_mask, n_mask, STEP: tl.constexpr):
+    """Listed outlier columns c .. c + STEP of the rows of x (or of the codes) and of the weight:
+    ([BLOCK_M, STEP], [BLOCK_N, STEP]), zeros past the end of the list."""
+    j = c + tl.arange(0, STEP)
+    j_mask = j < n_out
+    col = tl.load(cols_ptr + j, mask=j_mask, other=0)
+    return (tl.load(x_rows + col[None, :], mask=m_mask[:, None] & j_mask[None, :], other=0),
+            tl.load(w_rows + col[None, :], mask=n_mask[:, None] & j_mask[None, :], other=0))
+
+
+@triton.jit
 def _without_outlier_codes(acc, a_rows, w_rows, cols_ptr, count_ptr, m_mask, n_mask, STEP: tl.constexpr):
     """acc minus the int8 products of the listed outlier columns' kept codes (the main loop added them, the
     reference leaves them out): exact, one int8 dot of the negated codes a step (-127..127 fit int8)."""
     n_out = tl.load(count_ptr)
     for c in range(0, n_out, STEP):
-        j = c + tl.arange(0, STEP)
-        j_mask = j < n_out
-        col = tl.load(cols_ptr + j, mask=j_mask, other=0)
-        a = tl.load(a_rows + col[None, :], mask=m_mask[:, None] & j_mask[None, :], other=0)
-        w = tl.load(w_rows + col[None, :], mask=n_mask[:, None] & j_mask[None, :], other=0)
+        a, w = _listed_columns(a_rows, w_rows, cols_ptr, c, n_out, m_mask, n_mask, STEP)
         acc = tl.dot(-a, tl.trans(w), acc, out_dtype=tl.int32)
     return acc
 
@@ -165,11 +175,7 @@ def _outlier_fp(y, x_rows, w_rows, scb, x_ptr, cols_ptr, count_ptr, m_mask, n_ma
     """y plus x's outlier columns times the dequantized weight columns, accumulated in fp32."""
     n_out = tl.load(count_ptr)
     for c in range(0, n_out, STEP):
-        j = c + tl.arange(0, STEP)
-        j_mask = j < n_out
-        col = tl.load(cols_ptr + j, mask=j_mask, other=0)
-        xo = tl.load(x_rows + col[None, :], mask=m_mask[:, None] & j_mask[None, :], other=0.0)
-        w = tl.load(w_rows + col[None, :], mask=n_mask[:, None] & j_mask[None, :], other=0)
+        xo, w = _listed_columns(x_rows, w_rows, cols_ptr, c, n_out, m_mask, n_mask, STEP)
         y = _fp_dot(xo, _dequantized(w, scb, x_ptr), y)
     return y
 
@@ -456,10 +462,10 @@ OUTLIER_LIST_CONFIGS = {
 # fused_stats: each program reads x in its dtype (2 bytes an element where the codes are 1); past that,
 # the codes once (gemm) and, where there are enough rows for the vendor int8 GEMM to beat ours, int_mm.
 # ``small``: the most rows the gemm path runs with GEMM_SMALL_CONFIGS.
-# H200 (anygpu bench int8, N = K = 8192 fp16, threshold 6): the GEMM path beat the fused ones at every M
-# (M=1: 32.8 us vs fused_stats 136 us; M=16: 36.8 vs fused 153 us; each program of the fused kernel re-reads
-# x for its row absmax) and torch._int_mm + epilogue at M=4096 (682 vs 735 us).  So GEMM everywhere until
-# the fused paths are made faster; they stay selectable (plan_for, set_plan_override) and tested.
+# H200 (anygpu bench int8, N = K = 8192 fp16, threshold 6, 2026-11-30): the GEMM path beat the fused ones at
+# every M (M=1: 22.9 us vs fused_stats 136 us; M=16: 28.0 vs fused_stats 133 us; every program of the fused
+# kernel quantizes all of x again) and torch._int_mm + epilogue at M=4096 (679 vs 761 us).  So GEMM everywhere
+# until the fused paths are made faster; they stay selectable (plan_for, set_plan_override) and tested.
 PATH_LIMITS = {
     "default": {"fused": 0, "fused_stats": 0, "small": 64, "int_mm_from": None},
 }
