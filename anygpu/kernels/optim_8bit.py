@@ -342,33 +342,27 @@ def reference_codes(x: torch.Tensor, code: torch.Tensor, signed: bool) -> torch.
     return codes
 
 
-def lut_codes(x: torch.Tensor, lut: torch.Tensor, signed: bool) -> torch.Tensor:
-    """``_lut_search`` in PyTorch, operation for operation (int64, so shifts and masks match int32's), for
-    x's magnitude and (signed) its sign bit."""
+def _bucket(x: torch.Tensor, signed: bool) -> tuple:
+    """``_lut_search``'s (bucket index, bucket-local low half) of fp32 ``x``, in int64 (so shifts and masks
+    match int32's)."""
     bits = x.view(torch.int32).long()
     clamped = (bits & 0x7FFFFFFF).clamp(_LOW, _HIGH)
     if signed:
         neg = torch.where(bits < 0, -1, 0)
-        index = (clamped >> 16) + ((neg & _HALF) - _BASE)
-        low = (clamped ^ neg) & 0xFFFF
-    else:
-        index = (clamped >> 16) - _BASE
-        low = clamped & 0xFFFF
+        return (clamped >> 16) + ((neg & _HALF) - _BASE), (clamped ^ neg) & 0xFFFF
+    return (clamped >> 16) - _BASE, clamped & 0xFFFF
+
+
+def lut_codes(x: torch.Tensor, lut: torch.Tensor, signed: bool) -> torch.Tensor:
+    """``_lut_search`` in PyTorch, operation for operation, for x's magnitude and (signed) its sign bit."""
+    index, low = _bucket(x, signed)
     entry = lut.view(torch.int32).long()[index]
     return (entry >> 16) + (low > (entry & 0xFFFF)).long()
 
 
 def lut16_codes(x: torch.Tensor, table: torch.Tensor, signed: bool) -> torch.Tensor:
     """``_lut_search`` with LUT16 in PyTorch, operation for operation, on a ``search_table`` table."""
-    bits = x.view(torch.int32).long()
-    clamped = (bits & 0x7FFFFFFF).clamp(_LOW, _HIGH)
-    if signed:
-        neg = torch.where(bits < 0, -1, 0)
-        index = (clamped >> 16) + ((neg & _HALF) - _BASE)
-        low = (clamped ^ neg) & 0xFFFF
-    else:
-        index = (clamped >> 16) - _BASE
-        low = clamped & 0xFFFF
+    index, low = _bucket(x, signed)
     small = table[2 * _HALF + 1:].view(torch.int16).long() & 0xFFFF
     entry = small[index]
     mid = torch.where(entry > 255, small[2 * _HALF + 1 + index], NO_STEP)
