@@ -1,7 +1,10 @@
-"""Where the int8 matmul's time goes on this GPU (a tuning aid): F.linear, the whole path and its kernels
-alone, against the previous version of the kernels (``anygpu/kernels/_old_int8.py`` when present), at
-N = K = 8192 fp16, threshold 6, 8 outlier columns.  Usage: python3 tools/probe_int8.py [M ...]"""
+"""Where the int8 matmul's time goes on this GPU (a tuning aid): F.linear, the whole path with and without
+programmatic dependent launch, and its kernels alone, against a previous version of the kernels when one is
+copied to ``anygpu/kernels/_old_int8.py``, at N = K = 8192 fp16, threshold 6, 8 outlier columns.  ``sweep``:
+the small-M GEMM tiles instead (the main kernel alone, M = 1 and 16).
+Usage: python3 tools/probe_int8.py [M ...] | python3 tools/probe_int8.py sweep"""
 
+import itertools
 import os
 import sys
 
@@ -11,6 +14,7 @@ import triton
 
 from anygpu.bench.timing import measure, measure_graph
 from anygpu.kernels import int8_matmul as I
+from anygpu.kernels.config import LaunchConfig
 
 try:
     from anygpu.kernels import _old_int8 as O
@@ -38,7 +42,38 @@ def t(fn, graph):
     return measure(fn, device=dev, warmup_ms=10, rep_ms=60) * 1e3
 
 
-for m in [int(a) for a in sys.argv[1:]] or (1, 16, 4096):
+def main_kernel(x, codes, stats, cols, count, out, cfg, kept):
+    """The matmul kernel alone on quantize_rows' outputs (SOURCE 1), as int8_matmul launches it without PDL."""
+    m = x.shape[0]
+    c = cfg.constexprs
+    grid = (triton.cdiv(m, c["BLOCK_M"]) * triton.cdiv(n, c["BLOCK_N"]),)
+    I._int8_matmul_kernel[grid](x, codes, cb, stats, scb, bias, cols, count, scb, out, m, n, k, x.stride(0), n,
+                                I.fp16_threshold(6.0), SOURCE=1, STATS_GIVEN=True, ROWS=1, STATS_CHUNK=16,
+                                HAS_BIAS=True, HAS_THRESHOLD=True, KEPT=kept, **c, **I._options(cfg, dev))
+
+
+def sweep():
+    for m in (1, 16):
+        x = x_for(m)
+        codes, stats, (cols, count) = I.quantize_rows(x, I.fp16_threshold(6.0))
+        out = torch.empty(m, n, device=dev, dtype=torch.float16)
+        rows = []
+        for bn, bk, warps, stages in itertools.product((16, 32, 64), (256, 512, 1024), (2, 4, 8), (3, 4, 6)):
+            if (16 + bn) * bk * stages > 200 * 1024:  # past the shared memory of a program
+                continue
+            cfg = LaunchConfig({"BLOCK_M": 16, "BLOCK_N": bn, "BLOCK_K": bk, "GROUP_M": 8}, num_warps=warps,
+                               num_stages=stages)
+            try:
+                us = t(lambda: main_kernel(x, codes, stats, cols, count, out, cfg, True), True)
+            except Exception as e:  # noqa: BLE001
+                print("fail", cfg.label(), str(e)[:100], flush=True)
+                continue
+            rows.append((us, cfg.label()))
+        rows.sort()
+        print(f"M={m}: " + "\n  ".join(f"{us:.1f} us {label}" for us, label in rows[:8]), flush=True)
+
+
+def probe(m):
     x = x_for(m)
     graph = m <= 16
     thr = I.fp16_threshold(6.0)
@@ -56,27 +91,28 @@ for m in [int(a) for a in sys.argv[1:]] or (1, 16, 4096):
     q = t(lambda: I.quantize_rows(x, thr, zero_columns=not kept), graph)
     codes, stats, (cols, count) = I.quantize_rows(x, thr, zero_columns=not kept)
     out = torch.empty(m, n, device=dev, dtype=torch.float16)
-    c = plan.config.constexprs
-    grid = (triton.cdiv(m, c["BLOCK_M"]) * triton.cdiv(n, c["BLOCK_N"]),)
-    main = t(lambda: I._int8_matmul_kernel[grid](
-        x, codes, cb, stats, scb, bias, cols, count, scb, out, m, n, k, x.stride(0), n, thr, SOURCE=1,
-        STATS_GIVEN=True, ROWS=1, STATS_CHUNK=16, HAS_BIAS=True, HAS_THRESHOLD=True, KEPT=kept, **c,
-        **I._options(plan.config, dev)), graph)
+    main = t(lambda: main_kernel(x, codes, stats, cols, count, out, plan.config, kept), graph)
     line = (f"M={m}: F.linear {base:.1f} us | int8 {total:.1f} us ({base / total:.2f}x; pdl {I.uses_pdl(dev)}, "
             f"without {no_pdl:.1f} us, same {same_no_pdl}): quantize+list {q:.1f}, "
             f"main kernel {main:.1f} ({plan.path} {plan.config.label()})")
-    if O is not None:
+    if O is not None:  # the 2026-11-29 kernels' API: flags, then a kernel that zeroes and lists the columns
         old_total = t(lambda: O.int8_matmul(x, cb, scb, 6.0, bias), graph)
         same = torch.equal(O.int8_matmul(x, cb, scb, 6.0, bias), ref)
         old_q = t(lambda: O.quantize_rows(x, thr), graph)
-        _, _, flags = O.quantize_rows(x, thr)
-        old_codes = O.quantize_rows(x, thr)[0]
+        old_codes, _, flags = O.quantize_rows(x, thr)
         old_oc = t(lambda: O.outlier_columns(flags, old_codes), graph)
         line += (f" | previous {old_total:.1f} us ({base / old_total:.2f}x): quantize {old_q:.1f}, "
                  f"outlier_columns {old_oc:.1f}; same output: {same}")
     print(line, flush=True)
     if m >= 1024:
         mm = t(lambda: torch._int_mm(codes, cb.t()), False)
-        via = t(lambda: I.int8_matmul(x, cb, scb, 6.0, bias, plan_=I.Plan("int_mm", I.EPILOGUE_CONFIGS["default"][0])),
-                False)
+        int_mm = I.Plan("int_mm", I.EPILOGUE_CONFIGS["default"][0])
+        via = t(lambda: I.int8_matmul(x, cb, scb, 6.0, bias, plan_=int_mm), False)
         print(f"   torch._int_mm alone {mm:.1f} us; int_mm path {via:.1f} us", flush=True)
+
+
+if "sweep" in sys.argv:
+    sweep()
+else:
+    for m in [int(a) for a in sys.argv[1:]] or (1, 16, 4096):
+        probe(m)

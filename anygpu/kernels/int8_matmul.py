@@ -754,6 +754,8 @@ QUANTIZE_SPEC = register(KernelSpec(
 OUTLIER_LIST_SPEC = register(KernelSpec(
     "int8_outlier_list", _outlier_list_kernel,
     lambda dtype: {"flags_ptr": "*i8", "codes_ptr": "*i8", "cols_ptr": "*i32", "count_ptr": "*i32", "M": "i32",
-                   "K": "i32", "BLOCK_K": "constexpr", "ZERO_ROWS": "constexpr", "ZERO": "constexpr", "PDL": "constexpr"},
-    (torch.int8,), _hopper_pdl({key: tuple(LaunchConfig({**cfg.constexprs, "ZERO": True}, cfg.num_warps) for cfg in cfgs)
-                                for key, cfgs in OUTLIER_LIST_CONFIGS.items()}, PDL=True)))
+                   "K": "i32", "BLOCK_K": "constexpr", "ZERO_ROWS": "constexpr", "ZERO": "constexpr",
+                   "PDL": "constexpr"},
+    (torch.int8,),
+    _hopper_pdl({key: tuple(LaunchConfig({**cfg.constexprs, "ZERO": True}, cfg.num_warps) for cfg in cfgs)
+                 for key, cfgs in OUTLIER_LIST_CONFIGS.items()}, PDL=True)))
