@@ -313,13 +313,13 @@ def test_programmatic_dependent_launch_only_where_it_exists(monkeypatch):
     """PDL (and its prefetch) on NVIDIA sm_90 and later only; ANYGPU_INT8_PDL=0 turns it off."""
     from anygpu.backend.targets import TARGETS
 
+    pytest.importorskip("triton.backends.nvidia.compiler")
     uses_pdl = K.uses_pdl.__wrapped__
     cuda = torch.device("cuda", 0)
     for arch, expected in (("sm_90", True), ("sm_100", True), ("sm_80", False), ("gfx942", False), ("gfx950", False)):
         if arch not in TARGETS:
             continue
         monkeypatch.setattr(K, "device_target", lambda device, arch=arch: TARGETS[arch])
-        pytest.importorskip("triton.backends.nvidia.compiler")
         assert uses_pdl(cuda) is expected, arch
     monkeypatch.setenv("ANYGPU_INT8_PDL", "0")
     monkeypatch.setattr(K, "device_target", lambda device: TARGETS["sm_90"])

@@ -596,6 +596,7 @@ def quantize_rows(x2: torch.Tensor, threshold: float, codes: bool = True, zero_c
     block_k = max(32, min(_pow2(k), cfg.constexprs["MAX_BLOCK_K"]))
     has_threshold = threshold > 0 and codes
     listed = has_threshold and m == 1
+    list_launch = has_threshold and not listed  # the columns are listed by a launch of their own
     out_codes = torch.empty(m, k, dtype=torch.int8, device=device) if codes else None
     stats = torch.empty(m, dtype=torch.float32, device=device)
     flags = cols = count = stats
@@ -608,8 +609,8 @@ def quantize_rows(x2: torch.Tensor, threshold: float, codes: bool = True, zero_c
         _int8_quantize_kernel[(m + listed,)](
             x2, out_codes if codes else stats, stats, flags, cols, count, m, k, x2.stride(0), threshold, BLOCK_R=1,
             BLOCK_K=block_k, ONE_TILE=block_k >= k, WRITE_CODES=codes, HAS_THRESHOLD=threshold > 0, LIST=listed,
-            PDL=signal and not (has_threshold and not listed), **_options(cfg, device))
-        if has_threshold and not listed:
+            PDL=signal and not list_launch, **_options(cfg, device))
+        if list_launch:
             list_cfg = select(OUTLIER_LIST_CONFIGS, device_target(device))[0]
             c = list_cfg.constexprs
             grid = triton.cdiv(m, c["ZERO_ROWS"]) if zero_columns else 1
