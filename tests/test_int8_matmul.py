@@ -121,6 +121,29 @@ def test_every_loop_with_small_tiles(kdevice, path, m, monkeypatch):
     assert_matches_reference(y0, x, CB, SCB, 0.0, None)
 
 
+@pytest.mark.parametrize("bias", [False, True], ids=["nobias", "bias"])
+@pytest.mark.parametrize("threshold", [0.0, 6.0])
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("m", [3, 40, 130])
+def test_tensor_descriptor_kernel(kdevice, m, dtype, threshold, bias):
+    """The TMA kernel (NVIDIA sm_90's many-row path), with small tiles in the interpreter: persistent programs
+    walking several tiles each (4 in the interpreter), K a multiple of 16 but of no block (the descriptors
+    read zeros past K, M and N), outlier columns zeroed by the list launch and added back in x's dtype."""
+    k = 336
+    CB, SCB = weight(N, k)
+    x = activations(m, k, dtype)
+    x[:, 200:220:2] = 11.0  # 10 more outlier columns: more than one dot step of the list
+    b = torch.randn(N, dtype=dtype) if bias else None
+    if torch.device(kdevice).type == "cpu":
+        chosen = Plan("gemm_tma", LaunchConfig({"BLOCK_M": 32, "BLOCK_N": 16, "BLOCK_K": 64, "GROUP_M": 2}))
+    else:
+        chosen = path_plan("gemm_tma", m, N, k, kdevice)
+    out = poison_(torch.empty(m, N, dtype=dtype, device=kdevice))
+    y = K.int8_matmul(x.to(kdevice), CB.to(kdevice), SCB.to(kdevice), threshold, None if b is None else b.to(kdevice),
+                      out=out, plan_=chosen).cpu()
+    assert_matches_reference(y, x, CB, SCB, threshold, b)
+
+
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("threshold", [0.0, 3.0, 6.1])
 @pytest.mark.parametrize("rows", [1, 7])  # one program (lists the columns itself), a program per row
@@ -205,6 +228,17 @@ def test_plan_picks_paths_by_rows():
         assert plan(5, 64, 64, torch.float16, cpu) is chosen and plan(1, 64, 64, torch.float16, cpu).path == "gemm"
     finally:
         K.set_plan_override(None)
+    # many rows on NVIDIA sm_90: the tensor-descriptor kernel, where K keeps codes rows 16-byte aligned
+    from anygpu.backend.targets import TARGETS
+
+    hopper = TARGETS["sm_90"]
+    assert K._plan(4096, 8192, 8192, "cuda", hopper).path == "gemm_tma"
+    assert K._plan(65, 8192, 8192, "cuda", hopper).config is K.GEMM_TMA_CONFIGS["hopper"][0]
+    assert K._plan(64, 8192, 8192, "cuda", hopper).config is K.GEMM_SMALL_CONFIGS["nvidia"][0]
+    for m, k, arch in ((4096, 8200, "sm_90"), (4096, 8192, "sm_80"), (4096, 8192, "gfx942"), (4096, 8192, "gfx950")):
+        assert K._plan(m, 8192, k, "cuda", TARGETS[arch]).path == "gemm", (k, arch)
+    with pytest.raises(ValueError, match="'gemm_tma' runs on NVIDIA sm_90"):
+        plan_for("gemm_tma", 4096, 64, 64, cpu)
     with pytest.raises(ValueError, match="path: expected one of"):
         plan_for("dequant", 1, 8, 8, cpu)
     with pytest.raises(ValueError, match="takes at most 16 rows"):

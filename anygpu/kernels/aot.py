@@ -116,7 +116,7 @@ def compile_one(spec: KernelSpec, target: Target, config: LaunchConfig, dtype: t
     start = time.perf_counter()
     options = config.options(target)
     try:
-        src = ASTSource(fn=spec.fn, signature=spec.signature(dtype), constexprs=dict(config.constexprs),
+        src = ASTSource(fn=spec.fn, signature=spec.signature_for(dtype, config), constexprs=dict(config.constexprs),
                         attrs=spec.attrs(dtype) if aligned else None)
         compiled = triton.compile(src, target=target.triton_target(), options=options)
     except Exception as e:  # noqa: BLE001 - any compiler failure is the report's content

@@ -117,9 +117,15 @@ class KernelSpec:
 
     name: str
     fn: object  # the @triton.jit function
-    signature: Callable[[torch.dtype], dict]  # dtype -> {arg name: triton type ("*fp16", "i32", "constexpr")}
+    # dtype -> {arg name: triton type ("*fp16", "i32", "constexpr")}; a type may name the config's constexprs
+    # in braces, filled in by ``signature_for`` (a tensor descriptor's block: "tensordesc<i8[{BLOCK_M}, 64]>")
+    signature: Callable[[torch.dtype], dict]
     dtypes: tuple  # the dtypes it supports; each is compiled
     configs: ConfigTable
+
+    def signature_for(self, dtype: torch.dtype, config: LaunchConfig) -> dict:
+        return {name: kind.format(**config.constexprs) if "{" in kind else kind
+                for name, kind in self.signature(dtype).items()}
 
     def attrs(self, dtype: torch.dtype) -> dict:
         """Triton's specialization hints for cross-compiling: every pointer and integer argument divisible
@@ -127,7 +133,8 @@ class KernelSpec:
         are multiples of 16 (the common case for LLM shapes); without it the compiler cannot use wide
         loads, and the registers and occupancy we report would be those of a variant that rarely runs."""
         sig = self.signature(dtype)
-        return {(i,): [["tt.divisibility", 16]] for i, kind in enumerate(sig.values()) if kind != "constexpr"}
+        return {(i,): [["tt.divisibility", 16]] for i, kind in enumerate(sig.values())
+                if kind != "constexpr" and not kind.startswith("tensordesc")}
 
 
 _REGISTRY: dict[str, KernelSpec] = {}

@@ -60,6 +60,11 @@ from .config import (TRITON_DTYPE, KernelSpec, LaunchConfig, cached_options, dev
                      select)
 from .quant_blockwise import ROUND_BF16_BY_HAND, to_output
 
+try:  # host-side tensor descriptors (TMA on NVIDIA): triton >= 3.3
+    from triton.tools.tensor_descriptor import TensorDescriptor
+except ImportError:
+    TensorDescriptor = None
+
 LIST_CHUNK = tl.constexpr(8192)  # columns a step when listing outlier columns (steps are sequential: few, wide)
 OUTLIER_STEP = tl.constexpr(16)  # outlier columns per dot step after the main loop (the smallest K of an MMA)
 _INTERPRETED = tl.constexpr(os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"))
@@ -254,17 +259,58 @@ def _int8_matmul_kernel(x_ptr, a_ptr, w_ptr, row_stats_ptr, scb_ptr, bias_ptr, c
 
     if HAS_THRESHOLD and KEPT:
         acc = _without_outlier_codes(acc, a_rows, w_rows, cols_ptr, count_ptr, m_mask, n_mask, 2 * OUTLIER_STEP)
+    if SOURCE != 0 or not HAS_THRESHOLD:
+        facc = 0.0  # the outlier columns' fp products: from the main loop (SOURCE 0) or from the list
+    _dequantize_store(acc, facc, row_stat, scb, rm64, rn, m_mask, n_mask, x_rows, w_rows, x_ptr, bias_ptr, cols_ptr,
+                      count_ptr, out_ptr, stride_om, HAS_BIAS, HAS_THRESHOLD, SOURCE == 0)
+
+
+@triton.jit
+def _dequantize_store(acc, facc, row_stat, scb, rm64, rn, m_mask, n_mask, x_rows, w_rows, x_ptr, bias_ptr, cols_ptr,
+                      count_ptr, out_ptr, stride_om, HAS_BIAS: tl.constexpr, HAS_THRESHOLD: tl.constexpr,
+                      FP_GIVEN: tl.constexpr):
+    """The epilogue of every GEMM kernel here: int32 sums [BM, BN] to x's dtype in the reference's order,
+    bias, then (threshold) the outlier columns' fp products: ``facc`` (FP_GIVEN) or the listed columns'."""
     y = acc.to(tl.float32) * ((row_stat[:, None] * scb[None, :]) * _f32(INV_127_SQUARED_BITS))
     if HAS_BIAS:
         y = y + tl.load(bias_ptr + rn, mask=n_mask, other=0.0).to(tl.float32)[None, :]
     if HAS_THRESHOLD:  # the reference rounds the int8 part before it adds the outlier columns'
         y = _round_to(y, out_ptr)
-        if SOURCE == 0:
+        if FP_GIVEN:
             y = y + facc
         else:
             y = _outlier_fp(y, x_rows, w_rows, scb, x_ptr, cols_ptr, count_ptr, m_mask, n_mask, OUTLIER_STEP)
     out = out_ptr + rm64[:, None] * stride_om + rn[None, :]
     tl.store(out, to_output(y, out_ptr), mask=m_mask[:, None] & n_mask[None, :])
+
+
+@triton.jit
+def _int8_matmul_tma_kernel(a_desc, w_desc, x_ptr, w_ptr, row_stats_ptr, scb_ptr, bias_ptr, cols_ptr, count_ptr,
+                            out_ptr, M, N, K, stride_xm, stride_om, programs, BLOCK_M: tl.constexpr,
+                            BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+                            HAS_BIAS: tl.constexpr, HAS_THRESHOLD: tl.constexpr):
+    """SOURCE 1 for many rows on NVIDIA sm_90: the codes and CB [N, K] come through tensor descriptors (TMA
+    copies into shared memory: no address arithmetic or registers per element, which let a 128 x 256 tile fit
+    where the pointer kernel's spills), and ``programs`` persistent programs walk the tiles in grouped order.
+    The outlier columns' codes were zeroed by the list launch (``quantize_rows(zero_columns=True)``)."""
+    tiles = tl.cdiv(M, BLOCK_M) * tl.cdiv(N, BLOCK_N)
+    for tile in range(tl.program_id(0), tiles, programs):
+        pid_m, pid_n = grouped_tile(tile, M, N, BLOCK_M, BLOCK_N, GROUP_M)
+        acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.int32)
+        for k0 in range(0, K, BLOCK_K):  # past K (and M, N) the descriptors read zeros
+            a = a_desc.load([pid_m * BLOCK_M, k0])
+            w = w_desc.load([pid_n * BLOCK_N, k0])
+            acc = tl.dot(a, w.T, acc, out_dtype=tl.int32)
+        rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        m_mask = rm < M
+        n_mask = rn < N
+        rm64 = rm.to(tl.int64)
+        row_stat = tl.load(row_stats_ptr + rm, mask=m_mask, other=0.0)
+        scb = tl.load(scb_ptr + rn, mask=n_mask, other=0.0)
+        _dequantize_store(acc, 0.0, row_stat, scb, rm64, rn, m_mask, n_mask, x_ptr + rm64[:, None] * stride_xm,
+                          w_ptr + rn.to(tl.int64)[:, None] * K, x_ptr, bias_ptr, cols_ptr, count_ptr, out_ptr,
+                          stride_om, HAS_BIAS, HAS_THRESHOLD, False)
 
 
 @triton.jit
@@ -445,6 +491,14 @@ GEMM_LARGE_CONFIGS = {
     "amd": (_cfg(128, 128, 64, warps=8, stages=2, matrix_instr_nonkdim=16),),
     "rdna3": (_cfg(64, 64, 64, warps=4, stages=2),),
 }
+# Many rows on NVIDIA sm_90 (the TMA kernel; no other target has the config).  H200, M = 4096, N = K = 8192
+# fp16, kernel alone (tools/probe_int8_large.py, 2026-11-30): 128x256x128, 8 warps, 3 stages, persistent
+# 493 us (one tile a program 498; 128x128x128 574; 128x256x64 553; the pointer kernel's best 617;
+# torch._int_mm alone 596).
+GEMM_TMA_CONFIGS = {
+    "default": (),
+    "hopper": (_cfg(128, 256, 128, warps=8, stages=3),),
+}
 # SOURCE 2 (after torch._int_mm): the epilogue and the outlier columns only.
 EPILOGUE_CONFIGS = {
     "default": (_cfg(64, 64, 32, warps=4),),
@@ -481,7 +535,7 @@ class Plan:
     config: LaunchConfig
 
 
-PATHS = ("fused", "fused_stats", "gemm", "int_mm")
+PATHS = ("fused", "fused_stats", "gemm", "gemm_tma", "int_mm")
 _PLAN_OVERRIDE = None
 
 
@@ -513,8 +567,11 @@ def _plan(m: int, n: int, k: int, device_type: str, target) -> Plan:
     start = limits["int_mm_from"]
     if start is not None and m >= start and _int_mm_applies(m, k, n, device_type):
         return Plan("int_mm", select(EPILOGUE_CONFIGS, target)[0])
-    table = GEMM_SMALL_CONFIGS if m <= limits["small"] else GEMM_LARGE_CONFIGS
-    return Plan("gemm", select(table, target)[0])
+    if m <= limits["small"]:
+        return Plan("gemm", select(GEMM_SMALL_CONFIGS, target)[0])
+    if _tma_applies(k, target):
+        return Plan("gemm_tma", select(GEMM_TMA_CONFIGS, target)[0])
+    return Plan("gemm", select(GEMM_LARGE_CONFIGS, target)[0])
 
 
 def plan_for(path: str, m: int, n: int, k: int, device: torch.device) -> Plan:
@@ -530,6 +587,10 @@ def plan_for(path: str, m: int, n: int, k: int, device: torch.device) -> Plan:
         if not _int_mm_applies(m, k, n, device.type):
             raise ValueError(f"path: torch._int_mm does not take an [{m}, {k}] x [{k}, {n}] product on {device}")
         return Plan(path, select(EPILOGUE_CONFIGS, target)[0])
+    if path == "gemm_tma":
+        if not _tma_applies(k, target):
+            raise ValueError(f"path: 'gemm_tma' runs on NVIDIA sm_90 with K a multiple of 16, not K={k} on {device}")
+        return Plan(path, select(GEMM_TMA_CONFIGS, target)[0])
     limits = select(PATH_LIMITS, target)
     return Plan(path, select(GEMM_SMALL_CONFIGS if m <= limits["small"] else GEMM_LARGE_CONFIGS, target)[0])
 
@@ -538,6 +599,13 @@ def _int_mm_applies(m: int, k: int, n: int, device_type: str) -> bool:
     if device_type == "cpu":
         return True
     return device_type == "cuda" and m > 16 and k % 8 == 0 and n % 8 == 0  # cuBLASLt / hipBLASLt limits
+
+
+def _tma_applies(k: int, target) -> bool:
+    """Whether the TMA kernel takes [., k] codes on ``target``: a config for it, host tensor descriptors in this
+    Triton, and rows of k int8 codes a multiple of 16 bytes apart.  (The interpreter runs it too, with the
+    config a test gives it.)"""
+    return TensorDescriptor is not None and k % 16 == 0 and len(select(GEMM_TMA_CONFIGS, target)) > 0
 
 
 def _options(cfg: LaunchConfig, device: torch.device, **extra) -> dict:
@@ -650,6 +718,8 @@ def int8_matmul(x: torch.Tensor, CB: torch.Tensor, SCB: torch.Tensor, threshold:
     thr = fp16_threshold(float(threshold)) if threshold > 0 else 0.0
     has_threshold = threshold > 0
     p = plan_ or plan(m, n, k, x.dtype, x.device)
+    if p.path == "gemm_tma" and CB.data_ptr() % 16:  # a descriptor's base must be 16-byte aligned
+        p = Plan("gemm", select(GEMM_LARGE_CONFIGS, device_target(x.device))[0])
     cfg = p.config
     c = cfg.constexprs
     out2 = out.view(m, n)
@@ -658,6 +728,12 @@ def int8_matmul(x: torch.Tensor, CB: torch.Tensor, SCB: torch.Tensor, threshold:
     kept = pdl = False
     if p.path == "fused_stats":
         _, stats, _ = quantize_rows(x2, thr, codes=False)
+    elif p.path == "gemm_tma":
+        codes, stats, outliers = quantize_rows(x2, thr, zero_columns=True)
+        cols, count = outliers if has_threshold else (dummy, dummy)
+        _gemm_tma(x2, codes, CB, stats, SCB, bias if bias is not None else dummy, cols, count, out2, cfg,
+                  has_bias=bias is not None, has_threshold=has_threshold)
+        return out
     elif p.path in ("gemm", "int_mm"):
         kept = p.path == "gemm" and c["BLOCK_M"] <= KEPT_CODES_UP_TO_BLOCK_M  # else zero the columns' codes
         pdl = kept and uses_pdl(x.device)
@@ -690,6 +766,29 @@ def int8_matmul(x: torch.Tensor, CB: torch.Tensor, SCB: torch.Tensor, threshold:
     return out
 
 
+def _gemm_tma(x2, codes, CB, stats, SCB, bias, cols, count, out2, cfg: LaunchConfig, has_bias: bool,
+              has_threshold: bool) -> None:
+    m, k = codes.shape
+    n = CB.shape[0]
+    c = cfg.constexprs
+    tiles = triton.cdiv(m, c["BLOCK_M"]) * triton.cdiv(n, c["BLOCK_N"])
+    device = x2.device
+    sms = 4  # the interpreter: a few programs, each walking several tiles as on a GPU
+    if device.type == "cuda":
+        from .. import backend
+
+        sms = backend.describe_gpu(device.index if device.index is not None
+                                   else torch.cuda.current_device()).multiprocessor_count
+    programs = min(tiles, sms * c.get("PER_SM", 1))  # persistent: PER_SM programs an SM
+    a_desc = TensorDescriptor(codes, [m, k], [k, 1], [c["BLOCK_M"], c["BLOCK_K"]])
+    w_desc = TensorDescriptor(CB, [n, k], [k, 1], [c["BLOCK_N"], c["BLOCK_K"]])
+    with on_device(device):
+        _int8_matmul_tma_kernel[(programs,)](
+            a_desc, w_desc, x2, CB, stats, SCB, bias, cols, count, out2, m, n, k, x2.stride(0), out2.stride(0),
+            programs, BLOCK_M=c["BLOCK_M"], BLOCK_N=c["BLOCK_N"], BLOCK_K=c["BLOCK_K"], GROUP_M=c["GROUP_M"],
+            HAS_BIAS=has_bias, HAS_THRESHOLD=has_threshold, **_options(cfg, device))
+
+
 # ---- cross-compilation specs ---------------------------------------------------------------------------
 DTYPES = (torch.float16, torch.bfloat16)
 
@@ -715,6 +814,8 @@ def _with(table: dict, **extra) -> dict:
 FUSED_SPEC = register(KernelSpec(
     "int8_matmul_fused", _int8_matmul_kernel, _matmul_signature, DTYPES,
     _with(FUSED_CONFIGS, SOURCE=0, STATS_GIVEN=False, ROWS=2, STATS_CHUNK=STATS_ELEMENTS // 2, KEPT=False)))
+
+
 def _hopper_pdl(table: dict, **pdl) -> dict:
     """``table`` plus a "hopper" entry: the NVIDIA configs as sm_90+ launch them (programmatic dependent
     launch, see ``uses_pdl``), so that form is cross-compiled too."""
@@ -729,6 +830,21 @@ GEMM_SMALL_SPEC = register(KernelSpec(
 GEMM_SPEC = register(KernelSpec(
     "int8_matmul_gemm", _int8_matmul_kernel, _matmul_signature, DTYPES,
     _with(GEMM_LARGE_CONFIGS, SOURCE=1, STATS_GIVEN=True, ROWS=1, STATS_CHUNK=16, KEPT=False)))
+
+
+def _tma_signature(dtype: torch.dtype) -> dict:
+    t = TRITON_DTYPE[dtype]
+    sig = {"a_desc": "tensordesc<i8[{BLOCK_M}, {BLOCK_K}]>", "w_desc": "tensordesc<i8[{BLOCK_N}, {BLOCK_K}]>",
+           "x_ptr": f"*{t}", "w_ptr": "*i8", "row_stats_ptr": "*fp32", "scb_ptr": "*fp32", "bias_ptr": f"*{t}",
+           "cols_ptr": "*i32", "count_ptr": "*i32", "out_ptr": f"*{t}", "M": "i32", "N": "i32", "K": "i32",
+           "stride_xm": "i32", "stride_om": "i32", "programs": "i32"}
+    sig.update(dict.fromkeys(("BLOCK_M", "BLOCK_N", "BLOCK_K", "GROUP_M", "HAS_BIAS", "HAS_THRESHOLD"), "constexpr"))
+    return sig
+
+
+GEMM_TMA_SPEC = register(KernelSpec(
+    "int8_matmul_gemm_tma", _int8_matmul_tma_kernel, _tma_signature, DTYPES,
+    _with(GEMM_TMA_CONFIGS)))
 EPILOGUE_SPEC = register(KernelSpec(
     "int8_matmul_epilogue", _int8_matmul_kernel, _matmul_signature, DTYPES,
     _with(EPILOGUE_CONFIGS, SOURCE=2, STATS_GIVEN=True, ROWS=1, STATS_CHUNK=16, KEPT=False)))
