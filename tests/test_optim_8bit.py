@@ -39,12 +39,12 @@ def _gradient(n, dtype):
     return g.to(dtype)
 
 
-@pytest.mark.parametrize("search", ["table", "table16", "tree"])
+@pytest.mark.parametrize("search", ["table", "tree"])
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("name", reference.OPTIMIZERS)
 def test_kernel_matches_reference(kdevice, name, dtype, search):
-    """The code searches of the fused kernel (the bucket table for the default maps, in its int32 or 16-bit
-    form; the tree for any map) against the reference: bit-identical in the interpreter."""
+    """Both code searches of the fused kernel (the bucket table for the default maps, the tree for any map)
+    against the reference: bit-identical in the interpreter."""
     from anygpu.kernels.optim_8bit import search_table, update_8bit
 
     n = 5000  # several programs and a partial last block
@@ -52,7 +52,7 @@ def test_kernel_matches_reference(kdevice, name, dtype, search):
     p_ker = p_ref.to(kdevice, copy=True)
     ref_states, ker_states = _fresh_states(name, n, "cpu"), _fresh_states(name, n, kdevice)
     tables = (None, None)
-    if search != "tree":
+    if search == "table":
         tables = (search_table(ref_states[4], True), search_table(ref_states[5], False) if ref_states[5] is not None
                   else None)
         tables = tuple(t.to(kdevice) if t is not None else None for t in tables)
@@ -62,7 +62,7 @@ def test_kernel_matches_reference(kdevice, name, dtype, search):
         k = reference.step_scalars(name, 1e-3, h["beta1"], h["beta2"], h["eps"], 0.01, step, h.get("beta3", 0.0),
                                    h.get("alpha", 0.0))
         reference.update_8bit(name, p_ref, g, *ref_states, k)
-        update_8bit(name, p_ker, g.to(kdevice), *ker_states, k, *tables, lut16=search == "table16")
+        update_8bit(name, p_ker, g.to(kdevice), *ker_states, k, *tables)
     _assert_kernel_result(kdevice, p_ker, p_ref, ker_states[:4], ref_states[:4], codes=True)
 
 
@@ -148,17 +148,16 @@ def test_search_table_is_exact_for_the_default_maps():
     """The bucket table against the reference's nearest-code search (with the sign fix): proven on every
     point where either can change (``build_search_table`` does that), and here checked again on a sample of
     all fp32 in [-1, 1] (every 4099th bit pattern, both signs) and the edges."""
-    from anygpu.kernels.optim_8bit import build_search_table, lut16_codes, lut_codes, reference_codes
+    from anygpu.kernels.optim_8bit import build_search_table, lut_codes, reference_codes
 
     for signed in (True, False):
         code = dynamic_map(signed=signed)
         table = build_search_table(code, signed)
-        assert table is not None and table.dtype == torch.float32 and table.numel() == 2 * (2 * 3073 + 1)
+        assert table is not None and table.dtype == torch.float32 and table.numel() == 2 * 3073 + 1
         x = torch.arange(0, 0x3F800001, 4099, dtype=torch.int64).to(torch.int32).view(torch.float32)
         x = torch.cat([x, torch.tensor([0.0, 1e-45, 2.75e-7, 1.625e-7, 1.0, float("inf")])])
         x = torch.cat([x, -x]) if signed else x
         assert torch.equal(lut_codes(x, table, signed), reference_codes(x, code, signed))
-        assert torch.equal(lut16_codes(x, table, signed), reference_codes(x, code, signed))  # the 16-bit form
         # reference_codes is quantize_state's search (a block whose absmax is 1 scales by 1)
         block = torch.cat([x[(x.abs() <= 1)][:255], torch.ones(1)])
         codes, absmax = reference.quantize_state(block, code, signed)

@@ -1,7 +1,7 @@
 """Sweep launch configs on this GPU (a tuning aid; winners go into the config tables): the int8 GEMM path at
 M = 1 and 16 (N = K = 8192 fp16, threshold 6) and the 8-bit AdamW kernel (1B fp32 elements: blocks and warps
-a program, a register cap, the bucket tables' int32 or 16-bit form), against torch's fused AdamW.
-docs/benchmarks-h200.md has the results and the variants tried before (persistent programs, approximate math).
+a program, and a register cap), against torch's fused AdamW.  docs/benchmarks-h200.md has the results and the
+variants tried before (persistent programs, approximate math, a 16-bit form of the bucket tables).
 Usage: python3 tools/sweep_int8_optim.py [int8] [optim]"""
 
 import itertools
@@ -73,16 +73,15 @@ def sweep_optim():
                 opts["maxnreg"] = self.constexprs["MAXNREG"]
             return opts
 
-    for b, w, cap, lut16 in ((1, 1, 0, False), (1, 1, 0, True), (1, 1, 64, False), (1, 1, 64, True),
-                             (2, 1, 0, False), (2, 1, 0, True), (1, 2, 0, False), (1, 2, 0, True)):
+    for b, w, cap in ((1, 1, 0), (1, 1, 64), (2, 1, 0), (1, 2, 0)):
         cfg = Cfg({"BLOCKS": b, "MAXNREG": cap}, num_warps=w)
         try:
-            ms = measure(lambda: update_8bit("adam", p, g, s1, s2, a1, a2, q1, q2, k, *luts, config=cfg, lut16=lut16),
-                         device=dev, warmup_ms=25, rep_ms=100)
+            ms = measure(lambda: update_8bit("adam", p, g, s1, s2, a1, a2, q1, q2, k, *luts, config=cfg), device=dev,
+                         warmup_ms=25, rep_ms=100)
         except Exception as e:  # noqa: BLE001
             print("fail", b, w, cap, str(e)[:200], flush=True)
             continue
-        rows.append((ms, f"BLOCKS={b} warps={w} maxnreg={cap or '-'} lut16={lut16}"))
+        rows.append((ms, f"BLOCKS={b} warps={w} maxnreg={cap or '-'}"))
         print(f"adamw8bit 1B fp32 {rows[-1][1]}: {ms:7.3f} ms", flush=True)
     torch_opt = torch.optim.AdamW([torch.nn.Parameter(p.view(8, -1)[i].clone()) for i in range(8)], fused=True)
     for q in torch_opt.param_groups[0]["params"]:

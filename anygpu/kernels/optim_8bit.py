@@ -36,7 +36,6 @@ finer codes near 0 one code apart grew to 3-5 (the H200's bf16 GPU test; emulate
 
 from __future__ import annotations
 
-import os
 import weakref
 
 import torch
@@ -58,18 +57,10 @@ _BASE = _LOW >> LUT_SHIFT
 _HALF = ((_HIGH - _LOW) >> LUT_SHIFT) + 1  # 3073
 LUT_LOW, LUT_HIGH, LUT_BASE, LUT_HALF = (tl.constexpr(v) for v in (_LOW, _HIGH, _BASE, _HALF))
 NO_STEP = 0xFFFF  # a low half no bucket-local value exceeds: the bucket holds no midpoint
-LUT_ENTRIES = tl.constexpr(2 * _HALF + 1)  # int32 entries of a table: both signs' buckets, then the zero code
-LUT_NO_STEP = tl.constexpr(NO_STEP)
-# The 16-bit form of a table (``LUT16``), stored after the int32 entries in the same buffer: uint16 entries
-# code | has-midpoint << 8, then uint16 midpoint low halves.  A warp's lanes touch half as many 128-byte lines
-# of the first, and only lanes whose bucket holds a midpoint read the second.  Off by default: it exists to
-# test whether L1 gathers set the 8-bit step's pace (docs/benchmarks-h200.md); ANYGPU_OPTIM_LUT16=1 or
-# ``update_8bit(lut16=True)`` turns it on.
-LUT16 = os.environ.get("ANYGPU_OPTIM_LUT16", "0") == "1"
 
 
 @triton.jit
-def _lut_search(q, neg, lut_ptr, SIGNED: tl.constexpr, LUT16: tl.constexpr = False):
+def _lut_search(q, neg, lut_ptr, SIGNED: tl.constexpr):
     """The code of x = (-1 if neg else 1) * q, q = |x| in [0, 1] (NaN: the top code), from the bucket table
     (see the module docstring); ``neg`` is -1 where x carries the sign bit (-0.0 too), else 0."""
     clamped = tl.minimum(tl.maximum(q.to(tl.int32, bitcast=True) & 0x7FFFFFFF, LUT_LOW), LUT_HIGH)
@@ -79,12 +70,6 @@ def _lut_search(q, neg, lut_ptr, SIGNED: tl.constexpr, LUT16: tl.constexpr = Fal
     else:  # the second state is never negative
         index = (clamped >> 16) - LUT_BASE
         low = clamped & 0xFFFF
-    if LUT16:  # the 16-bit form after the int32 entries (see LUT16)
-        small = lut_ptr.to(tl.pointer_type(tl.uint16)) + 2 * LUT_ENTRIES
-        entry = tl.load(small + index).to(tl.int32)
-        has_step = entry > 255
-        mid = tl.load(small + LUT_ENTRIES + index, mask=has_step, other=LUT_NO_STEP).to(tl.int32)
-        return (entry & 255) + (low > mid).to(tl.int32)
     entry = tl.load(lut_ptr + index).to(tl.int32, bitcast=True)  # passed as fp32 bits (one signature)
     return (entry >> 16) + (low > (entry & 0xFFFF)).to(tl.int32)
 
@@ -146,13 +131,13 @@ def _dequantize(q_ptr, absmax_ptr, code_ptr, search_ptr, first, base, rows, loca
 
 @triton.jit
 def _requantize(s, search_ptr, code_ptr, q_ptr, absmax_ptr, first, base, rows, local, in_range, left,
-                SIGNED: tl.constexpr, LUT: tl.constexpr, LUT16: tl.constexpr = False):
+                SIGNED: tl.constexpr, LUT: tl.constexpr):
     """Store s's block absmax and codes (the reference's ``quantize_state``)."""
     absmax = tl.max(tl.abs(s), axis=1)
     tl.store(absmax_ptr + first + rows, absmax, mask=rows * 256 < left)
     if LUT:
         q, neg = _scaled_magnitude(s, absmax)
-        code = _lut_search(q, neg, search_ptr, SIGNED, LUT16)
+        code = _lut_search(q, neg, search_ptr, SIGNED)
     else:
         safe = tl.where(absmax > 0, absmax, 1.0)
         scaled = tl.where(absmax[:, None] > 0, tl.div_rn(s, safe[:, None]), 0.0)
@@ -203,8 +188,7 @@ def _update(p, g, s1, s2, m2, beta1, beta2, one_minus_beta1, one_minus_beta2, ep
 def _optim_8bit_kernel(p_ptr, g_ptr, s1_ptr, s2_ptr, absmax1_ptr, absmax2_ptr, code1_ptr, code2_ptr,
                        search1_ptr, search2_ptr, n, beta1, beta2, one_minus_beta1, one_minus_beta2, eps, step_size,
                        weight_decay, decay, first_step, beta3, one_minus_beta3, alpha, correction1, correction2,
-                       OPT: tl.constexpr, HAS_DECAY: tl.constexpr, LUT: tl.constexpr, BLOCKS: tl.constexpr,
-                       LUT16: tl.constexpr = False):
+                       OPT: tl.constexpr, HAS_DECAY: tl.constexpr, LUT: tl.constexpr, BLOCKS: tl.constexpr):
     first = tl.program_id(0).to(tl.int64) * BLOCKS  # int64: tensors can pass 2**31 elements
     base = first * 256
     rows = tl.arange(0, BLOCKS)
@@ -232,16 +216,15 @@ def _optim_8bit_kernel(p_ptr, g_ptr, s1_ptr, s2_ptr, absmax1_ptr, absmax2_ptr, c
     # Zero the states of non-finite gradients, and (search tree) past the end, where they are not 0.
     keep = finite if LUT else finite & in_range
     s1 = tl.where(keep, s1, 0.0)
-    _requantize(s1, search1_ptr, code1_ptr, s1_ptr, absmax1_ptr, first, base, rows, local, in_range, left, True, LUT,
-                LUT16)
+    _requantize(s1, search1_ptr, code1_ptr, s1_ptr, absmax1_ptr, first, base, rows, local, in_range, left, True, LUT)
     if OPT == 4:
         m2 = tl.where(keep, m2, 0.0)
         _requantize(m2, search1_ptr, code1_ptr, s1_ptr + n, absmax1_ptr + n_blocks, first, base, rows, local,
-                    in_range, left, True, LUT, LUT16)
+                    in_range, left, True, LUT)
     if OPT == 0 or OPT == 4:
         s2 = tl.where(keep, s2, 0.0)
         _requantize(s2, search2_ptr, code2_ptr, s2_ptr, absmax2_ptr, first, base, rows, local, in_range, left,
-                    False, LUT, LUT16)
+                    False, LUT)
 
 
 @triton.jit
@@ -279,9 +262,9 @@ def _optim_32bit_kernel(p_ptr, g_ptr, s1_ptr, s2_ptr, n, beta1, beta2, one_minus
 # one), ademamix (three states: the most registers) and adam with the search tree, so CI cross-compiles
 # each form; momentum, rmsprop and lion use subsets of their operations.
 def _configs_8bit(num_warps: int, blocks: int = 4) -> tuple:
-    return tuple(LaunchConfig({"BLOCKS": blocks, "OPT": OPT_IDS[name], "HAS_DECAY": 1, "LUT": lut, "LUT16": lut16},
+    return tuple(LaunchConfig({"BLOCKS": blocks, "OPT": OPT_IDS[name], "HAS_DECAY": 1, "LUT": lut},
                               num_warps=num_warps)
-                 for name, lut, lut16 in (("adam", 1, 0), ("ademamix", 1, 0), ("adam", 0, 0), ("adam", 1, 1)))
+                 for name, lut in (("adam", 1), ("ademamix", 1), ("adam", 0)))
 
 
 def _configs_32bit(num_warps: int) -> tuple:
@@ -306,8 +289,7 @@ def _signature(dtype: torch.dtype) -> dict:
     sig.update({k: "fp32" for k in _SCALARS})
     sig["first_step"] = "i32"
     sig.update({k: "fp32" for k in _SCALARS_AFTER})
-    sig.update({"OPT": "constexpr", "HAS_DECAY": "constexpr", "LUT": "constexpr", "BLOCKS": "constexpr",
-                "LUT16": "constexpr"})
+    sig.update({"OPT": "constexpr", "HAS_DECAY": "constexpr", "LUT": "constexpr", "BLOCKS": "constexpr"})
     return sig
 
 
@@ -342,38 +324,26 @@ def reference_codes(x: torch.Tensor, code: torch.Tensor, signed: bool) -> torch.
     return codes
 
 
-def _bucket(x: torch.Tensor, signed: bool) -> tuple:
-    """``_lut_search``'s (bucket index, bucket-local low half) of fp32 ``x``, in int64 (so shifts and masks
-    match int32's)."""
+def lut_codes(x: torch.Tensor, lut: torch.Tensor, signed: bool) -> torch.Tensor:
+    """``_lut_search`` in PyTorch, operation for operation (int64, so shifts and masks match int32's), for
+    x's magnitude and (signed) its sign bit."""
     bits = x.view(torch.int32).long()
     clamped = (bits & 0x7FFFFFFF).clamp(_LOW, _HIGH)
     if signed:
         neg = torch.where(bits < 0, -1, 0)
-        return (clamped >> 16) + ((neg & _HALF) - _BASE), (clamped ^ neg) & 0xFFFF
-    return (clamped >> 16) - _BASE, clamped & 0xFFFF
-
-
-def lut_codes(x: torch.Tensor, lut: torch.Tensor, signed: bool) -> torch.Tensor:
-    """``_lut_search`` in PyTorch, operation for operation, for x's magnitude and (signed) its sign bit."""
-    index, low = _bucket(x, signed)
+        index = (clamped >> 16) + ((neg & _HALF) - _BASE)
+        low = (clamped ^ neg) & 0xFFFF
+    else:
+        index = (clamped >> 16) - _BASE
+        low = clamped & 0xFFFF
     entry = lut.view(torch.int32).long()[index]
     return (entry >> 16) + (low > (entry & 0xFFFF)).long()
 
 
-def lut16_codes(x: torch.Tensor, table: torch.Tensor, signed: bool) -> torch.Tensor:
-    """``_lut_search`` with LUT16 in PyTorch, operation for operation, on a ``search_table`` table."""
-    index, low = _bucket(x, signed)
-    small = table[2 * _HALF + 1:].view(torch.int16).long() & 0xFFFF
-    entry = small[index]
-    mid = torch.where(entry > 255, small[2 * _HALF + 1 + index], NO_STEP)
-    return (entry & 255) + (low > mid).long()
-
-
 def _build_lut(code: torch.Tensor, signed: bool) -> torch.Tensor:
-    """int32 [2 * LUT_HALF + 1] (as fp32 bits; the last: the index of +0.0, or -1; ``build_search_table``
-    appends the 16-bit form) for the sorted fp32 map
-    ``code`` on the CPU; exact only where
-    every bucket holds at most one midpoint, which ``search_table`` proves before using it."""
+    """int32 [2 * LUT_HALF + 1] (as fp32 bits; the last: the index of +0.0, or -1) for the sorted fp32 map
+    ``code`` on the CPU; exact only where every bucket holds at most one midpoint, which ``search_table``
+    proves before using it."""
     mids = (code[:-1] + code[1:]) / 2  # fp32, exactly as the reference
     i = torch.arange(_HALF, dtype=torch.int64)
     lo_bits = (_BASE + i) << LUT_SHIFT  # the bucket's smallest magnitude (bucket 0 takes all below)
@@ -441,21 +411,9 @@ def build_search_table(code: torch.Tensor, signed: bool) -> torch.Tensor | None:
     x = _probe_points(code)
     if not signed:  # the second state is never negative: the table serves magnitudes
         x = x[~torch.signbit(x)]
-    expected = reference_codes(x, code, signed)
-    table = torch.cat([lut, _sixteen_bit_form(lut)])
-    if not (torch.equal(lut_codes(x, lut, signed), expected) and torch.equal(lut16_codes(x, table, signed), expected)):
+    if not torch.equal(lut_codes(x, lut, signed), reference_codes(x, code, signed)):
         return None
-    return table
-
-
-def _sixteen_bit_form(lut: torch.Tensor) -> torch.Tensor:
-    """The table's uint16 entries (code | has-midpoint << 8) then uint16 midpoint low halves (see LUT16), as
-    fp32 words to append to the int32 entries: the same function of (bucket, low half) as those entries."""
-    entries = lut.view(torch.int32).long()[:-1]  # the buckets (the last entry is the zero code's index)
-    step = entries & 0xFFFF
-    small = torch.cat([(entries >> 16) | ((step != NO_STEP).long() << 8), torch.zeros(1, dtype=torch.long),
-                       step, torch.full((1,), NO_STEP)])
-    return small.to(torch.int32).to(torch.int16).view(torch.float32)  # the low 16 bits of each value
+    return lut
 
 
 _TABLES: dict = {}
@@ -480,12 +438,11 @@ def search_table(code: torch.Tensor, signed: bool) -> torch.Tensor | None:
 def update_8bit(name: str, p: torch.Tensor, g: torch.Tensor, state1: torch.Tensor, state2: torch.Tensor | None,
                 absmax1: torch.Tensor, absmax2: torch.Tensor | None, qmap1: torch.Tensor, qmap2: torch.Tensor | None,
                 k, lut1: torch.Tensor | None = None, lut2: torch.Tensor | None = None,
-                config: LaunchConfig | None = None, lut16: bool | None = None) -> None:
+                config: LaunchConfig | None = None) -> None:
     """The kernel version of ``optim.reference.update_8bit`` (same arguments; ``k`` a ``StepScalars``).
     ``lut1`` / ``lut2``: the maps' bucket tables (``search_table``), on p's device; with either missing,
     the search tree.  p, the states and absmax must be contiguous (the optimizer allocates them so); g is
-    made contiguous.  ``config``: a LaunchConfig overriding the table's BLOCKS and warps (for sweeps);
-    ``lut16``: the tables' 16-bit form (default: the module's LUT16)."""
+    made contiguous.  ``config``: a LaunchConfig overriding the table's BLOCKS and warps (for sweeps)."""
     g = g if g.is_contiguous() else g.contiguous()
     n = p.numel()
     cfg, options = launch_config(CONFIGS, p.device)
@@ -504,8 +461,7 @@ def update_8bit(name: str, p: torch.Tensor, g: torch.Tensor, state1: torch.Tenso
         _optim_8bit_kernel[(-(-n // (blocks * BLOCKSIZE)),)](
             p, g, state1, state2 if two else state1, absmax1, absmax2 if two else absmax1, qmap1,
             qmap2 if two else qmap1, search1, search2, n, *_scalars(k), OPT=OPT_IDS[name],
-            HAS_DECAY=k.weight_decay > 0, LUT=lut, BLOCKS=blocks, LUT16=lut and (LUT16 if lut16 is None else lut16),
-            **options)
+            HAS_DECAY=k.weight_decay > 0, LUT=lut, BLOCKS=blocks, **options)
 
 
 def update_32bit(name: str, p: torch.Tensor, g: torch.Tensor, state1: torch.Tensor, state2: torch.Tensor | None,
