@@ -42,7 +42,7 @@ def main():
     def quantize_alone():
         I._int8_quantize_kernel[(m,)](x, codes, stats, flags, cols, count, m, k, x.stride(0), thr, BLOCK_R=1,
                                       BLOCK_K=8192, ONE_TILE=True, WRITE_CODES=True, HAS_THRESHOLD=True, LIST=False,
-                                      **I._options(qc, dev))
+                                      MARK=1, **I._options(qc, dev))
 
     def list_alone(zero):
         grid = triton.cdiv(m, lc.constexprs["ZERO_ROWS"]) if zero else 1

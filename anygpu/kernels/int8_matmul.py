@@ -352,6 +352,39 @@ def _flag_columns(out, k0, flags_ptr, K, BLOCK_K: tl.constexpr):
 
 
 @triton.jit
+def _mark_row_words(out, k0, words_ptr, row, K, BLOCK_K: tl.constexpr):
+    """Write the outlier columns of one row's [1, BLOCK_K] step (``out``: its outlier entries) as bit words
+    into the row's own cdiv(K, 32) words (words_ptr: int8 storage of int32 words): no zeroed buffer, no
+    other program writes them; ``_outlier_list_kernel`` ORs the rows' words."""
+    NW: tl.constexpr = BLOCK_K // 32
+    nwords = tl.cdiv(K, 32)
+    w = k0 // 32 + tl.arange(0, NW)
+    words = words_ptr.to(tl.pointer_type(tl.uint32), bitcast=True) + row.to(tl.int64) * nwords
+    tl.store(words + w, _pack(tl.max(out.to(tl.int32), axis=0), NW), mask=w < nwords)
+
+
+@triton.jit
+def _or(a, b):
+    return a | b
+
+
+@triton.jit
+def _rows_words(words_ptr, M, K, k0, BLOCK_K: tl.constexpr, ROW_STEP: tl.constexpr):
+    """The OR over the M rows of their bit words for columns k0 .. k0 + BLOCK_K (see ``_mark_row_words``)."""
+    NW: tl.constexpr = BLOCK_K // 32
+    nwords = tl.cdiv(K, 32)
+    w = k0 // 32 + tl.arange(0, NW)
+    words = words_ptr.to(tl.pointer_type(tl.uint32), bitcast=True)
+    word = tl.zeros([NW], tl.uint32)
+    for r0 in range(0, M, ROW_STEP):
+        r = r0 + tl.arange(0, ROW_STEP)
+        v = tl.load(words + r.to(tl.int64)[:, None] * nwords + w[None, :], mask=(r < M)[:, None] & (w < nwords)[None, :],
+                    other=0)
+        word = word | tl.reduce(v, 0, _or)
+    return word
+
+
+@triton.jit
 def _list_row_outliers(x_ptr, cols_ptr, count_ptr, K, threshold, BLOCK_K: tl.constexpr):
     """The outlier columns of a single row x[0, :K] (its outlier entries), in order, in cols[:count]."""
     base = tl.zeros([], tl.int32)
@@ -367,24 +400,26 @@ def _list_row_outliers(x_ptr, cols_ptr, count_ptr, K, threshold, BLOCK_K: tl.con
 def _int8_quantize_kernel(x_ptr, codes_ptr, stats_ptr, flags_ptr, cols_ptr, count_ptr, M, K, stride_xm,
                           threshold, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, ONE_TILE: tl.constexpr,
                           WRITE_CODES: tl.constexpr, HAS_THRESHOLD: tl.constexpr, LIST: tl.constexpr,
-                          PDL: tl.constexpr = False):
+                          MARK: tl.constexpr, PDL: tl.constexpr = False):
     """Row stats of BLOCK_R rows and, with WRITE_CODES, their codes (0 for outlier entries; the rest of an
-    outlier column is dealt with later, see the module doc) and their outlier columns, flagged.  LIST (a
-    single row): no flags; an extra program (program M) lists the row's outlier columns instead of
-    ``_outlier_list_kernel``, beside the row's program rather than after it."""
+    outlier column is dealt with later, see the module doc) and their outlier columns, marked (MARK 1: a
+    flag per column, into zeros; 2: each row's own bit words) for ``_outlier_list_kernel``.  LIST (a single
+    row): an extra program (program M) lists the row's outlier columns instead, beside the row's program
+    rather than after it."""
     if PDL:
-        tl.extra.cuda.gdc_launch_dependents()  # the matmul may launch now: it waits for our writes itself
+        tl.extra.cuda.gdc_launch_dependents()  # the next launch may start now: it waits for our writes itself
     if LIST and tl.program_id(0) == M:
         _list_row_outliers(x_ptr, cols_ptr, count_ptr, K, threshold, LIST_CHUNK)
     else:
         _quantize_rows(x_ptr, codes_ptr, stats_ptr, flags_ptr, M, K, stride_xm, threshold, BLOCK_R, BLOCK_K,
-                       ONE_TILE, WRITE_CODES, HAS_THRESHOLD, WRITE_CODES and HAS_THRESHOLD and not LIST)
+                       ONE_TILE, WRITE_CODES, HAS_THRESHOLD, MARK if WRITE_CODES and HAS_THRESHOLD else 0)
 
 
 @triton.jit
 def _quantize_rows(x_ptr, codes_ptr, stats_ptr, flags_ptr, M, K, stride_xm, threshold, BLOCK_R: tl.constexpr,
                    BLOCK_K: tl.constexpr, ONE_TILE: tl.constexpr, WRITE_CODES: tl.constexpr,
-                   HAS_THRESHOLD: tl.constexpr, FLAGS: tl.constexpr):
+                   HAS_THRESHOLD: tl.constexpr, MARK: tl.constexpr):
+    tl.static_assert(MARK != 2 or BLOCK_R == 1)  # bit words: a row per program
     r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     r_mask = r < M
     r64 = r.to(tl.int64)
@@ -398,8 +433,10 @@ def _quantize_rows(x_ptr, codes_ptr, stats_ptr, flags_ptr, M, K, stride_xm, thre
         if HAS_THRESHOLD:
             out = (mag >= threshold) & mask
             mag = tl.where(out, 0.0, mag)
-            if FLAGS:
+            if MARK == 1:
                 _flag_columns(out, 0, flags_ptr, K, BLOCK_K)
+            elif MARK == 2:
+                _mark_row_words(out, 0, flags_ptr, tl.program_id(0), K, BLOCK_K)
         amax = tl.max(mag, axis=1)
         if WRITE_CODES:
             scale = _scale(amax, BLOCK_R)
@@ -416,8 +453,10 @@ def _quantize_rows(x_ptr, codes_ptr, stats_ptr, flags_ptr, M, K, stride_xm, thre
             if HAS_THRESHOLD:
                 out = (mag >= threshold) & mask
                 mag = tl.where(out, 0.0, mag)
-                if FLAGS:
+                if MARK == 1:
                     _flag_columns(out, k0, flags_ptr, K, BLOCK_K)
+                elif MARK == 2:
+                    _mark_row_words(out, k0, flags_ptr, tl.program_id(0), K, BLOCK_K)
             amax = tl.maximum(amax, tl.max(mag, axis=1))
         if WRITE_CODES:
             scale = _scale(amax, BLOCK_R)
@@ -434,20 +473,30 @@ def _quantize_rows(x_ptr, codes_ptr, stats_ptr, flags_ptr, M, K, stride_xm, thre
 
 @triton.jit
 def _outlier_list_kernel(flags_ptr, codes_ptr, cols_ptr, count_ptr, M, K, BLOCK_K: tl.constexpr,
-                         ZERO_ROWS: tl.constexpr, ZERO: tl.constexpr, PDL: tl.constexpr = False):
-    """Program 0 lists the flagged columns, in increasing order, in cols[:count].  ZERO: every program also
-    zeroes the codes of the flagged columns in its ZERO_ROWS rows (then the matmul need not take their
-    products back out, which costs each of its programs a gather of the columns)."""
+                         ZERO_ROWS: tl.constexpr, ZERO: tl.constexpr, WORDS: tl.constexpr = False,
+                         PDL: tl.constexpr = False, WAIT: tl.constexpr = False):
+    """Program 0 lists the marked columns, in increasing order, in cols[:count]: flags (one int8 a column) or,
+    WORDS, each row's bit words (ORed here, ROW_STEP rows a load).  ZERO (flags): every program also zeroes
+    the codes of the flagged columns in its ZERO_ROWS rows (then the matmul need not take their products
+    back out, which costs each of its programs a gather of the columns).  WAIT: launched as a programmatic
+    dependent of the quantize launch (NVIDIA sm_90+), so it waits for that launch's writes."""
+    tl.static_assert(not (WORDS and ZERO))
     if PDL:
         tl.extra.cuda.gdc_launch_dependents()
+    if WAIT:
+        tl.extra.cuda.gdc_wait()
     first = tl.program_id(0) * ZERO_ROWS
     last = tl.minimum(first + ZERO_ROWS, M)
     base = tl.zeros([], tl.int32)
     for k0 in range(0, K, BLOCK_K):
         k = k0 + tl.arange(0, BLOCK_K)
-        flag = tl.load(flags_ptr + k, mask=k < K, other=0) != 0
+        if WORDS:
+            word = _rows_words(flags_ptr, M, K, k0, BLOCK_K, 16)
+        else:
+            flag = tl.load(flags_ptr + k, mask=k < K, other=0) != 0
+            word = _pack(flag, BLOCK_K // 32)
         if tl.program_id(0) == 0:
-            base = _list_columns(_pack(flag, BLOCK_K // 32), k0 // 32, cols_ptr, base, BLOCK_K // 32)
+            base = _list_columns(word, k0 // 32, cols_ptr, base, BLOCK_K // 32)
         if ZERO:
             row = codes_ptr + first.to(tl.int64) * K
             for _ in range(first, last):
@@ -492,12 +541,14 @@ GEMM_LARGE_CONFIGS = {
     "rdna3": (_cfg(64, 64, 64, warps=4, stages=2),),
 }
 # Many rows on NVIDIA sm_90 (the TMA kernel; no other target has the config).  H200, M = 4096, N = K = 8192
-# fp16, kernel alone (tools/probe_int8_large.py, 2026-11-30): 128x256x128, 8 warps, 3 stages, persistent
-# 493 us (one tile a program 498; 128x128x128 574; 128x256x64 553; the pointer kernel's best 617;
-# torch._int_mm alone 596).
+# fp16, threshold 6 (tools/probe_int8_large.py, 2026-11-30): the whole path with 128x256x128, 8 warps,
+# 4 stages 529 us (3 stages 558; 256x128x128 553; 128x128x256 596; 128x256x64 603; the pointer kernel's
+# best 681; torch._int_mm alone 605, F.linear 826).  Persistent programs: 493 us for the kernel alone
+# against 498 with a program a tile.  At M = 1 and 16 its 16-row tiles lost to the pointer kernel (25.2 and
+# 34.5 us against 23.1 and 28.0).
 GEMM_TMA_CONFIGS = {
     "default": (),
-    "hopper": (_cfg(128, 256, 128, warps=8, stages=3),),
+    "hopper": (_cfg(128, 256, 128, warps=8, stages=4),),
 }
 # SOURCE 2 (after torch._int_mm): the epilogue and the outlier columns only.
 EPILOGUE_CONFIGS = {
@@ -655,9 +706,11 @@ def quantize_rows(x2: torch.Tensor, threshold: float, codes: bool = True, zero_c
     Codes of outlier entries are 0, and with ``zero_columns`` (several rows) every code of an outlier column;
     otherwise those keep theirs (the matmul takes their products back out).  ``outliers``: None without a
     threshold (or ``codes=False``), else ``(cols, count)``: the outlier columns, increasing, in
-    cols[:count].  A single row lists them in the same launch; more rows flag them and one small launch
-    lists them.  ``threshold``: as ``fp16_threshold`` returns it, 0 for none.  ``signal``: the last launch
-    lets a programmatic dependent launch start early (``uses_pdl``).  No host sync."""
+    cols[:count].  A single row lists them in the same launch; more rows mark them (each row its own bit
+    words, or with ``zero_columns`` flags in a zeroed buffer) and one small launch lists them.
+    ``threshold``: as ``fp16_threshold`` returns it, 0 for none.  ``signal`` (``uses_pdl``): the launches
+    after the first are programmatic dependents of the one before, and the last lets the next (the matmul)
+    start early.  No host sync."""
     m, k = x2.shape
     device = x2.device
     cfg = select(QUANTIZE_CONFIGS, device_target(device))[0]
@@ -667,9 +720,12 @@ def quantize_rows(x2: torch.Tensor, threshold: float, codes: bool = True, zero_c
     list_launch = has_threshold and not listed  # the columns are listed by a launch of their own
     out_codes = torch.empty(m, k, dtype=torch.int8, device=device) if codes else None
     stats = torch.empty(m, dtype=torch.float32, device=device)
+    words = list_launch and not zero_columns  # else flags (the zeroing programs read them all)
     flags = cols = count = stats
     if has_threshold:
-        if not listed:
+        if words:
+            flags = torch.empty(m * triton.cdiv(k, 32), dtype=torch.int32, device=device).view(torch.int8)
+        elif list_launch:
             flags = torch.zeros(k, dtype=torch.int8, device=device)
         cols = torch.empty(k, dtype=torch.int32, device=device)
         count = torch.empty(1, dtype=torch.int32, device=device)
@@ -677,14 +733,15 @@ def quantize_rows(x2: torch.Tensor, threshold: float, codes: bool = True, zero_c
         _int8_quantize_kernel[(m + listed,)](
             x2, out_codes if codes else stats, stats, flags, cols, count, m, k, x2.stride(0), threshold, BLOCK_R=1,
             BLOCK_K=block_k, ONE_TILE=block_k >= k, WRITE_CODES=codes, HAS_THRESHOLD=threshold > 0, LIST=listed,
-            PDL=signal and not list_launch, **_options(cfg, device))
+            MARK=(2 if words else 1) if list_launch else 0, PDL=signal, **_options(cfg, device))
         if list_launch:
             list_cfg = select(OUTLIER_LIST_CONFIGS, device_target(device))[0]
             c = list_cfg.constexprs
             grid = triton.cdiv(m, c["ZERO_ROWS"]) if zero_columns else 1
             _outlier_list_kernel[(grid,)](flags, out_codes, cols, count, m, k, BLOCK_K=c["BLOCK_K"],
-                                          ZERO_ROWS=c["ZERO_ROWS"], ZERO=zero_columns, PDL=signal,
-                                          **_options(list_cfg, device))
+                                          ZERO_ROWS=c["ZERO_ROWS"], ZERO=zero_columns, WORDS=words, PDL=signal,
+                                          WAIT=signal, **(_options(list_cfg, device, launch_pdl=True) if signal
+                                                          else _options(list_cfg, device)))
     return out_codes, stats, (cols, count) if has_threshold else None
 
 
@@ -854,25 +911,37 @@ def _quantize_signature(dtype: torch.dtype) -> dict:
     return {"x_ptr": f"*{TRITON_DTYPE[dtype]}", "codes_ptr": "*i8", "stats_ptr": "*fp32", "flags_ptr": "*i8",
             "cols_ptr": "*i32", "count_ptr": "*i32", "M": "i32", "K": "i32", "stride_xm": "i32",
             "threshold": "fp32", "BLOCK_R": "constexpr", "BLOCK_K": "constexpr", "ONE_TILE": "constexpr",
-            "WRITE_CODES": "constexpr", "HAS_THRESHOLD": "constexpr", "LIST": "constexpr", "PDL": "constexpr"}
+            "WRITE_CODES": "constexpr", "HAS_THRESHOLD": "constexpr", "LIST": "constexpr", "MARK": "constexpr",
+            "PDL": "constexpr"}
 
 
 def _quantize_forms(cfg: LaunchConfig) -> tuple:
-    """The forms the launcher uses: the whole row in registers, listing the columns (a single row), and
-    two passes over K, OR-ing the columns in (more rows, longer than MAX_BLOCK_K)."""
+    """The forms the launcher uses: the whole row in registers, listing the columns (a single row) or writing
+    the row's bit words (a few rows), and two passes over K flagging the columns (many rows, longer than
+    MAX_BLOCK_K)."""
     block = cfg.constexprs["MAX_BLOCK_K"]
-    return tuple(LaunchConfig({"BLOCK_R": 1, "BLOCK_K": block, "ONE_TILE": one, "LIST": one, "WRITE_CODES": True,
-                               "HAS_THRESHOLD": True}, cfg.num_warps) for one in (True, False))
+    return tuple(LaunchConfig({"BLOCK_R": 1, "BLOCK_K": block, "ONE_TILE": one, "LIST": listed, "MARK": mark,
+                               "WRITE_CODES": True, "HAS_THRESHOLD": True}, cfg.num_warps)
+                 for one, listed, mark in ((True, True, 0), (True, False, 2), (False, False, 1)))
 
 
 QUANTIZE_SPEC = register(KernelSpec(
     "int8_quantize_rows", _int8_quantize_kernel, _quantize_signature, (torch.float16, torch.bfloat16, torch.float32),
     _hopper_pdl({key: _quantize_forms(cfgs[0]) for key, cfgs in QUANTIZE_CONFIGS.items()}, PDL=True)))
+def _list_forms(table: dict) -> dict:
+    """The forms the launcher uses: zeroing the flagged columns (many rows), listing the rows' bit words (a
+    few rows), and on sm_90 that one as a programmatic dependent too."""
+    forms = {key: tuple(LaunchConfig({**cfg.constexprs, "ZERO": zero, "WORDS": not zero}, cfg.num_warps)
+                        for cfg in cfgs for zero in (True, False)) for key, cfgs in table.items()}
+    pdl = tuple(LaunchConfig({**cfg.constexprs, "ZERO": False, "WORDS": True, "PDL": True, "WAIT": True},
+                             cfg.num_warps) for cfg in table["default"])
+    return {**forms, "hopper": forms["default"] + pdl}
+
+
 OUTLIER_LIST_SPEC = register(KernelSpec(
     "int8_outlier_list", _outlier_list_kernel,
     lambda dtype: {"flags_ptr": "*i8", "codes_ptr": "*i8", "cols_ptr": "*i32", "count_ptr": "*i32", "M": "i32",
                    "K": "i32", "BLOCK_K": "constexpr", "ZERO_ROWS": "constexpr", "ZERO": "constexpr",
-                   "PDL": "constexpr"},
+                   "WORDS": "constexpr", "PDL": "constexpr", "WAIT": "constexpr"},
     (torch.int8,),
-    _hopper_pdl({key: tuple(LaunchConfig({**cfg.constexprs, "ZERO": True}, cfg.num_warps) for cfg in cfgs)
-                 for key, cfgs in OUTLIER_LIST_CONFIGS.items()}, PDL=True)))
+    _list_forms(OUTLIER_LIST_CONFIGS)))
