@@ -1,0 +1,112 @@
+"""Where the 8-bit AdamW step's time goes on this GPU (a tuning aid): the shipped kernel's work, piece by piece,
+on 1B fp32 parameters, each level adding one part of the step to the one before (same memory traffic at every
+level: p and g in fp32, both states' codes and block absmax):
+  0 stream only (p += g; codes copied), 1 + dequantize (code-map gathers), 2 + the update arithmetic,
+  3 + block absmax and the scaled magnitudes, 4 + the bucket search (the shipped kernel's work).
+Against torch's fused AdamW and the shipped ``update_8bit``.  Usage: python3 tools/probe_optim_8bit.py"""
+
+import torch
+import triton
+import triton.language as tl
+
+from anygpu.bench.timing import measure
+from anygpu.kernels import optim_8bit as O
+
+dev = torch.device("cuda")
+
+
+@triton.jit
+def _arithmetic_codes(s, q_ptr, absmax_ptr, first, base, rows, local, in_range, left):
+    absmax = tl.max(tl.abs(s), axis=1)
+    tl.store(absmax_ptr + first + rows, absmax, mask=rows * 256 < left)
+    q, neg = O._scaled_magnitude(s, absmax)
+    tl.store(q_ptr + base + local, ((q * 127.0).to(tl.int32) ^ neg).to(tl.uint8), mask=in_range)
+
+
+@triton.jit
+def _ablation_kernel(p_ptr, g_ptr, s1_ptr, s2_ptr, absmax1_ptr, absmax2_ptr, code1_ptr, code2_ptr, lut1_ptr, lut2_ptr,
+                     n, beta1, beta2, one_minus_beta1, one_minus_beta2, eps, step_size, decay,
+                     LEVEL: tl.constexpr, BLOCKS: tl.constexpr):
+    first = tl.program_id(0).to(tl.int64) * BLOCKS
+    base = first * 256
+    rows = tl.arange(0, BLOCKS)
+    local = rows[:, None] * 256 + tl.arange(0, 256)[None, :]
+    left = tl.minimum(n - base, BLOCKS * 256).to(tl.int32)
+    in_range = local < left
+    g = tl.load(g_ptr + base + local, mask=in_range, other=0.0)
+    p = tl.load(p_ptr + base + local, mask=in_range, other=0.0)
+    if LEVEL == 0:
+        c1 = tl.load(s1_ptr + base + local, mask=in_range, other=0)
+        c2 = tl.load(s2_ptr + base + local, mask=in_range, other=0)
+        a1 = tl.load(absmax1_ptr + first + rows, mask=rows * 256 < left, other=0.0)
+        a2 = tl.load(absmax2_ptr + first + rows, mask=rows * 256 < left, other=0.0)
+        tl.store(p_ptr + base + local, p + g * step_size, mask=in_range)
+        tl.store(s1_ptr + base + local, c1 + 1, mask=in_range)
+        tl.store(s2_ptr + base + local, c2 + 1, mask=in_range)
+        tl.store(absmax1_ptr + first + rows, a1 * 0.5, mask=rows * 256 < left)
+        tl.store(absmax2_ptr + first + rows, a2 * 0.5, mask=rows * 256 < left)
+    else:
+        s1 = O._dequantize(s1_ptr, absmax1_ptr, code1_ptr, lut1_ptr, first, base, rows, local, in_range, left, True)
+        s2 = O._dequantize(s2_ptr, absmax2_ptr, code2_ptr, lut2_ptr, first, base, rows, local, in_range, left, True)
+        if LEVEL == 1:
+            new_p = p + (s1 + s2) * step_size
+        else:
+            new_p, s1, s2, _ = O._update(p, g, s1, s2, s1, beta1, beta2, one_minus_beta1, one_minus_beta2, eps,
+                                         step_size, 0.0, decay, 0, 0.0, 0.0, 0.0, 1.0, 1.0, 0, True)
+        tl.store(p_ptr + base + local, new_p, mask=in_range)
+        if LEVEL <= 2:  # codes from the values' bits, absmax from one lane: no reduction, no search
+            a1 = tl.load(absmax1_ptr + first + rows, mask=rows * 256 < left, other=0.0)
+            a2 = tl.load(absmax2_ptr + first + rows, mask=rows * 256 < left, other=0.0)
+            tl.store(s1_ptr + base + local, (s1.to(tl.int32, bitcast=True) >> 23).to(tl.uint8), mask=in_range)
+            tl.store(s2_ptr + base + local, (s2.to(tl.int32, bitcast=True) >> 23).to(tl.uint8), mask=in_range)
+            tl.store(absmax1_ptr + first + rows, a1 * 0.5, mask=rows * 256 < left)
+            tl.store(absmax2_ptr + first + rows, a2 * 0.5, mask=rows * 256 < left)
+        elif LEVEL == 3:  # absmax and the scaled magnitudes; codes from them by arithmetic
+            _arithmetic_codes(s1, s1_ptr, absmax1_ptr, first, base, rows, local, in_range, left)
+            _arithmetic_codes(s2, s2_ptr, absmax2_ptr, first, base, rows, local, in_range, left)
+        else:
+            O._requantize(s1, lut1_ptr, code1_ptr, s1_ptr, absmax1_ptr, first, base, rows, local, in_range, left,
+                          True, True)
+            O._requantize(s2, lut2_ptr, code2_ptr, s2_ptr, absmax2_ptr, first, base, rows, local, in_range, left,
+                          False, True)
+
+
+def main():
+    from anygpu.optim import reference
+    from anygpu.optim.optimizer import search_tables
+    from anygpu.quant.maps import dynamic_map
+
+    n = 8 * 8192 * 16384
+    p = torch.randn(n, device=dev) * 0.02
+    g = torch.randn(n, device=dev) * 1e-3
+    blocks = -(-n // 256)
+    s1 = torch.randint(0, 256, (n,), dtype=torch.uint8, device=dev)
+    s2 = torch.randint(0, 256, (n,), dtype=torch.uint8, device=dev)
+    a1, a2 = torch.rand(blocks, device=dev) * 1e-3, torch.rand(blocks, device=dev) * 1e-6
+    q1, q2 = dynamic_map(dev, True), dynamic_map(dev, False)
+    lut1, lut2 = search_tables(q1, q2)
+    k = reference.step_scalars("adam", 1e-3, 0.9, 0.999, 1e-8, 0.01, 10)
+
+    def t(fn):
+        return measure(fn, device=dev, warmup_ms=25, rep_ms=100) * 1e3
+
+    shipped = t(lambda: O.update_8bit("adam", p, g, s1, s2, a1, a2, q1, q2, k, lut1, lut2))
+    torch_opt = torch.optim.AdamW([torch.nn.Parameter(p.view(8, -1)[i].clone()) for i in range(8)], fused=True)
+    for q in torch_opt.param_groups[0]["params"]:
+        q.grad = torch.randn_like(q) * 1e-3
+    base = t(torch_opt.step)
+    del torch_opt
+    print(f"torch AdamW fused {base:.0f} us; shipped 8-bit {shipped:.0f} us ({base / shipped:.2f}x); "
+          f"16 bytes an element: {16 * n / shipped / 1e6:.2f} TB/s", flush=True)
+    for level in range(5):
+        for blocks_, warps in ((1, 1), (4, 4)):
+            grid = (triton.cdiv(n, 256 * blocks_),)
+            us = t(lambda: _ablation_kernel[grid](p, g, s1, s2, a1, a2, q1, q2, lut1, lut2, n, k.beta1, k.beta2,
+                                                  k.one_minus_beta1, k.one_minus_beta2, k.eps, k.step_size,
+                                                  k.decay, LEVEL=level, BLOCKS=blocks_, num_warps=warps))
+            print(f"  level {level} ({blocks_} block(s), {warps} warp(s)): {us:.0f} us, "
+                  f"{16 * n / us / 1e6:.2f} TB/s", flush=True)
+
+
+if __name__ == "__main__":
+    main()
