@@ -2,7 +2,8 @@
 on 1B fp32 parameters, each level adding one part of the step to the one before (same memory traffic at every
 level: p and g in fp32, both states' codes and block absmax):
   0 stream only (p += g; codes copied), 1 + dequantize (code-map gathers), 2 + the update arithmetic,
-  3 + block absmax and the scaled magnitudes, 4 + the bucket search (the shipped kernel's work).
+  3 + block absmax and the scaled magnitudes, 4 + the bucket search, 5 + non-finite gradients handled (the
+  shipped kernel's work).
 Against torch's fused AdamW and the shipped ``update_8bit``.  Usage: python3 tools/probe_optim_8bit.py"""
 
 import torch
@@ -35,6 +36,9 @@ def _ablation_kernel(p_ptr, g_ptr, s1_ptr, s2_ptr, absmax1_ptr, absmax2_ptr, cod
     in_range = local < left
     g = tl.load(g_ptr + base + local, mask=in_range, other=0.0)
     p = tl.load(p_ptr + base + local, mask=in_range, other=0.0)
+    if LEVEL >= 5:
+        finite = tl.abs(g) < float("inf")
+        g = tl.where(finite, g, 0.0)
     if LEVEL == 0:
         c1 = tl.load(s1_ptr + base + local, mask=in_range, other=0)
         c2 = tl.load(s2_ptr + base + local, mask=in_range, other=0)
@@ -53,6 +57,10 @@ def _ablation_kernel(p_ptr, g_ptr, s1_ptr, s2_ptr, absmax1_ptr, absmax2_ptr, cod
         else:
             new_p, s1, s2, _ = O._update(p, g, s1, s2, s1, beta1, beta2, one_minus_beta1, one_minus_beta2, eps,
                                          step_size, 0.0, decay, 0, 0.0, 0.0, 0.0, 1.0, 1.0, 0, True)
+            if LEVEL >= 5:
+                new_p = tl.where(finite, new_p, p)
+                s1 = tl.where(finite, s1, 0.0)
+                s2 = tl.where(finite, s2, 0.0)
         tl.store(p_ptr + base + local, new_p, mask=in_range)
         if LEVEL <= 2:  # codes from the values' bits, absmax from one lane: no reduction, no search
             a1 = tl.load(absmax1_ptr + first + rows, mask=rows * 256 < left, other=0.0)
@@ -98,7 +106,7 @@ def main():
     del torch_opt
     print(f"torch AdamW fused {base:.0f} us; shipped 8-bit {shipped:.0f} us ({base / shipped:.2f}x); "
           f"16 bytes an element: {16 * n / shipped / 1e6:.2f} TB/s", flush=True)
-    for level in range(5):
+    for level in range(6):
         for blocks_, warps in ((1, 1), (4, 4)):
             grid = (triton.cdiv(n, 256 * blocks_),)
             us = t(lambda: _ablation_kernel[grid](p, g, s1, s2, a1, a2, q1, q2, lut1, lut2, n, k.beta1, k.beta2,

@@ -263,13 +263,15 @@ def _int8_matmul_kernel(x_ptr, a_ptr, w_ptr, row_stats_ptr, scb_ptr, bias_ptr, c
                 a = tl.load(a_rows + k[None, :], mask=m_mask[:, None] & k_mask[None, :], other=0)
             acc = tl.dot(a, tl.trans(w), acc, out_dtype=tl.int32)  # triton 3.6 wants it said
 
-    early = HAS_THRESHOLD and KEPT and EARLY
     if HAS_THRESHOLD and KEPT and not EARLY:
         acc = _without_outlier_codes(acc, a_rows, w_rows, cols_ptr, count_ptr, m_mask, n_mask, 2 * OUTLIER_STEP)
-    if not (SOURCE == 0 or early) or not HAS_THRESHOLD:
-        facc = 0.0  # the outlier columns' fp products: from the main loop (SOURCE 0), before it, or from the list
-    _dequantize_store(acc, facc, row_stat, scb, rm64, rn, m_mask, n_mask, x_rows, w_rows, x_ptr, bias_ptr, cols_ptr,
-                      count_ptr, out_ptr, stride_om, HAS_BIAS, HAS_THRESHOLD, SOURCE == 0 or early)
+    # the outlier columns' fp products: summed in the main loop (SOURCE 0) or before it, else from the list
+    if HAS_THRESHOLD and (SOURCE == 0 or (KEPT and EARLY)):
+        _dequantize_store(acc, facc, row_stat, scb, rm64, rn, m_mask, n_mask, x_rows, w_rows, x_ptr, bias_ptr,
+                          cols_ptr, count_ptr, out_ptr, stride_om, HAS_BIAS, HAS_THRESHOLD, True)
+    else:
+        _dequantize_store(acc, 0.0, row_stat, scb, rm64, rn, m_mask, n_mask, x_rows, w_rows, x_ptr, bias_ptr,
+                          cols_ptr, count_ptr, out_ptr, stride_om, HAS_BIAS, HAS_THRESHOLD, False)
 
 
 @triton.jit
@@ -863,7 +865,8 @@ def _matmul_signature(dtype: torch.dtype) -> dict:
            "bias_ptr": f"*{t}", "cols_ptr": "*i32", "count_ptr": "*i32", "acc_ptr": "*i32", "out_ptr": f"*{t}",
            "M": "i32", "N": "i32", "K": "i32", "stride_xm": "i32", "stride_om": "i32", "threshold": "fp32"}
     sig.update(dict.fromkeys(("SOURCE", "STATS_GIVEN", "BLOCK_M", "BLOCK_N", "BLOCK_K", "GROUP_M", "ROWS",
-                              "STATS_CHUNK", "HAS_BIAS", "HAS_THRESHOLD", "KEPT", "PDL", "PREFETCH_K"), "constexpr"))
+                              "STATS_CHUNK", "HAS_BIAS", "HAS_THRESHOLD", "KEPT", "PDL", "PREFETCH_K", "EARLY"),
+                             "constexpr"))
     return sig
 
 
