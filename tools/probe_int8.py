@@ -42,15 +42,14 @@ def t(fn, graph):
     return measure(fn, device=dev, warmup_ms=10, rep_ms=60) * 1e3
 
 
-def main_kernel(x, codes, stats, cols, count, out, cfg, kept, early=True):
+def main_kernel(x, codes, stats, cols, count, out, cfg, kept):
     """The matmul kernel alone on quantize_rows' outputs (SOURCE 1), as int8_matmul launches it without PDL."""
     m = x.shape[0]
     c = cfg.constexprs
     grid = (triton.cdiv(m, c["BLOCK_M"]) * triton.cdiv(n, c["BLOCK_N"]),)
     I._int8_matmul_kernel[grid](x, codes, cb, stats, scb, bias, cols, count, scb, out, m, n, k, x.stride(0), n,
                                 I.fp16_threshold(6.0), SOURCE=1, STATS_GIVEN=True, ROWS=1, STATS_CHUNK=16,
-                                HAS_BIAS=True, HAS_THRESHOLD=True, KEPT=kept, EARLY=early, **c,
-                                **I._options(cfg, dev))
+                                HAS_BIAS=True, HAS_THRESHOLD=True, KEPT=kept, **c, **I._options(cfg, dev))
 
 
 def sweep():
@@ -93,14 +92,13 @@ def probe(m):
     codes, stats, (cols, count) = I.quantize_rows(x, thr, zero_columns=not kept)
     out = torch.empty(m, n, device=dev, dtype=torch.float16)
     if plan.path == "gemm_tma":
-        main = late = t(lambda: I._gemm_tma(x, codes, cb, stats, scb, bias, cols, count, out, plan.config, True,
-                                            True), graph)
+        main = t(lambda: I._gemm_tma(x, codes, cb, stats, scb, bias, cols, count, out, plan.config, True, True),
+                 graph)
     else:
         main = t(lambda: main_kernel(x, codes, stats, cols, count, out, plan.config, kept), graph)
-        late = t(lambda: main_kernel(x, codes, stats, cols, count, out, plan.config, kept, early=False), graph)
     line = (f"M={m}: F.linear {base:.1f} us | int8 {total:.1f} us ({base / total:.2f}x; pdl {I.uses_pdl(dev)}, "
             f"without {no_pdl:.1f} us, same {same_no_pdl}): quantize+list {q:.1f}, "
-            f"main kernel {main:.1f}, outlier columns after the loop {late:.1f} ({plan.path} {plan.config.label()})")
+            f"main kernel {main:.1f} ({plan.path} {plan.config.label()})")
     if O is not None:  # the 2026-11-29 kernels' API: flags, then a kernel that zeroes and lists the columns
         old_total = t(lambda: O.int8_matmul(x, cb, scb, 6.0, bias), graph)
         same = torch.equal(O.int8_matmul(x, cb, scb, 6.0, bias), ref)

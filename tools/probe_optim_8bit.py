@@ -4,7 +4,11 @@ level: p and g in fp32, both states' codes and block absmax):
   0 stream only (p += g; codes copied), 1 + dequantize (code-map gathers), 2 + the update arithmetic,
   3 + block absmax and the scaled magnitudes, 4 + the bucket search, 5 + non-finite gradients handled (the
   shipped kernel's work).
-Against torch's fused AdamW and the shipped ``update_8bit``.  Usage: python3 tools/probe_optim_8bit.py"""
+Against torch's fused AdamW and the shipped ``update_8bit``.  ``profile``: three shipped steps on 64M elements
+and nothing else, for Nsight Compute, e.g. ``ncu --kernel-name regex:_optim_8bit_kernel --launch-skip 1
+--launch-count 1 --section SpeedOfLight --section WarpStateStats --section Occupancy python3
+tools/probe_optim_8bit.py profile`` (docs/benchmarks-h200.md has what it showed).
+Usage: python3 tools/probe_optim_8bit.py [profile]"""
 
 import torch
 import triton
@@ -79,12 +83,11 @@ def _ablation_kernel(p_ptr, g_ptr, s1_ptr, s2_ptr, absmax1_ptr, absmax2_ptr, cod
                           False, True)
 
 
-def main():
+def main(n=8 * 8192 * 16384, profile=False):
     from anygpu.optim import reference
     from anygpu.optim.optimizer import search_tables
     from anygpu.quant.maps import dynamic_map
 
-    n = 8 * 8192 * 16384
     p = torch.randn(n, device=dev) * 0.02
     g = torch.randn(n, device=dev) * 1e-3
     blocks = -(-n // 256)
@@ -94,6 +97,11 @@ def main():
     q1, q2 = dynamic_map(dev, True), dynamic_map(dev, False)
     lut1, lut2 = search_tables(q1, q2)
     k = reference.step_scalars("adam", 1e-3, 0.9, 0.999, 1e-8, 0.01, 10)
+    if profile:
+        for _ in range(3):
+            O.update_8bit("adam", p, g, s1, s2, a1, a2, q1, q2, k, lut1, lut2)
+        torch.cuda.synchronize()
+        return
 
     def t(fn):
         return measure(fn, device=dev, warmup_ms=25, rep_ms=100) * 1e3
@@ -117,4 +125,9 @@ def main():
 
 
 if __name__ == "__main__":
-    main()
+    import sys
+
+    if "profile" in sys.argv:
+        main(64 * 1024 * 1024, profile=True)
+    else:
+        main()

@@ -202,8 +202,7 @@ def _int8_matmul_kernel(x_ptr, a_ptr, w_ptr, row_stats_ptr, scb_ptr, bias_ptr, c
                         SOURCE: tl.constexpr, STATS_GIVEN: tl.constexpr, BLOCK_M: tl.constexpr,
                         BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, ROWS: tl.constexpr,
                         STATS_CHUNK: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_THRESHOLD: tl.constexpr,
-                        KEPT: tl.constexpr, PDL: tl.constexpr = False, PREFETCH_K: tl.constexpr = 0,
-                        EARLY: tl.constexpr = True):
+                        KEPT: tl.constexpr, PDL: tl.constexpr = False, PREFETCH_K: tl.constexpr = 0):
     # x [M, K] (x's dtype, unit stride in K); a: the int8 codes [M, K] (SOURCE 1, 2); w: CB int8 [N, K];
     # acc: torch._int_mm's int32 [M, N] (SOURCE 2); cols / count: the outlier columns (SOURCE 1, 2).
     if SOURCE == 0:  # every row in the one row tile
@@ -234,11 +233,6 @@ def _int8_matmul_kernel(x_ptr, a_ptr, w_ptr, row_stats_ptr, scb_ptr, bias_ptr, c
         acc = tl.load(acc_ptr + rm64[:, None] * N + rn[None, :], mask=m_mask[:, None] & n_mask[None, :], other=0)
     else:
         acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.int32)
-        if HAS_THRESHOLD and KEPT and EARLY:  # small tiles: the outlier columns' gathers before the main loop,
-            # under its first weight loads rather than after its last (fp products summed apart, then added)
-            acc = _without_outlier_codes(acc, a_rows, w_rows, cols_ptr, count_ptr, m_mask, n_mask, 2 * OUTLIER_STEP)
-            facc = _outlier_fp(tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32), x_rows, w_rows, scb, x_ptr, cols_ptr,
-                               count_ptr, m_mask, n_mask, OUTLIER_STEP)
         if SOURCE == 0:
             scale = _scale(row_stat, BLOCK_M)
             if HAS_THRESHOLD:
@@ -263,10 +257,10 @@ def _int8_matmul_kernel(x_ptr, a_ptr, w_ptr, row_stats_ptr, scb_ptr, bias_ptr, c
                 a = tl.load(a_rows + k[None, :], mask=m_mask[:, None] & k_mask[None, :], other=0)
             acc = tl.dot(a, tl.trans(w), acc, out_dtype=tl.int32)  # triton 3.6 wants it said
 
-    if HAS_THRESHOLD and KEPT and not EARLY:
+    if HAS_THRESHOLD and KEPT:
         acc = _without_outlier_codes(acc, a_rows, w_rows, cols_ptr, count_ptr, m_mask, n_mask, 2 * OUTLIER_STEP)
-    # the outlier columns' fp products: summed in the main loop (SOURCE 0) or before it, else from the list
-    if HAS_THRESHOLD and (SOURCE == 0 or (KEPT and EARLY)):
+    # the outlier columns' fp products: summed in the main loop (SOURCE 0), else from the list (in the epilogue)
+    if HAS_THRESHOLD and SOURCE == 0:
         _dequantize_store(acc, facc, row_stat, scb, rm64, rn, m_mask, n_mask, x_rows, w_rows, x_ptr, bias_ptr,
                           cols_ptr, count_ptr, out_ptr, stride_om, HAS_BIAS, HAS_THRESHOLD, True)
     else:
@@ -865,7 +859,7 @@ def _matmul_signature(dtype: torch.dtype) -> dict:
            "bias_ptr": f"*{t}", "cols_ptr": "*i32", "count_ptr": "*i32", "acc_ptr": "*i32", "out_ptr": f"*{t}",
            "M": "i32", "N": "i32", "K": "i32", "stride_xm": "i32", "stride_om": "i32", "threshold": "fp32"}
     sig.update(dict.fromkeys(("SOURCE", "STATS_GIVEN", "BLOCK_M", "BLOCK_N", "BLOCK_K", "GROUP_M", "ROWS",
-                              "STATS_CHUNK", "HAS_BIAS", "HAS_THRESHOLD", "KEPT", "PDL", "PREFETCH_K", "EARLY"),
+                              "STATS_CHUNK", "HAS_BIAS", "HAS_THRESHOLD", "KEPT", "PDL", "PREFETCH_K"),
                              "constexpr"))
     return sig
 
