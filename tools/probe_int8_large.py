@@ -44,14 +44,17 @@ def main():
                                       BLOCK_K=8192, ONE_TILE=True, WRITE_CODES=True, HAS_THRESHOLD=True, LIST=False,
                                       MARK=1, **I._options(qc, dev))
 
-    def list_alone(zero):
-        grid = triton.cdiv(m, lc.constexprs["ZERO_ROWS"]) if zero else 1
-        I._outlier_list_kernel[(grid,)](flags, codes, cols, count, m, k, BLOCK_K=8192,
-                                        ZERO_ROWS=lc.constexprs["ZERO_ROWS"], ZERO=zero, **I._options(lc, dev))
+    def list_alone(zero, rows=lc.constexprs["ZERO_ROWS"], warps=lc.num_warps):
+        grid = triton.cdiv(m, rows) if zero else 1
+        I._outlier_list_kernel[(grid,)](flags, codes, cols, count, m, k, BLOCK_K=8192, ZERO_ROWS=rows, ZERO=zero,
+                                        num_warps=warps)
 
     print(f"   breakdown: zeros(k) {t(lambda: torch.zeros(k, dtype=torch.int8, device=dev)):.1f} us, quantize kernel "
           f"{t(quantize_alone):.1f}, list {t(lambda: list_alone(False)):.1f}, list+zero {t(lambda: list_alone(True)):.1f}",
           flush=True)
+    print("   list+zero by rows a program and warps: " + ", ".join(
+        f"{rows}/{warps} {t(lambda: list_alone(True, rows, warps)):.1f}" for rows in (32, 8, 2) for warps in (4, 8)),
+        flush=True)
     print(f"M={m}: F.linear {base:.1f} us; shipped {shipped:.1f} us ({base / shipped:.2f}x); quantize+list+zero "
           f"{q:.1f} us (no threshold {q0:.1f}); torch._int_mm alone {mm:.1f}", flush=True)
     rows = []
