@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One bundled GPU session (the device tool): install the carried wheels, then run what the arguments name.
 # Usage on the device: bash tools/gpu_session.sh STEP...
-# steps: tests-engine, tests-issue4, tests-int8, tests-tp, bench-engine, bench-int8, bench-tp, bench-serve
+# steps: tests-engine, tests-issue4, tests-int8, tests-tp, bench-engine, bench-int8, bench-optim, bench-tp, bench-serve
 # (tests-tp and bench-tp need two GPUs: the nvidia-h200-x2 kind.)
 set -u
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target .gpu-site .whl/*.whl \
@@ -41,5 +41,7 @@ for step in "$@"; do
         --json "$OUT/serve_c256.json" > "$OUT/serve.log" 2>&1; echo "exit $?"; grep -v "it/s\]" "$OUT/serve.log" | tail -30 ;;
     bench-int8)
       timeout 200 python3 -m anygpu.cli bench int8 --json "$OUT/int8.json" 2>&1 | tail -25 ;;
+    bench-optim)
+      timeout 300 python3 -m anygpu.cli bench optim --json "$OUT/optim.json" 2>&1 | tail -12 ;;
   esac
 done
