@@ -1,4 +1,4 @@
-"""The LLM.int8() matmul kernels (anygpu/kernels/int8_matmul.py) against the op's PyTorch reference
+"""The LLM.int8() matmul kernels (anygpu/kernels/int8_matmul.py, int8_quantize.py) against the op's PyTorch reference
 (anygpu/ops/int8_matmul.py, which tests/test_int8.py holds to bitsandbytes): in Triton's interpreter on
 the CPU, or on a GPU.
 
@@ -18,6 +18,7 @@ from anygpu.testing import poison_, same_bits
 pytest.importorskip("triton")
 
 from anygpu.kernels import int8_matmul as K  # noqa: E402
+from anygpu.kernels import int8_quantize as Q  # noqa: E402
 from anygpu.kernels.int8_matmul import PATHS, Plan, plan, plan_for  # noqa: E402
 from anygpu.kernels.config import LaunchConfig  # noqa: E402
 
@@ -103,8 +104,8 @@ def test_every_loop_with_small_tiles(kdevice, path, m, monkeypatch):
     the outlier-column list over several blocks and programs, the K loop; more outlier columns than
     one dot step of the list takes."""
     monkeypatch.setattr(K, "STATS_ELEMENTS", 64)
-    monkeypatch.setattr(K, "QUANTIZE_CONFIGS", {"default": (LaunchConfig({"MAX_BLOCK_K": 64}),)})
-    monkeypatch.setattr(K, "OUTLIER_LIST_CONFIGS", {"default": (LaunchConfig({"BLOCK_K": 64, "ZERO_ROWS": 3}),)})
+    monkeypatch.setattr(Q, "QUANTIZE_CONFIGS", {"default": (LaunchConfig({"MAX_BLOCK_K": 64}),)})
+    monkeypatch.setattr(Q, "OUTLIER_LIST_CONFIGS", {"default": (LaunchConfig({"BLOCK_K": 64, "ZERO_ROWS": 3}),)})
     # 16-row tiles take the kept codes of outlier columns back out; 32-row tiles (m 40) have them zeroed
     config = LaunchConfig({"BLOCK_M": 32 if m == 40 else 16, "BLOCK_N": 16, "BLOCK_K": 32, "GROUP_M": 2})
     path_plan(path, m, N, KDIM, kdevice)  # skips int_mm where torch._int_mm does not take the shape
@@ -151,8 +152,8 @@ def test_quantize_kernels_give_the_reference_codes(kdevice, dtype, threshold, ro
     """Row stats, codes and the ordered outlier columns are the reference's bits: round-half-even ties, a
     zero row, a threshold that fp16 rounds (6.1 -> 6.1015625).  The kernel keeps the codes of an outlier
     column's other entries (the matmul takes their products out); the reference zeroes them."""
-    monkeypatch.setattr(K, "OUTLIER_LIST_CONFIGS", {"default": (LaunchConfig({"BLOCK_K": 64, "ZERO_ROWS": 3}),)})
-    monkeypatch.setattr(K, "QUANTIZE_CONFIGS", {"default": (LaunchConfig({"MAX_BLOCK_K": 64}),)})  # 3 passes
+    monkeypatch.setattr(Q, "OUTLIER_LIST_CONFIGS", {"default": (LaunchConfig({"BLOCK_K": 64, "ZERO_ROWS": 3}),)})
+    monkeypatch.setattr(Q, "QUANTIZE_CONFIGS", {"default": (LaunchConfig({"MAX_BLOCK_K": 64}),)})  # 3 passes
     x = torch.randn(rows, 150) * 2
     x[0, :4] = torch.tensor([127.0, 2.5, 3.5, -0.5])  # absmax 127: scale 1, codes of exact ties
     x[0, 140] = -7.0  # an outlier column in the last, partial, bit word
@@ -162,9 +163,9 @@ def test_quantize_kernels_give_the_reference_codes(kdevice, dtype, threshold, ro
         x[3, 10] = 6.09765625  # the fp16 value below it
         x[5, 70] = 40.0
     x = x.to(dtype)
-    thr = K.fp16_threshold(threshold) if threshold else 0.0
-    codes, stats, outliers = K.quantize_rows(x.to(kdevice), thr)
-    zeroed = K.quantize_rows(x.to(kdevice), thr, zero_columns=True)[0]  # rows > 1: outlier columns zeroed
+    thr = Q.fp16_threshold(threshold) if threshold else 0.0
+    codes, stats, outliers = Q.quantize_rows(x.to(kdevice), thr)
+    zeroed = Q.quantize_rows(x.to(kdevice), thr, zero_columns=True)[0]  # rows > 1: outlier columns zeroed
     expected_codes, expected_stats, expected_cols = quantize_rows(x.half(), threshold)
     assert torch.equal(zeroed.cpu(), expected_codes if rows > 1 else codes.cpu())
     assert same_bits(stats.cpu(), expected_stats)
@@ -178,7 +179,7 @@ def test_quantize_kernels_give_the_reference_codes(kdevice, dtype, threshold, ro
     else:
         assert outliers is None
     assert torch.equal(codes.cpu()[:, ~kept], expected_codes[:, ~kept])
-    _, stats_only, _ = K.quantize_rows(x.to(kdevice), thr, codes=False)
+    _, stats_only, _ = Q.quantize_rows(x.to(kdevice), thr, codes=False)
     assert same_bits(stats_only.cpu(), expected_stats)
 
 
@@ -243,7 +244,7 @@ def test_plan_picks_paths_by_rows():
         plan_for("dequant", 1, 8, 8, cpu)
     with pytest.raises(ValueError, match="takes at most 16 rows"):
         plan_for("fused", 17, 8, 8, cpu)
-    assert K.fp16_threshold(6.1) == 6.1015625 and K.fp16_threshold(1e6) == float("inf")
+    assert Q.fp16_threshold(6.1) == 6.1015625 and Q.fp16_threshold(1e6) == float("inf")
 
 
 # -- the op and matmul_8bit -------------------------------------------------------------------------
@@ -294,8 +295,8 @@ def test_bench_suite_runs_on_the_cpu():
 # -- cross-compilation (no GPU needed) -----------------------------------------------------------------
 
 
-SPECS = ("int8_matmul_fused", "int8_matmul_gemm_small", "int8_matmul_gemm", "int8_matmul_gemm_tma", "int8_matmul_epilogue",
-         "int8_quantize_rows", "int8_outlier_list")
+SPECS = ("int8_matmul_fused", "int8_matmul_gemm_small", "int8_matmul_gemm", "int8_matmul_gemm_tma",
+         "int8_matmul_epilogue", "int8_quantize_rows", "int8_outlier_list")
 
 
 @pytest.mark.aot
@@ -329,7 +330,7 @@ def test_nvidia_code_rounds_as_the_reference():
         src = ASTSource(fn=spec.fn, signature=spec.signature(torch.float16), constexprs=dict(cfg.constexprs))
         return triton.compile(src, target=target.triton_target(), options={**cfg.options(target), **extra}).asm["ptx"]
 
-    quantize = ptx(K.QUANTIZE_SPEC, enable_fp_fusion=False)
+    quantize = ptx(Q.QUANTIZE_SPEC, enable_fp_fusion=False)
     # rounding by adding and subtracting 1.5 * 2**23 (0f4B400000): the constant must survive, not be folded
     assert "div.rn.f32" in quantize and "0f4B400000" in quantize
     fused = ptx(K.FUSED_SPEC, enable_fp_fusion=False)
@@ -340,7 +341,7 @@ def test_nvidia_code_rounds_as_the_reference():
     assert "prefetch.global.L2" in small and "griddepcontrol.wait" in small
     assert small.index("prefetch.global.L2") < small.index("griddepcontrol.wait")
     assert "griddepcontrol.launch_dependents" in quantize
-    listing = ptx(K.OUTLIER_LIST_SPEC, pick=-1)  # the bit-words form, a programmatic dependent of quantize's
+    listing = ptx(Q.OUTLIER_LIST_SPEC, pick=-1)  # the bit-words form, a programmatic dependent of quantize's
     assert "griddepcontrol.wait" in listing and "griddepcontrol.launch_dependents" in listing
 
 

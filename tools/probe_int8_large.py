@@ -10,6 +10,7 @@ import triton
 
 from anygpu.bench.timing import measure
 from anygpu.kernels import int8_matmul as I
+from anygpu.kernels import int8_quantize as Q
 from anygpu.kernels.config import LaunchConfig
 
 dev = torch.device("cuda")
@@ -36,52 +37,42 @@ def main():
     q0 = t(lambda: I.quantize_rows(x, 0.0))
     mm = t(lambda: torch._int_mm(codes, cb.t()))
     flags = torch.zeros(k, dtype=torch.int8, device=dev)
-    qc = I.select(I.QUANTIZE_CONFIGS, I.device_target(dev))[0]
-    lc = I.select(I.OUTLIER_LIST_CONFIGS, I.device_target(dev))[0]
+    qc = I.select(Q.QUANTIZE_CONFIGS, I.device_target(dev))[0]
+    lc = I.select(Q.OUTLIER_LIST_CONFIGS, I.device_target(dev))[0]
 
     def quantize_alone():
-        I._int8_quantize_kernel[(m,)](x, codes, stats, flags, cols, count, m, k, x.stride(0), thr, BLOCK_R=1,
+        Q._int8_quantize_kernel[(m,)](x, codes, stats, flags, cols, count, m, k, x.stride(0), thr, BLOCK_R=1,
                                       BLOCK_K=8192, ONE_TILE=True, WRITE_CODES=True, HAS_THRESHOLD=True, LIST=False,
-                                      MARK=1, **I._options(qc, dev))
+                                      MARK=1, **I.fp_exact_options(qc, dev))
 
     def list_alone(zero, rows=lc.constexprs["ZERO_ROWS"], warps=lc.num_warps):
         grid = triton.cdiv(m, rows) if zero else 1
-        I._outlier_list_kernel[(grid,)](flags, codes, cols, count, m, k, BLOCK_K=8192, ZERO_ROWS=rows, ZERO=zero,
+        Q._outlier_list_kernel[(grid,)](flags, codes, cols, count, m, k, BLOCK_K=8192, ZERO_ROWS=rows, ZERO=zero,
                                         num_warps=warps)
 
-    print(f"   breakdown: zeros(k) {t(lambda: torch.zeros(k, dtype=torch.int8, device=dev)):.1f} us, quantize kernel "
-          f"{t(quantize_alone):.1f}, list {t(lambda: list_alone(False)):.1f}, list+zero {t(lambda: list_alone(True)):.1f}",
-          flush=True)
+    zeros = t(lambda: torch.zeros(k, dtype=torch.int8, device=dev))
+    print(f"   breakdown: zeros(k) {zeros:.1f} us, quantize kernel {t(quantize_alone):.1f}, list "
+          f"{t(lambda: list_alone(False)):.1f}, list+zero {t(lambda: list_alone(True)):.1f}", flush=True)
     print("   list+zero by rows a program and warps: " + ", ".join(
         f"{rows}/{warps} {t(lambda: list_alone(True, rows, warps)):.1f}" for rows in (32, 8, 2) for warps in (4, 8)),
         flush=True)
     print(f"M={m}: F.linear {base:.1f} us; shipped {shipped:.1f} us ({base / shipped:.2f}x); quantize+list+zero "
           f"{q:.1f} us (no threshold {q0:.1f}); torch._int_mm alone {mm:.1f}", flush=True)
     rows = []
-    for bm, bn, bk, warps, stages in ((128, 256, 64, 8, 4), (256, 128, 64, 8, 4), (128, 128, 128, 8, 5)):
+    tiles = [("gemm", tile) for tile in ((128, 256, 64, 8, 4), (256, 128, 64, 8, 4), (128, 128, 128, 8, 5))]
+    tiles += [("gemm_tma", tile) for tile in ((128, 256, 128, 8, 3), (128, 256, 128, 8, 4), (256, 128, 128, 8, 3),
+                                              (128, 256, 64, 8, 5), (128, 128, 256, 8, 3))]
+    for path, (bm, bn, bk, warps, stages) in tiles:
         cfg = LaunchConfig({"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "GROUP_M": 8}, num_warps=warps,
                            num_stages=stages)
-        p = I.Plan("gemm", cfg)
+        p = I.Plan(path, cfg)
         try:
             same = torch.equal(I.int8_matmul(x, cb, scb, 6.0, bias, plan_=p), ref)
             us = t(lambda: I.int8_matmul(x, cb, scb, 6.0, bias, plan_=p))
         except Exception as e:  # noqa: BLE001
-            print("fail pointer", cfg.label(), str(e)[:200], flush=True)
+            print("fail", path, cfg.label(), str(e)[:200], flush=True)
             continue
-        rows.append((us, f"pointer {cfg.label()} same={same}"))
-        print(f"  {us:7.1f} us {base / us:5.2f}x  {rows[-1][1]}", flush=True)
-    for bm, bn, bk, warps, stages in ((128, 256, 128, 8, 3), (128, 256, 128, 8, 4), (256, 128, 128, 8, 3),
-                                      (128, 256, 64, 8, 5), (128, 128, 256, 8, 3)):
-        cfg = LaunchConfig({"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "GROUP_M": 8}, num_warps=warps,
-                           num_stages=stages)
-        p = I.Plan("gemm_tma", cfg)
-        try:
-            same = torch.equal(I.int8_matmul(x, cb, scb, 6.0, bias, plan_=p), ref)
-            us = t(lambda: I.int8_matmul(x, cb, scb, 6.0, bias, plan_=p))
-        except Exception as e:  # noqa: BLE001
-            print("fail tma", cfg.label(), str(e)[:200], flush=True)
-            continue
-        rows.append((us, f"tma {cfg.label()} same={same}"))
+        rows.append((us, f"{path} {cfg.label()} same={same}"))
         print(f"  {us:7.1f} us {base / us:5.2f}x  {rows[-1][1]}", flush=True)
     rows.sort()
     print("best: " + "\n  ".join(f"{us:.1f} us {base / us:.2f}x {label}" for us, label in rows[:5]), flush=True)

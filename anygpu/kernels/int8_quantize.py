@@ -1,0 +1,374 @@
+"""LLM.int8()'s row-wise quantization of x, the A operand of the int8 matmul (``int8_matmul.py``): per row
+the absmax of |fp16(x)| below the threshold (the row stat), the codes ``round(x * 127 / absmax)``, 0 for
+outlier entries (|x| >= threshold), and the outlier columns of x listed in increasing order.
+
+A column is an outlier column when any row holds an outlier, which a program per row cannot know when
+it writes its codes: only its outlier entries' codes are 0.  The rows' programs mark their outlier
+columns and ``_outlier_list_kernel`` lists the marked columns (a single row lists them itself, in an extra
+program of the same launch).  Marks are each row's own bit words for a few rows (no buffer to zero
+first), or a flag per column, into zeros, for many rows, whose list launch also zeroes the columns' other
+codes.  Listing counts each 32-column word's bits (a popcount), scans the word counts, and adds the
+popcount of the bits below each bit: a scan over every column is several times slower.
+
+Arithmetic as the reference's (``anygpu/ops/int8_matmul.py``): ``127 / absmax`` is torch's
+``reciprocal() * 127`` (an IEEE division, then a multiply), round-half-even, and the threshold compared as
+the fp16 value it rounds to.  No step reads a value back to the host.
+"""
+
+from __future__ import annotations
+
+import functools
+import struct
+
+import torch
+import triton
+import triton.language as tl
+
+from .config import TRITON_DTYPE, KernelSpec, LaunchConfig, cached_options, device_target, on_device, register, select
+
+LIST_CHUNK = tl.constexpr(8192)  # columns a step when listing outlier columns (steps are sequential: few, wide)
+
+
+@triton.jit
+def _rint(v):
+    """Round to the nearest integer, ties to even (torch.round), in fp32: adding and subtracting 1.5 * 2**23
+    rounds in the adder, exact for |v| < 2**22 (codes are <= 127).  One way on every target: libdevice's rint
+    does not run in the interpreter and is missing from triton 3.6's HIP libdevice; the kernels run with
+    FP contraction off, so nothing fuses the scaling multiply into the add."""
+    return (v + 12582912.0) - 12582912.0
+
+
+@triton.jit
+def _scale(amax, SIZE: tl.constexpr):
+    """127 / amax as the reference computes it (torch's ``127.0 / t`` is ``t.reciprocal() * 127``, two
+    roundings), 0 for rows of zeros.  IEEE division: "/" is approximate on NVIDIA."""
+    positive = amax > 0
+    return tl.where(positive, tl.div_rn(tl.full([SIZE], 1.0, tl.float32), tl.where(positive, amax, 1.0)) * 127.0, 0.0)
+
+
+@triton.jit
+def _as_fp16(v):
+    """x's values as the reference quantizes them: cast to fp16, in fp32."""
+    return v.to(tl.float16).to(tl.float32)
+
+
+@triton.jit
+def _popcount(v):
+    """Set bits of each uint32 (SWAR: no popc instruction in Triton)."""
+    v = v - ((v >> 1) & 0x55555555)
+    v = (v & 0x33333333) + ((v >> 2) & 0x33333333)
+    return (((v + (v >> 4)) & 0x0F0F0F0F) * 0x01010101) >> 24
+
+
+@triton.jit
+def _list_columns(word, w0, cols_ptr, base, NW: tl.constexpr):
+    """Append the columns set in the NW bit words ``word`` (uint32; bit j of word i: column 32 * (w0 + i) + j),
+    in increasing order, to cols[base:]; returns the new base.  A column's position is the set bits of the
+    words before its own (a scan over NW words) plus those below it in its word (a popcount): a scan over
+    all NW * 32 columns is several times slower."""
+    count = _popcount(word).to(tl.int32)
+    before = tl.cumsum(count, axis=0) - count
+    j = tl.arange(0, 32)
+    below = _popcount(word[:, None] & ((tl.full([32], 1, tl.uint32) << j.to(tl.uint32)) - 1)[None, :]).to(tl.int32)
+    k = (w0 + tl.arange(0, NW))[:, None] * 32 + j[None, :]
+    tl.store(cols_ptr + base + before[:, None] + below, k, mask=((word[:, None] >> j[None, :].to(tl.uint32)) & 1) != 0)
+    return base + tl.sum(count, axis=0)
+
+
+@triton.jit
+def _pack(bits, NW: tl.constexpr):
+    """[NW * 32] 0/1 as NW uint32 bit words (bit j of word i: entry 32 * i + j)."""
+    lanes = tl.reshape(bits.to(tl.uint32), [NW, 32])
+    return tl.sum(lanes << tl.arange(0, 32).to(tl.uint32)[None, :], axis=1)  # disjoint bits: the sum is the OR
+
+
+@triton.jit
+def _flag_columns(out, k0, flags_ptr, K, BLOCK_K: tl.constexpr):
+    """Flag the outlier columns of one [rows, BLOCK_K] step (``out``: its outlier entries) in flags[k] (int8,
+    into zeros) by a plain store of 1 from every row's program that sees one: the same value, no atomics."""
+    k = k0 + tl.arange(0, BLOCK_K)
+    tl.store(flags_ptr + k, tl.full([BLOCK_K], 1, tl.int8), mask=(tl.max(out.to(tl.int32), axis=0) != 0) & (k < K))
+
+
+@triton.jit
+def _mark_row_words(out, k0, words_ptr, row, K, BLOCK_K: tl.constexpr):
+    """Write the outlier columns of one row's [1, BLOCK_K] step (``out``: its outlier entries) as bit words
+    into the row's own cdiv(K, 32) words (words_ptr: int8 storage of int32 words): no zeroed buffer, no
+    other program writes them; ``_outlier_list_kernel`` ORs the rows' words."""
+    NW: tl.constexpr = BLOCK_K // 32
+    nwords = tl.cdiv(K, 32)
+    w = k0 // 32 + tl.arange(0, NW)
+    words = words_ptr.to(tl.pointer_type(tl.uint32), bitcast=True) + row.to(tl.int64) * nwords
+    tl.store(words + w, _pack(tl.max(out.to(tl.int32), axis=0), NW), mask=w < nwords)
+
+
+@triton.jit
+def _or(a, b):
+    return a | b
+
+
+@triton.jit
+def _rows_words(words_ptr, M, K, k0, BLOCK_K: tl.constexpr, ROW_STEP: tl.constexpr):
+    """The OR over the M rows of their bit words for columns k0 .. k0 + BLOCK_K (see ``_mark_row_words``)."""
+    NW: tl.constexpr = BLOCK_K // 32
+    nwords = tl.cdiv(K, 32)
+    w = k0 // 32 + tl.arange(0, NW)
+    words = words_ptr.to(tl.pointer_type(tl.uint32), bitcast=True)
+    word = tl.zeros([NW], tl.uint32)
+    for r0 in range(0, M, ROW_STEP):
+        r = r0 + tl.arange(0, ROW_STEP)
+        mask = (r < M)[:, None] & (w < nwords)[None, :]
+        v = tl.load(words + r.to(tl.int64)[:, None] * nwords + w[None, :], mask=mask, other=0)
+        word = word | tl.reduce(v, 0, _or)
+    return word
+
+
+@triton.jit
+def _list_row_outliers(x_ptr, cols_ptr, count_ptr, K, threshold, BLOCK_K: tl.constexpr):
+    """The outlier columns of a single row x[0, :K] (its outlier entries), in order, in cols[:count]."""
+    base = tl.zeros([], tl.int32)
+    for k0 in range(0, K, BLOCK_K):
+        k = k0 + tl.arange(0, BLOCK_K)
+        mag = tl.abs(_as_fp16(tl.load(x_ptr + k, mask=k < K, other=0.0)))
+        out = ((mag >= threshold) & (k < K)).to(tl.int32)
+        base = _list_columns(_pack(out, BLOCK_K // 32), k0 // 32, cols_ptr, base, BLOCK_K // 32)
+    tl.store(count_ptr, base)
+
+
+@triton.jit
+def _int8_quantize_kernel(x_ptr, codes_ptr, stats_ptr, flags_ptr, cols_ptr, count_ptr, M, K, stride_xm,
+                          threshold, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, ONE_TILE: tl.constexpr,
+                          WRITE_CODES: tl.constexpr, HAS_THRESHOLD: tl.constexpr, LIST: tl.constexpr,
+                          MARK: tl.constexpr, PDL: tl.constexpr = False):
+    """Row stats of BLOCK_R rows and, with WRITE_CODES, their codes (0 for outlier entries; the rest of an
+    outlier column is dealt with later, see the module doc) and their outlier columns, marked (MARK 1: a
+    flag per column, into zeros; 2: each row's own bit words) for ``_outlier_list_kernel``.  LIST (a single
+    row): an extra program (program M) lists the row's outlier columns instead, beside the row's program
+    rather than after it."""
+    if PDL:
+        tl.extra.cuda.gdc_launch_dependents()  # the next launch may start now: it waits for our writes itself
+    if LIST and tl.program_id(0) == M:
+        _list_row_outliers(x_ptr, cols_ptr, count_ptr, K, threshold, LIST_CHUNK)
+    else:
+        _quantize_rows(x_ptr, codes_ptr, stats_ptr, flags_ptr, M, K, stride_xm, threshold, BLOCK_R, BLOCK_K,
+                       ONE_TILE, WRITE_CODES, HAS_THRESHOLD, MARK if WRITE_CODES and HAS_THRESHOLD else 0)
+
+
+@triton.jit
+def _quantize_rows(x_ptr, codes_ptr, stats_ptr, flags_ptr, M, K, stride_xm, threshold, BLOCK_R: tl.constexpr,
+                   BLOCK_K: tl.constexpr, ONE_TILE: tl.constexpr, WRITE_CODES: tl.constexpr,
+                   HAS_THRESHOLD: tl.constexpr, MARK: tl.constexpr):
+    tl.static_assert(MARK != 2 or BLOCK_R == 1)  # bit words: a row per program
+    r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    r_mask = r < M
+    r64 = r.to(tl.int64)
+    rows = x_ptr + r64[:, None] * stride_xm
+    codes = codes_ptr + r64[:, None] * K
+    rk = tl.arange(0, BLOCK_K)
+    if ONE_TILE:  # the whole row in registers: one read
+        mask = r_mask[:, None] & (rk < K)[None, :]
+        x16 = _as_fp16(tl.load(rows + rk[None, :], mask=mask, other=0.0))
+        mag = tl.abs(x16)
+        if HAS_THRESHOLD:
+            out = (mag >= threshold) & mask
+            mag = tl.where(out, 0.0, mag)
+            if MARK == 1:
+                _flag_columns(out, 0, flags_ptr, K, BLOCK_K)
+            elif MARK == 2:
+                _mark_row_words(out, 0, flags_ptr, tl.program_id(0), K, BLOCK_K)
+        amax = tl.max(mag, axis=1)
+        if WRITE_CODES:
+            scale = _scale(amax, BLOCK_R)
+            q = _rint(x16 * scale[:, None])
+            if HAS_THRESHOLD:
+                q = tl.where(out, 0.0, q)
+            tl.store(codes + rk[None, :], q.to(tl.int8), mask=mask)
+    else:  # two passes: the absmax, then the codes (the second read mostly hits the cache)
+        amax = tl.zeros([BLOCK_R], tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            k = k0 + rk
+            mask = r_mask[:, None] & (k < K)[None, :]
+            mag = tl.abs(_as_fp16(tl.load(rows + k[None, :], mask=mask, other=0.0)))
+            if HAS_THRESHOLD:
+                out = (mag >= threshold) & mask
+                mag = tl.where(out, 0.0, mag)
+                if MARK == 1:
+                    _flag_columns(out, k0, flags_ptr, K, BLOCK_K)
+                elif MARK == 2:
+                    _mark_row_words(out, k0, flags_ptr, tl.program_id(0), K, BLOCK_K)
+            amax = tl.maximum(amax, tl.max(mag, axis=1))
+        if WRITE_CODES:
+            scale = _scale(amax, BLOCK_R)
+            for k0 in range(0, K, BLOCK_K):
+                k = k0 + rk
+                mask = r_mask[:, None] & (k < K)[None, :]
+                x16 = _as_fp16(tl.load(rows + k[None, :], mask=mask, other=0.0))
+                q = _rint(x16 * scale[:, None])
+                if HAS_THRESHOLD:
+                    q = tl.where(tl.abs(x16) >= threshold, 0.0, q)
+                tl.store(codes + k[None, :], q.to(tl.int8), mask=mask)
+    tl.store(stats_ptr + r, amax, mask=r_mask)
+
+
+@triton.jit
+def _outlier_list_kernel(flags_ptr, codes_ptr, cols_ptr, count_ptr, M, K, BLOCK_K: tl.constexpr,
+                         ZERO_ROWS: tl.constexpr, ZERO: tl.constexpr, WORDS: tl.constexpr = False,
+                         PDL: tl.constexpr = False, WAIT: tl.constexpr = False):
+    """Program 0 lists the marked columns, in increasing order, in cols[:count]: flags (one int8 a column) or,
+    WORDS, each row's bit words (ORed here, ROW_STEP rows a load).  ZERO (flags): every program also zeroes
+    the codes of the flagged columns in its ZERO_ROWS rows (then the matmul need not take their products
+    back out, which costs each of its programs a gather of the columns).  WAIT: launched as a programmatic
+    dependent of the quantize launch (NVIDIA sm_90+), so it waits for that launch's writes."""
+    tl.static_assert(not (WORDS and ZERO))
+    if PDL:
+        tl.extra.cuda.gdc_launch_dependents()
+    if WAIT:
+        tl.extra.cuda.gdc_wait()
+    first = tl.program_id(0) * ZERO_ROWS
+    last = tl.minimum(first + ZERO_ROWS, M)
+    base = tl.zeros([], tl.int32)
+    for k0 in range(0, K, BLOCK_K):
+        k = k0 + tl.arange(0, BLOCK_K)
+        if WORDS:
+            word = _rows_words(flags_ptr, M, K, k0, BLOCK_K, 16)
+        else:
+            flag = tl.load(flags_ptr + k, mask=k < K, other=0) != 0
+            word = _pack(flag, BLOCK_K // 32)
+        if tl.program_id(0) == 0:
+            base = _list_columns(word, k0 // 32, cols_ptr, base, BLOCK_K // 32)
+        if ZERO:
+            row = codes_ptr + first.to(tl.int64) * K
+            for _ in range(first, last):
+                tl.store(row + k, tl.zeros([BLOCK_K], tl.int8), mask=flag)
+                row += K
+    if tl.program_id(0) == 0:
+        tl.store(count_ptr, base)
+
+
+# ---- configs and launcher ---------------------------------------------------------------------------
+
+# Stats and codes: one row per program, the whole row in registers up to MAX_BLOCK_K elements.
+QUANTIZE_CONFIGS = {
+    "default": (LaunchConfig({"MAX_BLOCK_K": 8192}, num_warps=8),),
+    "amd": (LaunchConfig({"MAX_BLOCK_K": 8192}, num_warps=4),),  # wave64: the same 256 threads
+}
+# H200, M = 4096, K = 8192, zeroing the listed columns' codes: 32 rows a program on 8 warps 10.9 us (on 4 warps
+# 16.4; 8 rows 12.1-12.2; 2 rows 18.9-23.3).
+OUTLIER_LIST_CONFIGS = {
+    "default": (LaunchConfig({"BLOCK_K": 8192, "ZERO_ROWS": 32}, num_warps=8),),
+}
+
+
+def fp_exact_options(cfg: LaunchConfig, device: torch.device, **extra) -> dict:
+    """``cfg``'s Triton options on ``device``, with FMA contraction off on GPUs: the int8 kernels round each
+    fp32 operation as the reference does (an FMA would round ``a * b + c`` once where it rounds twice)."""
+    return cached_options(cfg, device, enable_fp_fusion=False, **extra)
+
+
+@functools.lru_cache(maxsize=64)
+def fp16_threshold(threshold: float) -> float:
+    """The threshold as the reference compares it: rounded to fp16 (|x| is an fp16 value there)."""
+    if threshold >= 65520.0:  # rounds past fp16's largest finite value
+        return float("inf")
+    return struct.unpack("e", struct.pack("e", threshold))[0]
+
+
+def _pow2(v: int) -> int:
+    return 1 << max(v - 1, 0).bit_length()
+
+
+def quantize_rows(x2: torch.Tensor, threshold: float, codes: bool = True, zero_columns: bool = False,
+                  signal: bool = False):
+    """(codes int8 [M, K], row stats fp32 [M], outliers) of x2 [M, K] (unit stride in K): a program per row.
+    Codes of outlier entries are 0, and with ``zero_columns`` (several rows) every code of an outlier column;
+    otherwise those keep theirs (the matmul takes their products back out).  ``outliers``: None without a
+    threshold (or ``codes=False``), else ``(cols, count)``: the outlier columns, increasing, in
+    cols[:count].  A single row lists them in the same launch; more rows mark them (each row its own bit
+    words, or with ``zero_columns`` flags in a zeroed buffer) and one small launch lists them.
+    ``threshold``: as ``fp16_threshold`` returns it, 0 for none.  ``signal`` (``uses_pdl``): the launches
+    after the first are programmatic dependents of the one before, and the last lets the next (the matmul)
+    start early.  No host sync."""
+    m, k = x2.shape
+    device = x2.device
+    cfg = select(QUANTIZE_CONFIGS, device_target(device))[0]
+    block_k = max(32, min(_pow2(k), cfg.constexprs["MAX_BLOCK_K"]))
+    has_threshold = threshold > 0 and codes
+    listed = has_threshold and m == 1
+    list_launch = has_threshold and not listed  # the columns are listed by a launch of their own
+    out_codes = torch.empty(m, k, dtype=torch.int8, device=device) if codes else None
+    stats = torch.empty(m, dtype=torch.float32, device=device)
+    words = list_launch and not zero_columns  # else flags (the zeroing programs read them all)
+    flags = cols = count = stats
+    if has_threshold:
+        if words:
+            flags = torch.empty(m * triton.cdiv(k, 32), dtype=torch.int32, device=device).view(torch.int8)
+        elif list_launch:
+            flags = torch.zeros(k, dtype=torch.int8, device=device)
+        cols = torch.empty(k, dtype=torch.int32, device=device)
+        count = torch.empty(1, dtype=torch.int32, device=device)
+    with on_device(device):
+        _int8_quantize_kernel[(m + listed,)](
+            x2, out_codes if codes else stats, stats, flags, cols, count, m, k, x2.stride(0), threshold, BLOCK_R=1,
+            BLOCK_K=block_k, ONE_TILE=block_k >= k, WRITE_CODES=codes, HAS_THRESHOLD=threshold > 0, LIST=listed,
+            MARK=(2 if words else 1) if list_launch else 0, PDL=signal, **fp_exact_options(cfg, device))
+        if list_launch:
+            pdl = {"launch_pdl": True} if signal else {}  # a programmatic dependent of the quantize launch
+            list_cfg = select(OUTLIER_LIST_CONFIGS, device_target(device))[0]
+            c = list_cfg.constexprs
+            grid = triton.cdiv(m, c["ZERO_ROWS"]) if zero_columns else 1
+            _outlier_list_kernel[(grid,)](flags, out_codes, cols, count, m, k, BLOCK_K=c["BLOCK_K"],
+                                          ZERO_ROWS=c["ZERO_ROWS"], ZERO=zero_columns, WORDS=words, PDL=signal,
+                                          WAIT=signal, **fp_exact_options(list_cfg, device, **pdl))
+    return out_codes, stats, (cols, count) if has_threshold else None
+
+
+# ---- cross-compilation specs ---------------------------------------------------------------------------
+
+
+def hopper_pdl(table: dict, **pdl) -> dict:
+    """``table`` plus a "hopper" entry: the NVIDIA configs as sm_90+ launch them (programmatic dependent
+    launch, see ``uses_pdl``), so that form is cross-compiled too."""
+    return {**table, "hopper": tuple(LaunchConfig({**cfg.constexprs, **pdl}, cfg.num_warps, cfg.num_stages)
+                                     for cfg in table["nvidia" if "nvidia" in table else "default"])}
+
+
+def _quantize_signature(dtype: torch.dtype) -> dict:
+    return {"x_ptr": f"*{TRITON_DTYPE[dtype]}", "codes_ptr": "*i8", "stats_ptr": "*fp32", "flags_ptr": "*i8",
+            "cols_ptr": "*i32", "count_ptr": "*i32", "M": "i32", "K": "i32", "stride_xm": "i32",
+            "threshold": "fp32", "BLOCK_R": "constexpr", "BLOCK_K": "constexpr", "ONE_TILE": "constexpr",
+            "WRITE_CODES": "constexpr", "HAS_THRESHOLD": "constexpr", "LIST": "constexpr", "MARK": "constexpr",
+            "PDL": "constexpr"}
+
+
+def _quantize_forms(cfg: LaunchConfig) -> tuple:
+    """The forms the launcher uses: the whole row in registers, listing the columns (a single row) or writing
+    the row's bit words (a few rows), and two passes over K flagging the columns (many rows, longer than
+    MAX_BLOCK_K)."""
+    block = cfg.constexprs["MAX_BLOCK_K"]
+    return tuple(LaunchConfig({"BLOCK_R": 1, "BLOCK_K": block, "ONE_TILE": one, "LIST": listed, "MARK": mark,
+                               "WRITE_CODES": True, "HAS_THRESHOLD": True}, cfg.num_warps)
+                 for one, listed, mark in ((True, True, 0), (True, False, 2), (False, False, 1)))
+
+
+QUANTIZE_SPEC = register(KernelSpec(
+    "int8_quantize_rows", _int8_quantize_kernel, _quantize_signature, (torch.float16, torch.bfloat16, torch.float32),
+    hopper_pdl({key: _quantize_forms(cfgs[0]) for key, cfgs in QUANTIZE_CONFIGS.items()}, PDL=True)))
+
+
+def _list_forms(table: dict) -> dict:
+    """The forms the launcher uses: zeroing the flagged columns (many rows), listing the rows' bit words (a
+    few rows), and on sm_90 that one as a programmatic dependent too."""
+    forms = {key: tuple(LaunchConfig({**cfg.constexprs, "ZERO": zero, "WORDS": not zero}, cfg.num_warps)
+                        for cfg in cfgs for zero in (True, False)) for key, cfgs in table.items()}
+    pdl = tuple(LaunchConfig({**cfg.constexprs, "ZERO": False, "WORDS": True, "PDL": True, "WAIT": True},
+                             cfg.num_warps) for cfg in table["default"])
+    return {**forms, "hopper": forms["default"] + pdl}
+
+
+OUTLIER_LIST_SPEC = register(KernelSpec(
+    "int8_outlier_list", _outlier_list_kernel,
+    lambda dtype: {"flags_ptr": "*i8", "codes_ptr": "*i8", "cols_ptr": "*i32", "count_ptr": "*i32", "M": "i32",
+                   "K": "i32", "BLOCK_K": "constexpr", "ZERO_ROWS": "constexpr", "ZERO": "constexpr",
+                   "WORDS": "constexpr", "PDL": "constexpr", "WAIT": "constexpr"},
+    (torch.int8,),
+    _list_forms(OUTLIER_LIST_CONFIGS)))
