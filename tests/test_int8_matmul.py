@@ -19,6 +19,7 @@ pytest.importorskip("triton")
 
 from anygpu.kernels import int8_matmul as K  # noqa: E402
 from anygpu.kernels import int8_quantize as Q  # noqa: E402
+from anygpu.kernels.int8_quantize import fp16_threshold  # noqa: E402
 from anygpu.kernels.int8_matmul import PATHS, Plan, plan, plan_for  # noqa: E402
 from anygpu.kernels.config import LaunchConfig  # noqa: E402
 
@@ -163,7 +164,7 @@ def test_quantize_kernels_give_the_reference_codes(kdevice, dtype, threshold, ro
         x[3, 10] = 6.09765625  # the fp16 value below it
         x[5, 70] = 40.0
     x = x.to(dtype)
-    thr = Q.fp16_threshold(threshold) if threshold else 0.0
+    thr = fp16_threshold(threshold) if threshold else 0.0
     codes, stats, outliers = Q.quantize_rows(x.to(kdevice), thr)
     zeroed = Q.quantize_rows(x.to(kdevice), thr, zero_columns=True)[0]  # rows > 1: outlier columns zeroed
     expected_codes, expected_stats, expected_cols = quantize_rows(x.half(), threshold)
@@ -244,7 +245,7 @@ def test_plan_picks_paths_by_rows():
         plan_for("dequant", 1, 8, 8, cpu)
     with pytest.raises(ValueError, match="takes at most 16 rows"):
         plan_for("fused", 17, 8, 8, cpu)
-    assert Q.fp16_threshold(6.1) == 6.1015625 and Q.fp16_threshold(1e6) == float("inf")
+    assert fp16_threshold(6.1) == 6.1015625 and fp16_threshold(1e6) == float("inf")
 
 
 # -- the op and matmul_8bit -------------------------------------------------------------------------

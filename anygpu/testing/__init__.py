@@ -55,9 +55,11 @@ def error_report(ours: torch.Tensor, torch_same_dtype: torch.Tensor, oracle: tor
 
     Errors are measured where PyTorch's result is finite; where it is not (an overflow of the dtype, a
     NaN input), ours must hold the same inf or NaN: an output full of NaN or garbage cannot pass because
-    PyTorch overflowed somewhere.  Where PyTorch happens to be exact (its error is 0), we allow one unit
-    in the last place of the output dtype at the oracle's largest magnitude, so a reordering of exact
-    fp32 sums is not a failure.
+    PyTorch overflowed somewhere.  The allowance is never below ``factor`` units in the last place of the
+    output dtype at the oracle's largest magnitude: where PyTorch happens to be exact or nearly so (a
+    reordering of exact fp32 sums; a tensor of one or two elements, where its error is one draw: 0.26 ulp
+    against our 1.02 for silu(x) * y on a single fp32 element failed CI once), a few roundings more are
+    not a failure.
     """
     if ours.shape != oracle.shape or torch_same_dtype.shape != oracle.shape:
         raise AssertionError(f"shape: ours {tuple(ours.shape)}, torch {tuple(torch_same_dtype.shape)}, "
@@ -70,7 +72,7 @@ def error_report(ours: torch.Tensor, torch_same_dtype: torch.Tensor, oracle: tor
     e_torch = _max_err(torch_same_dtype, oracle, where)
     scale = float(oracle.double().abs()[where].max()) if bool(where.any()) else 0.0
     ulp = torch.finfo(ours.dtype).eps * scale if ours.dtype.is_floating_point else 0.0
-    return ErrorReport(e_ours, e_torch, max(factor * e_torch, ulp))
+    return ErrorReport(e_ours, e_torch, factor * max(e_torch, ulp))
 
 
 def assert_accurate(ours: torch.Tensor, torch_same_dtype: torch.Tensor, oracle: torch.Tensor,
