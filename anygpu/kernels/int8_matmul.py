@@ -235,13 +235,10 @@ def _int8_matmul_kernel(x_ptr, a_ptr, w_ptr, row_stats_ptr, scb_ptr, bias_ptr, c
 
     if HAS_THRESHOLD and KEPT:
         acc = _without_outlier_codes(acc, a_rows, w_rows, cols_ptr, count_ptr, m_mask, n_mask, 2 * OUTLIER_STEP)
-    # the outlier columns' fp products: summed in the main loop (SOURCE 0), else from the list (in the epilogue)
-    if HAS_THRESHOLD and SOURCE == 0:
-        _dequantize_store(acc, facc, row_stat, scb, rm64, rn, m_mask, n_mask, x_rows, w_rows, x_ptr, bias_ptr,
-                          cols_ptr, count_ptr, out_ptr, stride_om, HAS_BIAS, HAS_THRESHOLD, True)
-    else:
-        _dequantize_store(acc, 0.0, row_stat, scb, rm64, rn, m_mask, n_mask, x_rows, w_rows, x_ptr, bias_ptr,
-                          cols_ptr, count_ptr, out_ptr, stride_om, HAS_BIAS, HAS_THRESHOLD, False)
+    if SOURCE != 0 or not HAS_THRESHOLD:
+        facc = 0.0  # the outlier columns' fp products: summed in the main loop (SOURCE 0), else from the list
+    _dequantize_store(acc, facc, row_stat, scb, rm64, rn, m_mask, n_mask, x_rows, w_rows, x_ptr, bias_ptr, cols_ptr,
+                      count_ptr, out_ptr, stride_om, HAS_BIAS, HAS_THRESHOLD, SOURCE == 0)
 
 
 @triton.jit
