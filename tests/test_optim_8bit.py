@@ -144,6 +144,29 @@ def test_lion_compiled_without_contraction_has_no_fma():
         assert len(fmas(spec, True)) > len(fmas(spec, False)), spec.name
 
 
+@pytest.mark.aot
+def test_nvidia_gathers_are_inline_ptx_and_stay_in_registers():
+    """NVIDIA's LUT path loads its four table entries an element by inline PTX (``PTX_GATHER``) and keeps the
+    update in the registers it loaded (no layout conversion through shared memory); AMD gathers by tl.load,
+    whose inline PTX it could not run."""
+    import triton
+    from triton.compiler import ASTSource
+
+    from anygpu.backend.targets import TARGETS
+    from anygpu.kernels import optim_8bit as K
+    from anygpu.kernels.config import select
+
+    for arch in ("gfx942", "gfx90a", "gfx1100", "gfx950"):
+        assert not any(cfg.constexprs["PTX_GATHER"] for cfg in select(K.SPEC.configs, TARGETS[arch]))
+    target = TARGETS["sm_90"]
+    cfg = select(K.SPEC.configs, target)[0]
+    assert cfg.constexprs["PTX_GATHER"] and cfg.constexprs["LUT"]
+    src = ASTSource(fn=K.SPEC.fn, signature=K.SPEC.signature(torch.float32), constexprs=dict(cfg.constexprs))
+    ptx = triton.compile(src, target=target.triton_target(), options=cfg.options(target)).asm["ptx"]
+    assert ptx.count("ld.global.nc.f32") == 4 * 8  # 4 gathers of 8 elements a lane (256 on 32 lanes)
+    assert "ld.shared" not in ptx and "st.shared" not in ptx
+
+
 def test_search_table_is_exact_for_the_default_maps():
     """The bucket table against the reference's nearest-code search (with the sign fix): proven on every
     point where either can change (``build_search_table`` does that), and here checked again on a sample of

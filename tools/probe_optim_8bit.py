@@ -7,8 +7,11 @@ level: p and g in fp32, both states' codes and block absmax):
 Against torch's fused AdamW and the shipped ``update_8bit``.  ``profile``: three shipped steps on 64M elements
 and nothing else, for Nsight Compute, e.g. ``ncu --kernel-name regex:_optim_8bit_kernel --launch-skip 1
 --launch-count 1 --section SpeedOfLight --section WarpStateStats --section Occupancy python3
-tools/probe_optim_8bit.py profile`` (docs/benchmarks-h200.md has what it showed).
-Usage: python3 tools/probe_optim_8bit.py [profile]"""
+tools/probe_optim_8bit.py profile`` (docs/benchmarks-h200.md has what it showed).  States are Adam-like (the
+codes of m = 0.4 g and v = 0.005 g^2 for the constant g), as the bench's.  ``gathers``: the shipped step with
+its table gathers as tl.load and as inline PTX (PTX_GATHER), timed, compared, and their shared-memory
+instructions counted.
+Usage: python3 tools/probe_optim_8bit.py [profile | gathers]"""
 
 import torch
 import triton
@@ -83,6 +86,14 @@ def _ablation_kernel(p_ptr, g_ptr, s1_ptr, s2_ptr, absmax1_ptr, absmax2_ptr, cod
                           False, True)
 
 
+def _codes(s, qmap):
+    """The nearest codes of s in blocks of 256 (bucketize: ties low, no sign fix; fine for timing) and absmax."""
+    blocks = s.view(-1, 256)
+    absmax = blocks.abs().amax(1)
+    codes = torch.bucketize((blocks / absmax[:, None]).reshape(-1), (qmap[:-1] + qmap[1:]) / 2)
+    return codes.to(torch.uint8), absmax.contiguous()
+
+
 def main(n=8 * 8192 * 16384, profile=False):
     from anygpu.optim import reference
     from anygpu.optim.optimizer import search_tables
@@ -90,11 +101,9 @@ def main(n=8 * 8192 * 16384, profile=False):
 
     p = torch.randn(n, device=dev) * 0.02
     g = torch.randn(n, device=dev) * 1e-3
-    blocks = -(-n // 256)
-    s1 = torch.randint(0, 256, (n,), dtype=torch.uint8, device=dev)
-    s2 = torch.randint(0, 256, (n,), dtype=torch.uint8, device=dev)
-    a1, a2 = torch.rand(blocks, device=dev) * 1e-3, torch.rand(blocks, device=dev) * 1e-6
     q1, q2 = dynamic_map(dev, True), dynamic_map(dev, False)
+    # Adam-like states, as the bench's after a few steps of its constant gradient: m = 0.4 g, v = 0.005 g^2
+    (s1, a1), (s2, a2) = (_codes(0.4 * g, q1), _codes(0.005 * g * g, q2))
     lut1, lut2 = search_tables(q1, q2)
     k = reference.step_scalars("adam", 1e-3, 0.9, 0.999, 1e-8, 0.01, 10)
     if profile:
@@ -124,10 +133,49 @@ def main(n=8 * 8192 * 16384, profile=False):
                   f"{16 * n / us / 1e6:.2f} TB/s", flush=True)
 
 
+def gathers(n=8 * 8192 * 16384):
+    """The shipped step with its table gathers as tl.load or as inline PTX (PTX_GATHER): time, shared-memory
+    instructions in the PTX this Triton makes, and bit-exactness between the two."""
+    from anygpu.kernels.config import LaunchConfig
+    from anygpu.optim import reference
+    from anygpu.optim.optimizer import search_tables
+    from anygpu.quant.maps import dynamic_map
+
+    torch.manual_seed(0)
+    g = torch.randn(n, device=dev) * 1e-3
+    p0 = torch.randn(n, device=dev) * 0.02
+    q1, q2 = dynamic_map(dev, True), dynamic_map(dev, False)
+    (s10, a10), (s20, a20) = (_codes(0.4 * g, q1), _codes(0.005 * g * g, q2))
+    lut1, lut2 = search_tables(q1, q2)
+    k = reference.step_scalars("adam", 1e-3, 0.9, 0.999, 1e-8, 0.01, 10)
+    results = []
+    for ptx_gather, blocks_, warps in ((False, 1, 1), (True, 1, 1), (True, 2, 2), (True, 4, 4), (True, 8, 8)):
+        cfg = LaunchConfig({"BLOCKS": blocks_, "PTX_GATHER": ptx_gather}, num_warps=warps)
+        state = [x.clone() for x in (p0, s10, s20, a10, a20)]
+        O.update_8bit("adam", state[0], g, state[1], state[2], state[3], state[4], q1, q2, k, lut1, lut2, config=cfg)
+        results.append(state)
+        same = all(torch.equal(x, y) for x, y in zip(results[0], state))
+        if not same:  # how far: parameters in fp32 ulps, codes and absmax that moved
+            ref_p = results[0][0]
+            ulps = (state[0].view(torch.int32).long() - ref_p.view(torch.int32).long()).abs()
+            moved = [int((x != y).sum()) for x, y in zip(results[0][1:], state[1:])]
+            same = (f"no: p differs at {int((ulps > 0).sum())} of {n} (max {int(ulps.max())} ulp); codes1, codes2, "
+                    f"absmax1, absmax2 differ at {moved}")
+        p, s1, s2, a1, a2 = [x.clone() for x in state]  # timing steps these on; the results stay
+        us = measure(lambda: O.update_8bit("adam", p, g, s1, s2, a1, a2, q1, q2, k, lut1, lut2, config=cfg),
+                     device=dev, warmup_ms=25, rep_ms=100) * 1e3
+        ptx = list(O._optim_8bit_kernel.device_caches[0][0].values())[-1].asm["ptx"]
+        print(f"PTX_GATHER={ptx_gather} BLOCKS={blocks_} warps={warps}: {us:.0f} us ({16 * n / us / 1e6:.2f} TB/s), "
+              f"same as tl.load's: {same}; ld.shared {ptx.count('ld.shared')} st.shared {ptx.count('st.shared')}",
+              flush=True)
+
+
 if __name__ == "__main__":
     import sys
 
-    if "profile" in sys.argv:
+    if "gathers" in sys.argv:
+        gathers()
+    elif "profile" in sys.argv:
         main(64 * 1024 * 1024, profile=True)
     else:
         main()

@@ -26,6 +26,11 @@ requantizing is most of them, so the code search has two forms, both exactly the
 - the breadth-first search tree of ``quant_blockwise.py`` (any sorted map): 4 levels by selects among
   15 values held in registers, 4 by gathers from the 1 KiB tree, and a gather of the code for the sign fix.
 
+On NVIDIA the LUT path's four gathers (two code maps, two bucket tables) are inline-PTX loads
+(``PTX_GATHER``, ``_table_load``): elementwise ops stay in the registers their indices are in, where
+``tl.load`` gathers made triton 3.6 move the update into another layout and back through shared memory
+(H200, AdamW 1B: 6.48 -> 5.41 ms).  AMD and the interpreter use ``tl.load``.
+
 In the interpreter both kernels are bit-identical to the reference; compiled, the backend may contract a
 multiply and an add into an FMA, a difference of an ulp or so per update.  Lion is launched with FP
 contraction off (``lion_options``), which makes it bit-identical compiled too: its state is an EMA with
@@ -60,7 +65,21 @@ NO_STEP = 0xFFFF  # a low half no bucket-local value exceeds: the bucket holds n
 
 
 @triton.jit
-def _lut_search(q, neg, lut_ptr, SIGNED: tl.constexpr):
+def _table_load(ptrs, PTX: tl.constexpr):
+    """fp32 table entries at ``ptrs`` (a gather).  PTX (NVIDIA): as an inline-PTX elementwise load, which the
+    compiler places in the registers its index is already in.  A ``tl.load`` whose addresses are not
+    contiguous gets a layout of its own (one element a thread), and triton 3.6 then moved the whole update
+    into that layout and back: 11 layout conversions through shared memory, half of the L1 traffic of the
+    H200's AdamW8bit step (Nsight Compute)."""
+    if PTX:
+        return tl.inline_asm_elementwise("ld.global.nc.f32 $0, [$1];", "=f,l", [ptrs], dtype=tl.float32,
+                                         is_pure=True, pack=1)
+    else:
+        return tl.load(ptrs)
+
+
+@triton.jit
+def _lut_search(q, neg, lut_ptr, SIGNED: tl.constexpr, PTX: tl.constexpr = False):
     """The code of x = (-1 if neg else 1) * q, q = |x| in [0, 1] (NaN: the top code), from the bucket table
     (see the module docstring); ``neg`` is -1 where x carries the sign bit (-0.0 too), else 0."""
     clamped = tl.minimum(tl.maximum(q.to(tl.int32, bitcast=True) & 0x7FFFFFFF, LUT_LOW), LUT_HIGH)
@@ -70,7 +89,7 @@ def _lut_search(q, neg, lut_ptr, SIGNED: tl.constexpr):
     else:  # the second state is never negative
         index = (clamped >> 16) - LUT_BASE
         low = clamped & 0xFFFF
-    entry = tl.load(lut_ptr + index).to(tl.int32, bitcast=True)  # passed as fp32 bits (one signature)
+    entry = _table_load(lut_ptr + index, PTX).to(tl.int32, bitcast=True)  # passed as fp32 bits (one signature)
     return (entry >> 16) + (low > (entry & 0xFFFF)).to(tl.int32)
 
 
@@ -116,14 +135,14 @@ def _tree_search(scaled, tree_ptr, code_ptr, SIGNED: tl.constexpr):
 
 @triton.jit
 def _dequantize(q_ptr, absmax_ptr, code_ptr, search_ptr, first, base, rows, local, in_range, left,
-                LUT: tl.constexpr):
+                LUT: tl.constexpr, PTX: tl.constexpr = False):
     """fp32 ``code[q] * absmax``; 0 past the end.  With a bucket table, elements past the end load the map's
     zero (its index is the table's last entry), so every later value there stays 0 without a select."""
     absmax = tl.load(absmax_ptr + first + rows, mask=rows * 256 < left, other=0.0)
     if LUT:
         zero = tl.load(search_ptr + 2 * LUT_HALF).to(tl.int32, bitcast=True)
         q = tl.load(q_ptr + base + local, mask=in_range, other=zero.to(tl.uint8)).to(tl.int32)
-        return tl.load(code_ptr + q) * absmax[:, None]
+        return _table_load(code_ptr + q, PTX) * absmax[:, None]
     else:
         q = tl.load(q_ptr + base + local, mask=in_range, other=0).to(tl.int32)
         return tl.where(in_range, tl.load(code_ptr + q) * absmax[:, None], 0.0)
@@ -131,13 +150,13 @@ def _dequantize(q_ptr, absmax_ptr, code_ptr, search_ptr, first, base, rows, loca
 
 @triton.jit
 def _requantize(s, search_ptr, code_ptr, q_ptr, absmax_ptr, first, base, rows, local, in_range, left,
-                SIGNED: tl.constexpr, LUT: tl.constexpr):
+                SIGNED: tl.constexpr, LUT: tl.constexpr, PTX: tl.constexpr = False):
     """Store s's block absmax and codes (the reference's ``quantize_state``)."""
     absmax = tl.max(tl.abs(s), axis=1)
     tl.store(absmax_ptr + first + rows, absmax, mask=rows * 256 < left)
     if LUT:
         q, neg = _scaled_magnitude(s, absmax)
-        code = _lut_search(q, neg, search_ptr, SIGNED)
+        code = _lut_search(q, neg, search_ptr, SIGNED, PTX)
     else:
         safe = tl.where(absmax > 0, absmax, 1.0)
         scaled = tl.where(absmax[:, None] > 0, tl.div_rn(s, safe[:, None]), 0.0)
@@ -188,7 +207,8 @@ def _update(p, g, s1, s2, m2, beta1, beta2, one_minus_beta1, one_minus_beta2, ep
 def _optim_8bit_kernel(p_ptr, g_ptr, s1_ptr, s2_ptr, absmax1_ptr, absmax2_ptr, code1_ptr, code2_ptr,
                        search1_ptr, search2_ptr, n, beta1, beta2, one_minus_beta1, one_minus_beta2, eps, step_size,
                        weight_decay, decay, first_step, beta3, one_minus_beta3, alpha, correction1, correction2,
-                       OPT: tl.constexpr, HAS_DECAY: tl.constexpr, LUT: tl.constexpr, BLOCKS: tl.constexpr):
+                       OPT: tl.constexpr, HAS_DECAY: tl.constexpr, LUT: tl.constexpr, BLOCKS: tl.constexpr,
+                       PTX_GATHER: tl.constexpr = False):
     first = tl.program_id(0).to(tl.int64) * BLOCKS  # int64: tensors can pass 2**31 elements
     base = first * 256
     rows = tl.arange(0, BLOCKS)
@@ -197,15 +217,17 @@ def _optim_8bit_kernel(p_ptr, g_ptr, s1_ptr, s2_ptr, absmax1_ptr, absmax2_ptr, c
     in_range = local < left
     g = tl.load(g_ptr + base + local, mask=in_range, other=0.0).to(tl.float32)
     p = tl.load(p_ptr + base + local, mask=in_range, other=0.0).to(tl.float32)
-    s1 = _dequantize(s1_ptr, absmax1_ptr, code1_ptr, search1_ptr, first, base, rows, local, in_range, left, LUT)
+    s1 = _dequantize(s1_ptr, absmax1_ptr, code1_ptr, search1_ptr, first, base, rows, local, in_range, left, LUT,
+                     PTX_GATHER)
     n_blocks = (n + 255) // 256
     s2 = s1
     m2 = s1
     if OPT == 0 or OPT == 4:
-        s2 = _dequantize(s2_ptr, absmax2_ptr, code2_ptr, search2_ptr, first, base, rows, local, in_range, left, LUT)
+        s2 = _dequantize(s2_ptr, absmax2_ptr, code2_ptr, search2_ptr, first, base, rows, local, in_range, left, LUT,
+                         PTX_GATHER)
     if OPT == 4:  # state1 holds m1 then m2 (n codes and n_blocks absmax each)
         m2 = _dequantize(s1_ptr + n, absmax1_ptr + n_blocks, code1_ptr, search1_ptr, first, base, rows, local,
-                         in_range, left, LUT)
+                         in_range, left, LUT, PTX_GATHER)
     finite = tl.abs(g) < float("inf")  # false for inf and NaN
     g = tl.where(finite, g, 0.0)
     new_p, s1, s2, m2 = _update(p, g, s1, s2, m2, beta1, beta2, one_minus_beta1, one_minus_beta2, eps, step_size,
@@ -216,15 +238,16 @@ def _optim_8bit_kernel(p_ptr, g_ptr, s1_ptr, s2_ptr, absmax1_ptr, absmax2_ptr, c
     # Zero the states of non-finite gradients, and (search tree) past the end, where they are not 0.
     keep = finite if LUT else finite & in_range
     s1 = tl.where(keep, s1, 0.0)
-    _requantize(s1, search1_ptr, code1_ptr, s1_ptr, absmax1_ptr, first, base, rows, local, in_range, left, True, LUT)
+    _requantize(s1, search1_ptr, code1_ptr, s1_ptr, absmax1_ptr, first, base, rows, local, in_range, left, True, LUT,
+                PTX_GATHER)
     if OPT == 4:
         m2 = tl.where(keep, m2, 0.0)
         _requantize(m2, search1_ptr, code1_ptr, s1_ptr + n, absmax1_ptr + n_blocks, first, base, rows, local,
-                    in_range, left, True, LUT)
+                    in_range, left, True, LUT, PTX_GATHER)
     if OPT == 0 or OPT == 4:
         s2 = tl.where(keep, s2, 0.0)
         _requantize(s2, search2_ptr, code2_ptr, s2_ptr, absmax2_ptr, first, base, rows, local, in_range, left,
-                    False, LUT)
+                    False, LUT, PTX_GATHER)
 
 
 @triton.jit
@@ -258,12 +281,12 @@ def _optim_32bit_kernel(p_ptr, g_ptr, s1_ptr, s2_ptr, n, beta1, beta2, one_minus
 # 8-bit: 4 blocks (1024 elements) on 4 warps of 32: 8 elements a thread and one block per warp, so a
 # block's absmax is a warp reduction; wave64 CDNA: 2 warps, the same threads.  Unmeasured first guesses
 # (tools: the lead's sweep; ``update_8bit(config=...)`` takes another).  The launcher takes BLOCKS and
-# warps from the first config and OPT / HAS_DECAY / LUT from the call; the table lists adam (the hot
+# warps (and PTX_GATHER) from the first config and OPT / HAS_DECAY / LUT from the call; the table lists adam (the hot
 # one), ademamix (three states: the most registers) and adam with the search tree, so CI cross-compiles
 # each form; momentum, rmsprop and lion use subsets of their operations.
-def _configs_8bit(num_warps: int, blocks: int = 4) -> tuple:
-    return tuple(LaunchConfig({"BLOCKS": blocks, "OPT": OPT_IDS[name], "HAS_DECAY": 1, "LUT": lut},
-                              num_warps=num_warps)
+def _configs_8bit(num_warps: int, blocks: int = 4, ptx_gather: bool = False) -> tuple:
+    return tuple(LaunchConfig({"BLOCKS": blocks, "OPT": OPT_IDS[name], "HAS_DECAY": 1, "LUT": lut,
+                               "PTX_GATHER": ptx_gather and bool(lut)}, num_warps=num_warps)
                  for name, lut in (("adam", 1), ("ademamix", 1), ("adam", 0)))
 
 
@@ -272,10 +295,13 @@ def _configs_32bit(num_warps: int) -> tuple:
                  for name in ("adam", "ademamix"))
 
 
-# H200 (tools/sweep_int8_optim.py, AdamW on 1B fp32): one block per program and one warp, 6.41 ms; 4 blocks
-# and 4 warps 7.65 ms; 16 blocks and 8 warps 14.4 ms.  More, smaller programs keep more loads in flight.
-CONFIGS = {"default": _configs_8bit(4), "nvidia": _configs_8bit(1, blocks=1), "amd": _configs_8bit(2),
-           "rdna3": _configs_8bit(4), "rdna4": _configs_8bit(4)}
+# NVIDIA: gathers by inline PTX (see the module doc).  H200, AdamW on 1B fp32 (tools/probe_optim_8bit.py
+# gathers, triton 3.6, 2026-11-30): one block on one warp 5.43 ms (with tl.load gathers 6.48); 2 blocks on
+# 2 warps 5.46; 4 on 4 5.54; 8 on 8 6.62.  Before, with tl.load (tools/sweep_int8_optim.py): one block on one
+# warp 6.41 ms; 4 blocks on 4 warps 7.65; 16 blocks on 8 warps 14.4.  More, smaller programs keep more loads
+# in flight.
+CONFIGS = {"default": _configs_8bit(4), "nvidia": _configs_8bit(1, blocks=1, ptx_gather=True),
+           "amd": _configs_8bit(2), "rdna3": _configs_8bit(4), "rdna4": _configs_8bit(4)}
 CONFIGS_32BIT = {"default": _configs_32bit(4), "amd": _configs_32bit(4)}
 DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 _SCALARS = ("beta1", "beta2", "one_minus_beta1", "one_minus_beta2", "eps", "step_size", "weight_decay", "decay")
@@ -289,7 +315,8 @@ def _signature(dtype: torch.dtype) -> dict:
     sig.update({k: "fp32" for k in _SCALARS})
     sig["first_step"] = "i32"
     sig.update({k: "fp32" for k in _SCALARS_AFTER})
-    sig.update({"OPT": "constexpr", "HAS_DECAY": "constexpr", "LUT": "constexpr", "BLOCKS": "constexpr"})
+    sig.update({"OPT": "constexpr", "HAS_DECAY": "constexpr", "LUT": "constexpr", "BLOCKS": "constexpr",
+                "PTX_GATHER": "constexpr"})
     return sig
 
 
@@ -442,7 +469,7 @@ def update_8bit(name: str, p: torch.Tensor, g: torch.Tensor, state1: torch.Tenso
     """The kernel version of ``optim.reference.update_8bit`` (same arguments; ``k`` a ``StepScalars``).
     ``lut1`` / ``lut2``: the maps' bucket tables (``search_table``), on p's device; with either missing,
     the search tree.  p, the states and absmax must be contiguous (the optimizer allocates them so); g is
-    made contiguous.  ``config``: a LaunchConfig overriding the table's BLOCKS and warps (for sweeps)."""
+    made contiguous.  ``config``: a LaunchConfig overriding the table's BLOCKS, warps and PTX_GATHER (sweeps)."""
     g = g if g.is_contiguous() else g.contiguous()
     n = p.numel()
     cfg, options = launch_config(CONFIGS, p.device)
@@ -461,7 +488,8 @@ def update_8bit(name: str, p: torch.Tensor, g: torch.Tensor, state1: torch.Tenso
         _optim_8bit_kernel[(-(-n // (blocks * BLOCKSIZE)),)](
             p, g, state1, state2 if two else state1, absmax1, absmax2 if two else absmax1, qmap1,
             qmap2 if two else qmap1, search1, search2, n, *_scalars(k), OPT=OPT_IDS[name],
-            HAS_DECAY=k.weight_decay > 0, LUT=lut, BLOCKS=blocks, **options)
+            HAS_DECAY=k.weight_decay > 0, LUT=lut, BLOCKS=blocks,
+            PTX_GATHER=lut and cfg.constexprs.get("PTX_GATHER", False), **options)
 
 
 def update_32bit(name: str, p: torch.Tensor, g: torch.Tensor, state1: torch.Tensor, state2: torch.Tensor | None,
