@@ -149,7 +149,7 @@ def gathers(n=8 * 8192 * 16384):
     lut1, lut2 = search_tables(q1, q2)
     k = reference.step_scalars("adam", 1e-3, 0.9, 0.999, 1e-8, 0.01, 10)
     results = []
-    for ptx_gather, blocks_, warps in ((False, 1, 1), (True, 1, 1), (True, 2, 2), (True, 4, 4), (True, 8, 8)):
+    for ptx_gather, blocks_, warps in ((False, 1, 1), (True, 1, 1), (True, 2, 2)):
         cfg = LaunchConfig({"BLOCKS": blocks_, "PTX_GATHER": ptx_gather}, num_warps=warps)
         state = [x.clone() for x in (p0, s10, s20, a10, a20)]
         O.update_8bit("adam", state[0], g, state[1], state[2], state[3], state[4], q1, q2, k, lut1, lut2, config=cfg)
@@ -159,8 +159,11 @@ def gathers(n=8 * 8192 * 16384):
             ref_p = results[0][0]
             ulps = (state[0].view(torch.int32).long() - ref_p.view(torch.int32).long()).abs()
             moved = [int((x != y).sum()) for x, y in zip(results[0][1:], state[1:])]
-            same = (f"no: p differs at {int((ulps > 0).sum())} of {n} (max {int(ulps.max())} ulp); codes1, codes2, "
-                    f"absmax1, absmax2 differ at {moved}")
+            step = (results[0][0] - p0).abs()  # each parameter's update
+            off = ((state[0] - results[0][0]).abs() / step.clamp_min(1e-30)).max()
+            absmax_off = ((state[4] - results[0][4]).abs() / results[0][4].abs().clamp_min(1e-30)).max()
+            same = (f"no: p differs at {int((ulps > 0).sum())} of {n} (at most {float(off):.2e} of its update); "
+                    f"codes1, codes2, absmax1, absmax2 differ at {moved} (absmax2 by {float(absmax_off):.2e} at most)")
         p, s1, s2, a1, a2 = [x.clone() for x in state]  # timing steps these on; the results stay
         us = measure(lambda: O.update_8bit("adam", p, g, s1, s2, a1, a2, q1, q2, k, lut1, lut2, config=cfg),
                      device=dev, warmup_ms=25, rep_ms=100) * 1e3
