@@ -106,6 +106,22 @@ def test_odd_shapes_offer_only_what_takes_them():
     assert "Fused" not in int8 and {"Default", "Gemm_small", "Gemm_large"} <= set(int8)  # fused takes <= 16 rows
 
 
+def test_int8_offers_the_tma_gemm_where_it_runs(monkeypatch):
+    """NVIDIA sm_90 with K a multiple of 16: the TMA kernel is a candidate of its own (faked targets)."""
+    pytest.importorskip("triton")
+    from anygpu.backend.targets import TARGETS
+    from anygpu.kernels import int8_matmul as I8
+
+    for arch, k, offered in (("sm_90", 8192, True), ("sm_90", 8200, False), ("sm_80", 8192, False),
+                             ("gfx942", 8192, False)):
+        monkeypatch.setattr(I8, "device_target", lambda device, arch=arch: TARGETS[arch])
+        monkeypatch.setattr(quantized, "device_target", lambda device, arch=arch: TARGETS[arch])
+        plans = quantized.plans("int8", (4096, 8192, k, torch.float16), torch.device("cpu"))
+        assert ("Gemm_tma" in plans) == offered, (arch, k)
+        if offered:
+            assert plans["Gemm_tma"].path == "gemm_tma"
+
+
 @pytest.mark.gpu
 def test_tune_model_tunes_4bit_and_int8_layers(tun):
     from anygpu.nn import quantize_model

@@ -85,7 +85,8 @@ def _plans_int8(problem, device) -> dict:
     target = device_target(device)
     offered["Gemm_small"] = I8.Plan("gemm", select(I8.GEMM_SMALL_CONFIGS, target)[0])
     offered["Gemm_large"] = I8.Plan("gemm", select(I8.GEMM_LARGE_CONFIGS, target)[0])
-    for path, name in (("fused", "Fused"), ("fused_stats", "Fused_stats"), ("int_mm", "Int_mm")):
+    for path, name in (("fused", "Fused"), ("fused_stats", "Fused_stats"), ("int_mm", "Int_mm"),
+                       ("gemm_tma", "Gemm_tma")):  # NVIDIA sm_90 only
         try:
             offered[name] = I8.plan_for(path, m, n, k, device)
         except ValueError:  # a path that does not take this shape
