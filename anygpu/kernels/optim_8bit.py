@@ -280,13 +280,14 @@ def _optim_32bit_kernel(p_ptr, g_ptr, s1_ptr, s2_ptr, n, beta1, beta2, one_minus
 
 # 8-bit: 4 blocks (1024 elements) on 4 warps of 32: 8 elements a thread and one block per warp, so a
 # block's absmax is a warp reduction; wave64 CDNA: 2 warps, the same threads.  Unmeasured first guesses
-# (tools: the lead's sweep; ``update_8bit(config=...)`` takes another).  The launcher takes BLOCKS and
-# warps (and PTX_GATHER) from the first config and OPT / HAS_DECAY / LUT from the call; the table lists adam (the hot
-# one), ademamix (three states: the most registers) and adam with the search tree, so CI cross-compiles
-# each form; momentum, rmsprop and lion use subsets of their operations.
+# (tools: the lead's sweep; ``update_8bit(config=...)`` takes another).  The launcher takes BLOCKS, warps
+# and PTX_GATHER from the first config and OPT / HAS_DECAY / LUT from the call; the table lists adam (the
+# hot one), ademamix (three states: the most registers) and adam with the search tree (which gathers by
+# tl.load whatever PTX_GATHER says), so CI cross-compiles each form; momentum, rmsprop and lion use subsets
+# of their operations.
 def _configs_8bit(num_warps: int, blocks: int = 4, ptx_gather: bool = False) -> tuple:
     return tuple(LaunchConfig({"BLOCKS": blocks, "OPT": OPT_IDS[name], "HAS_DECAY": 1, "LUT": lut,
-                               "PTX_GATHER": ptx_gather and bool(lut)}, num_warps=num_warps)
+                               "PTX_GATHER": ptx_gather}, num_warps=num_warps)
                  for name, lut in (("adam", 1), ("ademamix", 1), ("adam", 0)))
 
 
@@ -489,7 +490,7 @@ def update_8bit(name: str, p: torch.Tensor, g: torch.Tensor, state1: torch.Tenso
             p, g, state1, state2 if two else state1, absmax1, absmax2 if two else absmax1, qmap1,
             qmap2 if two else qmap1, search1, search2, n, *_scalars(k), OPT=OPT_IDS[name],
             HAS_DECAY=k.weight_decay > 0, LUT=lut, BLOCKS=blocks,
-            PTX_GATHER=lut and cfg.constexprs.get("PTX_GATHER", False), **options)
+            PTX_GATHER=lut and cfg.constexprs.get("PTX_GATHER", False), **options)  # the tree ignores it
 
 
 def update_32bit(name: str, p: torch.Tensor, g: torch.Tensor, state1: torch.Tensor, state2: torch.Tensor | None,
