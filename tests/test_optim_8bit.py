@@ -146,9 +146,9 @@ def test_lion_compiled_without_contraction_has_no_fma():
 
 @pytest.mark.aot
 def test_nvidia_gathers_are_inline_ptx_and_stay_in_registers():
-    """NVIDIA's LUT path loads its four table entries an element by inline PTX (``PTX_GATHER``) and keeps the
-    update in the registers it loaded (no layout conversion through shared memory); AMD gathers by tl.load,
-    whose inline PTX it could not run."""
+    """NVIDIA's step gathers its table entries by inline PTX (``PTX_GATHER``; the bucket tables and the search
+    tree alike) and keeps the update in the registers it loaded (no layout conversion through shared
+    memory); AMD gathers by tl.load, whose inline PTX it could not run."""
     import triton
     from triton.compiler import ASTSource
 
@@ -159,12 +159,15 @@ def test_nvidia_gathers_are_inline_ptx_and_stay_in_registers():
     for arch in ("gfx942", "gfx90a", "gfx1100", "gfx950"):
         assert not any(cfg.constexprs["PTX_GATHER"] for cfg in select(K.SPEC.configs, TARGETS[arch]))
     target = TARGETS["sm_90"]
-    cfg = select(K.SPEC.configs, target)[0]
-    assert cfg.constexprs["PTX_GATHER"] and cfg.constexprs["LUT"]
-    src = ASTSource(fn=K.SPEC.fn, signature=K.SPEC.signature(torch.float32), constexprs=dict(cfg.constexprs))
-    ptx = triton.compile(src, target=target.triton_target(), options=cfg.options(target)).asm["ptx"]
-    assert ptx.count("ld.global.nc.f32") == 4 * 8  # 4 gathers of 8 elements a lane (256 on 32 lanes)
-    assert "ld.shared" not in ptx and "st.shared" not in ptx
+    lut, _, tree = select(K.SPEC.configs, target)  # adam, ademamix, adam with the search tree
+    # per element (8 a lane: 256 on 32 lanes): 4 gathers (LUT), or for the tree 2 codes, 4 levels a state and
+    # the first state's sign fix
+    for cfg, gathers in ((lut, 4 * 8), (tree, (2 + 2 * 4 + 1) * 8)):
+        assert cfg.constexprs["PTX_GATHER"] and cfg.constexprs["LUT"] == (cfg is lut)
+        src = ASTSource(fn=K.SPEC.fn, signature=K.SPEC.signature(torch.float32), constexprs=dict(cfg.constexprs))
+        ptx = triton.compile(src, target=target.triton_target(), options=cfg.options(target)).asm["ptx"]
+        assert ptx.count("ld.global.nc.f32") == gathers
+        assert "ld.shared" not in ptx and "st.shared" not in ptx
 
 
 def test_search_table_is_exact_for_the_default_maps():

@@ -26,10 +26,10 @@ requantizing is most of them, so the code search has two forms, both exactly the
 - the breadth-first search tree of ``quant_blockwise.py`` (any sorted map): 4 levels by selects among
   15 values held in registers, 4 by gathers from the 1 KiB tree, and a gather of the code for the sign fix.
 
-On NVIDIA the LUT path's four gathers (two code maps, two bucket tables) are inline-PTX loads
-(``PTX_GATHER``, ``_table_load``): elementwise ops stay in the registers their indices are in, where
-``tl.load`` gathers made triton 3.6 move the update into another layout and back through shared memory
-(H200, AdamW 1B: 6.48 -> 5.41 ms).  AMD and the interpreter use ``tl.load``.
+On NVIDIA the gathers (the LUT path's two code maps and two bucket tables; the tree's nodes and codes)
+are inline-PTX loads (``PTX_GATHER``, ``_table_load``): elementwise ops stay in the registers their
+indices are in, where ``tl.load`` gathers made triton 3.6 move the update into another layout and back
+through shared memory (H200, AdamW 1B: 6.48 -> 5.41 ms).  AMD and the interpreter use ``tl.load``.
 
 In the interpreter both kernels are bit-identical to the reference; compiled, the backend may contract a
 multiply and an add into an FMA, a difference of an ulp or so per update.  Lion is launched with FP
@@ -116,7 +116,7 @@ def _scaled_magnitude(s, absmax):
 
 
 @triton.jit
-def _tree_search(scaled, tree_ptr, code_ptr, SIGNED: tl.constexpr):
+def _tree_search(scaled, tree_ptr, code_ptr, SIGNED: tl.constexpr, PTX: tl.constexpr = False):
     """The code of ``scaled`` by the breadth-first search tree, with the sign fix (any sorted map)."""
     node = 16 + position16(scaled, tl.load(tree_ptr + 8), tl.load(tree_ptr + 4), tl.load(tree_ptr + 9),
                            tl.load(tree_ptr + 2), tl.load(tree_ptr + 10), tl.load(tree_ptr + 5),
@@ -124,11 +124,11 @@ def _tree_search(scaled, tree_ptr, code_ptr, SIGNED: tl.constexpr):
                            tl.load(tree_ptr + 6), tl.load(tree_ptr + 13), tl.load(tree_ptr + 3),
                            tl.load(tree_ptr + 14), tl.load(tree_ptr + 7), tl.load(tree_ptr + 15))
     for _ in tl.static_range(4):
-        node = 2 * node + above(scaled, tl.load(tree_ptr + node)).to(tl.int32)
+        node = 2 * node + above(scaled, _table_load(tree_ptr + node, PTX)).to(tl.int32)
     code = node - 256
     if SIGNED:  # the sign fix: the stored value keeps s's sign bit (-0.0 included, as signbit does)
         s_neg = scaled.to(tl.int32, bitcast=True) < 0
-        c_neg = tl.load(code_ptr + code).to(tl.int32, bitcast=True) < 0
+        c_neg = _table_load(code_ptr + code, PTX).to(tl.int32, bitcast=True) < 0
         code = tl.where(s_neg != c_neg, tl.where(scaled > 0, code + 1, code - 1), code)
     return code
 
@@ -145,7 +145,7 @@ def _dequantize(q_ptr, absmax_ptr, code_ptr, search_ptr, first, base, rows, loca
         return _table_load(code_ptr + q, PTX) * absmax[:, None]
     else:
         q = tl.load(q_ptr + base + local, mask=in_range, other=0).to(tl.int32)
-        return tl.where(in_range, tl.load(code_ptr + q) * absmax[:, None], 0.0)
+        return tl.where(in_range, _table_load(code_ptr + q, PTX) * absmax[:, None], 0.0)
 
 
 @triton.jit
@@ -160,7 +160,7 @@ def _requantize(s, search_ptr, code_ptr, q_ptr, absmax_ptr, first, base, rows, l
     else:
         safe = tl.where(absmax > 0, absmax, 1.0)
         scaled = tl.where(absmax[:, None] > 0, tl.div_rn(s, safe[:, None]), 0.0)
-        code = _tree_search(scaled, search_ptr, code_ptr, SIGNED)
+        code = _tree_search(scaled, search_ptr, code_ptr, SIGNED, PTX)
     tl.store(q_ptr + base + local, code.to(tl.uint8), mask=in_range)
 
 
@@ -282,9 +282,8 @@ def _optim_32bit_kernel(p_ptr, g_ptr, s1_ptr, s2_ptr, n, beta1, beta2, one_minus
 # block's absmax is a warp reduction; wave64 CDNA: 2 warps, the same threads.  Unmeasured first guesses
 # (tools: the lead's sweep; ``update_8bit(config=...)`` takes another).  The launcher takes BLOCKS, warps
 # and PTX_GATHER from the first config and OPT / HAS_DECAY / LUT from the call; the table lists adam (the
-# hot one), ademamix (three states: the most registers) and adam with the search tree (which gathers by
-# tl.load whatever PTX_GATHER says), so CI cross-compiles each form; momentum, rmsprop and lion use subsets
-# of their operations.
+# hot one), ademamix (three states: the most registers) and adam with the search tree, so CI cross-compiles
+# each form; momentum, rmsprop and lion use subsets of their operations.
 def _configs_8bit(num_warps: int, blocks: int = 4, ptx_gather: bool = False) -> tuple:
     return tuple(LaunchConfig({"BLOCKS": blocks, "OPT": OPT_IDS[name], "HAS_DECAY": 1, "LUT": lut,
                                "PTX_GATHER": ptx_gather}, num_warps=num_warps)
@@ -489,8 +488,8 @@ def update_8bit(name: str, p: torch.Tensor, g: torch.Tensor, state1: torch.Tenso
         _optim_8bit_kernel[(-(-n // (blocks * BLOCKSIZE)),)](
             p, g, state1, state2 if two else state1, absmax1, absmax2 if two else absmax1, qmap1,
             qmap2 if two else qmap1, search1, search2, n, *_scalars(k), OPT=OPT_IDS[name],
-            HAS_DECAY=k.weight_decay > 0, LUT=lut, BLOCKS=blocks,
-            PTX_GATHER=lut and cfg.constexprs.get("PTX_GATHER", False), **options)  # the tree ignores it
+            HAS_DECAY=k.weight_decay > 0, LUT=lut, BLOCKS=blocks, PTX_GATHER=cfg.constexprs.get("PTX_GATHER", False),
+            **options)
 
 
 def update_32bit(name: str, p: torch.Tensor, g: torch.Tensor, state1: torch.Tensor, state2: torch.Tensor | None,
