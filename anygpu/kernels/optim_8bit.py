@@ -7,9 +7,8 @@ the uint8 states, dequantizes them in registers (``qmap[code] * absmax``), does 
 (ties to the lower one) plus bitsandbytes' sign fix for the signed first state.  ``_optim_32bit_kernel``
 is the same update on fp32 states (tensors under ``min_8bit_size``), so every parameter is one launch.
 
-The kernel is bound by instructions, not bytes (16 bytes per fp32 element against ~125 instructions), and
-requantizing is most of them, so the code search has two forms, both exactly the reference's
-``quantize_state``:
+Beyond streaming 16 bytes per fp32 element the kernel runs ~125 instructions an element, and requantizing
+is most of them, so the code search has two forms, both exactly the reference's ``quantize_state``:
 
 - ``LUT`` (the default maps, the fast path): a bucket table over the bits of ``|x|``.  ``x = s / absmax``
   lies in [-1, 1]; its magnitude's bits, clamped to [2^-24, 1.0], shifted right by 16, pick one of 3073
