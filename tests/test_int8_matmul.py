@@ -114,6 +114,7 @@ def test_every_loop_with_small_tiles(kdevice, path, m, monkeypatch):
     x = activations(m)
     x[:, 200:220:2] = 11.0  # 10 more outlier columns
     x[:, 40:70:5] = -8.0  # and 6 more: 19 in all, over several bit words (a dot step each)
+    x[1:, 221:300:5] = 7.0  # and 16 more: 35, past the 32 the pointer kernel loads before its main loop
     bias = torch.randn(N, dtype=torch.float16)
     out = poison_(torch.empty(m, N, dtype=x.dtype, device=kdevice))
     y = K.int8_matmul(x.to(kdevice), CB.to(kdevice), SCB.to(kdevice), 6.0, bias.to(kdevice), out=out,

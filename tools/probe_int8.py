@@ -42,14 +42,15 @@ def t(fn, graph):
     return measure(fn, device=dev, warmup_ms=10, rep_ms=60) * 1e3
 
 
-def main_kernel(x, codes, stats, cols, count, out, cfg, kept):
-    """The matmul kernel alone on quantize_rows' outputs (SOURCE 1), as int8_matmul launches it without PDL."""
+def main_kernel(x, codes, stats, cols, count, out, cfg, kept, threshold=True):
+    """The matmul kernel alone on quantize_rows' outputs (SOURCE 1), as int8_matmul launches it without PDL
+    (``threshold=False``: without the outlier columns' tail, to see what it costs)."""
     m = x.shape[0]
     c = cfg.constexprs
     grid = (triton.cdiv(m, c["BLOCK_M"]) * triton.cdiv(n, c["BLOCK_N"]),)
     I._int8_matmul_kernel[grid](x, codes, cb, stats, scb, bias, cols, count, scb, out, m, n, k, x.stride(0), n,
                                 I.fp16_threshold(6.0), SOURCE=1, STATS_GIVEN=True, ROWS=1, STATS_CHUNK=16,
-                                HAS_BIAS=True, HAS_THRESHOLD=True, KEPT=kept, **c, **I.fp_exact_options(cfg, dev))
+                                HAS_BIAS=True, HAS_THRESHOLD=threshold, KEPT=kept and threshold, **c, **I.fp_exact_options(cfg, dev))
 
 
 def sweep():
@@ -58,7 +59,7 @@ def sweep():
         codes, stats, (cols, count) = I.quantize_rows(x, I.fp16_threshold(6.0))
         out = torch.empty(m, n, device=dev, dtype=torch.float16)
         rows = []
-        for bn, bk, warps, stages in itertools.product((16, 32, 64), (256, 512, 1024), (2, 4, 8), (3, 4, 6)):
+        for bn, bk, warps, stages in itertools.product((16, 32, 64), (256, 512), (2, 4), (3, 4, 5)):
             if (16 + bn) * bk * stages > 200 * 1024:  # past the shared memory of a program
                 continue
             cfg = LaunchConfig({"BLOCK_M": 16, "BLOCK_N": bn, "BLOCK_K": bk, "GROUP_M": 8}, num_warps=warps,
@@ -71,6 +72,28 @@ def sweep():
             rows.append((us, cfg.label()))
         rows.sort()
         print(f"M={m}: " + "\n  ".join(f"{us:.1f} us {label}" for us, label in rows[:8]), flush=True)
+
+
+def tma_small():
+    """The TMA kernel with 16-row tiles, alone (codes with the outlier columns zeroed), at M = 1 and 16."""
+    for m in (1, 16):
+        x = x_for(m)
+        codes, stats, (cols, count) = I.quantize_rows(x, I.fp16_threshold(6.0), zero_columns=True)
+        out = torch.empty(m, n, device=dev, dtype=torch.float16)
+        rows = []
+        for bn, bk, stages, per_sm in itertools.product((32, 64), (256, 512), (4, 6), (1, 2)):
+            if (16 + bn) * bk * stages > 200 * 1024:
+                continue
+            cfg = LaunchConfig({"BLOCK_M": 16, "BLOCK_N": bn, "BLOCK_K": bk, "GROUP_M": 8, "PER_SM": per_sm},
+                               num_warps=4, num_stages=stages)
+            try:
+                us = t(lambda: I._gemm_tma(x, codes, cb, stats, scb, bias, cols, count, out, cfg, True, True), True)
+            except Exception as e:  # noqa: BLE001
+                print("fail", cfg.label(), str(e)[:100], flush=True)
+                continue
+            rows.append((us, cfg.label()))
+        rows.sort()
+        print(f"TMA M={m}: " + "\n  ".join(f"{us:.1f} us {label}" for us, label in rows[:6]), flush=True)
 
 
 def probe(m):
@@ -94,11 +117,14 @@ def probe(m):
     if plan.path == "gemm_tma":
         main = t(lambda: I._gemm_tma(x, codes, cb, stats, scb, bias, cols, count, out, plan.config, True, True),
                  graph)
+        main = f"{main:.1f}"
     else:
         main = t(lambda: main_kernel(x, codes, stats, cols, count, out, plan.config, kept), graph)
+        bare = t(lambda: main_kernel(x, codes, stats, cols, count, out, plan.config, kept, False), graph)
+        main = f"{main:.1f} (without the outlier tail {bare:.1f})"
     line = (f"M={m}: F.linear {base:.1f} us | int8 {total:.1f} us ({base / total:.2f}x; pdl {I.uses_pdl(dev)}, "
             f"without {no_pdl:.1f} us, same {same_no_pdl}): quantize+list {q:.1f}, "
-            f"main kernel {main:.1f} ({plan.path} {plan.config.label()})")
+            f"main kernel {main} ({plan.path} {plan.config.label()})")
     if O is not None:  # the 2026-11-29 kernels' API: flags, then a kernel that zeroes and lists the columns
         old_total = t(lambda: O.int8_matmul(x, cb, scb, 6.0, bias), graph)
         same = torch.equal(O.int8_matmul(x, cb, scb, 6.0, bias), ref)
@@ -117,6 +143,8 @@ def probe(m):
 
 if "sweep" in sys.argv:
     sweep()
+elif "tma" in sys.argv:
+    tma_small()
 else:
     for m in [int(a) for a in sys.argv[1:]] or (1, 16, 4096):
         probe(m)

@@ -66,6 +66,7 @@ except ImportError:
     TensorDescriptor = None
 
 OUTLIER_STEP = tl.constexpr(16)  # outlier columns per dot step after the main loop (the smallest K of an MMA)
+LIST_HEAD = tl.constexpr(32)  # listed columns the pointer kernel loads before its main loop (see _list_head)
 _INTERPRETED = tl.constexpr(os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"))
 # The reference's fp32 constants, as bit patterns (a Python float becomes a constant of the compiler's choosing).
 INV_127_BITS = tl.constexpr(torch.tensor(7.874015718698502e-3, dtype=torch.float32).view(torch.int32).item())
@@ -130,34 +131,45 @@ def _row_absmax(x_ptr, M, K, stride_xm, threshold, BLOCK_M: tl.constexpr, ROWS: 
 
 
 @triton.jit
-def _listed_columns(x_rows, w_rows, cols_ptr, c, n_out, m_mask, n_mask, STEP: tl.constexpr):
-    """Listed outlier columns c .. c + STEP of the rows of x (or of the codes) and of the weight:
-    ([BLOCK_M, STEP], [BLOCK_N, STEP]), zeros past the end of the list."""
-    j = c + tl.arange(0, STEP)
-    j_mask = j < n_out
-    col = tl.load(cols_ptr + j, mask=j_mask, other=0)
-    return (tl.load(x_rows + col[None, :], mask=m_mask[:, None] & j_mask[None, :], other=0),
-            tl.load(w_rows + col[None, :], mask=n_mask[:, None] & j_mask[None, :], other=0))
+def _gathered(rows, col, j_mask, r_mask):
+    """rows[:, col] ([R, len(col)]): the listed columns ``col`` (valid where j_mask) of rows ``rows``."""
+    return tl.load(rows + col[None, :], mask=r_mask[:, None] & j_mask[None, :], other=0)
 
 
 @triton.jit
-def _without_outlier_codes(acc, a_rows, w_rows, cols_ptr, count_ptr, m_mask, n_mask, STEP: tl.constexpr):
-    """acc minus the int8 products of the listed outlier columns' kept codes (the main loop added them, the
-    reference leaves them out): exact, one int8 dot of the negated codes a step (-127..127 fit int8)."""
+def _list_head(cols_ptr, count_ptr, K, HEAD: tl.constexpr):
+    """(count, cols[:HEAD]) of the outlier list, loaded before the main loop: after it, the tail then waits
+    for one round of gathers instead of the dependent count -> cols -> gathers of each fix-up.  Entries at
+    and past count are not list entries (uninitialized): every use masks them."""
+    j = tl.arange(0, HEAD)
+    return tl.load(count_ptr), tl.load(cols_ptr + j, mask=j < K, other=0)
+
+
+@triton.jit
+def _without_outlier_codes(acc, a_rows, w_rows, cols_ptr, count_ptr, m_mask, n_mask, START: tl.constexpr,
+                           STEP: tl.constexpr):
+    """acc minus the int8 products of the outlier columns listed from START on, through their kept codes (the
+    main loop added them, the reference leaves them out): exact, one int8 dot of the negated codes a step
+    (-127..127 fit int8)."""
     n_out = tl.load(count_ptr)
-    for c in range(0, n_out, STEP):
-        a, w = _listed_columns(a_rows, w_rows, cols_ptr, c, n_out, m_mask, n_mask, STEP)
-        acc = tl.dot(-a, tl.trans(w), acc, out_dtype=tl.int32)
+    for c in range(START, n_out, STEP):
+        j = c + tl.arange(0, STEP)
+        col = tl.load(cols_ptr + j, mask=j < n_out, other=0)
+        a = _gathered(a_rows, col, j < n_out, m_mask)
+        acc = tl.dot(-a, tl.trans(_gathered(w_rows, col, j < n_out, n_mask)), acc, out_dtype=tl.int32)
     return acc
 
 
 @triton.jit
-def _outlier_fp(y, x_rows, w_rows, scb, x_ptr, cols_ptr, count_ptr, m_mask, n_mask, STEP: tl.constexpr):
-    """y plus x's outlier columns times the dequantized weight columns, accumulated in fp32."""
+def _outlier_fp(y, x_rows, w_rows, scb, x_ptr, cols_ptr, count_ptr, m_mask, n_mask, START: tl.constexpr,
+                STEP: tl.constexpr):
+    """y plus x's outlier columns listed from START on times the dequantized weight columns, in fp32."""
     n_out = tl.load(count_ptr)
-    for c in range(0, n_out, STEP):
-        xo, w = _listed_columns(x_rows, w_rows, cols_ptr, c, n_out, m_mask, n_mask, STEP)
-        y = _fp_dot(xo, _dequantized(w, scb, x_ptr), y)
+    for c in range(START, n_out, STEP):
+        j = c + tl.arange(0, STEP)
+        col = tl.load(cols_ptr + j, mask=j < n_out, other=0)
+        xo = _gathered(x_rows, col, j < n_out, m_mask)
+        y = _fp_dot(xo, _dequantized(_gathered(w_rows, col, j < n_out, n_mask), scb, x_ptr), y)
     return y
 
 
@@ -204,6 +216,8 @@ def _int8_matmul_kernel(x_ptr, a_ptr, w_ptr, row_stats_ptr, scb_ptr, bias_ptr, c
         row_stat = _row_absmax(x_ptr, M, K, stride_xm, threshold, BLOCK_M, ROWS, STATS_CHUNK, HAS_THRESHOLD)
     else:
         row_stat = tl.load(row_stats_ptr + rm, mask=m_mask, other=0.0)
+    if HAS_THRESHOLD and SOURCE != 0:
+        n_out, head = _list_head(cols_ptr, count_ptr, K, LIST_HEAD)
 
     if SOURCE == 2:
         acc = tl.load(acc_ptr + rm64[:, None] * N + rn[None, :], mask=m_mask[:, None] & n_mask[None, :], other=0)
@@ -233,20 +247,30 @@ def _int8_matmul_kernel(x_ptr, a_ptr, w_ptr, row_stats_ptr, scb_ptr, bias_ptr, c
                 a = tl.load(a_rows + k[None, :], mask=m_mask[:, None] & k_mask[None, :], other=0)
             acc = tl.dot(a, tl.trans(w), acc, out_dtype=tl.int32)  # triton 3.6 wants it said
 
-    if HAS_THRESHOLD and KEPT:
-        acc = _without_outlier_codes(acc, a_rows, w_rows, cols_ptr, count_ptr, m_mask, n_mask, 2 * OUTLIER_STEP)
+    xo = 0.0  # the list head's columns of x and of the weight, for the epilogue (SOURCE 1, 2)
+    wo = 0.0
+    if HAS_THRESHOLD and SOURCE != 0:  # one round of gathers, issued together
+        in_head = tl.arange(0, LIST_HEAD) < n_out
+        xo = _gathered(x_rows, head, in_head, m_mask)
+        wo = _gathered(w_rows, head, in_head, n_mask)
+        if KEPT:
+            acc = tl.dot(-_gathered(a_rows, head, in_head, m_mask), tl.trans(wo), acc, out_dtype=tl.int32)
+            acc = _without_outlier_codes(acc, a_rows, w_rows, cols_ptr, count_ptr, m_mask, n_mask, LIST_HEAD,
+                                         LIST_HEAD)
     if SOURCE != 0 or not HAS_THRESHOLD:
         facc = 0.0  # the outlier columns' fp products: summed in the main loop (SOURCE 0), else from the list
-    _dequantize_store(acc, facc, row_stat, scb, rm64, rn, m_mask, n_mask, x_rows, w_rows, x_ptr, bias_ptr, cols_ptr,
-                      count_ptr, out_ptr, stride_om, HAS_BIAS, HAS_THRESHOLD, SOURCE == 0)
+    _dequantize_store(acc, facc, xo, wo, row_stat, scb, rm64, rn, m_mask, n_mask, x_rows, w_rows, x_ptr, bias_ptr,
+                      cols_ptr, count_ptr, out_ptr, stride_om, HAS_BIAS, HAS_THRESHOLD, SOURCE == 0,
+                      LIST_HEAD if SOURCE != 0 else 0)
 
 
 @triton.jit
-def _dequantize_store(acc, facc, row_stat, scb, rm64, rn, m_mask, n_mask, x_rows, w_rows, x_ptr, bias_ptr, cols_ptr,
-                      count_ptr, out_ptr, stride_om, HAS_BIAS: tl.constexpr, HAS_THRESHOLD: tl.constexpr,
-                      FP_GIVEN: tl.constexpr):
+def _dequantize_store(acc, facc, xo, wo, row_stat, scb, rm64, rn, m_mask, n_mask, x_rows, w_rows, x_ptr, bias_ptr,
+                      cols_ptr, count_ptr, out_ptr, stride_om, HAS_BIAS: tl.constexpr, HAS_THRESHOLD: tl.constexpr,
+                      FP_GIVEN: tl.constexpr, HEAD: tl.constexpr):
     """The epilogue of every GEMM kernel here: int32 sums [BM, BN] to x's dtype in the reference's order,
-    bias, then (threshold) the outlier columns' fp products: ``facc`` (FP_GIVEN) or the listed columns'."""
+    bias, then (threshold) the outlier columns' fp products: ``facc`` (FP_GIVEN) or the listed columns',
+    the first HEAD of them from the gathered ``xo`` [BM, HEAD] and ``wo`` [BN, HEAD]."""
     y = acc.to(tl.float32) * ((row_stat[:, None] * scb[None, :]) * _f32(INV_127_SQUARED_BITS))
     if HAS_BIAS:
         y = y + tl.load(bias_ptr + rn, mask=n_mask, other=0.0).to(tl.float32)[None, :]
@@ -255,7 +279,9 @@ def _dequantize_store(acc, facc, row_stat, scb, rm64, rn, m_mask, n_mask, x_rows
         if FP_GIVEN:
             y = y + facc
         else:
-            y = _outlier_fp(y, x_rows, w_rows, scb, x_ptr, cols_ptr, count_ptr, m_mask, n_mask, OUTLIER_STEP)
+            if HEAD > 0:
+                y = _fp_dot(xo, _dequantized(wo, scb, x_ptr), y)
+            y = _outlier_fp(y, x_rows, w_rows, scb, x_ptr, cols_ptr, count_ptr, m_mask, n_mask, HEAD, OUTLIER_STEP)
     out = out_ptr + rm64[:, None] * stride_om + rn[None, :]
     tl.store(out, to_output(y, out_ptr), mask=m_mask[:, None] & n_mask[None, :])
 
@@ -284,9 +310,9 @@ def _int8_matmul_tma_kernel(a_desc, w_desc, x_ptr, w_ptr, row_stats_ptr, scb_ptr
         rm64 = rm.to(tl.int64)
         row_stat = tl.load(row_stats_ptr + rm, mask=m_mask, other=0.0)
         scb = tl.load(scb_ptr + rn, mask=n_mask, other=0.0)
-        _dequantize_store(acc, 0.0, row_stat, scb, rm64, rn, m_mask, n_mask, x_ptr + rm64[:, None] * stride_xm,
+        _dequantize_store(acc, 0.0, 0.0, 0.0, row_stat, scb, rm64, rn, m_mask, n_mask, x_ptr + rm64[:, None] * stride_xm,
                           w_ptr + rn.to(tl.int64)[:, None] * K, x_ptr, bias_ptr, cols_ptr, count_ptr, out_ptr,
-                          stride_om, HAS_BIAS, HAS_THRESHOLD, False)
+                          stride_om, HAS_BIAS, HAS_THRESHOLD, False, 0)
 
 
 # ---- configs: per target, per path ---------------------------------------------------------------
