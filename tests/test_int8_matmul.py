@@ -412,3 +412,27 @@ def test_linear8bitlt_forward_captures_in_a_cuda_graph(m):
         torch.cuda.synchronize()
         assert_matches_reference(y.cpu(), x.cpu(), layer.weight.data.cpu(), layer.weight.SCB.cpu(), 6.0,
                                  source.bias.cpu())
+
+
+@pytest.mark.aot
+def test_listing_counts_bits_with_popc_on_nvidia_only():
+    """NVIDIA lists outlier columns counting bits with its popc instruction (``POPC``); AMD (and the
+    interpreter) with SWAR arithmetic, the same counts (the GPU tests check the lists against the reference)."""
+    import triton
+    from triton.compiler import ASTSource
+
+    from anygpu.backend.targets import TARGETS
+    from anygpu.kernels.config import select
+
+    for arch in ("gfx942", "gfx90a", "gfx1100", "gfx950"):
+        for spec in (Q.QUANTIZE_SPEC, Q.OUTLIER_LIST_SPEC):
+            assert not any(cfg.constexprs.get("POPC") for cfg in select(spec.configs, TARGETS[arch]))
+    for arch in ("sm_80", "sm_90"):
+        target = TARGETS[arch]
+        for spec, dtype, listing in ((Q.QUANTIZE_SPEC, torch.float16, lambda c: c["LIST"]),
+                                     (Q.OUTLIER_LIST_SPEC, torch.int8, lambda c: not c["ZERO"])):
+            cfg = next(c for c in select(spec.configs, target) if listing(c.constexprs))
+            assert cfg.constexprs["POPC"]
+            src = ASTSource(fn=spec.fn, signature=spec.signature(dtype), constexprs=dict(cfg.constexprs))
+            ptx = triton.compile(src, target=target.triton_target(), options=cfg.options(target)).asm["ptx"]
+            assert "popc.b32" in ptx, (arch, spec.name)
