@@ -50,7 +50,8 @@ def main_kernel(x, codes, stats, cols, count, out, cfg, kept, threshold=True):
     grid = (triton.cdiv(m, c["BLOCK_M"]) * triton.cdiv(n, c["BLOCK_N"]),)
     I._int8_matmul_kernel[grid](x, codes, cb, stats, scb, bias, cols, count, scb, out, m, n, k, x.stride(0), n,
                                 I.fp16_threshold(6.0), SOURCE=1, STATS_GIVEN=True, ROWS=1, STATS_CHUNK=16,
-                                HAS_BIAS=True, HAS_THRESHOLD=threshold, KEPT=kept and threshold, **c, **I.fp_exact_options(cfg, dev))
+                                HAS_BIAS=True, HAS_THRESHOLD=threshold, KEPT=kept and threshold, **c,
+                                **I.fp_exact_options(cfg, dev))
 
 
 def sweep():

@@ -19,10 +19,11 @@ One kernel, ``_int8_matmul_kernel``, takes its int8 A operand from one of three 
 The codes of an outlier column's entries that are not outliers themselves are either zeroed by the list
 launch (many rows: ``KEPT=False``), or, for a few rows, the matmul takes the kept codes' products back
 out of its int32 sums after the main loop (exact; a gather of the listed columns per program, cheaper
-than another launch).  The listed columns' fp products are added after the main loop too, 16 columns a
-dot step: a few outlier columns cost a step or two, not a pass over K.  On NVIDIA sm_90+ the 16-row
-gemm launch is a programmatic dependent of the launch before it: it starts early, asks L2 for the head
-of its weight rows and waits for the codes there (``uses_pdl``).
+than another launch).  The listed columns' fp products are added after the main loop too: the list's
+count and first 32 columns are loaded before the main loop, so after it one round of gathers (x, the
+codes, the weight columns) serves both fix-ups; a few outlier columns cost a dot step, not a pass over K.
+On NVIDIA sm_90+ the 16-row gemm launch is a programmatic dependent of the launch before it: it starts
+early, asks L2 for the head of its weight rows and waits for the codes there (``uses_pdl``).
 
 The epilogue is the reference's fp32 operation order:
 ``acc * ((row_stat * SCB) * 1/127**2) + bias``, rounded to x's dtype; with a threshold, the outlier
@@ -310,9 +311,9 @@ def _int8_matmul_tma_kernel(a_desc, w_desc, x_ptr, w_ptr, row_stats_ptr, scb_ptr
         rm64 = rm.to(tl.int64)
         row_stat = tl.load(row_stats_ptr + rm, mask=m_mask, other=0.0)
         scb = tl.load(scb_ptr + rn, mask=n_mask, other=0.0)
-        _dequantize_store(acc, 0.0, 0.0, 0.0, row_stat, scb, rm64, rn, m_mask, n_mask, x_ptr + rm64[:, None] * stride_xm,
-                          w_ptr + rn.to(tl.int64)[:, None] * K, x_ptr, bias_ptr, cols_ptr, count_ptr, out_ptr,
-                          stride_om, HAS_BIAS, HAS_THRESHOLD, False, 0)
+        _dequantize_store(acc, 0.0, 0.0, 0.0, row_stat, scb, rm64, rn, m_mask, n_mask,
+                          x_ptr + rm64[:, None] * stride_xm, w_ptr + rn.to(tl.int64)[:, None] * K, x_ptr, bias_ptr,
+                          cols_ptr, count_ptr, out_ptr, stride_om, HAS_BIAS, HAS_THRESHOLD, False, 0)
 
 
 # ---- configs: per target, per path ---------------------------------------------------------------

@@ -148,7 +148,7 @@ def _int8_quantize_kernel(x_ptr, codes_ptr, stats_ptr, flags_ptr, cols_ptr, coun
     outlier column is dealt with later, see the module doc) and their outlier columns, marked (MARK 1: a
     flag per column, into zeros; 2: each row's own bit words) for ``_outlier_list_kernel``.  LIST (a single
     row): an extra program (program M) lists the row's outlier columns instead, beside the row's program
-    rather than after it."""
+    rather than after it.  PDL: the next launch may start once each row's program has loaded its row."""
     if LIST and tl.program_id(0) == M:
         if PDL:
             tl.extra.cuda.gdc_launch_dependents()  # the next launch may start now: it waits for our writes itself
