@@ -54,25 +54,28 @@ def main_kernel(x, codes, stats, cols, count, out, cfg, kept, threshold=True):
                                 **I.fp_exact_options(cfg, dev))
 
 
+def best(label, configs, run, top):
+    """Time ``run(cfg)`` for each config and print the ``top`` fastest."""
+    rows = []
+    for cfg in configs:
+        try:
+            rows.append((t(lambda: run(cfg), True), cfg.label()))
+        except Exception as e:  # noqa: BLE001
+            print("fail", cfg.label(), str(e)[:100], flush=True)
+    rows.sort()
+    print(f"{label}: " + "\n  ".join(f"{us:.1f} us {name}" for us, name in rows[:top]), flush=True)
+
+
 def sweep():
     for m in (1, 16):
         x = x_for(m)
         codes, stats, (cols, count) = I.quantize_rows(x, I.fp16_threshold(6.0))
         out = torch.empty(m, n, device=dev, dtype=torch.float16)
-        rows = []
-        for bn, bk, warps, stages in itertools.product((16, 32, 64), (256, 512), (2, 4), (3, 4, 5)):
-            if (16 + bn) * bk * stages > 200 * 1024:  # past the shared memory of a program
-                continue
-            cfg = LaunchConfig({"BLOCK_M": 16, "BLOCK_N": bn, "BLOCK_K": bk, "GROUP_M": 8}, num_warps=warps,
-                               num_stages=stages)
-            try:
-                us = t(lambda: main_kernel(x, codes, stats, cols, count, out, cfg, True), True)
-            except Exception as e:  # noqa: BLE001
-                print("fail", cfg.label(), str(e)[:100], flush=True)
-                continue
-            rows.append((us, cfg.label()))
-        rows.sort()
-        print(f"M={m}: " + "\n  ".join(f"{us:.1f} us {label}" for us, label in rows[:8]), flush=True)
+        configs = [LaunchConfig({"BLOCK_M": 16, "BLOCK_N": bn, "BLOCK_K": bk, "GROUP_M": 8}, num_warps=warps,
+                                num_stages=stages)
+                   for bn, bk, warps, stages in itertools.product((16, 32, 64), (256, 512), (2, 4), (3, 4, 5))
+                   if (16 + bn) * bk * stages <= 200 * 1024]  # the shared memory of a program
+        best(f"M={m}", configs, lambda cfg: main_kernel(x, codes, stats, cols, count, out, cfg, True), 8)
 
 
 def tma_small():
@@ -81,20 +84,12 @@ def tma_small():
         x = x_for(m)
         codes, stats, (cols, count) = I.quantize_rows(x, I.fp16_threshold(6.0), zero_columns=True)
         out = torch.empty(m, n, device=dev, dtype=torch.float16)
-        rows = []
-        for bn, bk, stages, per_sm in itertools.product((32, 64), (256, 512), (4, 6), (1, 2)):
-            if (16 + bn) * bk * stages > 200 * 1024:
-                continue
-            cfg = LaunchConfig({"BLOCK_M": 16, "BLOCK_N": bn, "BLOCK_K": bk, "GROUP_M": 8, "PER_SM": per_sm},
-                               num_warps=4, num_stages=stages)
-            try:
-                us = t(lambda: I._gemm_tma(x, codes, cb, stats, scb, bias, cols, count, out, cfg, True, True), True)
-            except Exception as e:  # noqa: BLE001
-                print("fail", cfg.label(), str(e)[:100], flush=True)
-                continue
-            rows.append((us, cfg.label()))
-        rows.sort()
-        print(f"TMA M={m}: " + "\n  ".join(f"{us:.1f} us {label}" for us, label in rows[:6]), flush=True)
+        configs = [LaunchConfig({"BLOCK_M": 16, "BLOCK_N": bn, "BLOCK_K": bk, "GROUP_M": 8, "PER_SM": per_sm},
+                                num_warps=4, num_stages=stages)
+                   for bn, bk, stages, per_sm in itertools.product((32, 64), (256, 512), (4, 6), (1, 2))
+                   if (16 + bn) * bk * stages <= 200 * 1024]
+        best(f"TMA M={m}", configs,
+             lambda cfg: I._gemm_tma(x, codes, cb, stats, scb, bias, cols, count, out, cfg, True, True), 6)
 
 
 def probe(m):
@@ -142,10 +137,11 @@ def probe(m):
         print(f"   torch._int_mm alone {mm:.1f} us; int_mm path {via:.1f} us", flush=True)
 
 
-if "sweep" in sys.argv:
-    sweep()
-elif "tma" in sys.argv:
-    tma_small()
-else:
-    for m in [int(a) for a in sys.argv[1:]] or (1, 16, 4096):
-        probe(m)
+if __name__ == "__main__":
+    if "sweep" in sys.argv:
+        sweep()
+    elif "tma" in sys.argv:
+        tma_small()
+    else:
+        for m in [int(a) for a in sys.argv[1:]] or (1, 16, 4096):
+            probe(m)

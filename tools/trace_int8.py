@@ -15,19 +15,7 @@ from torch.profiler import ProfilerActivity, profile
 from anygpu.kernels import int8_matmul as I
 from anygpu.kernels import int8_quantize as Q
 from anygpu.kernels.config import LaunchConfig
-
-dev = torch.device("cuda")
-n = k = 8192
-w = torch.randn(n, k, device=dev, dtype=torch.float16) * 0.02
-scb = w.abs().amax(1).float()
-cb = torch.round(w.float() * (127 / scb[:, None])).to(torch.int8)
-bias = torch.randn(n, device=dev, dtype=torch.float16)
-
-
-def x_for(m):
-    x = torch.randn(m, k, device=dev, dtype=torch.float16)
-    x[::3, torch.randperm(k, device=dev)[:8]] = 8.0
-    return x
+from probe_int8 import bias, cb, scb, x_for  # the same problem (run from tools/ or as tools/trace_int8.py)
 
 
 def timeline(label, fn, calls=20):
