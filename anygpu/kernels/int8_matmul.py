@@ -147,30 +147,33 @@ def _list_head(cols_ptr, count_ptr, K, HEAD: tl.constexpr):
 
 
 @triton.jit
-def _without_outlier_codes(acc, a_rows, w_rows, cols_ptr, count_ptr, m_mask, n_mask, START: tl.constexpr,
+def _list_slice(cols_ptr, c, n_out, STEP: tl.constexpr):
+    """(cols[c:c + STEP], which of them are list entries): one dot step of the outlier list."""
+    j = c + tl.arange(0, STEP)
+    return tl.load(cols_ptr + j, mask=j < n_out, other=0), j < n_out
+
+
+@triton.jit
+def _without_outlier_codes(acc, a_rows, w_rows, cols_ptr, n_out, m_mask, n_mask, START: tl.constexpr,
                            STEP: tl.constexpr):
     """acc minus the int8 products of the outlier columns listed from START on, through their kept codes (the
     main loop added them, the reference leaves them out): exact, one int8 dot of the negated codes a step
     (-127..127 fit int8)."""
-    n_out = tl.load(count_ptr)
     for c in range(START, n_out, STEP):
-        j = c + tl.arange(0, STEP)
-        col = tl.load(cols_ptr + j, mask=j < n_out, other=0)
-        a = _gathered(a_rows, col, j < n_out, m_mask)
-        acc = tl.dot(-a, tl.trans(_gathered(w_rows, col, j < n_out, n_mask)), acc, out_dtype=tl.int32)
+        col, valid = _list_slice(cols_ptr, c, n_out, STEP)
+        a = _gathered(a_rows, col, valid, m_mask)
+        acc = tl.dot(-a, tl.trans(_gathered(w_rows, col, valid, n_mask)), acc, out_dtype=tl.int32)
     return acc
 
 
 @triton.jit
-def _outlier_fp(y, x_rows, w_rows, scb, x_ptr, cols_ptr, count_ptr, m_mask, n_mask, START: tl.constexpr,
+def _outlier_fp(y, x_rows, w_rows, scb, x_ptr, cols_ptr, n_out, m_mask, n_mask, START: tl.constexpr,
                 STEP: tl.constexpr):
     """y plus x's outlier columns listed from START on times the dequantized weight columns, in fp32."""
-    n_out = tl.load(count_ptr)
     for c in range(START, n_out, STEP):
-        j = c + tl.arange(0, STEP)
-        col = tl.load(cols_ptr + j, mask=j < n_out, other=0)
-        xo = _gathered(x_rows, col, j < n_out, m_mask)
-        y = _fp_dot(xo, _dequantized(_gathered(w_rows, col, j < n_out, n_mask), scb, x_ptr), y)
+        col, valid = _list_slice(cols_ptr, c, n_out, STEP)
+        xo = _gathered(x_rows, col, valid, m_mask)
+        y = _fp_dot(xo, _dequantized(_gathered(w_rows, col, valid, n_mask), scb, x_ptr), y)
     return y
 
 
@@ -217,6 +220,7 @@ def _int8_matmul_kernel(x_ptr, a_ptr, w_ptr, row_stats_ptr, scb_ptr, bias_ptr, c
         row_stat = _row_absmax(x_ptr, M, K, stride_xm, threshold, BLOCK_M, ROWS, STATS_CHUNK, HAS_THRESHOLD)
     else:
         row_stat = tl.load(row_stats_ptr + rm, mask=m_mask, other=0.0)
+    n_out = 0  # the outlier list's length (SOURCE 1, 2), loaded once with its head
     if HAS_THRESHOLD and SOURCE != 0:
         n_out, head = _list_head(cols_ptr, count_ptr, K, LIST_HEAD)
 
@@ -256,22 +260,22 @@ def _int8_matmul_kernel(x_ptr, a_ptr, w_ptr, row_stats_ptr, scb_ptr, bias_ptr, c
         wo = _gathered(w_rows, head, in_head, n_mask)
         if KEPT:
             acc = tl.dot(-_gathered(a_rows, head, in_head, m_mask), tl.trans(wo), acc, out_dtype=tl.int32)
-            acc = _without_outlier_codes(acc, a_rows, w_rows, cols_ptr, count_ptr, m_mask, n_mask, LIST_HEAD,
-                                         LIST_HEAD)
+            acc = _without_outlier_codes(acc, a_rows, w_rows, cols_ptr, n_out, m_mask, n_mask, LIST_HEAD, LIST_HEAD)
     if SOURCE != 0 or not HAS_THRESHOLD:
         facc = 0.0  # the outlier columns' fp products: summed in the main loop (SOURCE 0), else from the list
     _dequantize_store(acc, facc, xo, wo, row_stat, scb, rm64, rn, m_mask, n_mask, x_rows, w_rows, x_ptr, bias_ptr,
-                      cols_ptr, count_ptr, out_ptr, stride_om, HAS_BIAS, HAS_THRESHOLD, SOURCE == 0,
+                      cols_ptr, n_out, out_ptr, stride_om, HAS_BIAS, HAS_THRESHOLD, SOURCE == 0,
                       LIST_HEAD if SOURCE != 0 else 0)
 
 
 @triton.jit
 def _dequantize_store(acc, facc, xo, wo, row_stat, scb, rm64, rn, m_mask, n_mask, x_rows, w_rows, x_ptr, bias_ptr,
-                      cols_ptr, count_ptr, out_ptr, stride_om, HAS_BIAS: tl.constexpr, HAS_THRESHOLD: tl.constexpr,
+                      cols_ptr, n_out, out_ptr, stride_om, HAS_BIAS: tl.constexpr, HAS_THRESHOLD: tl.constexpr,
                       FP_GIVEN: tl.constexpr, HEAD: tl.constexpr):
     """The epilogue of every GEMM kernel here: int32 sums [BM, BN] to x's dtype in the reference's order,
     bias, then (threshold) the outlier columns' fp products: ``facc`` (FP_GIVEN) or the listed columns',
-    the first HEAD of them from the gathered ``xo`` [BM, HEAD] and ``wo`` [BN, HEAD]."""
+    the first HEAD of them from the gathered ``xo`` [BM, HEAD] and ``wo`` [BN, HEAD] (``n_out``: the list's
+    length)."""
     y = acc.to(tl.float32) * ((row_stat[:, None] * scb[None, :]) * _f32(INV_127_SQUARED_BITS))
     if HAS_BIAS:
         y = y + tl.load(bias_ptr + rn, mask=n_mask, other=0.0).to(tl.float32)[None, :]
@@ -282,7 +286,7 @@ def _dequantize_store(acc, facc, xo, wo, row_stat, scb, rm64, rn, m_mask, n_mask
         else:
             if HEAD > 0:
                 y = _fp_dot(xo, _dequantized(wo, scb, x_ptr), y)
-            y = _outlier_fp(y, x_rows, w_rows, scb, x_ptr, cols_ptr, count_ptr, m_mask, n_mask, HEAD, OUTLIER_STEP)
+            y = _outlier_fp(y, x_rows, w_rows, scb, x_ptr, cols_ptr, n_out, m_mask, n_mask, HEAD, OUTLIER_STEP)
     out = out_ptr + rm64[:, None] * stride_om + rn[None, :]
     tl.store(out, to_output(y, out_ptr), mask=m_mask[:, None] & n_mask[None, :])
 
@@ -297,6 +301,9 @@ def _int8_matmul_tma_kernel(a_desc, w_desc, x_ptr, w_ptr, row_stats_ptr, scb_ptr
     where the pointer kernel's spills), and ``programs`` persistent programs walk the tiles in grouped order.
     The outlier columns' codes were zeroed by the list launch (``quantize_rows(zero_columns=True)``)."""
     tiles = tl.cdiv(M, BLOCK_M) * tl.cdiv(N, BLOCK_N)
+    n_out = 0  # the outlier list's length, the same for every tile
+    if HAS_THRESHOLD:
+        n_out = tl.load(count_ptr)
     for tile in range(tl.program_id(0), tiles, programs):
         pid_m, pid_n = grouped_tile(tile, M, N, BLOCK_M, BLOCK_N, GROUP_M)
         acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.int32)
@@ -313,7 +320,7 @@ def _int8_matmul_tma_kernel(a_desc, w_desc, x_ptr, w_ptr, row_stats_ptr, scb_ptr
         scb = tl.load(scb_ptr + rn, mask=n_mask, other=0.0)
         _dequantize_store(acc, 0.0, 0.0, 0.0, row_stat, scb, rm64, rn, m_mask, n_mask,
                           x_ptr + rm64[:, None] * stride_xm, w_ptr + rn.to(tl.int64)[:, None] * K, x_ptr, bias_ptr,
-                          cols_ptr, count_ptr, out_ptr, stride_om, HAS_BIAS, HAS_THRESHOLD, False, 0)
+                          cols_ptr, n_out, out_ptr, stride_om, HAS_BIAS, HAS_THRESHOLD, False, 0)
 
 
 # ---- configs: per target, per path ---------------------------------------------------------------
