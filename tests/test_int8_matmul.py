@@ -343,7 +343,10 @@ def test_nvidia_code_rounds_as_the_reference():
     small = ptx(K.GEMM_SMALL_SPEC, enable_fp_fusion=False, launch_pdl=True)
     assert "prefetch.global.L2" in small and "griddepcontrol.wait" in small
     assert small.index("prefetch.global.L2") < small.index("griddepcontrol.wait")
-    assert "griddepcontrol.launch_dependents" in quantize
+    assert "griddepcontrol.launch_dependents" in small  # after its main loop: the next quantize may launch
+    # the quantize launch waits for the launch before it (x), then lets the next start after its loads
+    assert "griddepcontrol.wait" in quantize and "griddepcontrol.launch_dependents" in quantize
+    assert quantize.index("griddepcontrol.wait") < quantize.index("ld.global")
     listing = ptx(Q.OUTLIER_LIST_SPEC, pick=-1)  # the bit-words form, a programmatic dependent of quantize's
     assert "griddepcontrol.wait" in listing and "griddepcontrol.launch_dependents" in listing
 

@@ -251,6 +251,8 @@ def _int8_matmul_kernel(x_ptr, a_ptr, w_ptr, row_stats_ptr, scb_ptr, bias_ptr, c
             else:
                 a = tl.load(a_rows + k[None, :], mask=m_mask[:, None] & k_mask[None, :], other=0)
             acc = tl.dot(a, tl.trans(w), acc, out_dtype=tl.int32)  # triton 3.6 wants it said
+    if PDL:  # the next launch (the next int8 matmul's quantize) may start: it waits for this one to end
+        tl.extra.cuda.gdc_launch_dependents()
 
     xo = 0.0  # the list head's columns of x and of the weight, for the epilogue (SOURCE 1, 2)
     wo = 0.0

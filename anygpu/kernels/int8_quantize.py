@@ -148,7 +148,11 @@ def _int8_quantize_kernel(x_ptr, codes_ptr, stats_ptr, flags_ptr, cols_ptr, coun
     outlier column is dealt with later, see the module doc) and their outlier columns, marked (MARK 1: a
     flag per column, into zeros; 2: each row's own bit words) for ``_outlier_list_kernel``.  LIST (a single
     row): an extra program (program M) lists the row's outlier columns instead, beside the row's program
-    rather than after it.  PDL: the next launch may start once each row's program has loaded its row."""
+    rather than after it.  PDL: launched as a programmatic dependent of whatever ran before (it may have written
+    x, or still read memory these outputs reuse: every program waits for it first), and the next launch may
+    start once each row's program has loaded its row."""
+    if PDL:
+        tl.extra.cuda.gdc_wait()
     if LIST and tl.program_id(0) == M:
         if PDL:
             tl.extra.cuda.gdc_launch_dependents()  # the next launch may start now: it waits for our writes itself
@@ -296,9 +300,9 @@ def quantize_rows(x2: torch.Tensor, threshold: float, codes: bool = True, zero_c
     threshold (or ``codes=False``), else ``(cols, count)``: the outlier columns, increasing, in
     cols[:count].  A single row lists them in the same launch; more rows mark them (each row its own bit
     words, or with ``zero_columns`` flags in a zeroed buffer) and one small launch lists them.
-    ``threshold``: as ``fp16_threshold`` returns it, 0 for none.  ``signal`` (``uses_pdl``): the launches
-    after the first are programmatic dependents of the one before, and the last lets the next (the matmul)
-    start early.  No host sync."""
+    ``threshold``: as ``fp16_threshold`` returns it, 0 for none.  ``signal`` (``uses_pdl``): every launch is a
+    programmatic dependent of the one before (the first waits for it before reading x), and the last lets the
+    next (the matmul) start early.  No host sync."""
     m, k = x2.shape
     device = x2.device
     cfg = select(QUANTIZE_CONFIGS, device_target(device))[0]
@@ -318,13 +322,13 @@ def quantize_rows(x2: torch.Tensor, threshold: float, codes: bool = True, zero_c
         cols = torch.empty(k, dtype=torch.int32, device=device)
         count = torch.empty(1, dtype=torch.int32, device=device)
     with on_device(device):
+        pdl = {"launch_pdl": True} if signal else {}  # each launch a programmatic dependent of the one before
         _int8_quantize_kernel[(m + listed,)](
             x2, out_codes if codes else stats, stats, flags, cols, count, m, k, x2.stride(0), threshold, BLOCK_R=1,
             BLOCK_K=block_k, ONE_TILE=block_k >= k, WRITE_CODES=codes, HAS_THRESHOLD=threshold > 0, LIST=listed,
             MARK=(2 if words else 1) if list_launch else 0, PDL=signal, POPC=cfg.constexprs.get("POPC", False),
-            **fp_exact_options(cfg, device))
+            **fp_exact_options(cfg, device, **pdl))
         if list_launch:
-            pdl = {"launch_pdl": True} if signal else {}  # a programmatic dependent of the quantize launch
             list_cfg = select(OUTLIER_LIST_CONFIGS, device_target(device))[0]
             c = list_cfg.constexprs
             grid = triton.cdiv(m, c["ZERO_ROWS"]) if zero_columns else 1
