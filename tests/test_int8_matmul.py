@@ -183,6 +183,13 @@ def test_quantize_kernels_give_the_reference_codes(kdevice, dtype, threshold, ro
     assert torch.equal(codes.cpu()[:, ~kept], expected_codes[:, ~kept])
     _, stats_only, _ = Q.quantize_rows(x.to(kdevice), thr, codes=False)
     assert same_bits(stats_only.cpu(), expected_stats)
+    if rows > 1 and threshold:  # mark_only: the same codes, the outlier entries in the rows' bit words
+        marked, marked_stats, words = Q.quantize_rows(x.to(kdevice), thr, mark_only=True)
+        outlier_entries = x.half().abs() >= thr
+        assert same_bits(marked_stats.cpu(), expected_stats) and torch.equal(marked.cpu(), codes.cpu())
+        words = words.view(torch.int32).cpu().view(rows, -1)
+        bits = (words[:, :, None] >> torch.arange(32)) & 1  # bit j of word i: column 32 i + j
+        assert torch.equal(bits.reshape(rows, -1)[:, :150].bool(), outlier_entries)
 
 
 def test_shapes_strides_and_empty_inputs(kdevice):
@@ -208,6 +215,32 @@ def test_shapes_strides_and_empty_inputs(kdevice):
     with pytest.raises(ValueError, match="plan: the fused path takes at most 16 rows"):
         K.int8_matmul(activations(17).to(kdevice), CB.to(kdevice), SCB.to(kdevice),
                       plan_=Plan("fused", K.FUSED_CONFIGS["default"][0]))
+
+
+@pytest.mark.parametrize("m", [2, 3, 16])
+def test_a_few_rows_finish_in_the_outlier_epilogue(kdevice, m, monkeypatch):
+    """2..16 rows with a threshold: the matmul stores its int32 sums and the epilogue launch lists the outlier
+    columns (several list steps, more columns than its head), takes the kept codes' products out and adds the
+    fp part; as with OUTLIER_EPILOGUE_ROWS = 0 (the list launch before the matmul, its own epilogue)."""
+    monkeypatch.setattr(K, "OUTLIER_EPILOGUE_CONFIGS", {"default": (LaunchConfig({"BLOCK_N": 16, "LIST_K": 64}),)})
+    calls = []
+    epilogue = K.outlier_epilogue
+    monkeypatch.setattr(K, "outlier_epilogue", lambda *a: calls.append(a[6].numel()) or epilogue(*a))
+    CB, SCB = weight()
+    x = activations(m)
+    x[m - 1, 200:300:3] = -6.5  # 34 more outlier columns, in the last row only (the others' codes are kept)
+    bias = torch.randn(N, dtype=torch.float16)
+    y = run_kernel(x, CB, SCB, 6.0, bias, "gemm", kdevice)
+    assert calls == [m * ((KDIM + 31) // 32) * 4]  # the rows' bit words, as int8 storage
+    assert_matches_reference(y, x, CB, SCB, 6.0, bias)
+    assert_matches_reference(run_kernel(x, CB, SCB, 6.0, None, "gemm", kdevice), x, CB, SCB, 6.0, None)
+    clean = activations(m, outliers=False) * 0.1  # no outlier column: the epilogue alone
+    assert_matches_reference(run_kernel(clean, CB, SCB, 6.0, None, "gemm", kdevice), clean, CB, SCB, 6.0, None)
+    assert len(calls) == 3
+    monkeypatch.setattr(K, "OUTLIER_EPILOGUE_ROWS", 0)
+    listed = run_kernel(x, CB, SCB, 6.0, bias, "gemm", kdevice)
+    assert len(calls) == 3
+    assert_matches_reference(listed, x, CB, SCB, 6.0, bias)
 
 
 def test_every_column_an_outlier(kdevice):
@@ -299,7 +332,7 @@ def test_bench_suite_runs_on_the_cpu():
 
 
 SPECS = ("int8_matmul_fused", "int8_matmul_gemm_small", "int8_matmul_gemm", "int8_matmul_gemm_tma",
-         "int8_matmul_epilogue", "int8_quantize_rows", "int8_outlier_list")
+         "int8_matmul_epilogue", "int8_quantize_rows", "int8_outlier_list", "int8_outlier_epilogue")
 
 
 @pytest.mark.aot

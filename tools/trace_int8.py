@@ -3,7 +3,7 @@ int8_matmul calls are captured, replayed under torch.profiler, and each kernel's
 start relative to the previous kernel's end are printed (negative: it overlapped, as programmatic dependent
 launches do).  N = K = 8192 fp16, threshold 6, 8 outlier columns (as the bench).
 ``quantize``: the quantize launch alone, in variants; ``variants``: the whole path, in variants.
-Usage: python3 tools/trace_int8.py [M ...] | python3 tools/trace_int8.py quantize | ... variants"""
+Usage: python3 tools/trace_int8.py [M ...] | python3 tools/trace_int8.py quantize | ... variants | ... epilogue"""
 
 import statistics
 import sys
@@ -87,8 +87,37 @@ def path_variants():
             I._plan.cache_clear()
 
 
+def epilogue_variants():
+    """A few rows: the outlier epilogue launch after the matmul (shipped) against the list launch before the
+    matmul and its own tail (OUTLIER_EPILOGUE_ROWS = 0); the epilogue launch's tile and warps, and the PDL
+    prefetch depth, at M = 16; then the small GEMM's registers in each form."""
+    shipped, cfgs, prefetch = I.OUTLIER_EPILOGUE_ROWS, I.OUTLIER_EPILOGUE_CONFIGS, I.PDL_PREFETCH_K
+    for m in (2, 16):
+        x = x_for(m)
+        for rows in (shipped, 0):
+            I.OUTLIER_EPILOGUE_ROWS = rows
+            timeline(f"M={m} OUTLIER_EPILOGUE_ROWS={rows}", lambda: I.int8_matmul(x, cb, scb, 6.0, bias))
+    I.OUTLIER_EPILOGUE_ROWS = shipped
+    x = x_for(16)
+    for bn, warps in ((32, 4), (128, 4), (64, 8)):
+        I.OUTLIER_EPILOGUE_CONFIGS = {"default": (LaunchConfig({"BLOCK_N": bn, "LIST_K": 8192, "POPC": True},
+                                                               num_warps=warps),)}
+        timeline(f"M=16 epilogue {bn} columns, {warps} warps", lambda: I.int8_matmul(x, cb, scb, 6.0, bias))
+    I.OUTLIER_EPILOGUE_CONFIGS = cfgs
+    for p in (512, 2048):
+        I.PDL_PREFETCH_K = p
+        timeline(f"M=16 prefetch {p} B", lambda: I.int8_matmul(x, cb, scb, 6.0, bias))
+    I.PDL_PREFETCH_K = prefetch
+    for key, kern in I._int8_matmul_kernel.device_caches[0][0].items():
+        print("  gemm form", str(key)[-120:], "regs", kern.n_regs, "spills", kern.n_spills)
+    for key, kern in I._outlier_epilogue_kernel.device_caches[0][0].items():
+        print("  epilogue form", str(key)[-120:], "regs", kern.n_regs, "spills", kern.n_spills)
+
+
 if "variants" in sys.argv:
     path_variants()
+elif "epilogue" in sys.argv:
+    epilogue_variants()
 elif "quantize" in sys.argv:
     for m in (1, 16):
         quantize_variants(m)

@@ -59,8 +59,8 @@ import triton.language as tl
 
 from ._program_order import grouped_tile
 from .config import TRITON_DTYPE, KernelSpec, LaunchConfig, device_target, on_device, register, select
-from .int8_quantize import (_as_fp16, _pow2, _rint, _scale, fp16_threshold, fp_exact_options, hopper_pdl,
-                            quantize_rows)
+from .int8_quantize import (_as_fp16, _list_columns, _pow2, _rint, _rows_words, _scale, fp16_threshold,
+                            fp_exact_options, hopper_pdl, quantize_rows)
 from .quant_blockwise import ROUND_BF16_BY_HAND, to_output
 
 try:  # host-side tensor descriptors (TMA on NVIDIA): triton >= 3.3
@@ -196,9 +196,12 @@ def _int8_matmul_kernel(x_ptr, a_ptr, w_ptr, row_stats_ptr, scb_ptr, bias_ptr, c
                         SOURCE: tl.constexpr, STATS_GIVEN: tl.constexpr, BLOCK_M: tl.constexpr,
                         BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, ROWS: tl.constexpr,
                         STATS_CHUNK: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_THRESHOLD: tl.constexpr,
-                        KEPT: tl.constexpr, PDL: tl.constexpr = False, PREFETCH_K: tl.constexpr = 0):
+                        KEPT: tl.constexpr, PDL: tl.constexpr = False, PREFETCH_K: tl.constexpr = 0,
+                        INT32_OUT: tl.constexpr = False):
     # x [M, K] (x's dtype, unit stride in K); a: the int8 codes [M, K] (SOURCE 1, 2); w: CB int8 [N, K];
     # acc: torch._int_mm's int32 [M, N] (SOURCE 2); cols / count: the outlier columns (SOURCE 1, 2).
+    # INT32_OUT (SOURCE 1, HAS_THRESHOLD off): the int32 sums go to acc [M, N], and ``_outlier_epilogue_kernel``
+    # (launched next) does the rest: a few rows with a threshold, see OUTLIER_EPILOGUE_ROWS.
     if SOURCE == 0:  # every row in the one row tile
         pid_m = 0
         pid_n = tl.program_id(0)
@@ -217,6 +220,8 @@ def _int8_matmul_kernel(x_ptr, a_ptr, w_ptr, row_stats_ptr, scb_ptr, bias_ptr, c
         if PREFETCH_K > 0:  # the weights do not depend on it: start fetching them meanwhile
             _prefetch_l2(w_rows, n_mask, K, PREFETCH_K)
         tl.extra.cuda.gdc_wait()  # that launch's writes are visible past this point
+        if INT32_OUT:  # the epilogue launch may start now: it gathers its operands during our main loop
+            tl.extra.cuda.gdc_launch_dependents()
     scb = tl.load(scb_ptr + rn, mask=n_mask, other=0.0)
     if SOURCE == 0 and not STATS_GIVEN:
         row_stat = _row_absmax(x_ptr, M, K, stride_xm, threshold, BLOCK_M, ROWS, STATS_CHUNK, HAS_THRESHOLD)
@@ -253,6 +258,9 @@ def _int8_matmul_kernel(x_ptr, a_ptr, w_ptr, row_stats_ptr, scb_ptr, bias_ptr, c
             else:
                 a = tl.load(a_rows + k[None, :], mask=m_mask[:, None] & k_mask[None, :], other=0)
             acc = tl.dot(a, tl.trans(w), acc, out_dtype=tl.int32)  # triton 3.6 wants it said
+    if INT32_OUT:
+        tl.store(acc_ptr + rm64[:, None] * N + rn[None, :], acc, mask=m_mask[:, None] & n_mask[None, :])
+        return
     if PDL:  # the next launch (the next int8 matmul's quantize) may start: it waits for this one to end
         tl.extra.cuda.gdc_launch_dependents()
 
@@ -327,6 +335,50 @@ def _int8_matmul_tma_kernel(a_desc, w_desc, x_ptr, w_ptr, row_stats_ptr, scb_ptr
                           cols_ptr, n_out, out_ptr, stride_om, HAS_BIAS, HAS_THRESHOLD, False, 0)
 
 
+@triton.jit
+def _outlier_epilogue_kernel(x_ptr, a_ptr, w_ptr, row_stats_ptr, scb_ptr, bias_ptr, words_ptr, cols_ptr, acc_ptr,
+                             out_ptr, M, N, K, stride_xm, stride_om, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                             LIST_K: tl.constexpr, HAS_BIAS: tl.constexpr, PDL: tl.constexpr = False,
+                             POPC: tl.constexpr = False):
+    """The epilogue of an INT32_OUT matmul of a few rows (one row tile) with a threshold: the kept codes'
+    products of the outlier columns out of its int32 sums, then ``_dequantize_store`` (the int8 part, bias,
+    the columns' fp part).  Each program lists the columns itself (the OR of the rows' bit words, into its own
+    row of cols) and gathers the columns of x, the codes and the weight; with PDL all that runs during the
+    matmul's main loop (the matmul lets this launch start right after its own wait), and only the sums' load
+    and the arithmetic on them wait for the matmul."""
+    pid = tl.program_id(0)
+    cols = cols_ptr + pid.to(tl.int64) * K  # this program's own list: no other program writes it
+    n_out = tl.zeros([], tl.int32)
+    for k0 in range(0, K, LIST_K):
+        n_out = _list_columns(_rows_words(words_ptr, M, K, k0, LIST_K, 16), k0 // 32, cols, n_out, LIST_K // 32, POPC)
+    tl.debug_barrier()  # every thread's list entries are stored before any thread loads them
+    rm = tl.arange(0, BLOCK_M)
+    rn = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+    m_mask = rm < M
+    n_mask = rn < N
+    rm64 = rm.to(tl.int64)
+    x_rows = x_ptr + rm64[:, None] * stride_xm
+    a_rows = a_ptr + rm64[:, None] * K
+    w_rows = w_ptr + rn.to(tl.int64)[:, None] * K
+    scb = tl.load(scb_ptr + rn, mask=n_mask, other=0.0)
+    row_stat = tl.load(row_stats_ptr + rm, mask=m_mask, other=0.0)
+    j = tl.arange(0, LIST_HEAD)
+    in_head = j < n_out
+    head = tl.load(cols + j, mask=in_head, other=0)
+    xo = _gathered(x_rows, head, in_head, m_mask)
+    wo = _gathered(w_rows, head, in_head, n_mask)
+    kept = tl.dot(-_gathered(a_rows, head, in_head, m_mask), tl.trans(wo), tl.zeros([BLOCK_M, BLOCK_N], tl.int32),
+                  out_dtype=tl.int32)  # minus the head columns' kept codes' products
+    kept = _without_outlier_codes(kept, a_rows, w_rows, cols, n_out, m_mask, n_mask, LIST_HEAD, LIST_HEAD)
+    if PDL:
+        tl.extra.cuda.gdc_launch_dependents()  # the next launch waits for this one's end itself
+        tl.extra.cuda.gdc_wait()  # the matmul's int32 sums
+    acc = tl.load(acc_ptr + rm64[:, None] * N + rn[None, :], mask=m_mask[:, None] & n_mask[None, :], other=0)
+    acc = acc + kept
+    _dequantize_store(acc, 0.0, xo, wo, row_stat, scb, rm64, rn, m_mask, n_mask, x_rows, w_rows, x_ptr, bias_ptr,
+                      cols, n_out, out_ptr, stride_om, HAS_BIAS, True, False, LIST_HEAD)
+
+
 # ---- configs: per target, per path ---------------------------------------------------------------
 # First guesses, unmeasured (written without a GPU; registers and shared memory from the cross-compile
 # reports): to be swept on the hardware.  fused: one row tile of 16 rows (the smallest MMA) and every
@@ -374,6 +426,14 @@ GEMM_TMA_CONFIGS = {
 # SOURCE 2 (after torch._int_mm): the epilogue and the outlier columns only.
 EPILOGUE_CONFIGS = {
     "default": (_cfg(64, 64, 32, warps=4),),
+}
+# The epilogue launch after an INT32_OUT matmul: a program per BLOCK_N output columns (all rows), each listing
+# the outlier columns from the rows' bit words LIST_K columns a step.  H200, M = 16, N = K = 8192
+# (tools/trace_int8.py epilogue, a call in a graph of 20): 64 columns on 4 warps 22.6 us; 128 on 4 23.2; 256
+# on 4 27.2; 128 on 8 23.8; 64 and 32 on 2 warps 24.3 and 23.9 (the listing spills there).
+OUTLIER_EPILOGUE_CONFIGS = {
+    "default": (LaunchConfig({"BLOCK_N": 64, "LIST_K": 8192}, num_warps=4),),
+    "nvidia": (LaunchConfig({"BLOCK_N": 64, "LIST_K": 8192, "POPC": True}, num_warps=4),),
 }
 # The most rows each path takes.  fused: the kernel's own stats pass reads every row from each program;
 # fused_stats: each program reads x in its dtype (2 bytes an element where the codes are 1); past that,
@@ -479,6 +539,11 @@ def _tma_applies(k: int, target) -> bool:
 # next launch start after its main loop: H200, M = 16 24.8 -> 24.2 us, M = 1 22.5-22.8 -> 22.0-22.3 (the
 # launch latency between two int8 matmuls is hidden).  ANYGPU_INT8_PDL=0 turns it all off.
 PDL_PREFETCH_K = 1024
+# 2..OUTLIER_EPILOGUE_ROWS rows (one row tile) with a threshold: no list launch before the matmul and no gathers
+# in its tail; the matmul stores its int32 sums (INT32_OUT) and ``outlier_epilogue``, a launch after it, lists
+# the outlier columns and gathers their operands while the matmul streams its weights (with PDL), then finishes
+# the sums.  0 turns it off (the list launch before the matmul, as for 17..64 rows).
+OUTLIER_EPILOGUE_ROWS = 16
 
 
 @functools.lru_cache(maxsize=16)
@@ -535,7 +600,8 @@ def int8_matmul(x: torch.Tensor, CB: torch.Tensor, SCB: torch.Tensor, threshold:
     out2 = out.view(m, n)
     dummy = SCB
     codes = stats = cols = count = acc = None
-    kept = pdl = False
+    kept = pdl = split = False
+    words = None
     if p.path == "fused_stats":
         _, stats, _ = quantize_rows(x2, thr, codes=False)
     elif p.path == "gemm_tma":
@@ -547,8 +613,12 @@ def int8_matmul(x: torch.Tensor, CB: torch.Tensor, SCB: torch.Tensor, threshold:
     elif p.path in ("gemm", "int_mm"):
         kept = p.path == "gemm" and c["BLOCK_M"] <= KEPT_CODES_UP_TO_BLOCK_M  # else zero the columns' codes
         pdl = kept and uses_pdl(x.device)
-        codes, stats, outliers = quantize_rows(x2, thr, zero_columns=not kept, signal=pdl)
-        if has_threshold:
+        split = kept and has_threshold and 1 < m <= min(c["BLOCK_M"], OUTLIER_EPILOGUE_ROWS)
+        codes, stats, outliers = quantize_rows(x2, thr, zero_columns=not kept, signal=pdl, mark_only=split)
+        if split:
+            words = outliers
+            acc = torch.empty(m, n, dtype=torch.int32, device=x.device)
+        elif has_threshold:
             cols, count = outliers
         if p.path == "int_mm":
             acc = torch._int_mm(codes, CB.t())
@@ -570,10 +640,28 @@ def int8_matmul(x: torch.Tensor, CB: torch.Tensor, SCB: torch.Tensor, threshold:
             SOURCE=source, STATS_GIVEN=not own_stats, BLOCK_M=c["BLOCK_M"], BLOCK_N=c["BLOCK_N"],
             BLOCK_K=c["BLOCK_K"], GROUP_M=c["GROUP_M"], ROWS=rows,
             STATS_CHUNK=STATS_ELEMENTS // rows if own_stats else 16,
-            HAS_BIAS=bias is not None, HAS_THRESHOLD=has_threshold, KEPT=kept, PDL=pdl,
-            PREFETCH_K=PDL_PREFETCH_K if pdl else 0, **(fp_exact_options(cfg, x.device, launch_pdl=True) if pdl
-                                                       else fp_exact_options(cfg, x.device)))
+            HAS_BIAS=bias is not None, HAS_THRESHOLD=has_threshold and not split, KEPT=kept and not split, PDL=pdl,
+            PREFETCH_K=PDL_PREFETCH_K if pdl else 0, INT32_OUT=split,
+            **(fp_exact_options(cfg, x.device, launch_pdl=True) if pdl else fp_exact_options(cfg, x.device)))
+    if split:
+        outlier_epilogue(x2, codes, CB, stats, SCB, bias, words, acc, out2, pdl)
     return out
+
+
+def outlier_epilogue(x2, codes, CB, stats, SCB, bias, words, acc, out2, pdl: bool) -> None:
+    """Launch ``_outlier_epilogue_kernel``: the epilogue of an INT32_OUT matmul of x2 [m <= 16, k] into out2."""
+    m, k = x2.shape
+    n = CB.shape[0]
+    cfg = select(OUTLIER_EPILOGUE_CONFIGS, device_target(x2.device))[0]
+    c = cfg.constexprs
+    grid = triton.cdiv(n, c["BLOCK_N"])
+    cols = torch.empty(grid, k, dtype=torch.int32, device=x2.device)  # a list a program
+    with on_device(x2.device):
+        _outlier_epilogue_kernel[(grid,)](
+            x2, codes, CB, stats, SCB, bias if bias is not None else SCB, words, cols, acc, out2, m, n, k,
+            x2.stride(0), out2.stride(0), BLOCK_M=16, BLOCK_N=c["BLOCK_N"], LIST_K=c["LIST_K"],
+            HAS_BIAS=bias is not None, PDL=pdl, POPC=c.get("POPC", False),
+            **(fp_exact_options(cfg, x2.device, launch_pdl=True) if pdl else fp_exact_options(cfg, x2.device)))
 
 
 def _gemm_tma(x2, codes, CB, stats, SCB, bias, cols, count, out2, cfg: LaunchConfig, has_bias: bool,
@@ -609,7 +697,8 @@ def _matmul_signature(dtype: torch.dtype) -> dict:
            "bias_ptr": f"*{t}", "cols_ptr": "*i32", "count_ptr": "*i32", "acc_ptr": "*i32", "out_ptr": f"*{t}",
            "M": "i32", "N": "i32", "K": "i32", "stride_xm": "i32", "stride_om": "i32", "threshold": "fp32"}
     sig.update(dict.fromkeys(("SOURCE", "STATS_GIVEN", "BLOCK_M", "BLOCK_N", "BLOCK_K", "GROUP_M", "ROWS",
-                              "STATS_CHUNK", "HAS_BIAS", "HAS_THRESHOLD", "KEPT", "PDL", "PREFETCH_K"),
+                              "STATS_CHUNK", "HAS_BIAS", "HAS_THRESHOLD", "KEPT", "PDL", "PREFETCH_K",
+                              "INT32_OUT"),
                              "constexpr"))
     return sig
 
@@ -627,10 +716,18 @@ FUSED_SPEC = register(KernelSpec(
     _with(FUSED_CONFIGS, SOURCE=0, STATS_GIVEN=False, ROWS=2, STATS_CHUNK=STATS_ELEMENTS // 2, KEPT=False)))
 
 
+def _and_int32_out(table: dict) -> dict:
+    """``table`` plus each config in its INT32_OUT form (a few rows with a threshold: OUTLIER_EPILOGUE_ROWS)."""
+    return {key: cfgs + tuple(LaunchConfig({**cfg.constexprs, "INT32_OUT": True, "HAS_THRESHOLD": False,
+                                            "KEPT": False}, cfg.num_warps, cfg.num_stages, cfg.waves_per_eu,
+                                           cfg.matrix_instr_nonkdim, cfg.kpack) for cfg in cfgs)
+            for key, cfgs in table.items()}
+
+
 GEMM_SMALL_SPEC = register(KernelSpec(
     "int8_matmul_gemm_small", _int8_matmul_kernel, _matmul_signature, DTYPES,
-    hopper_pdl(_with(GEMM_SMALL_CONFIGS, SOURCE=1, STATS_GIVEN=True, ROWS=1, STATS_CHUNK=16, KEPT=True), PDL=True,
-                PREFETCH_K=PDL_PREFETCH_K)))
+    _and_int32_out(hopper_pdl(_with(GEMM_SMALL_CONFIGS, SOURCE=1, STATS_GIVEN=True, ROWS=1, STATS_CHUNK=16, KEPT=True),
+                           PDL=True, PREFETCH_K=PDL_PREFETCH_K))))
 GEMM_SPEC = register(KernelSpec(
     "int8_matmul_gemm", _int8_matmul_kernel, _matmul_signature, DTYPES,
     _with(GEMM_LARGE_CONFIGS, SOURCE=1, STATS_GIVEN=True, ROWS=1, STATS_CHUNK=16, KEPT=False)))
@@ -654,3 +751,18 @@ EPILOGUE_SPEC = register(KernelSpec(
     _with(EPILOGUE_CONFIGS, SOURCE=2, STATS_GIVEN=True, ROWS=1, STATS_CHUNK=16, KEPT=False)))
 
 
+
+
+def _epilogue_signature(dtype: torch.dtype) -> dict:
+    t = TRITON_DTYPE[dtype]
+    sig = {"x_ptr": f"*{t}", "a_ptr": "*i8", "w_ptr": "*i8", "row_stats_ptr": "*fp32", "scb_ptr": "*fp32",
+           "bias_ptr": f"*{t}", "words_ptr": "*i8", "cols_ptr": "*i32", "acc_ptr": "*i32", "out_ptr": f"*{t}",
+           "M": "i32", "N": "i32", "K": "i32", "stride_xm": "i32", "stride_om": "i32"}
+    sig.update(dict.fromkeys(("BLOCK_M", "BLOCK_N", "LIST_K", "HAS_BIAS", "PDL", "POPC"), "constexpr"))
+    return sig
+
+
+OUTLIER_EPILOGUE_SPEC = register(KernelSpec(
+    "int8_outlier_epilogue", _outlier_epilogue_kernel, _epilogue_signature, DTYPES,
+    hopper_pdl({key: tuple(LaunchConfig({**cfg.constexprs, "BLOCK_M": 16, "HAS_BIAS": True}, cfg.num_warps)
+                           for cfg in cfgs) for key, cfgs in OUTLIER_EPILOGUE_CONFIGS.items()}, PDL=True)))

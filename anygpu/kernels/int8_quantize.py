@@ -293,7 +293,7 @@ def _pow2(v: int) -> int:
 
 
 def quantize_rows(x2: torch.Tensor, threshold: float, codes: bool = True, zero_columns: bool = False,
-                  signal: bool = False):
+                  signal: bool = False, mark_only: bool = False):
     """(codes int8 [M, K], row stats fp32 [M], outliers) of x2 [M, K] (unit stride in K): a program per row.
     Codes of outlier entries are 0, and with ``zero_columns`` (several rows) every code of an outlier column;
     otherwise those keep theirs (the matmul takes their products back out).  ``outliers``: None without a
@@ -302,17 +302,20 @@ def quantize_rows(x2: torch.Tensor, threshold: float, codes: bool = True, zero_c
     words, or with ``zero_columns`` flags in a zeroed buffer) and one small launch lists them.
     ``threshold``: as ``fp16_threshold`` returns it, 0 for none.  ``signal`` (``uses_pdl``): every launch is a
     programmatic dependent of the one before (the first waits for it before reading x), and the last lets the
-    next (the matmul) start early.  No host sync."""
+    next (the matmul) start early.  ``mark_only`` (several rows): no list launch; ``outliers`` is the rows' bit
+    words (int8 storage of int32 [M, cdiv(K, 32)]; bit j of word i: column 32 i + j), which the matmul's
+    epilogue launch lists itself (``int8_matmul.outlier_epilogue``).  No host sync."""
     m, k = x2.shape
     device = x2.device
     cfg = select(QUANTIZE_CONFIGS, device_target(device))[0]
     block_k = max(32, min(_pow2(k), cfg.constexprs["MAX_BLOCK_K"]))
     has_threshold = threshold > 0 and codes
     listed = has_threshold and m == 1
-    list_launch = has_threshold and not listed  # the columns are listed by a launch of their own
+    marked = has_threshold and mark_only and not listed  # bit words only: the matmul's epilogue lists them
+    list_launch = has_threshold and not listed and not marked  # the columns are listed by a launch of their own
     out_codes = torch.empty(m, k, dtype=torch.int8, device=device) if codes else None
     stats = torch.empty(m, dtype=torch.float32, device=device)
-    words = list_launch and not zero_columns  # else flags (the zeroing programs read them all)
+    words = marked or (list_launch and not zero_columns)  # else flags (the zeroing programs read them all)
     flags = cols = count = stats
     if has_threshold:
         if words:
@@ -326,8 +329,8 @@ def quantize_rows(x2: torch.Tensor, threshold: float, codes: bool = True, zero_c
         _int8_quantize_kernel[(m + listed,)](
             x2, out_codes if codes else stats, stats, flags, cols, count, m, k, x2.stride(0), threshold, BLOCK_R=1,
             BLOCK_K=block_k, ONE_TILE=block_k >= k, WRITE_CODES=codes, HAS_THRESHOLD=threshold > 0, LIST=listed,
-            MARK=(2 if words else 1) if list_launch else 0, PDL=signal, POPC=cfg.constexprs.get("POPC", False),
-            **fp_exact_options(cfg, device, **pdl))
+            MARK=(2 if words else 1) if list_launch or marked else 0, PDL=signal,
+            POPC=cfg.constexprs.get("POPC", False), **fp_exact_options(cfg, device, **pdl))
         if list_launch:
             list_cfg = select(OUTLIER_LIST_CONFIGS, device_target(device))[0]
             c = list_cfg.constexprs
@@ -336,6 +339,8 @@ def quantize_rows(x2: torch.Tensor, threshold: float, codes: bool = True, zero_c
                                           ZERO_ROWS=c["ZERO_ROWS"], ZERO=zero_columns, WORDS=words, PDL=signal,
                                           WAIT=signal, POPC=c.get("POPC", False),
                                           **fp_exact_options(list_cfg, device, **pdl))
+    if marked:
+        return out_codes, stats, flags
     return out_codes, stats, (cols, count) if has_threshold else None
 
 
@@ -360,12 +365,12 @@ def _quantize_signature(dtype: torch.dtype) -> dict:
 def _quantize_forms(cfg: LaunchConfig) -> tuple:
     """The forms the launcher uses: the whole row in registers, listing the columns (a single row) or writing
     the row's bit words (a few rows), and two passes over K flagging the columns (many rows, longer than
-    MAX_BLOCK_K)."""
+    MAX_BLOCK_K), or writing the bit words in two (a few long rows, ``mark_only``)."""
     block = cfg.constexprs["MAX_BLOCK_K"]
     return tuple(LaunchConfig({"BLOCK_R": 1, "BLOCK_K": block, "ONE_TILE": one, "LIST": listed, "MARK": mark,
                                "WRITE_CODES": True, "HAS_THRESHOLD": True,
                                "POPC": cfg.constexprs.get("POPC", False)}, cfg.num_warps)
-                 for one, listed, mark in ((True, True, 0), (True, False, 2), (False, False, 1)))
+                 for one, listed, mark in ((True, True, 0), (True, False, 2), (False, False, 1), (False, False, 2)))
 
 
 QUANTIZE_SPEC = register(KernelSpec(
