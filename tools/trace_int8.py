@@ -114,14 +114,15 @@ def epilogue_variants():
         print("  epilogue form", str(key)[-120:], "regs", kern.n_regs, "spills", kern.n_spills)
 
 
-if "variants" in sys.argv:
-    path_variants()
-elif "epilogue" in sys.argv:
-    epilogue_variants()
-elif "quantize" in sys.argv:
-    for m in (1, 16):
-        quantize_variants(m)
-else:
-    for m in [int(a) for a in sys.argv[1:]] or (1, 16):
-        x = x_for(m)
-        timeline(f"M={m}", lambda: I.int8_matmul(x, cb, scb, 6.0, bias))
+if __name__ == "__main__":
+    if "variants" in sys.argv:
+        path_variants()
+    elif "epilogue" in sys.argv:
+        epilogue_variants()
+    elif "quantize" in sys.argv:
+        for m in (1, 16):
+            quantize_variants(m)
+    else:
+        for m in [int(a) for a in sys.argv[1:]] or (1, 16):
+            x = x_for(m)
+            timeline(f"M={m}", lambda: I.int8_matmul(x, cb, scb, 6.0, bias))

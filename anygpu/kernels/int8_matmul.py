@@ -538,7 +538,7 @@ def _tma_applies(k: int, target) -> bool:
 # programmatic dependent of whatever ran before (it waits before touching memory), and the matmul lets the
 # next launch start after its main loop: H200, M = 16 24.8 -> 24.2 us, M = 1 22.5-22.8 -> 22.0-22.3 (the
 # launch latency between two int8 matmuls is hidden).  ANYGPU_INT8_PDL=0 turns it all off.
-PDL_PREFETCH_K = 1024
+PDL_PREFETCH_K = 512
 # 2..OUTLIER_EPILOGUE_ROWS rows (one row tile) with a threshold: no list launch before the matmul and no gathers
 # in its tail; the matmul stores its int32 sums (INT32_OUT) and ``outlier_epilogue``, a launch after it, lists
 # the outlier columns and gathers their operands while the matmul streams its weights (with PDL), then finishes
