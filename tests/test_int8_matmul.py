@@ -382,6 +382,13 @@ def test_nvidia_code_rounds_as_the_reference():
     assert quantize.index("griddepcontrol.wait") < quantize.index("ld.global")
     listing = ptx(Q.OUTLIER_LIST_SPEC, pick=-1)  # the bit-words form, a programmatic dependent of quantize's
     assert "griddepcontrol.wait" in listing and "griddepcontrol.launch_dependents" in listing
+    # a few rows with a threshold: the matmul stores int32 sums and lets the epilogue launch start right after
+    # its own wait; the epilogue lists and gathers (loads) before it waits for those sums
+    int32_out = ptx(K.GEMM_SMALL_SPEC, pick=-1, enable_fp_fusion=False, launch_pdl=True)
+    assert int32_out.index("griddepcontrol.wait") < int32_out.index("griddepcontrol.launch_dependents")
+    epilogue = ptx(K.OUTLIER_EPILOGUE_SPEC, enable_fp_fusion=False, launch_pdl=True)
+    assert "ld.global" in epilogue[:epilogue.index("griddepcontrol.wait")]
+    assert "griddepcontrol.launch_dependents" in epilogue and "fma.rn.f32" not in epilogue
 
 
 def test_programmatic_dependent_launch_only_where_it_exists(monkeypatch):

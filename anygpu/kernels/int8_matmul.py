@@ -22,6 +22,10 @@ out of its int32 sums after the main loop (exact; a gather of the listed columns
 than another launch).  The listed columns' fp products are added after the main loop too: the list's
 count and first 32 columns are loaded before the main loop, so after it one round of gathers (x, the
 codes, the weight columns) serves both fix-ups; a few outlier columns cost a dot step, not a pass over K.
+A few rows (2..16, one row tile) with a threshold take neither the list launch nor the tail: the quantize
+launch writes each row's bit words, the matmul stores its int32 sums (INT32_OUT), and
+``_outlier_epilogue_kernel``, launched after it, lists the columns and gathers their operands (during the
+matmul's main loop, with PDL), then finishes the sums as the tail and epilogue above would.
 On NVIDIA sm_90+ every launch of the 16-row path is a programmatic dependent of the launch before it
 (``uses_pdl``): the quantize launch starts during the previous kernel and waits for it before reading x; the
 gemm starts early, asks L2 for the head of its weight rows and waits for the codes there, and lets the next
