@@ -1,4 +1,5 @@
-"""The LLM.int8() matmul kernels (anygpu/kernels/int8_matmul.py, int8_quantize.py) against the op's PyTorch reference
+"""The LLM.int8() matmul kernels (anygpu/kernels/int8_matmul.py, int8_quantize.py, int8_outlier_epilogue.py)
+against the op's PyTorch reference
 (anygpu/ops/int8_matmul.py, which tests/test_int8.py holds to bitsandbytes): in Triton's interpreter on
 the CPU, or on a GPU.
 
@@ -18,6 +19,7 @@ from anygpu.testing import poison_, same_bits
 pytest.importorskip("triton")
 
 from anygpu.kernels import int8_matmul as K  # noqa: E402
+from anygpu.kernels import int8_outlier_epilogue as E  # noqa: E402
 from anygpu.kernels import int8_quantize as Q  # noqa: E402
 from anygpu.kernels.int8_quantize import fp16_threshold  # noqa: E402
 from anygpu.kernels.int8_matmul import PATHS, Plan, plan, plan_for  # noqa: E402
@@ -222,7 +224,7 @@ def test_a_few_rows_finish_in_the_outlier_epilogue(kdevice, m, monkeypatch):
     """2..16 rows with a threshold: the matmul stores its int32 sums and the epilogue launch lists the outlier
     columns (several list steps, more columns than its head), takes the kept codes' products out and adds the
     fp part; as with OUTLIER_EPILOGUE_ROWS = 0 (the list launch before the matmul, its own epilogue)."""
-    monkeypatch.setattr(K, "OUTLIER_EPILOGUE_CONFIGS", {"default": (LaunchConfig({"BLOCK_N": 16, "LIST_K": 64}),)})
+    monkeypatch.setattr(E, "OUTLIER_EPILOGUE_CONFIGS", {"default": (LaunchConfig({"BLOCK_N": 16, "LIST_K": 64}),)})
     calls = []
     epilogue = K.outlier_epilogue
     monkeypatch.setattr(K, "outlier_epilogue", lambda *a: calls.append(a[6].numel()) or epilogue(*a))
@@ -386,7 +388,7 @@ def test_nvidia_code_rounds_as_the_reference():
     # its own wait; the epilogue lists and gathers (loads) before it waits for those sums
     int32_out = ptx(K.GEMM_SMALL_SPEC, pick=-1, enable_fp_fusion=False, launch_pdl=True)
     assert int32_out.index("griddepcontrol.wait") < int32_out.index("griddepcontrol.launch_dependents")
-    epilogue = ptx(K.OUTLIER_EPILOGUE_SPEC, enable_fp_fusion=False, launch_pdl=True)
+    epilogue = ptx(E.OUTLIER_EPILOGUE_SPEC, enable_fp_fusion=False, launch_pdl=True)
     assert "ld.global" in epilogue[:epilogue.index("griddepcontrol.wait")]
     assert "griddepcontrol.launch_dependents" in epilogue and "fma.rn.f32" not in epilogue
 

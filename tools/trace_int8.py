@@ -13,6 +13,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 from anygpu.kernels import int8_matmul as I
+from anygpu.kernels import int8_outlier_epilogue as E
 from anygpu.kernels import int8_quantize as Q
 from anygpu.kernels.config import LaunchConfig
 from probe_int8 import bias, cb, scb, x_for  # the same problem (run from tools/ or as tools/trace_int8.py)
@@ -91,7 +92,7 @@ def epilogue_variants():
     """A few rows: the outlier epilogue launch after the matmul (shipped) against the list launch before the
     matmul and its own tail (OUTLIER_EPILOGUE_ROWS = 0); the epilogue launch's tile and warps, and the PDL
     prefetch depth, at M = 16; then the small GEMM's registers in each form."""
-    shipped, cfgs, prefetch = I.OUTLIER_EPILOGUE_ROWS, I.OUTLIER_EPILOGUE_CONFIGS, I.PDL_PREFETCH_K
+    shipped, cfgs, prefetch = I.OUTLIER_EPILOGUE_ROWS, E.OUTLIER_EPILOGUE_CONFIGS, I.PDL_PREFETCH_K
     for m in (2, 16):
         x = x_for(m)
         for rows in (shipped, 0):
@@ -100,17 +101,17 @@ def epilogue_variants():
     I.OUTLIER_EPILOGUE_ROWS = shipped
     x = x_for(16)
     for bn, warps in ((32, 4), (128, 4), (64, 8)):
-        I.OUTLIER_EPILOGUE_CONFIGS = {"default": (LaunchConfig({"BLOCK_N": bn, "LIST_K": 8192, "POPC": True},
+        E.OUTLIER_EPILOGUE_CONFIGS = {"default": (LaunchConfig({"BLOCK_N": bn, "LIST_K": 8192, "POPC": True},
                                                                num_warps=warps),)}
         timeline(f"M=16 epilogue {bn} columns, {warps} warps", lambda: I.int8_matmul(x, cb, scb, 6.0, bias))
-    I.OUTLIER_EPILOGUE_CONFIGS = cfgs
+    E.OUTLIER_EPILOGUE_CONFIGS = cfgs
     for p in (512, 2048):
         I.PDL_PREFETCH_K = p
         timeline(f"M=16 prefetch {p} B", lambda: I.int8_matmul(x, cb, scb, 6.0, bias))
     I.PDL_PREFETCH_K = prefetch
     for key, kern in I._int8_matmul_kernel.device_caches[0][0].items():
         print("  gemm form", str(key)[-120:], "regs", kern.n_regs, "spills", kern.n_spills)
-    for key, kern in I._outlier_epilogue_kernel.device_caches[0][0].items():
+    for key, kern in E._outlier_epilogue_kernel.device_caches[0][0].items():
         print("  epilogue form", str(key)[-120:], "regs", kern.n_regs, "spills", kern.n_spills)
 
 

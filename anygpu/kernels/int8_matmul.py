@@ -61,59 +61,17 @@ import torch
 import triton
 import triton.language as tl
 
+from ._int8_epilogue import (LIST_HEAD, _dequantize_store, _dequantized, _fp_dot, _gathered, _list_head,
+                             _without_outlier_codes)
 from ._program_order import grouped_tile
 from .config import TRITON_DTYPE, KernelSpec, LaunchConfig, device_target, on_device, register, select
-from .int8_quantize import (_as_fp16, _list_columns, _pow2, _rint, _rows_words, _scale, fp16_threshold,
-                            fp_exact_options, hopper_pdl, quantize_rows)
-from .quant_blockwise import ROUND_BF16_BY_HAND, to_output
+from .int8_outlier_epilogue import outlier_epilogue
+from .int8_quantize import _as_fp16, _pow2, _rint, _scale, fp16_threshold, fp_exact_options, hopper_pdl, quantize_rows
 
 try:  # host-side tensor descriptors (TMA on NVIDIA): triton >= 3.3
     from triton.tools.tensor_descriptor import TensorDescriptor
 except ImportError:
     TensorDescriptor = None
-
-OUTLIER_STEP = tl.constexpr(16)  # outlier columns per dot step after the main loop (the smallest K of an MMA)
-LIST_HEAD = tl.constexpr(32)  # listed columns the pointer kernel loads before its main loop (see _list_head)
-_INTERPRETED = tl.constexpr(os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"))
-# The reference's fp32 constants, as bit patterns (a Python float becomes a constant of the compiler's choosing).
-INV_127_BITS = tl.constexpr(torch.tensor(7.874015718698502e-3, dtype=torch.float32).view(torch.int32).item())
-INV_127_SQUARED_BITS = tl.constexpr(torch.tensor(1.0 / (127 * 127), dtype=torch.float32).view(torch.int32).item())
-
-
-@triton.jit
-def _f32(bits: tl.constexpr):
-    return tl.full([], bits, tl.int32).to(tl.float32, bitcast=True)
-
-
-@triton.jit
-def _round_to(v, like_ptr):
-    """fp32 values rounded (to nearest even) to the element type of ``like_ptr`` and back to fp32."""
-    ty = like_ptr.dtype.element_ty
-    if ty == tl.float32:
-        return v
-    elif ROUND_BF16_BY_HAND and ty == tl.bfloat16:  # the interpreter truncates to bf16
-        bits = v.to(tl.uint32, bitcast=True)
-        return (((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16) << 16).to(tl.float32, bitcast=True)
-    else:
-        return v.to(ty).to(tl.float32)
-
-
-@triton.jit
-def _dequantized(w, scb, x_ptr):
-    """Weight tile [BN, BK] as the reference dequantizes outlier columns: ``(CB * SCB) * (1/127)`` in fp32,
-    rounded to x's dtype."""
-    return _round_to((w.to(tl.float32) * scb[:, None]) * _f32(INV_127_BITS), x_ptr).to(x_ptr.dtype.element_ty)
-
-
-@triton.jit
-def _fp_dot(xo, wd, acc):
-    """acc + xo @ wd.T in fp32 (xo [BM, BK], wd [BN, BK] in x's dtype)."""
-    if _INTERPRETED:  # the interpreter's bf16 dot multiplies bit patterns; fp32 tiles are exact for 16-bit values
-        return tl.dot(xo.to(tl.float32), tl.trans(wd.to(tl.float32)), acc, input_precision="ieee")
-    elif xo.dtype == tl.float32:
-        return tl.dot(xo, tl.trans(wd), acc, input_precision="ieee")  # torch's fp32 matmul is not TF32
-    else:
-        return tl.dot(xo, tl.trans(wd), acc)
 
 
 @triton.jit
@@ -135,52 +93,6 @@ def _row_absmax(x_ptr, M, K, stride_xm, threshold, BLOCK_M: tl.constexpr, ROWS: 
     else:
         one_hot = tl.arange(0, BLOCK_M)[:, None] == r[None, :]
         return tl.sum(tl.where(one_hot, amax[None, :], 0.0), axis=1)
-
-
-@triton.jit
-def _gathered(rows, col, j_mask, r_mask):
-    """rows[:, col] ([R, len(col)]): the listed columns ``col`` (valid where j_mask) of rows ``rows``."""
-    return tl.load(rows + col[None, :], mask=r_mask[:, None] & j_mask[None, :], other=0)
-
-
-@triton.jit
-def _list_head(cols_ptr, count_ptr, K, HEAD: tl.constexpr):
-    """(count, cols[:HEAD]) of the outlier list, loaded before the main loop: after it, the tail then waits
-    for one round of gathers instead of the dependent count -> cols -> gathers of each fix-up.  Entries at
-    and past count are not list entries (uninitialized): every use masks them."""
-    j = tl.arange(0, HEAD)
-    return tl.load(count_ptr), tl.load(cols_ptr + j, mask=j < K, other=0)
-
-
-@triton.jit
-def _list_slice(cols_ptr, c, n_out, STEP: tl.constexpr):
-    """(cols[c:c + STEP], which of them are list entries): one dot step of the outlier list."""
-    j = c + tl.arange(0, STEP)
-    return tl.load(cols_ptr + j, mask=j < n_out, other=0), j < n_out
-
-
-@triton.jit
-def _without_outlier_codes(acc, a_rows, w_rows, cols_ptr, n_out, m_mask, n_mask, START: tl.constexpr,
-                           STEP: tl.constexpr):
-    """acc minus the int8 products of the outlier columns listed from START on, through their kept codes (the
-    main loop added them, the reference leaves them out): exact, one int8 dot of the negated codes a step
-    (-127..127 fit int8)."""
-    for c in range(START, n_out, STEP):
-        col, valid = _list_slice(cols_ptr, c, n_out, STEP)
-        a = _gathered(a_rows, col, valid, m_mask)
-        acc = tl.dot(-a, tl.trans(_gathered(w_rows, col, valid, n_mask)), acc, out_dtype=tl.int32)
-    return acc
-
-
-@triton.jit
-def _outlier_fp(y, x_rows, w_rows, scb, x_ptr, cols_ptr, n_out, m_mask, n_mask, START: tl.constexpr,
-                STEP: tl.constexpr):
-    """y plus x's outlier columns listed from START on times the dequantized weight columns, in fp32."""
-    for c in range(START, n_out, STEP):
-        col, valid = _list_slice(cols_ptr, c, n_out, STEP)
-        xo = _gathered(x_rows, col, valid, m_mask)
-        y = _fp_dot(xo, _dequantized(_gathered(w_rows, col, valid, n_mask), scb, x_ptr), y)
-    return y
 
 
 @triton.jit
@@ -285,29 +197,6 @@ def _int8_matmul_kernel(x_ptr, a_ptr, w_ptr, row_stats_ptr, scb_ptr, bias_ptr, c
 
 
 @triton.jit
-def _dequantize_store(acc, facc, xo, wo, row_stat, scb, rm64, rn, m_mask, n_mask, x_rows, w_rows, x_ptr, bias_ptr,
-                      cols_ptr, n_out, out_ptr, stride_om, HAS_BIAS: tl.constexpr, HAS_THRESHOLD: tl.constexpr,
-                      FP_GIVEN: tl.constexpr, HEAD: tl.constexpr):
-    """The epilogue of every GEMM kernel here: int32 sums [BM, BN] to x's dtype in the reference's order,
-    bias, then (threshold) the outlier columns' fp products: ``facc`` (FP_GIVEN) or the listed columns',
-    the first HEAD of them from the gathered ``xo`` [BM, HEAD] and ``wo`` [BN, HEAD] (``n_out``: the list's
-    length)."""
-    y = acc.to(tl.float32) * ((row_stat[:, None] * scb[None, :]) * _f32(INV_127_SQUARED_BITS))
-    if HAS_BIAS:
-        y = y + tl.load(bias_ptr + rn, mask=n_mask, other=0.0).to(tl.float32)[None, :]
-    if HAS_THRESHOLD:  # the reference rounds the int8 part before it adds the outlier columns'
-        y = _round_to(y, out_ptr)
-        if FP_GIVEN:
-            y = y + facc
-        else:
-            if HEAD > 0:
-                y = _fp_dot(xo, _dequantized(wo, scb, x_ptr), y)
-            y = _outlier_fp(y, x_rows, w_rows, scb, x_ptr, cols_ptr, n_out, m_mask, n_mask, HEAD, OUTLIER_STEP)
-    out = out_ptr + rm64[:, None] * stride_om + rn[None, :]
-    tl.store(out, to_output(y, out_ptr), mask=m_mask[:, None] & n_mask[None, :])
-
-
-@triton.jit
 def _int8_matmul_tma_kernel(a_desc, w_desc, x_ptr, w_ptr, row_stats_ptr, scb_ptr, bias_ptr, cols_ptr, count_ptr,
                             out_ptr, M, N, K, stride_xm, stride_om, programs, BLOCK_M: tl.constexpr,
                             BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
@@ -337,50 +226,6 @@ def _int8_matmul_tma_kernel(a_desc, w_desc, x_ptr, w_ptr, row_stats_ptr, scb_ptr
         _dequantize_store(acc, 0.0, 0.0, 0.0, row_stat, scb, rm64, rn, m_mask, n_mask,
                           x_ptr + rm64[:, None] * stride_xm, w_ptr + rn.to(tl.int64)[:, None] * K, x_ptr, bias_ptr,
                           cols_ptr, n_out, out_ptr, stride_om, HAS_BIAS, HAS_THRESHOLD, False, 0)
-
-
-@triton.jit
-def _outlier_epilogue_kernel(x_ptr, a_ptr, w_ptr, row_stats_ptr, scb_ptr, bias_ptr, words_ptr, cols_ptr, acc_ptr,
-                             out_ptr, M, N, K, stride_xm, stride_om, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                             LIST_K: tl.constexpr, HAS_BIAS: tl.constexpr, PDL: tl.constexpr = False,
-                             POPC: tl.constexpr = False):
-    """The epilogue of an INT32_OUT matmul of a few rows (one row tile) with a threshold: the kept codes'
-    products of the outlier columns out of its int32 sums, then ``_dequantize_store`` (the int8 part, bias,
-    the columns' fp part).  Each program lists the columns itself (the OR of the rows' bit words, into its own
-    row of cols) and gathers the columns of x, the codes and the weight; with PDL all that runs during the
-    matmul's main loop (the matmul lets this launch start right after its own wait), and only the sums' load
-    and the arithmetic on them wait for the matmul."""
-    pid = tl.program_id(0)
-    cols = cols_ptr + pid.to(tl.int64) * K  # this program's own list: no other program writes it
-    n_out = tl.zeros([], tl.int32)
-    for k0 in range(0, K, LIST_K):
-        n_out = _list_columns(_rows_words(words_ptr, M, K, k0, LIST_K, 16), k0 // 32, cols, n_out, LIST_K // 32, POPC)
-    tl.debug_barrier()  # every thread's list entries are stored before any thread loads them
-    rm = tl.arange(0, BLOCK_M)
-    rn = pid * BLOCK_N + tl.arange(0, BLOCK_N)
-    m_mask = rm < M
-    n_mask = rn < N
-    rm64 = rm.to(tl.int64)
-    x_rows = x_ptr + rm64[:, None] * stride_xm
-    a_rows = a_ptr + rm64[:, None] * K
-    w_rows = w_ptr + rn.to(tl.int64)[:, None] * K
-    scb = tl.load(scb_ptr + rn, mask=n_mask, other=0.0)
-    row_stat = tl.load(row_stats_ptr + rm, mask=m_mask, other=0.0)
-    j = tl.arange(0, LIST_HEAD)
-    in_head = j < n_out
-    head = tl.load(cols + j, mask=in_head, other=0)
-    xo = _gathered(x_rows, head, in_head, m_mask)
-    wo = _gathered(w_rows, head, in_head, n_mask)
-    kept = tl.dot(-_gathered(a_rows, head, in_head, m_mask), tl.trans(wo), tl.zeros([BLOCK_M, BLOCK_N], tl.int32),
-                  out_dtype=tl.int32)  # minus the head columns' kept codes' products
-    kept = _without_outlier_codes(kept, a_rows, w_rows, cols, n_out, m_mask, n_mask, LIST_HEAD, LIST_HEAD)
-    if PDL:
-        tl.extra.cuda.gdc_launch_dependents()  # the next launch waits for this one's end itself
-        tl.extra.cuda.gdc_wait()  # the matmul's int32 sums
-    acc = tl.load(acc_ptr + rm64[:, None] * N + rn[None, :], mask=m_mask[:, None] & n_mask[None, :], other=0)
-    acc = acc + kept
-    _dequantize_store(acc, 0.0, xo, wo, row_stat, scb, rm64, rn, m_mask, n_mask, x_rows, w_rows, x_ptr, bias_ptr,
-                      cols, n_out, out_ptr, stride_om, HAS_BIAS, True, False, LIST_HEAD)
 
 
 # ---- configs: per target, per path ---------------------------------------------------------------
@@ -430,14 +275,6 @@ GEMM_TMA_CONFIGS = {
 # SOURCE 2 (after torch._int_mm): the epilogue and the outlier columns only.
 EPILOGUE_CONFIGS = {
     "default": (_cfg(64, 64, 32, warps=4),),
-}
-# The epilogue launch after an INT32_OUT matmul: a program per BLOCK_N output columns (all rows), each listing
-# the outlier columns from the rows' bit words LIST_K columns a step.  H200, M = 16, N = K = 8192
-# (tools/trace_int8.py epilogue, a call in a graph of 20): 64 columns on 4 warps 22.6 us; 128 on 4 23.2; 256
-# on 4 27.2; 128 on 8 23.8; 64 and 32 on 2 warps 24.3 and 23.9 (the listing spills there).
-OUTLIER_EPILOGUE_CONFIGS = {
-    "default": (LaunchConfig({"BLOCK_N": 64, "LIST_K": 8192}, num_warps=4),),
-    "nvidia": (LaunchConfig({"BLOCK_N": 64, "LIST_K": 8192, "POPC": True}, num_warps=4),),
 }
 # The most rows each path takes.  fused: the kernel's own stats pass reads every row from each program;
 # fused_stats: each program reads x in its dtype (2 bytes an element where the codes are 1); past that,
@@ -652,22 +489,6 @@ def int8_matmul(x: torch.Tensor, CB: torch.Tensor, SCB: torch.Tensor, threshold:
     return out
 
 
-def outlier_epilogue(x2, codes, CB, stats, SCB, bias, words, acc, out2, pdl: bool) -> None:
-    """Launch ``_outlier_epilogue_kernel``: the epilogue of an INT32_OUT matmul of x2 [m <= 16, k] into out2."""
-    m, k = x2.shape
-    n = CB.shape[0]
-    cfg = select(OUTLIER_EPILOGUE_CONFIGS, device_target(x2.device))[0]
-    c = cfg.constexprs
-    grid = triton.cdiv(n, c["BLOCK_N"])
-    cols = torch.empty(grid, k, dtype=torch.int32, device=x2.device)  # a list a program
-    with on_device(x2.device):
-        _outlier_epilogue_kernel[(grid,)](
-            x2, codes, CB, stats, SCB, bias if bias is not None else SCB, words, cols, acc, out2, m, n, k,
-            x2.stride(0), out2.stride(0), BLOCK_M=16, BLOCK_N=c["BLOCK_N"], LIST_K=c["LIST_K"],
-            HAS_BIAS=bias is not None, PDL=pdl, POPC=c.get("POPC", False),
-            **(fp_exact_options(cfg, x2.device, launch_pdl=True) if pdl else fp_exact_options(cfg, x2.device)))
-
-
 def _gemm_tma(x2, codes, CB, stats, SCB, bias, cols, count, out2, cfg: LaunchConfig, has_bias: bool,
               has_threshold: bool) -> None:
     m, k = codes.shape
@@ -755,18 +576,3 @@ EPILOGUE_SPEC = register(KernelSpec(
     _with(EPILOGUE_CONFIGS, SOURCE=2, STATS_GIVEN=True, ROWS=1, STATS_CHUNK=16, KEPT=False)))
 
 
-
-
-def _epilogue_signature(dtype: torch.dtype) -> dict:
-    t = TRITON_DTYPE[dtype]
-    sig = {"x_ptr": f"*{t}", "a_ptr": "*i8", "w_ptr": "*i8", "row_stats_ptr": "*fp32", "scb_ptr": "*fp32",
-           "bias_ptr": f"*{t}", "words_ptr": "*i8", "cols_ptr": "*i32", "acc_ptr": "*i32", "out_ptr": f"*{t}",
-           "M": "i32", "N": "i32", "K": "i32", "stride_xm": "i32", "stride_om": "i32"}
-    sig.update(dict.fromkeys(("BLOCK_M", "BLOCK_N", "LIST_K", "HAS_BIAS", "PDL", "POPC"), "constexpr"))
-    return sig
-
-
-OUTLIER_EPILOGUE_SPEC = register(KernelSpec(
-    "int8_outlier_epilogue", _outlier_epilogue_kernel, _epilogue_signature, DTYPES,
-    hopper_pdl({key: tuple(LaunchConfig({**cfg.constexprs, "BLOCK_M": 16, "HAS_BIAS": True}, cfg.num_warps)
-                           for cfg in cfgs) for key, cfgs in OUTLIER_EPILOGUE_CONFIGS.items()}, PDL=True)))
