@@ -23,6 +23,7 @@ from anygpu.kernels import int8_outlier_epilogue as E  # noqa: E402
 from anygpu.kernels import int8_quantize as Q  # noqa: E402
 from anygpu.kernels.int8_quantize import fp16_threshold  # noqa: E402
 from anygpu.kernels.int8_matmul import PATHS, Plan, plan, plan_for  # noqa: E402
+from anygpu.kernels.int8_outlier_epilogue import OUTLIER_EPILOGUE_SPEC  # noqa: E402
 from anygpu.kernels.config import LaunchConfig  # noqa: E402
 
 DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -388,7 +389,7 @@ def test_nvidia_code_rounds_as_the_reference():
     # its own wait; the epilogue lists and gathers (loads) before it waits for those sums
     int32_out = ptx(K.GEMM_SMALL_SPEC, pick=-1, enable_fp_fusion=False, launch_pdl=True)
     assert int32_out.index("griddepcontrol.wait") < int32_out.index("griddepcontrol.launch_dependents")
-    epilogue = ptx(E.OUTLIER_EPILOGUE_SPEC, enable_fp_fusion=False, launch_pdl=True)
+    epilogue = ptx(OUTLIER_EPILOGUE_SPEC, enable_fp_fusion=False, launch_pdl=True)
     assert "ld.global" in epilogue[:epilogue.index("griddepcontrol.wait")]
     assert "griddepcontrol.launch_dependents" in epilogue and "fma.rn.f32" not in epilogue
 

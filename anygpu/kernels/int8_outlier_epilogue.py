@@ -81,7 +81,8 @@ def outlier_epilogue(x2, codes, CB, stats, SCB, bias, words, acc, out2, pdl: boo
     cfg = select(OUTLIER_EPILOGUE_CONFIGS, device_target(x2.device))[0]
     c = cfg.constexprs
     grid = triton.cdiv(n, c["BLOCK_N"])
-    cols = torch.empty(grid, k, dtype=torch.int32, device=x2.device)  # a list a program
+    # a list a program, so no program reads entries another writes (grid x k int32: 4 MiB at N = K = 8192)
+    cols = torch.empty(grid, k, dtype=torch.int32, device=x2.device)
     with on_device(x2.device):
         _outlier_epilogue_kernel[(grid,)](
             x2, codes, CB, stats, SCB, bias if bias is not None else SCB, words, cols, acc, out2, m, n, k,
