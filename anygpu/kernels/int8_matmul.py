@@ -378,7 +378,9 @@ def _tma_applies(k: int, target) -> bool:
 # behind a ~4 us quantize launch, so part of the stream starts during it.  The quantize launch is itself a
 # programmatic dependent of whatever ran before (it waits before touching memory), and the matmul lets the
 # next launch start after its main loop: H200, M = 16 24.8 -> 24.2 us, M = 1 22.5-22.8 -> 22.0-22.3 (the
-# launch latency between two int8 matmuls is hidden).  ANYGPU_INT8_PDL=0 turns it all off.
+# launch latency between two int8 matmuls is hidden).  ANYGPU_INT8_PDL=0 turns it all off.  512 bytes: with the
+# outlier epilogue launch, M = 16 took 23.0 / 22.4 / 22.5 / 22.7 / 23.1 us at 0 / 256 / 512 / 1024 / 2048 B
+# (more of it delays the start of the main loop); M = 1 21.3 us at 512 and 1024.
 PDL_PREFETCH_K = 512
 # 2..OUTLIER_EPILOGUE_ROWS rows (one row tile) with a threshold: no list launch before the matmul and no gathers
 # in its tail; the matmul stores its int32 sums (INT32_OUT) and ``outlier_epilogue``, a launch after it, lists
