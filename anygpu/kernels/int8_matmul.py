@@ -545,10 +545,8 @@ FUSED_SPEC = register(KernelSpec(
 
 def _and_int32_out(table: dict) -> dict:
     """``table`` plus each config in its INT32_OUT form (a few rows with a threshold: OUTLIER_EPILOGUE_ROWS)."""
-    return {key: cfgs + tuple(LaunchConfig({**cfg.constexprs, "INT32_OUT": True, "HAS_THRESHOLD": False,
-                                            "KEPT": False}, cfg.num_warps, cfg.num_stages, cfg.waves_per_eu,
-                                           cfg.matrix_instr_nonkdim, cfg.kpack) for cfg in cfgs)
-            for key, cfgs in table.items()}
+    int32_out = _with(table, INT32_OUT=True, HAS_THRESHOLD=False, KEPT=False)
+    return {key: cfgs + int32_out[key] for key, cfgs in table.items()}
 
 
 GEMM_SMALL_SPEC = register(KernelSpec(
