@@ -485,7 +485,7 @@ def int8_matmul(x: torch.Tensor, CB: torch.Tensor, SCB: torch.Tensor, threshold:
             STATS_CHUNK=STATS_ELEMENTS // rows if own_stats else 16,
             HAS_BIAS=bias is not None, HAS_THRESHOLD=has_threshold and not split, KEPT=kept and not split, PDL=pdl,
             PREFETCH_K=PDL_PREFETCH_K if pdl else 0, INT32_OUT=split,
-            **(fp_exact_options(cfg, x.device, launch_pdl=True) if pdl else fp_exact_options(cfg, x.device)))
+            **fp_exact_options(cfg, x.device, pdl=pdl))
     if split:
         outlier_epilogue(x2, codes, CB, stats, SCB, bias, words, acc, out2, pdl)
     return out

@@ -88,7 +88,7 @@ def outlier_epilogue(x2, codes, CB, stats, SCB, bias, words, acc, out2, pdl: boo
             x2, codes, CB, stats, SCB, bias if bias is not None else SCB, words, cols, acc, out2, m, n, k,
             x2.stride(0), out2.stride(0), BLOCK_M=16, BLOCK_N=c["BLOCK_N"], LIST_K=c["LIST_K"],
             HAS_BIAS=bias is not None, PDL=pdl, POPC=c.get("POPC", False),
-            **(fp_exact_options(cfg, x2.device, launch_pdl=True) if pdl else fp_exact_options(cfg, x2.device)))
+            **fp_exact_options(cfg, x2.device, pdl=pdl))
 
 
 # ---- cross-compilation specs ---------------------------------------------------------------------------

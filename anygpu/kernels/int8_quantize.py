@@ -274,10 +274,13 @@ OUTLIER_LIST_CONFIGS = {
 }
 
 
-def fp_exact_options(cfg: LaunchConfig, device: torch.device, **extra) -> dict:
+def fp_exact_options(cfg: LaunchConfig, device: torch.device, pdl: bool = False) -> dict:
     """``cfg``'s Triton options on ``device``, with FMA contraction off on GPUs: the int8 kernels round each
-    fp32 operation as the reference does (an FMA would round ``a * b + c`` once where it rounds twice)."""
-    return cached_options(cfg, device, enable_fp_fusion=False, **extra)
+    fp32 operation as the reference does (an FMA would round ``a * b + c`` once where it rounds twice).
+    ``pdl``: launched as a programmatic dependent of the launch before (``int8_matmul.uses_pdl``)."""
+    if pdl:
+        return cached_options(cfg, device, enable_fp_fusion=False, launch_pdl=True)
+    return cached_options(cfg, device, enable_fp_fusion=False)
 
 
 @functools.lru_cache(maxsize=64)
@@ -325,12 +328,11 @@ def quantize_rows(x2: torch.Tensor, threshold: float, codes: bool = True, zero_c
         cols = torch.empty(k, dtype=torch.int32, device=device)
         count = torch.empty(1, dtype=torch.int32, device=device)
     with on_device(device):
-        pdl = {"launch_pdl": True} if signal else {}  # each launch a programmatic dependent of the one before
         _int8_quantize_kernel[(m + listed,)](
             x2, out_codes if codes else stats, stats, flags, cols, count, m, k, x2.stride(0), threshold, BLOCK_R=1,
             BLOCK_K=block_k, ONE_TILE=block_k >= k, WRITE_CODES=codes, HAS_THRESHOLD=threshold > 0, LIST=listed,
             MARK=(2 if words else 1) if list_launch or marked else 0, PDL=signal,
-            POPC=cfg.constexprs.get("POPC", False), **fp_exact_options(cfg, device, **pdl))
+            POPC=cfg.constexprs.get("POPC", False), **fp_exact_options(cfg, device, pdl=signal))
         if list_launch:
             list_cfg = select(OUTLIER_LIST_CONFIGS, device_target(device))[0]
             c = list_cfg.constexprs
@@ -338,7 +340,7 @@ def quantize_rows(x2: torch.Tensor, threshold: float, codes: bool = True, zero_c
             _outlier_list_kernel[(grid,)](flags, out_codes, cols, count, m, k, BLOCK_K=c["BLOCK_K"],
                                           ZERO_ROWS=c["ZERO_ROWS"], ZERO=zero_columns, WORDS=words, PDL=signal,
                                           WAIT=signal, POPC=c.get("POPC", False),
-                                          **fp_exact_options(list_cfg, device, **pdl))
+                                          **fp_exact_options(list_cfg, device, pdl=signal))
     if marked:
         return out_codes, stats, flags
     return out_codes, stats, (cols, count) if has_threshold else None
