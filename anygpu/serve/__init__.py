@@ -3,10 +3,23 @@
 ``build_app(engine)`` makes the ASGI app over an ``AsyncLLMEngine``; ``serve`` runs it in the foreground and
 ``ServerThread`` in a background thread.  Files: ``protocol`` (request schemas -> SamplingParams), ``errors``
 (OpenAI / TGI error bodies), ``state`` (checks shared by all routes, admission, the engine stream),
-``openai_api`` and ``tgi_api`` (the routes), ``metrics`` (Prometheus), ``app`` (assembly), ``runner`` (uvicorn).
+``openai_api`` and ``tgi_api`` (the routes), ``metrics`` (Prometheus), ``app`` (assembly), ``runner`` (uvicorn),
+``limits`` and ``edge`` (the HTTP edge: head sizes, read deadlines, the connection cap).
+
+The names below load on first use: ``anygpu serve --help`` reads ``limits`` without importing FastAPI.
 """
 
-from .app import build_app
-from .runner import ServerThread, bind, serve
+from __future__ import annotations
 
-__all__ = ["ServerThread", "bind", "build_app", "serve"]
+import importlib
+
+_WHERE = {"build_app": ".app", "ServerThread": ".runner", "bind": ".runner", "serve": ".runner",
+          "EdgeLimits": ".limits"}
+
+__all__ = ["EdgeLimits", "ServerThread", "bind", "build_app", "serve"]
+
+
+def __getattr__(name: str):
+    if name not in _WHERE:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return getattr(importlib.import_module(_WHERE[name], __name__), name)

@@ -5,7 +5,8 @@
 
 Errors: ``APIError`` from any route becomes OpenAI's error body (TGI's on TGI routes); unknown routes and
 methods, and unexpected exceptions, get the same shape (a 500 never shows a traceback to the client).
-``/health`` and ``/metrics`` need no API key (probes and scrapers), every other route does when one is set.
+``/health`` and ``/metrics`` need no API key (probes and scrapers), nor do the API's description,
+``/openapi.json``, and its browsable page, ``/docs`` (they show no secret); every other route does when one is set.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from .._version import __version__
 from ..engine import AsyncLLMEngine
+from .auth import key_problem
 from .errors import APIError
 from .openai_api import add_openai_routes
 from .state import Server
@@ -36,10 +38,11 @@ def build_app(engine: AsyncLLMEngine, *, model_name: str | None = None, api_key:
     for name, value in (("max_body_bytes", max_body_bytes), ("max_concurrent_requests", max_concurrent_requests)):
         if not isinstance(value, int) or isinstance(value, bool) or value < 1:
             raise ValueError(f"{name}: expected a positive int, got {value!r}")
-    if api_key is not None and (not isinstance(api_key, str) or not api_key.strip()):
-        raise ValueError("api_key: expected a non-empty string or None")
+    if api_key is not None and key_problem(api_key):
+        raise ValueError(f"api_key: {key_problem(api_key)}, or None for no auth")
     server = Server(engine, model_name, api_key, max_body_bytes, max_concurrent_requests)
-    app = FastAPI(title="anygpu", version=__version__, docs_url=None, redoc_url=None, openapi_url=None)
+    app = FastAPI(title="anygpu", version=__version__, docs_url="/docs", redoc_url=None,
+                  openapi_url="/openapi.json")
     app.state.server = server
 
     def tgi(request: Request) -> bool:
@@ -51,7 +54,7 @@ def build_app(engine: AsyncLLMEngine, *, model_name: str | None = None, api_key:
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: Request, error: StarletteHTTPException):
-        code = {404: "not_found", 405: "method_not_allowed"}.get(error.status_code)
+        code = {404: "not_found", 405: "method_not_allowed", 413: "request_too_large"}.get(error.status_code)
         return APIError(error.status_code, f"{request.method} {request.url.path}: {error.detail}", None,
                         code, dict(error.headers or {})).response(tgi=tgi(request))
 

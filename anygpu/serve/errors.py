@@ -15,26 +15,35 @@ import re
 
 from fastapi.responses import JSONResponse
 
-_TYPES = {400: "invalid_request_error", 401: "invalid_request_error", 404: "invalid_request_error",
-          413: "invalid_request_error", 422: "invalid_request_error", 429: "rate_limit_error",
-          500: "server_error", 503: "server_error"}
-_TGI_TYPES = {400: "validation", 401: "authentication", 404: "validation", 413: "validation", 422: "validation",
-              429: "overloaded", 500: "generation", 503: "unhealthy"}
+# OpenAI's ``type``: every 4xx is the client's fault (``invalid_request_error``) unless named here; 5xx are ours.
+_TYPES = {429: "rate_limit_error"}
+# TGI's ``error_type``: its router says ``validation`` for bad input, ``overloaded`` for 429, ``generation`` for a
+# failed generation; 4xx not named here are the client's request (``validation``).
+_TGI_TYPES = {401: "authentication", 429: "overloaded", 500: "generation", 503: "unhealthy"}
+
+
+def openai_type(status: int) -> str:
+    return _TYPES.get(status) or ("invalid_request_error" if 400 <= status < 500 else "server_error")
+
+
+def tgi_type(status: int) -> str:
+    return _TGI_TYPES.get(status) or ("validation" if 400 <= status < 500 else "generation")
 
 
 class APIError(Exception):
     def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
-                 headers: dict[str, str] | None = None):
+                 headers: dict[str, str] | None = None, tgi_type: str | None = None):
         super().__init__(message)
         self.status, self.message, self.param, self.code = status, message, param, code
         self.headers = headers or {}
+        self.tgi_type = tgi_type  # when the status alone does not say it (a 503 that is overload, not a dead engine)
 
     def openai_body(self) -> dict:
-        return {"error": {"message": self.message, "type": _TYPES.get(self.status, "server_error"),
+        return {"error": {"message": self.message, "type": openai_type(self.status),
                           "param": self.param, "code": self.code}}
 
     def tgi_body(self) -> dict:
-        return {"error": self.message, "error_type": _TGI_TYPES.get(self.status, "generation")}
+        return {"error": self.message, "error_type": self.tgi_type or tgi_type(self.status)}
 
     def response(self, tgi: bool = False) -> JSONResponse:
         return JSONResponse(self.tgi_body() if tgi else self.openai_body(), status_code=self.status,

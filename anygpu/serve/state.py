@@ -19,6 +19,7 @@ from collections.abc import AsyncIterator
 from fastapi import Request
 from fastapi.responses import StreamingResponse
 from pydantic import BaseModel, ValidationError
+from starlette.requests import ClientDisconnect
 
 from ..engine import AsyncLLMEngine, RequestOutput, SamplingParams
 from .errors import APIError, bad_request, from_validation
@@ -105,11 +106,15 @@ class Server:
         if declared is not None and declared.isdigit() and int(declared) > self.max_body_bytes:
             raise self._too_large()
         chunks, size = [], 0
-        async for chunk in request.stream():
-            size += len(chunk)
-            if size > self.max_body_bytes:
-                raise self._too_large()
-            chunks.append(chunk)
+        try:
+            async for chunk in request.stream():
+                size += len(chunk)
+                if size > self.max_body_bytes:
+                    raise self._too_large()
+                chunks.append(chunk)
+        except ClientDisconnect:  # the client left, or the edge timed the body out: nobody reads this answer
+            raise APIError(400, "body: the connection closed before the whole body arrived", None,
+                           "incomplete_body") from None
         try:
             return model.model_validate_json(b"".join(chunks))
         except ValidationError as error:
@@ -125,8 +130,12 @@ class Server:
                            "model", "model_not_found")
 
     def admit(self) -> Ticket:
-        """A slot among ``max_concurrent_requests``, or 429 with Retry-After.  Give it back with
+        """A slot among ``max_concurrent_requests``, or 429 with Retry-After; 503 if the engine has died (before
+        a stream's 200 is sent: afterwards the error could only go in-band).  Give the slot back with
         ``ticket.release()`` (Server.stream and EngineStream both do; it counts once)."""
+        if not self.engine.healthy:
+            raise APIError(503, "the engine stopped after an error; retry once the server has restarted", None,
+                           "engine_unavailable")
         if self.in_flight >= self.max_concurrent_requests:
             raise APIError(429, f"the server is busy: {self.in_flight} requests in flight (the limit is "
                                 f"{self.max_concurrent_requests}); retry later", None, "server_overloaded",
