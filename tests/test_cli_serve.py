@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import pathlib
 import re
 import signal
 import socket
@@ -98,3 +99,46 @@ def test_tp2_server_answers_as_tp1():
         finally:
             assert stop(proc) == 0
     assert texts[0] == texts[1] and len(texts[0].split()) == 12
+
+
+def _engine_child(pid: int) -> int:
+    """The engine process ``anygpu serve`` spawned (multiprocessing's spawn_main), found through /proc."""
+    for stat in pathlib.Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+            cmdline = (stat.parent / "cmdline").read_bytes()
+        except OSError:
+            continue
+        if int(fields[1]) == pid and b"spawn_main" in cmdline:
+            return int(stat.parent.name)
+    raise AssertionError(f"no engine process under {pid}")
+
+
+@pytest.mark.skipif(not pathlib.Path("/proc/self/stat").exists(), reason="finds the engine process through /proc")
+def test_server_exits_nonzero_when_its_engine_dies():
+    """Issue 21: a dead engine made the server answer 503 forever; now it stops, says why, and exits 1."""
+    proc, url, _ = start("--random-config", "tiny", "--port", "0", "--max-num-seqs", "4")
+    try:
+        os.kill(_engine_child(proc.pid), signal.SIGKILL)
+        code = proc.wait(timeout=30)
+        err = proc.stderr.read()
+        assert code == 1 and "the engine has died" in err and "supervisor" in err, err
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+
+
+@pytest.mark.parametrize("env,args,expected", [
+    ({"ANYGPU_API_KEY": ""}, [], "ANYGPU_API_KEY"),
+    ({"ANYGPU_API_KEY": "  "}, [], "ANYGPU_API_KEY"),
+    ({}, ["--api-key", "clé"], "printable ASCII"),
+    ({}, ["--api-key", "a b"], "printable ASCII"),
+    ({"ANYGPU_API_KEY": "k\x01"}, [], "printable ASCII"),
+])
+def test_unusable_api_keys_are_refused(env, args, expected):
+    """Issue 21 item 8: a non-ASCII key could never match, and an empty ANYGPU_API_KEY started an open server."""
+    r = subprocess.run([sys.executable, "-m", "anygpu.cli", "serve", "--random-config", "tiny", "--port", "0",
+                        *args], capture_output=True, text=True, timeout=120,
+                       env={**{k: v for k, v in os.environ.items() if k != "ANYGPU_API_KEY"}, **env})
+    assert r.returncode == 2 and "--api-key" in r.stderr and expected in r.stderr, r.stderr
+    assert "serving" not in r.stderr
