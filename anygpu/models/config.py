@@ -11,9 +11,23 @@ before a single weight is read.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from types import SimpleNamespace
 from typing import Iterable
 
 import torch
+
+from .config_checks import (
+    EPS_RANGE,
+    LIMITS,
+    SCALING_FACTOR_RANGE,
+    THETA_RANGE,
+    Fields,
+    check_eos_ids,
+    check_float,
+    check_int,
+    check_model_config,
+    check_rope_scaling,
+)
 
 SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2")
 _HF_CLASSES = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral", "Qwen2ForCausalLM": "qwen2"}
@@ -21,16 +35,26 @@ _GGUF_ARCHITECTURES = ("llama", "qwen2")  # Mistral GGUFs say "llama": same tens
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
-def _unsupported(arch: object, supported: Iterable[str]) -> ValueError:
-    return ValueError(f"unsupported model architecture {arch!r}; supported: {', '.join(supported)}")
+def _unsupported(arch: object, supported: Iterable[str], where: str | None = None) -> ValueError:
+    prefix = f"{where}: " if where else ""
+    return ValueError(f"{prefix}unsupported model architecture {arch!r}; supported: {', '.join(supported)}")
 
 
-def _eos_tuple(value) -> tuple[int, ...]:
-    """config.json's eos_token_id is an int, a list of ints or null."""
-    if value is None:
-        return ()
-    values = value if isinstance(value, (list, tuple)) else [value]
-    return tuple(dict.fromkeys(int(v) for v in values))  # dedupe, keep order
+# The config.json / GGUF key of each field that is read under another name, for error messages.
+HF_KEYS = {"num_layers": "num_hidden_layers", "num_heads": "num_attention_heads",
+            "num_kv_heads": "num_key_value_heads", "max_position": "max_position_embeddings",
+            "eos_token_ids": "eos_token_id"}
+GGUF_KEYS = {"vocab_size": "vocab_size", "hidden_size": "embedding_length", "intermediate_size": "feed_forward_length",
+              "num_layers": "block_count", "num_heads": "attention.head_count",
+              "num_kv_heads": "attention.head_count_kv", "head_dim": "attention.key_length",
+              "rms_norm_eps": "attention.layer_norm_rms_epsilon", "rope_theta": "rope.freq_base",
+              "max_position": "context_length", "sliding_window": "attention.sliding_window"}
+
+
+def _checked(cls, fields: dict, where: str, names: dict[str, str]):
+    """Cross-field checks under the file's key names first, then the dataclass (which checks again, cheaply)."""
+    check_model_config(SimpleNamespace(**fields), where, names)
+    return cls(**fields)
 
 
 @dataclass(frozen=True)
@@ -54,98 +78,138 @@ class ModelConfig:
     eos_token_ids: tuple[int, ...]
     dtype: torch.dtype | None    # the checkpoint's dtype (None for GGUF: dequantized to fp32)
 
+    def __post_init__(self):
+        check_model_config(self)  # direct constructions too (benchmarks' random-weight configs)
+
     @classmethod
-    def from_hf(cls, cfg: dict) -> ModelConfig:
+    def from_hf(cls, cfg: dict, where: str = "config.json") -> ModelConfig:
         """From a ``config.json`` dict as saved by transformers 4.x (rope_theta, rope_scaling, torch_dtype) or 5.x
-        (rope_parameters, dtype)."""
-        classes = cfg.get("architectures") or []
-        arch = next((_HF_CLASSES[c] for c in classes if c in _HF_CLASSES), None)
+        (rope_parameters, dtype).  Every value is type- and range-checked (``config_checks``); an error names
+        ``where`` (the file) and the key."""
+        f = Fields(cfg, where)
+        classes = f.raw("architectures", [])
+        if not isinstance(classes, list):
+            raise ValueError(f"{where}: architectures: expected a list of class names, got {classes!r}")
+        arch = next((_HF_CLASSES[c] for c in classes if isinstance(c, str) and c in _HF_CLASSES), None)
         if arch is None:
             if classes or cfg.get("model_type") not in SUPPORTED_ARCHITECTURES:
-                raise _unsupported(classes[0] if classes else cfg.get("model_type"), list(_HF_CLASSES))
+                raise _unsupported(classes[0] if classes else cfg.get("model_type"), list(_HF_CLASSES), where)
             arch = cfg["model_type"]
-        hidden, heads = int(cfg["hidden_size"]), int(cfg["num_attention_heads"])
-        rope_theta, rope_scaling = _hf_rope(cfg)
+        hidden = f.int("hidden_size", LIMITS["hidden_size"])
+        heads = f.int("num_attention_heads", LIMITS["num_heads"])
+        head_dim = f.int("head_dim", LIMITS["head_dim"], None)  # Mistral configs may say "head_dim": null
+        if head_dim is None:
+            if hidden % heads:
+                raise ValueError(f"{where}: hidden_size ({hidden}) is not a multiple of num_attention_heads "
+                                 f"({heads}), and there is no head_dim to say the head size")
+            head_dim = hidden // heads
+        rope_theta, rope_scaling = _hf_rope(f)
         if arch == "qwen2":  # Qwen2 always has q/k/v biases; its sliding window is off unless asked for
-            bias, window = True, cfg.get("sliding_window") if cfg.get("use_sliding_window") else None
+            bias = True
+            window = f.int("sliding_window", LIMITS["sliding_window"], None) if f.bool("use_sliding_window",
+                                                                                       False) else None
         else:
-            bias, window = bool(cfg.get("attention_bias", False)), cfg.get("sliding_window")
+            bias = f.bool("attention_bias", False)
+            window = f.int("sliding_window", LIMITS["sliding_window"], None)
         dtype = cfg.get("dtype") or cfg.get("torch_dtype")
-        return cls(
+        fields = dict(
             architecture=arch,
-            vocab_size=int(cfg["vocab_size"]),
+            vocab_size=f.int("vocab_size", LIMITS["vocab_size"]),
             hidden_size=hidden,
-            intermediate_size=int(cfg["intermediate_size"]),
-            num_layers=int(cfg["num_hidden_layers"]),
+            intermediate_size=f.int("intermediate_size", LIMITS["intermediate_size"]),
+            num_layers=f.int("num_hidden_layers", LIMITS["num_layers"]),
             num_heads=heads,
-            num_kv_heads=int(cfg.get("num_key_value_heads") or heads),
-            head_dim=int(cfg.get("head_dim") or hidden // heads),  # Mistral configs may say "head_dim": null
-            rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+            num_kv_heads=f.int("num_key_value_heads", LIMITS["num_kv_heads"], heads),
+            head_dim=head_dim,
+            rms_norm_eps=f.float("rms_norm_eps", EPS_RANGE, 1e-6, high_open=True),
             rope_theta=rope_theta,
             rope_scaling=rope_scaling,
-            max_position=int(cfg.get("max_position_embeddings", 2048)),
-            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+            max_position=f.int("max_position_embeddings", LIMITS["max_position"], 2048),
+            tie_word_embeddings=f.bool("tie_word_embeddings", False),
             attention_bias=bias,
-            sliding_window=int(window) if window else None,
-            bos_token_id=cfg.get("bos_token_id"),
-            eos_token_ids=_eos_tuple(cfg.get("eos_token_id")),
+            sliding_window=window,
+            bos_token_id=f.int("bos_token_id", LIMITS["token_id"], None),
+            eos_token_ids=check_eos_ids(cfg.get("eos_token_id"), "eos_token_id", where),
             dtype=_DTYPES.get(dtype) if isinstance(dtype, str) else None,
         )
+        return _checked(cls, fields, where, HF_KEYS)
 
     @classmethod
-    def from_gguf(cls, metadata: dict, tensor_names: Iterable[str] | None = None) -> ModelConfig:
+    def from_gguf(cls, metadata: dict, tensor_names: Iterable[str] | None = None,
+                  where: str = "GGUF metadata") -> ModelConfig:
         """From GGUF metadata (``reader.fields[key].contents()`` by key).  Tied embeddings and Llama biases are
-        not in the metadata but in which tensors exist: pass ``tensor_names`` (None: tied, no Llama bias)."""
+        not in the metadata but in which tensors exist: pass ``tensor_names`` (None: tied, no Llama bias).
+        Every value is type- and range-checked; an error names ``where`` (the file) and the key."""
         arch = metadata.get("general.architecture")
         if arch not in _GGUF_ARCHITECTURES:
-            raise _unsupported(arch, _GGUF_ARCHITECTURES)
+            raise _unsupported(arch, _GGUF_ARCHITECTURES, where)
         names = set(tensor_names or ())
-
-        def get(key, default=None):
-            return metadata.get(f"{arch}.{key}", default)
-
-        hidden, heads = int(get("embedding_length")), int(get("attention.head_count"))
-        vocab = get("vocab_size") or len(metadata.get("tokenizer.ggml.tokens", ()))
-        scaling_type = get("rope.scaling.type")
+        f = Fields(metadata, where, prefix=f"{arch}.")
+        hidden = f.int("embedding_length", LIMITS["hidden_size"])
+        heads = f.int("attention.head_count", LIMITS["num_heads"])
+        head_dim = f.int("attention.key_length", LIMITS["head_dim"], None)
+        if head_dim is None:
+            if hidden % heads:
+                raise ValueError(f"{where}: {arch}.embedding_length ({hidden}) is not a multiple of "
+                                 f"{arch}.attention.head_count ({heads}), and there is no attention.key_length")
+            head_dim = hidden // heads
+        vocab = f.int("vocab_size", LIMITS["vocab_size"], None)
+        if vocab is None:
+            tokens = metadata.get("tokenizer.ggml.tokens")
+            if not isinstance(tokens, (list, tuple)):
+                raise ValueError(f"{where}: {arch}.vocab_size: missing, and there is no tokenizer.ggml.tokens list "
+                                 "to count")
+            vocab = check_int(len(tokens), "tokenizer.ggml.tokens (its length)", LIMITS["vocab_size"], where)
+        scaling_type = f.raw("rope.scaling.type", None)
         rope_scaling = None
         if scaling_type not in (None, "none"):
-            rope_scaling = {"rope_type": scaling_type, "factor": float(get("rope.scaling.factor", 1.0))}
-            if get("rope.scaling.original_context_length"):
-                rope_scaling["original_max_position_embeddings"] = int(get("rope.scaling.original_context_length"))
+            rope_scaling = {"rope_type": scaling_type,
+                            "factor": f.float("rope.scaling.factor", SCALING_FACTOR_RANGE, 1.0)}
+            original = f.int("rope.scaling.original_context_length", LIMITS["max_position"], None)
+            if original:
+                rope_scaling["original_max_position_embeddings"] = original
         # llama.cpp stops on eos and on the end-of-turn / end-of-message tokens (Llama 3's <|eot_id|>).
         eos = [metadata.get(f"tokenizer.ggml.{k}_token_id") for k in ("eos", "eot", "eom")]
-        window = get("attention.sliding_window")
-        return cls(
+        bos = metadata.get("tokenizer.ggml.bos_token_id")
+        fields = dict(
             architecture=arch,
-            vocab_size=int(vocab),
+            vocab_size=vocab,
             hidden_size=hidden,
-            intermediate_size=int(get("feed_forward_length")),
-            num_layers=int(get("block_count")),
+            intermediate_size=f.int("feed_forward_length", LIMITS["intermediate_size"]),
+            num_layers=f.int("block_count", LIMITS["num_layers"]),
             num_heads=heads,
-            num_kv_heads=int(get("attention.head_count_kv") or heads),
-            head_dim=int(get("attention.key_length") or hidden // heads),
-            rms_norm_eps=float(get("attention.layer_norm_rms_epsilon", 1e-6)),
-            rope_theta=float(get("rope.freq_base", 10000.0)),
+            num_kv_heads=f.int("attention.head_count_kv", LIMITS["num_kv_heads"], heads),
+            head_dim=head_dim,
+            rms_norm_eps=f.float("attention.layer_norm_rms_epsilon", EPS_RANGE, 1e-6, high_open=True),
+            rope_theta=f.float("rope.freq_base", THETA_RANGE, 10000.0),
             rope_scaling=rope_scaling,
-            max_position=int(get("context_length", 2048)),
+            max_position=f.int("context_length", LIMITS["max_position"], 2048),
             tie_word_embeddings=tensor_names is None or "output.weight" not in names,
             attention_bias=arch == "qwen2" or "blk.0.attn_q.bias" in names,
-            sliding_window=int(window) if window else None,
-            bos_token_id=metadata.get("tokenizer.ggml.bos_token_id"),
-            eos_token_ids=_eos_tuple([e for e in eos if e is not None]),
+            sliding_window=f.int("attention.sliding_window", LIMITS["sliding_window"], None),
+            bos_token_id=None if bos is None else check_int(bos, "tokenizer.ggml.bos_token_id", LIMITS["token_id"],
+                                                            where),
+            eos_token_ids=check_eos_ids([e for e in eos if e is not None], "tokenizer.ggml.eos_token_id", where),
             dtype=None,
         )
+        return _checked(cls, fields, where, {k: f"{arch}.{v}" for k, v in GGUF_KEYS.items()})
 
 
-def _hf_rope(cfg: dict) -> tuple[float, dict | None]:
+def _hf_rope(f: Fields) -> tuple[float, dict | None]:
     """(rope_theta, rope_scaling or None): 5.x nests both in rope_parameters, 4.x has them side by side."""
-    params = cfg.get("rope_parameters")
+    params = f.raw("rope_parameters", None)
     if isinstance(params, dict) and "rope_theta" in params:
+        theta_key, scaling_key = "rope_parameters.rope_theta", "rope_parameters"
         theta, scaling = params["rope_theta"], {k: v for k, v in params.items() if k != "rope_theta"}
     else:
-        theta, scaling = cfg.get("rope_theta", 10000.0), dict(cfg.get("rope_scaling") or {})
+        theta_key, scaling_key = "rope_theta", "rope_scaling"
+        theta, scaling = f.raw("rope_theta", 10000.0), f.raw("rope_scaling", {})
+        if not isinstance(scaling, dict):
+            raise ValueError(f"{f.where}: rope_scaling: expected an object or null, got {scaling!r}")
+        scaling = dict(scaling)
     if "type" in scaling and "rope_type" not in scaling:  # older configs spell it "type"
         scaling["rope_type"] = scaling.pop("type")
     if scaling.get("rope_type", "default") == "default":
         scaling = None
-    return float(theta), scaling
+    theta = check_float(theta, theta_key, THETA_RANGE, f.where)
+    return theta, check_rope_scaling(scaling, scaling_key, f.where)

@@ -19,7 +19,8 @@ from typing import Iterator
 
 import torch
 
-from .config import ModelConfig
+from .config import GGUF_KEYS, ModelConfig
+from .shape_check import check_tensor_shapes
 from .tokenizer import Tokenizer
 
 SUPPORTED_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1")
@@ -101,7 +102,12 @@ class GGUFCheckpoint:
             if hf_name(t.name) is None:
                 # e.g. rope_freqs.weight (llama.cpp's form of Llama 3.1 rope scaling): dropping it would be wrong.
                 raise ValueError(f"{self.path}: tensor {t.name} is not supported by this loader")
-        self.config = ModelConfig.from_gguf(self.metadata, tensor_names=[t.name for t in tensors])
+        config = ModelConfig.from_gguf(self.metadata, tensor_names=[t.name for t in tensors], where=str(self.path))
+        # GGUF lists ne0 (the row length) first; HF shapes are the other way round.
+        shapes = {hf_name(t.name): tuple(int(n) for n in reversed(t.shape.tolist())) for t in tensors}
+        keys = {k: f"{config.architecture}.{v}" for k, v in GGUF_KEYS.items()}
+        check_tensor_shapes(config, shapes, where=str(self.path), config_where="its metadata", keys=keys)
+        self.config = config
         self.tokenizer = Tokenizer.from_gguf(self.metadata)
 
     def weights(self, progress: bool = True) -> Iterator[tuple[str, torch.Tensor]]:

@@ -13,13 +13,16 @@ generation stops on any of them.
 from __future__ import annotations
 
 import dataclasses
-import json
 from pathlib import Path
 from typing import Iterator
 
 import torch
 
-from .config import ModelConfig
+from .config import HF_KEYS, ModelConfig
+from .config_checks import check_eos_ids
+from .folder_files import file_in_folder, read_json
+from .safetensors_header import TensorEntry, read_header
+from .shape_check import check_tensor_shapes
 from .tokenizer import Tokenizer
 
 _INDEX = "model.safetensors.index.json"
@@ -31,11 +34,22 @@ class HFCheckpoint:
         self.name = self.path.resolve().name
         if not self.path.is_dir():
             raise FileNotFoundError(f"{self.path}: no such model folder")
-        if not (self.path / "config.json").is_file():
+        config_path = self.path / "config.json"
+        if not config_path.is_file():
             raise FileNotFoundError(f"{self.path}: no config.json; a Hugging Face model folder holds config.json, "
                                     "*.safetensors and tokenizer.json")
-        config = ModelConfig.from_hf(json.loads((self.path / "config.json").read_text(encoding="utf-8")))
+        config = ModelConfig.from_hf(read_json(config_path), where=str(config_path))
         self.files = self._safetensors_files()
+        # Every header read and checked against its file (and the config against the tensors) before a byte of
+        # weights is: a lying header or config is an error naming the file here, not a huge allocation later.
+        self.headers: dict[Path, dict[str, TensorEntry]] = {f: read_header(f) for f in self.files}
+        shapes: dict[str, tuple[int, ...]] = {}
+        for f, tensors in self.headers.items():
+            for name, entry in tensors.items():
+                if name in shapes:
+                    raise ValueError(f"{f}: tensor {name!r} is also in another file of {self.path}")
+                shapes[name] = entry.shape
+        check_tensor_shapes(config, shapes, where=str(self.path), config_where=str(config_path), keys=HF_KEYS)
         # A folder of weights alone still runs on token ids (a tokenizer.model without tokenizer.json is refused
         # by from_hf_folder: that is a tokenizer we cannot read, not a missing one).
         has_tokenizer = (self.path / "tokenizer.json").is_file() or (self.path / "tokenizer.model").exists()
@@ -43,9 +57,7 @@ class HFCheckpoint:
         eos = list(config.eos_token_ids)
         generation = self.path / "generation_config.json"
         if generation.is_file():
-            value = json.loads(generation.read_text(encoding="utf-8")).get("eos_token_id")
-            if value is not None:
-                eos += value if isinstance(value, list) else [value]
+            eos += check_eos_ids(read_json(generation).get("eos_token_id"), "eos_token_id", str(generation))
         eos += list(self.tokenizer.eos_token_ids) if self.tokenizer else []
         eos = tuple(dict.fromkeys(int(i) for i in eos))
         self.config = dataclasses.replace(config, eos_token_ids=eos)
@@ -55,13 +67,17 @@ class HFCheckpoint:
     def _safetensors_files(self) -> list[Path]:
         index = self.path / _INDEX
         if index.is_file():  # sharded: the index maps every tensor to its shard
-            shards = json.loads(index.read_text(encoding="utf-8"))["weight_map"].values()
-            files = [self.path / f for f in dict.fromkeys(shards)]
-            missing = [f.name for f in files if not f.is_file()]
+            weight_map = read_json(index).get("weight_map")
+            if not isinstance(weight_map, dict) or not weight_map:
+                raise ValueError(f"{index}: weight_map: expected an object of tensor name -> shard file name, "
+                                 f"got {weight_map!r:.100}")
+            shards = dict.fromkeys(weight_map.values())
+            files = [file_in_folder(self.path, f, where=f"{index}: weight_map") for f in shards]
+            missing = [str(f.relative_to(self.path)) for f in files if not f.is_file()]
             if missing:
                 raise FileNotFoundError(f"{self.path}: {_INDEX} lists missing shards: {', '.join(missing)}")
             return files
-        files = sorted(self.path.glob("*.safetensors"))
+        files = sorted(p for p in self.path.glob("*.safetensors") if p.is_file())
         if files:
             return files
         pickles = sorted(p.name for p in self.path.iterdir() if p.suffix in (".bin", ".pt", ".pth"))
@@ -73,18 +89,18 @@ class HFCheckpoint:
 
     def weights(self, progress: bool = True) -> Iterator[tuple[str, torch.Tensor]]:
         """(name as stored, CPU tensor in its stored dtype) for every tensor of every file."""
-        from safetensors import safe_open
+        from safetensors import SafetensorError, safe_open
         from tqdm.auto import tqdm
 
-        total = 0
-        for f in self.files:  # reads the headers only
-            with safe_open(f, framework="pt") as sf:
-                total += len(sf.keys())
+        total = sum(len(tensors) for tensors in self.headers.values())
         with tqdm(total=total, desc=f"Loading {self.name}", unit="tensor", disable=not progress) as bar:
-            for f in self.files:
-                with safe_open(f, framework="pt") as sf:
-                    for key in sf.keys():
-                        bar.update()
-                        if key.endswith("rotary_emb.inv_freq"):  # a buffer some old checkpoints saved, not a weight
-                            continue
-                        yield key, sf.get_tensor(key)
+            for f, tensors in self.headers.items():
+                try:  # the header passed read_header; this catches a file changed since it was opened
+                    with safe_open(f, framework="pt") as sf:
+                        for key in tensors:
+                            bar.update()
+                            if key.endswith("rotary_emb.inv_freq"):  # a buffer some old checkpoints saved
+                                continue
+                            yield key, sf.get_tensor(key)
+                except (SafetensorError, OSError) as e:
+                    raise ValueError(f"{f}: not a readable safetensors file ({type(e).__name__}: {e})") from e

@@ -42,6 +42,7 @@ from ..ops import (
 )
 from ..ops.rotary_embedding import rotary_cos_sin_cache
 from .config import ModelConfig
+from .memory_check import check_model_fits
 from .parallel import LlamaShard, TensorParallel
 
 MODES = ("prefill", "decode", "mixed")
@@ -143,8 +144,14 @@ class LlamaForCausalLM(nn.Module):
     ``tp``: this rank's place in a tensor-parallel group (None: the whole model in this process)."""
 
     def __init__(self, cfg: ModelConfig, dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu",
-                 tp: TensorParallel | None = None):
+                 tp: TensorParallel | None = None, max_position: int | None = None):
+        """``max_position``: the longest context this model will run (the engine's max_model_len), which sizes
+        the rotary table; None: the config's max_position.  It never exceeds the config's."""
         super().__init__()
+        if max_position is not None and (not isinstance(max_position, int) or isinstance(max_position, bool)
+                                         or max_position < 1):
+            raise ValueError(f"max_position: expected a positive int or None, got {max_position!r}")
+        max_position = min(max_position or cfg.max_position, cfg.max_position)
         self.config = cfg
         self.tp = tp = tp if tp is not None else TensorParallel()
         self.shard = shard = LlamaShard.of(cfg, tp)
@@ -154,14 +161,18 @@ class LlamaForCausalLM(nn.Module):
             self.layers = nn.ModuleList(DecoderLayer(cfg, shard, tp) for _ in range(cfg.num_layers))
             self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
             self.lm_head = nn.Linear(cfg.hidden_size, shard.vocab_rows, bias=False)
-        self.to_empty(device=device).to(dtype)
+        # The dtype is set while on meta, so to_empty allocates each weight once, in it (not fp32, then a copy).
+        self.to(dtype)
+        # Sized from the config on the meta device: refuse here, naming the field, what would not fit.
+        check_model_fits(cfg, sum(p.numel() * p.element_size() for p in self.parameters()), max_position, device)
+        self.to_empty(device=device)
         if cfg.tie_word_embeddings and tp.world_size == 1:
             self.lm_head.weight = self.embed_tokens.weight
         # (Tied under tp > 1: lm_head is this rank's rows of the embedding, a copy that load_weights fills.)
         if shard.vocab_real < shard.vocab_rows:
             self.lm_head.weight.data[shard.vocab_real:].zero_()  # padding rows: their logits are cut off anyway
         # Made after to_empty (which would leave it uninitialised) and kept fp32 whatever the model's dtype.
-        self.rotary = rotary_cos_sin_cache(cfg.head_dim, cfg.max_position, cfg.rope_theta, cfg.rope_scaling,
+        self.rotary = rotary_cos_sin_cache(cfg.head_dim, max_position, cfg.rope_theta, cfg.rope_scaling,
                                            device=device)
         for layer in self.layers:
             layer.self_attn.rotary = self.rotary

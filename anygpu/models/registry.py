@@ -23,6 +23,7 @@ from ..nn import quantize_model
 from .config import ModelConfig
 from .llama import LlamaForCausalLM
 from .parallel import TensorParallel
+from .shape_check import expected_shapes
 
 # The Llama family shares one implementation: Mistral adds a sliding window, Qwen2 q/k/v biases, both
 # read from the config.
@@ -44,25 +45,7 @@ def random_weights(config: ModelConfig, dtype: torch.dtype = torch.float32, devi
     Each tensor has its own generator, seeded from ``seed`` and a CRC of its name (stable across processes,
     unlike ``hash``), so it does not depend on which tensors a rank keeps or in what order they are made.
     Made on ``device`` in ``dtype``, one at a time: an 8B model takes well under a second on a GPU."""
-    c = config
-    q, kv = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
-    shapes = {"model.embed_tokens.weight": (c.vocab_size, c.hidden_size), "model.norm.weight": (c.hidden_size,)}
-    if not c.tie_word_embeddings:
-        shapes["lm_head.weight"] = (c.vocab_size, c.hidden_size)
-    for i in range(c.num_layers):
-        p = f"model.layers.{i}."
-        shapes.update({p + "input_layernorm.weight": (c.hidden_size,),
-                       p + "post_attention_layernorm.weight": (c.hidden_size,),
-                       p + "self_attn.q_proj.weight": (q, c.hidden_size),
-                       p + "self_attn.k_proj.weight": (kv, c.hidden_size),
-                       p + "self_attn.v_proj.weight": (kv, c.hidden_size),
-                       p + "self_attn.o_proj.weight": (c.hidden_size, q),
-                       p + "mlp.gate_proj.weight": (c.intermediate_size, c.hidden_size),
-                       p + "mlp.up_proj.weight": (c.intermediate_size, c.hidden_size),
-                       p + "mlp.down_proj.weight": (c.hidden_size, c.intermediate_size)})
-        if c.attention_bias:
-            shapes.update({p + "self_attn.q_proj.bias": (q,), p + "self_attn.k_proj.bias": (kv,),
-                           p + "self_attn.v_proj.bias": (kv,)})
+    shapes = {name: shape for name, (shape, _) in expected_shapes(config).items()}
     device = torch.device(device)
     for name, shape in shapes.items():
         if name.endswith("norm.weight"):
@@ -75,14 +58,15 @@ def random_weights(config: ModelConfig, dtype: torch.dtype = torch.float32, devi
 def build_model(config: ModelConfig, weights: Iterable[tuple[str, torch.Tensor]] | str,
                 dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu",
                 quantize: str | None = None, progress: bool = True,
-                tp: TensorParallel | None = None) -> LlamaForCausalLM:
+                tp: TensorParallel | None = None, max_position: int | None = None) -> LlamaForCausalLM:
+    """``max_position``: the longest context to run (sizes the rotary table; None: the config's)."""
     if quantize is not None and quantize not in QUANT_TYPES:
         raise ValueError(f"quantize: expected one of {QUANT_TYPES} or None, got {quantize!r}")
     if isinstance(weights, str):
         if weights != "random":
             raise ValueError(f"weights: expected a (name, tensor) iterator or 'random', got {weights!r}")
         weights = random_weights(config, dtype, device)
-    model = model_class(config)(config, dtype=dtype, device=device, tp=tp)
+    model = model_class(config)(config, dtype=dtype, device=device, tp=tp, max_position=max_position)
     model.load_weights(weights)
     if quantize is not None:
         # int8 is LLM.int8() with transformers' outlier threshold: activations' outlier columns stay in 16 bits.

@@ -20,6 +20,8 @@ from pathlib import Path
 from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers
 from tokenizers import Tokenizer as _Backend
 
+from .folder_files import MAX_JSON_BYTES, MAX_TOKENIZER_BYTES, check_size, read_json
+
 # llama.cpp's "tokenizer.ggml.pre" names the regex that splits text before BPE; these are the splits of the
 # families this package runs (from transformers' GGUF table).  Unknown names get GPT-2's, as in transformers.
 _LLAMA3_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
@@ -61,11 +63,18 @@ class Tokenizer:
             sentencepiece = (path / "tokenizer.model").exists()
             hint = " (a sentencepiece tokenizer.model alone is not supported)" if sentencepiece else ""
             raise FileNotFoundError(f"{path}: no tokenizer.json{hint}")
-        backend = _Backend.from_file(str(path / "tokenizer.json"))
-        cfg = _read_json(path / "tokenizer_config.json") or {}
-        eos = _token_content(cfg.get("eos_token"))
-        return cls(backend, bos_token=_token_content(cfg.get("bos_token")), eos_tokens=[eos] if eos else [],
-                   chat_template=_folder_chat_template(path, cfg), add_bos_token=bool(cfg.get("add_bos_token", False)),
+        tokenizer_json = path / "tokenizer.json"
+        check_size(tokenizer_json, MAX_TOKENIZER_BYTES)
+        try:
+            backend = _Backend.from_file(str(tokenizer_json))
+        except Exception as e:  # the tokenizers library raises plain Exceptions for bad JSON and bad models
+            raise ValueError(f"{tokenizer_json}: not a readable tokenizer.json ({e})") from None
+        config_path = path / "tokenizer_config.json"
+        cfg = _read_json(config_path) or {}
+        eos = _token_content(cfg.get("eos_token"), "eos_token", config_path)
+        return cls(backend, bos_token=_token_content(cfg.get("bos_token"), "bos_token", config_path),
+                   eos_tokens=[eos] if eos else [], chat_template=_folder_chat_template(path, cfg),
+                   add_bos_token=bool(cfg.get("add_bos_token", False)),
                    add_eos_token=bool(cfg.get("add_eos_token", False)))
 
     @classmethod
@@ -136,22 +145,39 @@ class Tokenizer:
 
 
 def _read_json(path: Path):
-    return json.loads(path.read_text(encoding="utf-8")) if path.is_file() else None
+    return read_json(path) if path.is_file() else None
 
 
-def _token_content(token) -> str | None:
+def _token_content(token, key: str, where: Path) -> str | None:
     """tokenizer_config.json writes a token as a string or as an AddedToken dict {"content": ...}."""
-    return token.get("content") if isinstance(token, dict) else token
+    content = token.get("content") if isinstance(token, dict) else token
+    if content is not None and not isinstance(content, str):
+        raise ValueError(f"{where}: {key}: expected a string or {{\"content\": string}}, got {token!r:.100}")
+    return content
 
 
 def _folder_chat_template(path: Path, cfg: dict) -> str | None:
     """chat_template.jinja (transformers >= 4.50 saves it there), chat_template.json, then tokenizer_config.json."""
-    if (path / "chat_template.jinja").is_file():
-        return (path / "chat_template.jinja").read_text(encoding="utf-8")
-    template = (_read_json(path / "chat_template.json") or {}).get("chat_template") or cfg.get("chat_template")
+    jinja = path / "chat_template.jinja"
+    if jinja.is_file():
+        check_size(jinja, MAX_JSON_BYTES)
+        try:
+            return jinja.read_text(encoding="utf-8")
+        except UnicodeDecodeError as e:
+            raise ValueError(f"{jinja}: not UTF-8 text ({e})") from None
+    where = path / "chat_template.json"
+    template = (_read_json(where) or {}).get("chat_template")
+    if not template:
+        where, template = path / "tokenizer_config.json", cfg.get("chat_template")
     if isinstance(template, list):  # named templates: [{"name": "default", "template": ...}, ...]
+        if not all(isinstance(t, dict) and isinstance(t.get("name"), str) and isinstance(t.get("template"), str)
+                   for t in template):
+            raise ValueError(f"{where}: chat_template: expected a string or a list of {{\"name\", \"template\"}} "
+                             "objects")
         named = {t["name"]: t["template"] for t in template}
         template = named.get("default", next(iter(named.values()), None))
+    if template is not None and not isinstance(template, str):
+        raise ValueError(f"{where}: chat_template: expected a string, got {type(template).__name__}")
     return template
 
 
