@@ -82,6 +82,13 @@ class Op:
             return self.overload(*args, **kwargs)
         if kwargs or len(args) < self._num_arguments:  # the schema's names and defaults, as torch.ops applies them
             args = self._bind(args, kwargs)
+        for i, name, optional in self._tensor_arguments:
+            a = args[i] if i < len(args) else None
+            if not isinstance(a, torch.Tensor) and not (optional and a is None):
+                # Caught here, naming the argument: the checks and the kernels would fail on it with an
+                # AttributeError ('list' object has no attribute 'dim'), or worse, read it as something else.
+                raise TypeError(f"{self.name}: {name}: expected a torch.Tensor{' or None' if optional else ''}, "
+                                f"got {type(a).__name__}")
         kind = _plain_eager_device(args)
         if kind == "cuda":
             return self.gpu_impl(*args)
@@ -92,6 +99,17 @@ class Op:
     @functools.cached_property
     def _num_arguments(self) -> int:
         return len(self.overload._schema.arguments)
+
+    @functools.cached_property
+    def _tensor_arguments(self) -> tuple[tuple[int, str, bool], ...]:
+        """(position, name, None allowed) of each argument the schema types Tensor or Tensor?."""
+        out = []
+        for i, arg in enumerate(self.overload._schema.arguments):
+            t = arg.type
+            optional = t.kind() == "OptionalType"
+            if (t.getElementType() if optional else t).kind() == "TensorType":
+                out.append((i, arg.name, optional))
+        return tuple(out)
 
     def _bind(self, args: tuple, kwargs: dict) -> tuple:
         schema = self.overload._schema
