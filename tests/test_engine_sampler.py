@@ -145,3 +145,42 @@ def test_sampled_distribution_matches_the_softmax(temperature, top_k):
 def test_bad_logits_shape_raises():
     with pytest.raises(ValueError, match="logits: expected shape \\[2, vocab\\]"):
         Sampler().sample(torch.zeros(3, 5), [seq(), seq()])
+
+
+class FaultyDraw(Sampler):
+    """Fails the draw of one sequence: after the rows before it in the batch have drawn from their generators."""
+
+    def __init__(self, bad):
+        self.bad = bad
+
+    def _draw(self, s, vocab, device):
+        if s is self.bad:
+            raise RuntimeError("injected: draw failed")
+        return Sampler._draw(s, vocab, device)
+
+
+def test_sample_each_fails_only_the_failing_row_and_keeps_the_seeds_in_step():
+    logits = torch.randn(3, 50)
+    clean = [seq(temperature=1.0, seed=7), seq(temperature=0.0), seq(temperature=1.0, seed=8)]
+    expect = [Sampler().sample(logits, clean) for _ in range(4)]
+    rows = [seq(temperature=1.0, seed=7), seq(temperature=0.0), seq(temperature=1.0, seed=8)]
+    sampler = FaultyDraw(rows[2])
+    for step in range(4):
+        got = sampler.sample_each(logits, rows)
+        # Row 0 drew before row 2 failed: its generator is put back, so it draws what it would have.
+        assert got[:2] == expect[step][:2] and isinstance(got[2], RuntimeError), step
+
+
+def test_out_of_range_values_cannot_overflow_the_sampler():
+    """Values SamplingParams refuses, set behind its back: the sampler still bounds them before torch sees them
+    (a seed is masked to 64 bits as torch reads it, a top-k above the vocabulary keeps all)."""
+    logits = torch.randn(1, 64)
+    signed, unsigned, huge = seq(temperature=1.0, seed=-1), seq(temperature=1.0, seed=2**64 - 1), seq(temperature=1.0)
+    assert [Sampler().sample(logits, [signed])[0] for _ in range(5)] == \
+           [Sampler().sample(logits, [unsigned])[0] for _ in range(5)]
+    signed.params.seed = 2**64 + 5
+    assert isinstance(Sampler().sample(logits, [signed])[0], int)
+    huge.params.top_k, huge.params.top_p = 2**63, 0.9
+    keep_all = apply_filters(logits, [2**63], [1.0], [0.0])
+    assert torch.equal(keep_all, logits)
+    assert isinstance(Sampler().sample(logits, [huge])[0], int)

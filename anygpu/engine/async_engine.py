@@ -10,7 +10,13 @@ would stall every other connection.  The thread owns the ``LLMEngine`` (it is no
 aborts reach it through a lock-protected inbox, outputs go back with ``loop.call_soon_threadsafe``.
 Leaving the ``async for`` early (a client that disconnects, a cancelled task) aborts the request, and its KV
 blocks are freed by the next step.  A request the engine rejects (bad prompt or sampling values) raises
-ValueError from the iterator, and the engine goes on serving the others.
+ValueError from the iterator, and the engine goes on serving the others.  A request that fails inside a step
+(``errors.py``) raises ``RequestInvalid`` (a ValueError) or ``RequestFailed`` (a RuntimeError) from its iterator;
+the others go on.
+
+When the engine itself fails (``step`` raises: see ``LLMEngine``; or the engine process died), every open and
+every later request raises ``EngineDead``, ``healthy`` turns False and stays so, ``error`` holds the cause, and
+``wait_dead()`` returns it: a server awaits that to exit (or restart) rather than answer 503 forever.
 
 The engine may be an ``LLMEngine`` in this process (it then shares the GIL with the event loop) or an
 ``EngineClient`` (``engine_process.py``), the same interface over a pipe to an engine in its own process,
@@ -25,6 +31,7 @@ import logging
 import threading
 from collections.abc import AsyncIterator
 
+from .errors import EngineDead, RequestFailed, as_exception
 from .llm_engine import LLMEngine, RequestOutput
 from .sampling_params import SamplingParams
 
@@ -40,13 +47,14 @@ class AsyncLLMEngine:
         self._streams: dict[str, tuple[asyncio.Queue, asyncio.AbstractEventLoop]] = {}
         self._stopped = False
         self._error: BaseException | None = None
+        self._closed: EngineDead | None = None  # set (under _lock) when the thread takes no more messages
+        self._dead_waiters: list[tuple[asyncio.AbstractEventLoop, asyncio.Future]] = []
+        self.dead = threading.Event()  # set when the engine has failed (not on shutdown)
         self._thread = threading.Thread(target=self._loop, name="anygpu-engine", daemon=True)
         self._thread.start()
 
     async def generate(self, request_id: str, prompt, params: SamplingParams | None = None
                        ) -> AsyncIterator[RequestOutput]:
-        if self._error is not None:
-            raise RuntimeError(f"the engine stopped after an error: {self._error!r}")
         queue: asyncio.Queue = asyncio.Queue()
         self._send(("add", request_id, prompt, params, queue, asyncio.get_running_loop()))
         finished = False
@@ -58,8 +66,11 @@ class AsyncLLMEngine:
                 while not isinstance(item, BaseException) and not queue.empty():
                     item = _merge(item, queue.get_nowait())
                 if isinstance(item, BaseException):
+                    finished = True  # the engine has dropped it already
                     raise item
                 finished = item.finished
+                if item.finish_reason == "error":
+                    raise as_exception(request_id, item.error_type, item.error)
                 yield item
                 if finished:
                     return
@@ -79,6 +90,23 @@ class AsyncLLMEngine:
         """False once a step has failed or the engine thread has ended."""
         return self._error is None and self._thread.is_alive()
 
+    @property
+    def error(self) -> BaseException | None:
+        """What stopped the engine, or None while it runs (or after a plain shutdown)."""
+        return self._error
+
+    async def wait_dead(self) -> BaseException:
+        """Return the error that stopped the engine, once it has (at once if it already has).  Cancel it to stop
+        waiting.  A plain ``shutdown`` is not a death: it does not return then."""
+        loop = asyncio.get_running_loop()
+        future = loop.create_future()
+        with self._lock:
+            if self._error is None:
+                self._dead_waiters.append((loop, future))
+        if self._error is not None:
+            return self._error
+        return await future
+
     def shutdown(self) -> None:
         self._stopped = True
         self._wake.set()
@@ -87,8 +115,13 @@ class AsyncLLMEngine:
     # -- the engine thread -----------------------------------------------------------------------------
     def _send(self, message: tuple) -> None:
         with self._lock:
-            self._inbox.append(message)
-        self._wake.set()
+            closed = self._closed
+            if closed is None:
+                self._inbox.append(message)
+        if closed is None:
+            self._wake.set()
+        elif message[0] == "add":  # called on the request's own event loop: no thread hop needed
+            message[4].put_nowait(EngineDead(str(closed)))
 
     def _deliver(self, request_id: str, item) -> None:
         self._deliver_all([(request_id, item)])
@@ -122,33 +155,53 @@ class AsyncLLMEngine:
             self._streams[request_id] = (queue, loop)
             try:
                 self.engine.add_request(request_id, prompt, params)
-            except ValueError as error:
-                self._deliver(request_id, error)
+            except Exception as error:  # refused (a ValueError naming the field) or failed: this request only
+                self._deliver(request_id, error if isinstance(error, ValueError)
+                              else RequestFailed(f"{type(error).__name__}: {error}"))
                 self._streams.pop(request_id, None)
 
     def _loop(self) -> None:
         while not self._stopped:
-            self._drain_inbox()
             try:
+                self._drain_inbox()
                 if not self.engine.has_unfinished():
                     self._wake.wait(timeout=0.5)
                     self._wake.clear()
                     continue
                 outputs = self.engine.step()
-            except BaseException as error:  # a bug, the device failed, the engine process died: fail every
-                # open stream, loudly
-                self._error = error
-                for request_id in list(self._streams):
-                    self._deliver(request_id, RuntimeError(f"engine step failed: {error!r}"))
-                    with contextlib.suppress(Exception):  # the engine may be gone
-                        self.engine.abort(request_id)
-                self._streams.clear()
+            except BaseException as error:  # not one request's fault (see LLMEngine): the device failed, a
+                # bug, the engine process died.  Fail every open stream, loudly.
                 log.exception("engine step failed; the engine is stopped (health checks now fail)")
+                self._close(EngineDead(f"engine step failed: {error!r}"), error)
                 return
             self._deliver_all([(out.request_id, out) for out in outputs])
             for out in outputs:
                 if out.finished:
                     self._streams.pop(out.request_id, None)
+        self._close(EngineDead("the engine was shut down"), None)
+
+    def _close(self, closed: EngineDead, error: BaseException | None) -> None:
+        """Take no more messages; fail the open streams and those still in the inbox with ``closed``; wake the
+        ``wait_dead`` waiters when ``error`` (a death, not a shutdown)."""
+        with self._lock:
+            self._closed, self._error = closed, error
+            messages, self._inbox = self._inbox, []
+            waiters, self._dead_waiters = self._dead_waiters, []
+        for message in messages:
+            if message[0] == "add":
+                self._streams[message[1]] = (message[4], message[5])
+        failed = list(self._streams)
+        self._deliver_all([(request_id, EngineDead(str(closed))) for request_id in failed])  # one each: raised
+        # in several tasks, a shared exception would collect all their tracebacks
+        for request_id in failed:
+            with contextlib.suppress(Exception):  # the engine may be gone
+                self.engine.abort(request_id)
+        self._streams.clear()
+        if error is not None:
+            self.dead.set()
+            for loop, future in waiters:
+                with contextlib.suppress(RuntimeError):  # that loop is closed
+                    loop.call_soon_threadsafe(_resolve, future, error)
 
 
 def _merge(older: RequestOutput, newer):
@@ -158,6 +211,11 @@ def _merge(older: RequestOutput, newer):
     newer.delta_text = older.delta_text + newer.delta_text
     newer.delta_token_ids = older.delta_token_ids + newer.delta_token_ids
     return newer
+
+
+def _resolve(future: asyncio.Future, value) -> None:
+    if not future.done():
+        future.set_result(value)
 
 
 def _put_all(batch) -> None:

@@ -15,22 +15,27 @@ protocol is plain tuples over a pipe, our own data only (nothing from a checkpoi
     client -> engine   ("add", request_id, prompt_ids, params) | ("abort", request_id) | ("stop",)
     engine -> client   ("ready", info) once, or ("failed", kind, message)
                        ("step", deltas, stats) after every step and after control messages
+                       ("fatal", traceback) when a step fails for the engine (it then exits non-zero)
     delta = (request_id, delta_text, delta_token_ids, finished, finish_reason, stop_reason,
-             arrival_time, first_token_time, finish_time, num_cached_tokens)
+             arrival_time, first_token_time, finish_time, num_cached_tokens, error, error_type)
 
 Only deltas cross the pipe (a step of 256 sequences is a few tens of KB); the client rebuilds each request's
 cumulative text and ids.  Prompts are tokenized and checked in the client with the engine's own rules
 (``check_request``), so bad input still fails synchronously in ``add_request``.  Timestamps come from
 ``time.monotonic``-based clocks, which are system-wide on Linux, so they compare across the two processes.
-If the engine process dies, ``step`` raises and ``AsyncLLMEngine`` fails the open streams.
+A request that fails inside a step ends alone (``finish_reason="error"``, ``errors.py``) and the engine process
+steps on.  If the engine itself fails, the process reports why (``"fatal"``) and exits with status 1; if it dies
+(killed), ``step`` raises either way and ``AsyncLLMEngine`` fails the open streams and marks itself dead.
 """
 
 from __future__ import annotations
 
+import contextlib
 import multiprocessing
 import threading
 from dataclasses import dataclass, field
 
+from .errors import classify
 from .llm_engine import RequestOutput, check_request
 
 STARTUP_TIMEOUT_S = 1800  # an 8B checkpoint read from a slow disk, plus warmup and graph capture
@@ -126,9 +131,14 @@ class EngineClient:
             try:
                 if not self._conn.poll(timeout):
                     break
-                _, deltas, stats = self._conn.recv()
+                message = self._conn.recv()
             except (EOFError, OSError):  # closed pipe, or reset when the process was killed
+                self._proc.join(timeout=5)
                 raise RuntimeError(f"the engine process died (exit code {self._proc.exitcode})") from None
+            if message[0] == "fatal":
+                self._proc.join(timeout=5)
+                raise RuntimeError(f"the engine process failed and exited:\n{message[1]}")
+            _, deltas, stats = message
             self._take_stats(stats)
             for d in deltas:
                 out = self._output(*d)
@@ -158,7 +168,7 @@ class EngineClient:
         self.scheduler.num_running, self.scheduler.num_waiting, self.block_manager.num_free_blocks = stats
 
     def _output(self, request_id, delta_text, delta_ids, finished, finish_reason, stop_reason, arrival,
-                first_token, finish, cached) -> RequestOutput | None:
+                first_token, finish, cached, error, error_type) -> RequestOutput | None:
         live = self.requests.get(request_id)
         if live is None:  # aborted here before the engine heard of it
             return None
@@ -169,7 +179,8 @@ class EngineClient:
         return RequestOutput(request_id, live.prompt_token_ids, text=live.text, token_ids=list(live.token_ids),
                              delta_text=delta_text, delta_token_ids=delta_ids, finished=finished,
                              finish_reason=finish_reason, stop_reason=stop_reason, arrival_time=arrival,
-                             first_token_time=first_token, finish_time=finish, num_cached_tokens=cached)
+                             first_token_time=first_token, finish_time=finish, num_cached_tokens=cached,
+                             error=error, error_type=error_type)
 
 
 def _stats(engine) -> tuple:
@@ -186,8 +197,10 @@ def _handle(engine, conn, message) -> bool:
     _, request_id, ids, params = message
     try:
         engine.add_request(request_id, ids, params)
-    except ValueError as error:  # checked by the client already: only a race could get here
-        conn.send(("step", [(request_id, "", [], True, "abort", str(error), 0.0, None, None, 0)], _stats(engine)))
+    except Exception as error:  # checked by the client already: only a race or a fault could get here
+        error_type, text = classify(error)
+        conn.send(("step", [(request_id, "", [], True, "error", None, 0.0, None, None, 0, text, error_type)],
+                   _stats(engine)))
     return True
 
 
@@ -222,11 +235,16 @@ def _engine_main(factory, conn) -> None:
                     return
                 dirty = True
                 continue
-            outputs = engine.step()
+            try:
+                outputs = engine.step()
+            except Exception:  # the engine's own failure (one request's ends inside step): say why, exit 1
+                with contextlib.suppress(OSError):
+                    conn.send(("fatal", traceback.format_exc()))
+                raise
             dirty = False
             conn.send(("step", [(o.request_id, o.delta_text, o.delta_token_ids, o.finished, o.finish_reason,
                                  o.stop_reason, o.arrival_time, o.first_token_time, o.finish_time,
-                                 o.num_cached_tokens) for o in outputs], _stats(engine)))
+                                 o.num_cached_tokens, o.error, o.error_type) for o in outputs], _stats(engine)))
     except (EOFError, BrokenPipeError, KeyboardInterrupt):
         pass  # the parent went away or is stopping us
     finally:

@@ -14,6 +14,13 @@ each new token is detokenized incrementally, stop strings are searched in the ne
 Bad input (an empty or over-long prompt, bad sampling values, a duplicate request id) raises ValueError from
 ``add_request`` and changes nothing: the requests already running go on.
 
+No one request can stop the engine (``errors.py``).  A request whose sampling or text handling raises inside a
+step finishes alone with ``finish_reason="error"`` and ``error`` set, and the step goes on for the others.  A
+forward that raises is retried one sequence at a time: the sequences that fail alone are failed, the others
+keep the tokens of their solo runs (this also gets a step that ran out of memory through).  When every
+sequence fails alone as well, or the batch held one sequence, or under tensor parallelism (the ranks would
+disagree on what was run), the fault is the engine's: ``step`` raises and the engine is dead.
+
 ``tp=N`` shards the model over N ranks (``distributed.py``): this process is rank 0 (it schedules and samples),
 N - 1 spawned workers hold the other shards; on CUDA/ROCm one GPU each (from the engine's device on), on the
 CPU gloo ranks (for tests).  Scripts that use it need the usual ``if __name__ == "__main__":`` guard of
@@ -25,6 +32,7 @@ The all-reduces use PyTorch's symmetric memory on CUDA where they can, NCCL othe
 from __future__ import annotations
 
 import contextlib
+import logging
 import weakref
 from dataclasses import dataclass, field
 
@@ -36,9 +44,12 @@ from ..models.parallel import check_all_reduce_mode, check_tp
 from ..models.tokenizer import IncrementalDetokenizer
 from .block_manager import BlockManager
 from .distributed import RankSpec, TPWorkers
+from .errors import classify
 from .sampling_params import SamplingParams
-from .scheduler import Scheduler
+from .scheduler import ScheduledBatch, Scheduler
 from .sequence import Sequence
+
+log = logging.getLogger("anygpu.engine")
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
@@ -52,8 +63,10 @@ class RequestOutput:
     delta_text: str = ""
     delta_token_ids: list[int] = field(default_factory=list)
     finished: bool = False
-    finish_reason: str | None = None  # "stop", "length", "abort"
+    finish_reason: str | None = None  # "stop", "length", "abort", "error"
     stop_reason: str | int | None = None  # the stop string or stop token id that ended it
+    error: str | None = None  # finish_reason "error": what failed (errors.py)
+    error_type: str | None = None  # finish_reason "error": "invalid_request" or "internal"
     arrival_time: float = 0.0
     first_token_time: float | None = None
     finish_time: float | None = None
@@ -68,6 +81,9 @@ class _Request:
     emitted_chars: int = 0
     emitted_tokens: int = 0
     stop_reason: str | int | None = None
+    error: str | None = None
+    error_type: str | None = None
+    hold: int = 0  # characters held back from delta_text: len(longest stop string) - 1
 
 
 def check_request(prompt, params, vocab_size: int, tokenizer, max_model_len: int) -> tuple[list[int], SamplingParams]:
@@ -183,7 +199,8 @@ class LLMEngine:
         ids, params = check_request(prompt, params, self.config.vocab_size, self.tokenizer, self.max_model_len)
         seq = Sequence(ids, params)
         detok = IncrementalDetokenizer(self.tokenizer, ids, params.skip_special_tokens) if self.tokenizer else None
-        self.requests[request_id] = _Request(seq, detok)
+        hold = max(map(len, params.stop)) - 1 if params.stop else 0
+        self.requests[request_id] = _Request(seq, detok, hold=hold)
         self._ids_by_seq[seq.seq_id] = request_id
         self.scheduler.add(seq)
 
@@ -200,15 +217,24 @@ class LLMEngine:
     # -- stepping --------------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         batch = self.scheduler.schedule()
-        sampled = self.runner.run(batch) if batch.seqs else []
-        finished = self.scheduler.update(batch, sampled)  # also those schedule() finished without computing
+        sampled = self._run(batch) if batch.seqs else []
+        failed = []
+        for i, (seq, token) in enumerate(zip(batch.seqs, sampled)):
+            if isinstance(token, Exception):
+                self._fail(seq, token)
+                failed.append(seq)
+                sampled[i] = None  # update() skips finished sequences
+        finished = self.scheduler.update(batch, sampled) + failed  # also those schedule() finished
         outputs: dict[str, RequestOutput] = {}
         for seq, token in zip(batch.seqs, sampled):
             request_id = self._ids_by_seq.get(seq.seq_id)
             if token is None or request_id is None:
                 continue
             req = self.requests[request_id]
-            self._add_text(req, token)
+            try:
+                self._add_text(req, token)
+            except Exception as error:  # this request's text (a detokenizer or stop-string fault): it alone ends
+                self._fail(seq, error)
             outputs[request_id] = self._output(request_id, req)
         # Finished without a new token this step (a lone sequence that outgrew the cache) still report.
         for seq in finished:
@@ -220,6 +246,38 @@ class LLMEngine:
                 req = self.requests.pop(out.request_id)
                 self._ids_by_seq.pop(req.seq.seq_id, None)
         return list(outputs.values())
+
+    def _run(self, batch: ScheduledBatch) -> list:
+        """The runner's step, retried one sequence at a time if it raises (see the module docstring)."""
+        try:
+            return self.runner.run(batch)
+        except Exception as error:
+            if self.tp > 1 or len(batch.seqs) < 2:
+                raise
+            results = [self._run_alone(batch, i) for i in range(len(batch.seqs))]
+            if all(isinstance(r, Exception) for r in results):
+                raise error from None  # not one request's fault: the model or the device
+            log.warning("a step of %d sequences failed (%r); %d failed alone and end with an error", len(results),
+                        error, sum(isinstance(r, Exception) for r in results))
+            return results
+
+    def _run_alone(self, batch: ScheduledBatch, i: int):
+        alone = ScheduledBatch([batch.seqs[i]], [batch.num_tokens[i]], needs_logits=[batch.needs_logits[i]])
+        try:
+            return self.runner.run(alone)[0]
+        except Exception as error:
+            return error
+
+    def _fail(self, seq: Sequence, error: Exception) -> None:
+        """End seq's request with finish_reason "error" (its KV blocks are freed now); the others go on."""
+        request_id = self._ids_by_seq.get(seq.seq_id)
+        req = self.requests.get(request_id) if request_id is not None else None
+        if req is None:
+            return
+        req.error_type, req.error = classify(error)
+        log.warning("request %s failed: %s", request_id, req.error)
+        self.scheduler.finish(seq, "error")
+        seq.finish_reason = "error"  # also when it had just finished otherwise
 
     def _add_text(self, req: _Request, token: int) -> None:
         seq, params = req.seq, req.seq.params
@@ -237,8 +295,9 @@ class LLMEngine:
             delta += req.detok.flush()  # bytes held back for an incomplete character: nothing more will come
         req.text += delta
         if params.stop and not seq.is_finished:
-            longest = max(map(len, params.stop))
-            start = max(0, before - longest + 1)
+            # Only the new text and the req.hold characters before it can hold a stop string that was not
+            # there at the previous token: each search covers that tail, whatever the length of the text.
+            start = max(0, before - req.hold)
             hits = [(req.text.find(s, start), s) for s in params.stop]
             hits = [(i, s) for i, s in hits if i >= 0]
             if hits:
@@ -248,9 +307,9 @@ class LLMEngine:
                 self.scheduler.finish(seq, "stop")
 
     def _output(self, request_id: str, req: _Request) -> RequestOutput:
-        seq, params = req.seq, req.seq.params
+        seq = req.seq
         # Hold back what could still turn out to be the start of a stop string.
-        hold = 0 if seq.is_finished or not params.stop else max(map(len, params.stop)) - 1
+        hold = 0 if seq.is_finished else req.hold
         visible = max(req.emitted_chars, len(req.text) - hold)
         out = RequestOutput(request_id, seq.prompt_token_ids, text=req.text[:visible],
                             token_ids=list(seq.output_token_ids),
@@ -259,7 +318,7 @@ class LLMEngine:
                             finished=seq.is_finished, finish_reason=seq.finish_reason, stop_reason=req.stop_reason,
                             arrival_time=seq.arrival_time, first_token_time=seq.first_token_time,
                             finish_time=seq.finish_time,
-                            num_cached_tokens=seq.num_cached_tokens)
+                            num_cached_tokens=seq.num_cached_tokens, error=req.error, error_type=req.error_type)
         req.emitted_chars, req.emitted_tokens = visible, len(seq.output_token_ids)
         return out
 

@@ -209,8 +209,9 @@ class ModelRunner:
         return self.model.compute_logits(hidden if every_row else hidden.index_select(0, rows))
 
     @torch.inference_mode()
-    def run(self, batch: ScheduledBatch) -> list[int | None]:
-        """Run one scheduled step; returns the sampled token of each sequence (None where no logits were needed)."""
+    def run(self, batch: ScheduledBatch) -> list[int | None | Exception]:
+        """Run one scheduled step; returns the sampled token of each sequence (None where no logits were needed,
+        the exception where sampling that sequence failed: ``Sampler.sample_each``)."""
         message, logit_rows = self.pack(batch)
         if self.workers is not None:
             self.workers.send(message)
@@ -225,7 +226,7 @@ class ModelRunner:
         if logits is None:
             return [None] * len(logit_rows)
         seqs = [s for s, r in zip(batch.seqs, logit_rows) if r is not None]
-        sampled = iter(self.sampler.sample(logits, seqs))
+        sampled = iter(self.sampler.sample_each(logits, seqs))
         if self.workers is not None:
             self.workers.check()  # a worker that died mid-step leaves garbage logits behind (its NCCL group aborted)
         return [next(sampled) if r is not None else None for r in logit_rows]

@@ -20,6 +20,12 @@ softmax and cumulative sums work along the vocabulary only.
 
 Penalties and filters are vectorised over the batch (token counts by scatter, filters by one sort) and
 skipped when no row uses them.  Works on any device; logits are read as fp32 and never modified.
+
+One request cannot fail the others: ``sample_each`` samples the batch, and if that raises, samples each row
+alone, so only the rows that fail alone get their exception (the engine fails those requests and steps on).
+The seeded generators are put back to where they were before the failed batch, so a seeded request draws
+the same tokens whether or not a neighbour failed.  Values are bounded before they reach torch: a seed is
+masked to the 64 bits torch takes, a top-k above the vocabulary means "keep all".
 """
 
 from __future__ import annotations
@@ -31,6 +37,7 @@ import torch
 from .sequence import Sequence
 
 SAMPLING_EPS = 1e-5  # temperatures below this are greedy
+SEED_MASK = 2**64 - 1  # torch seeds are 64-bit: a negative seed becomes its two's complement, as torch reads it
 
 
 def _token_index(lists: list[list[int]], rows: list[int], vocab: int, device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -67,7 +74,7 @@ def apply_penalties(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
 def apply_filters(logits: torch.Tensor, top_k: list[int], top_p: list[float], min_p: list[float]) -> torch.Tensor:
     """Logits with the tokens outside each row's top-k / top-p / min-p set at -inf (top_k <= 0: off)."""
     rows, vocab = logits.shape
-    k = [v if v > 0 else vocab for v in top_k]
+    k = [min(v, vocab) if v > 0 else vocab for v in top_k]  # bounded before torch.tensor, which takes int64
     if all(v >= vocab for v in k) and all(p >= 1.0 for p in top_p) and all(m <= 0.0 for m in min_p):
         return logits
     device = logits.device
@@ -85,6 +92,28 @@ def apply_filters(logits: torch.Tensor, top_k: list[int], top_p: list[float], mi
 
 
 class Sampler:
+    def sample_each(self, logits: torch.Tensor, seqs: list[Sequence]) -> list[int | Exception]:
+        """``sample``, except that a row whose sampling fails gets its exception instead of a token, and the
+        other rows still get theirs (the batch is retried row by row only after a failure)."""
+        states = [(s, s.generator.get_state()) for s in seqs if s.generator is not None]
+        fresh = [s for s in seqs if s.generator is None]
+        try:
+            return list(self.sample(logits, seqs))
+        except Exception:
+            pass
+        # Back to the generators' states before the failed batch: rows before the failing one may have drawn.
+        for seq, state in states:
+            seq.generator.set_state(state)
+        for seq in fresh:
+            seq.generator = None
+        results: list[int | Exception] = []
+        for i, seq in enumerate(seqs):
+            try:
+                results.append(self.sample(logits[i:i + 1], [seq])[0])
+            except Exception as error:
+                results.append(error)
+        return results
+
     def sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> list[int]:
         """One token per row: logits [B, V] (read as fp32) for seqs[0..B-1]."""
         if logits.dim() != 2 or logits.shape[0] != len(seqs):
@@ -113,6 +142,6 @@ class Sampler:
         """Exp(1) draws for seq's row from its own generator, made on the first draw on the logits' device
         (and kept there: a later call on another device draws there and copies, never reseeds)."""
         if seq.generator is None:
-            seq.generator = torch.Generator(device=device).manual_seed(seq.params.seed)
+            seq.generator = torch.Generator(device=device).manual_seed(seq.params.seed & SEED_MASK)
         draws = torch.empty(vocab, device=seq.generator.device).exponential_(generator=seq.generator)
         return draws.to(device)

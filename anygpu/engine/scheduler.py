@@ -22,7 +22,8 @@ deadlocks.  Sequences finished inside ``schedule`` come back in ``batch.finished
 
 Finish reasons: "stop" for an EOS id (unless ``ignore_eos``) or a ``stop_token_ids`` id, which wins over
 "length" when the same token also reaches ``max_tokens``; "length" for ``max_tokens`` or ``max_model_len``;
-"abort"; the engine finishes stop strings with ``finish(seq, "stop")``.  Stop and EOS tokens are appended
+"abort"; the engine finishes stop strings with ``finish(seq, "stop")`` and a request that failed inside a step
+with ``finish(seq, "error")``.  Stop and EOS tokens are appended
 to ``output_token_ids`` (the engine leaves them out of the text).
 """
 

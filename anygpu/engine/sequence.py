@@ -40,7 +40,7 @@ class Sequence:
         self.params: SamplingParams = SamplingParams() if params is None else params
         self.output_token_ids: list[int] = []
         self.status = SequenceStatus.WAITING
-        self.finish_reason: str | None = None     # "stop" (EOS / stop id / stop string), "length", "abort"
+        self.finish_reason: str | None = None     # "stop" (EOS / id / string), "length", "abort", "error"
         self.num_computed_tokens = 0               # tokens whose K/V are in the cache
         self.num_cached_tokens = 0                 # of the prompt, found in the prefix cache (stats)
         self.num_preemptions = 0                   # stats
