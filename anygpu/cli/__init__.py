@@ -158,9 +158,11 @@ def tune(shapes, dtype, bias, model_config, batch_sizes, untuned_path, devices, 
          max_duration_ms):
     """Tune GEMMs ahead of time into the TunableOp results file: --shape, --model-config, --untuned (any mix).
 
-    Exit status 1 when a GEMM or a worker failed; what the others tuned is in the results files.
+    Exit status 1 when a GEMM or a worker failed, or a results file could not be written; what the others tuned
+    is in the results files (each written whole or not at all).
     """
     import dataclasses
+    import os
 
     import torch
 
@@ -227,11 +229,19 @@ def tune(shapes, dtype, bias, model_config, batch_sizes, untuned_path, devices, 
                                             r.solution or "FAILED", f"{r.time_ms:.4g}" if r.solution else "-"]
             for r in report.rows]
     click.echo(tabulate(rows, head + ["for", "op", "params", "solution", "ms"]))
+    if report.write_errors:
+        # Said on stderr and in the exit status: "results in FILE" for a file that was not written would send
+        # the user to a file that does not hold them.
+        source = "--output" if output else "ANYGPU_TUNABLEOP_FILENAME" if os.environ.get(
+            "ANYGPU_TUNABLEOP_FILENAME") else "the default results file"
+        for line in report.write_errors:
+            click.echo(f"error: {source}: cannot write the results: {line}", err=True)
     click.echo(f"results in {', '.join(report.paths) or '(nothing written)'}")
-    if not report.ok:
+    if report.failures:
         click.echo(f"{len(report.failures)} failure(s):", err=True)
         for line in report.failures:
             click.echo(f"  {line}", err=True)
+    if not report.ok:
         sys.exit(1)
 
 

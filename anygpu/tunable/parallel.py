@@ -64,10 +64,14 @@ class Report:
     rows: list  # a Row per work item, in work order
     failures: list  # one line each: "cuda:1: GemmTunableOp_...: RuntimeError: ..."
     paths: list  # the results files written
+    # "PATH: OSError text" for each results file that could not be written (a directory, an immutable file...):
+    # tuning saves as it goes and only warns (an inference process keeps its results in memory), so the end of
+    # a run writes every file once more and reports here, for ``anygpu tune`` to fail on.
+    write_errors: list = dataclasses.field(default_factory=list)
 
     @property
     def ok(self) -> bool:
-        return not self.failures
+        return not self.failures and not self.write_errors
 
 
 def split(items: list, parts: int) -> list[list]:
@@ -184,10 +188,11 @@ def run(work: list, workers: list, settings: dict, progress: bool = True, target
                unit="gemm", disable=not progress)
     with bar:
         if len(workers) == 1 and target is None:
-            paths = _run_here(rows, workers[0], settings, failures, bar)
+            ready = _run_here(rows, workers[0], settings, failures, bar)
         else:
-            paths = _run_spawned(rows, workers, settings, failures, bar, target or _worker_main)
-    return Report(rows, failures, [p for p in paths if os.path.exists(p)])
+            ready = _run_spawned(rows, workers, settings, failures, bar, target or _worker_main)
+    paths, write_errors = _save(rows, workers, ready)
+    return Report(rows, failures, paths, write_errors)
 
 
 def _run_here(rows: list, worker: Worker, settings: dict, failures: list, bar) -> list:
@@ -203,7 +208,8 @@ def _run_here(rows: list, worker: Worker, settings: dict, failures: list, bar) -
 
     with controls.settings(**settings) as s:
         tune_items(list(enumerate(r.work for r in rows)), device, report)
-        return [s.results_path(max(device.index or 0, 0))]
+        ordinal = max(device.index or 0, 0)
+        return {0: (results.current_validators(ordinal), s.results_path(ordinal))}
 
 
 def _record(rows, index, name, entry, error, failures) -> None:
@@ -277,11 +283,13 @@ def _run_spawned(rows: list, workers: list, settings: dict, failures: list, bar,
     for row in rows:
         if row.solution is None and row.error is None:
             row.error = "not tuned: its worker stopped"
-    return _share(rows, workers, ready)
+    return ready
 
 
-def _share(rows: list, workers: list, ready: dict) -> list:
-    """Merge each worker's entries into the files of the workers with identical validators; the files."""
+def _save(rows: list, workers: list, ready: dict) -> tuple[list, list]:
+    """Merge each worker's entries into its file and the files of the workers with identical validators (each
+    write atomic: a temporary file and os.replace); (the files that hold them, "PATH: error" of those that
+    could not be written)."""
     number = {w.name: i for i, w in enumerate(workers)}
     groups: dict = {}  # validators, as sorted items -> ({path: None}, [entries])
     for validators, path in ready.values():
@@ -291,8 +299,12 @@ def _share(rows: list, workers: list, ready: dict) -> list:
         if row.solution is not None and n in ready:
             groups[tuple(sorted(ready[n][0].items()))][1].append(
                 results.Entry(row.work.op_signature, row.work.params_signature, row.solution, row.time_ms or 0.0))
+    errors: dict = {}
     for key, (paths, entries) in groups.items():
-        if len(paths) > 1 and entries:
-            for path in paths:
+        for path in paths if entries else ():
+            try:
                 results.merge_write(path, dict(key), entries)
-    return sorted({path for _, path in ready.values()})
+            except OSError as e:
+                errors[path] = f"{path}: {e}"
+    written = sorted({path for _, path in ready.values() if path not in errors and os.path.isfile(path)})
+    return written, list(errors.values())
