@@ -23,6 +23,7 @@ from ..engine import AsyncLLMEngine
 from .auth import key_problem
 from .errors import APIError
 from .openai_api import add_openai_routes
+from .openapi import install as install_openapi
 from .state import Server
 from .tgi_api import TGI_PATHS, add_tgi_routes
 
@@ -83,4 +84,5 @@ def build_app(engine: AsyncLLMEngine, *, model_name: str | None = None, api_key:
 
     add_openai_routes(app, server)
     add_tgi_routes(app, server)
+    install_openapi(app)
     return app
