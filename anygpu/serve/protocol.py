@@ -2,9 +2,22 @@
 
 Parsed with pydantic in strict JSON mode: a number sent as a string, a bool where an int is expected or a
 float where an int is expected is an error naming the field (lax coercion would run a request the client
-did not write).  Ranges are OpenAI's (temperature 0-2, penalties -2..2, top_p in (0, 1]).  Unknown fields
-are ignored, as OpenAI's own API does; fields we know but do not implement (``logprobs``, ``tools``,
-``logit_bias``, ``n`` > 1, ...) are refused with a 400 naming them rather than silently dropped.
+did not write).  Unknown fields are ignored, as OpenAI's own API does; fields we know but do not implement
+(``logprobs``, ``tools``, ``logit_bias``, ``n`` > 1, ...) are refused with a 400 naming them rather than
+silently dropped.
+
+Every number is bounded here, so the OpenAPI schema shows the ranges and nothing out of range reaches the
+engine (the engine's ``SamplingParams`` checks the same bounds again, and ``top_k`` against the vocabulary):
+
+- OpenAI's ranges: temperature 0-2, top_p in (0, 1], presence/frequency penalties in [-2, 2], logit_bias values
+  in [-100, 100], top_logprobs 0-20; TGI's: temperature > 0, top_p in (0, 1), typical_p in (0, 1).
+- Floats are finite: JSON's ``NaN`` and ``Infinity`` (which pydantic reads by default) are refused.
+- Counts of tokens (``max_tokens``, ``max_new_tokens``, ``truncate``, ``n``, ``best_of``) and ``top_k`` are at
+  most 2**31 - 1 (TGI's i32); the model's context bounds the token counts further (``Server.limit_tokens``).
+- ``seed``: 64-bit: [-2**63, 2**64 - 1] on the OpenAI routes (vLLM's signed and TGI's unsigned range), TGI's
+  u64 [0, 2**64 - 1] on ``/generate``.
+- ``stop``: at most 64 strings of 1 to 256 characters; ``stop_token_ids``: at most 256 ids
+  (``SamplingParams``' limits: each is checked at every token, so they bound what one request costs the others).
 
 vLLM's extensions that a client may send through ``extra_body`` are accepted: ``top_k``, ``min_p``,
 ``repetition_penalty``, ``ignore_eos``, ``stop_token_ids``, ``skip_special_tokens``,
@@ -13,18 +26,30 @@ vLLM's extensions that a client may send through ``extra_body`` are accepted: ``
 
 from __future__ import annotations
 
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Literal, Union
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag
 
 from ..engine import SamplingParams
+from ..engine.sampling_params import (MAX_STOP_STRING_CHARS, MAX_STOP_STRINGS, MAX_STOP_TOKEN_IDS, MAX_TOP_K,
+                                      SEED_MAX, SEED_MIN)
 from .errors import APIError
 
+MAX_COUNT = 2**31 - 1  # token counts: TGI's i32; the context bounds them further
+
 Penalty = Annotated[float, Field(ge=-2.0, le=2.0)]
+Count = Annotated[int, Field(ge=1, le=MAX_COUNT)]
+TokenId = Annotated[int, Field(ge=0, le=MAX_COUNT)]
+StopString = Annotated[str, Field(min_length=1, max_length=MAX_STOP_STRING_CHARS)]
+StopList = Annotated[list[StopString], Field(max_length=MAX_STOP_STRINGS)]
+# A string or a list: tagged, so an error names the branch the value took ("stop.list: ... at most 64 items")
+# instead of first reporting that a list is not a string.
+Stop = Annotated[Union[Annotated[StopString, Tag("string")], Annotated[StopList, Tag("list")]],
+                 Discriminator(lambda v: "string" if isinstance(v, str) else "list")]
 
 
 class _Body(BaseModel):
-    model_config = ConfigDict(extra="ignore", strict=True)
+    model_config = ConfigDict(extra="ignore", strict=True, allow_inf_nan=False)
 
 
 class StreamOptions(_Body):
@@ -35,25 +60,25 @@ class _OpenAISampling(_Body):
     """Fields the two OpenAI routes share."""
 
     model: str
-    max_tokens: Annotated[int, Field(ge=1)] | None = None
+    max_tokens: Count | None = None
     temperature: Annotated[float, Field(ge=0.0, le=2.0)] | None = None
     top_p: Annotated[float, Field(gt=0.0, le=1.0)] | None = None
-    n: Annotated[int, Field(ge=1)] | None = None
-    stop: str | list[str] | None = None
+    n: Count | None = None
+    stop: Stop | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
-    seed: int | None = None
+    seed: Annotated[int, Field(ge=SEED_MIN, le=SEED_MAX)] | None = None
     presence_penalty: Penalty | None = None
     frequency_penalty: Penalty | None = None
     logprobs: Any = None
-    logit_bias: dict[str, float] | None = None
+    logit_bias: dict[str, Annotated[float, Field(ge=-100.0, le=100.0)]] | None = None
     user: str | None = None
     # vLLM's extensions
-    top_k: Annotated[int, Field(ge=-1)] | None = None
+    top_k: Annotated[int, Field(ge=-1, le=MAX_TOP_K)] | None = None
     min_p: Annotated[float, Field(ge=0.0, le=1.0)] | None = None
     repetition_penalty: Annotated[float, Field(gt=0.0)] | None = None
     ignore_eos: bool = False
-    stop_token_ids: list[int] | None = None
+    stop_token_ids: Annotated[list[TokenId], Field(max_length=MAX_STOP_TOKEN_IDS)] | None = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
 
@@ -88,7 +113,7 @@ class _OpenAISampling(_Body):
 class CompletionRequest(_OpenAISampling):
     prompt: str | list[int] | list[str] | list[list[int]]
     echo: bool = False
-    best_of: Annotated[int, Field(ge=1)] | None = None
+    best_of: Count | None = None
     suffix: str | None = None
 
     def check_supported(self) -> None:
@@ -131,8 +156,8 @@ class ChatMessage(_Body):
 
 class ChatCompletionRequest(_OpenAISampling):
     messages: Annotated[list[ChatMessage], Field(min_length=1)]
-    max_completion_tokens: Annotated[int, Field(ge=1)] | None = None
-    top_logprobs: int | None = None
+    max_completion_tokens: Count | None = None
+    top_logprobs: Annotated[int, Field(ge=0, le=20)] | None = None
     tools: list[Any] | None = None
     tool_choice: Any = None
     response_format: dict[str, Any] | None = None
@@ -158,21 +183,21 @@ class ChatCompletionRequest(_OpenAISampling):
 class TGIParameters(_Body):
     do_sample: bool = False
     temperature: Annotated[float, Field(gt=0.0)] | None = None
-    top_k: Annotated[int, Field(gt=0)] | None = None
+    top_k: Annotated[int, Field(gt=0, le=MAX_TOP_K)] | None = None
     top_p: Annotated[float, Field(gt=0.0, lt=1.0)] | None = None
     repetition_penalty: Annotated[float, Field(gt=0.0)] | None = None
     frequency_penalty: Penalty | None = None
-    max_new_tokens: Annotated[int, Field(ge=1)] | None = 100  # TGI's default
+    max_new_tokens: Count | None = 100  # TGI's default
     return_full_text: bool = False
-    stop: list[str] = Field(default_factory=list)
-    truncate: Annotated[int, Field(ge=1)] | None = None
-    seed: Annotated[int, Field(ge=0)] | None = None
+    stop: StopList = Field(default_factory=list)
+    truncate: Count | None = None
+    seed: Annotated[int, Field(ge=0, le=SEED_MAX)] | None = None
     details: bool = False
     decoder_input_details: bool = False
-    best_of: int | None = None
-    typical_p: float | None = None
+    best_of: Count | None = None
+    typical_p: Annotated[float, Field(gt=0.0, lt=1.0)] | None = None
     watermark: bool = False
-    top_n_tokens: int | None = None
+    top_n_tokens: Annotated[int, Field(ge=0, le=MAX_COUNT)] | None = None
     grammar: Any = None
     adapter_id: str | None = None
 
