@@ -43,6 +43,8 @@ CASES = [  # m, n, k, blocksize, nested, bias
     (3, 24, 384, 128, True, True),
     (16, 64, 128, 64, False, True),
     (17, 70, 256, 64, True, False),
+    (40, 96, 576, 64, True, True),  # partial row and column tiles, odd K / 64
+    (70, 48, 512, 256, False, False),  # a step of the block is several tiles of K
 ]
 
 
@@ -60,7 +62,7 @@ def test_kernel_paths_match_reference(kdevice, dtype, m, n, k, bs, nested, bias)
     # Also a step of one block or less, without prefetch, whatever the table's choice.
     small_steps = LaunchConfig({**gemv.constexprs, "CHUNK": 32, "PREFETCH": False}, gemv.num_warps)
     plans = [Plan("gemv", gemv, s) for s in (1, 3)] + [Plan("gemv", small_steps, 2)] if m <= 3 else []
-    plans += [Plan("gemm", select(GEMM_CONFIGS, target)[0], s) for s in (1, 2)] + [Plan("dequant")]
+    plans += [Plan("gemm", cfg, s) for cfg in select(GEMM_CONFIGS, target) for s in (1, 2)] + [Plan("dequant")]
     for plan in plans:
         y = kernel(x, w, absmax, code, bs, n, k, b, *nest, plan_=plan)
         assert y.shape == (m, n) and y.dtype == dtype
@@ -87,6 +89,8 @@ def test_plan_picks_paths_and_takes_an_override():
     assert K.plan(1, 64, 2048, 64, torch.float16, cpu).split_k == 4  # 16 steps of 128: split while each keeps 4
     assert K.plan(1, 64, 576, 64, torch.float16, cpu).split_k == 1
     assert K.plan(16, 8192, 8192, 64, torch.float16, cpu).path == "gemm"
+    assert K.plan(128, 8192, 8192, 64, torch.float16, cpu).path == "gemm"
+    assert K.plan(129, 8192, 8192, 64, torch.float16, cpu).path == "dequant"
     assert K.plan(4096, 8192, 8192, 64, torch.float16, cpu).path == "dequant"
     assert K.plan(1, 10, 100, 64, torch.float16, cpu).path == "dequant"  # blocks straddle rows
     try:

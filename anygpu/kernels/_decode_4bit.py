@@ -22,11 +22,13 @@ def _block_scales(absmax_ptr, nested_code_ptr, nested_absmax_ptr, nested_offset_
 
 @triton.jit
 def _lookup(code_ptr, lut, idx, LUT_GATHER: tl.constexpr):
-    """code[idx]: from a copy of the 16-entry table held by the program (tl.gather), or from global memory
-    (all 16 entries share one cache line, so a warp's lookups are one L1 transaction)."""
+    """code[idx] in lut's dtype: from a copy of the 16-entry table held by the program (tl.gather), or from
+    global memory (all 16 entries share one cache line, so a warp's lookups are one L1 transaction)."""
     if LUT_GATHER:
-        return tl.gather(lut, idx.reshape(idx.numel), 0).reshape(idx.shape)
-    return tl.load(code_ptr + idx)
+        value = tl.gather(lut, idx.reshape(idx.numel), 0).reshape(idx.shape)
+    else:
+        value = tl.load(code_ptr + idx).to(lut.dtype)
+    return value
 
 
 @triton.jit
@@ -142,3 +144,46 @@ def _dot8(w, xa, xb, xc, xd, t0, t1, t2, t3, u0, u1, u2, u3, BF16: tl.constexpr)
     return tl.inline_asm_elementwise(DOT8_F16, "=f,r,r,r,r,r,r,r,r,r,r,r,r,r",
                                      [xa, xb, xc, xd, w, t0, t1, t2, t3, u0, u1, u2, u3],
                                      dtype=tl.float32, is_pure=True, pack=1)
+
+
+# Four bytes (8 codes) to 16-bit values with no widening, for tensor-core dots: with ``pack=4`` over uint8
+# codes Triton hands the asm one register of 4 bytes, and the 16-bit results two to a register.  Outputs:
+# the high nibbles' values (elements 0, 2, 4, 6 of the 8: bytes' first elements) as $0, $1 and the low
+# nibbles' (elements 1, 3, 5, 7) as $2, $3.  32-bit operands are not packed: each table arrives as 4
+# copies, so table i is operand 5 + 4 i.
+def _lookup_pairs(sel: str, mask: str, hi_out: int, lo_out: int) -> str:
+    t = [5 + 4 * i for i in range(8)]
+    return f"""
+        prmt.b32 a0, ${t[0]}, ${t[1]}, {sel};
+        prmt.b32 a1, ${t[2]}, ${t[3]}, {sel};
+        lop3.b32 ll, a0, a1, {mask}, 0xD8;
+        prmt.b32 a0, ${t[4]}, ${t[5]}, {sel};
+        prmt.b32 a1, ${t[6]}, ${t[7]}, {sel};
+        lop3.b32 hh, a0, a1, {mask}, 0xD8;
+        prmt.b32 ${hi_out}, ll, hh, 0x7351;
+        prmt.b32 ${lo_out}, ll, hh, 0x6240;"""
+
+
+DECODE_PAIRS = tl.constexpr("""
+        {
+        .reg .b32 b, sl, sh, ml, mh, a0, a1, ll, hh;""" + _decode_setup(4) + _lookup_pairs("sl", "ml", 0, 2)
+                            + _lookup_pairs("sh", "mh", 1, 3) + """
+        }
+""")
+
+
+PAIRS_CONSTRAINTS = tl.constexpr("=r,=r,=r,=r,r" + ",r" * 32)
+
+
+@triton.jit
+def _decode_pairs(packed, t0, t1, t2, t3, u0, u1, u2, u3, BF16: tl.constexpr):
+    """NVIDIA only: uint8 codes [..., B] to two tensors of 16-bit values (fp16, or bf16 with BF16), the high
+    nibbles' (even elements) and the low nibbles' (odd elements), from the table in registers: about 2.5
+    instructions per value and no conversion, ready for ``tl.dot``."""
+    if BF16:
+        hi, lo = tl.inline_asm_elementwise(DECODE_PAIRS, PAIRS_CONSTRAINTS, [packed, t0, t1, t2, t3, u0, u1, u2, u3],
+                                           dtype=(tl.bfloat16, tl.bfloat16), is_pure=True, pack=4)
+    else:
+        hi, lo = tl.inline_asm_elementwise(DECODE_PAIRS, PAIRS_CONSTRAINTS, [packed, t0, t1, t2, t3, u0, u1, u2, u3],
+                                           dtype=(tl.float16, tl.float16), is_pure=True, pack=4)
+    return hi, lo

@@ -25,7 +25,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._decode_4bit import _block_scales, _decode8, _dot8, _lookup, _tables
+from ._decode_4bit import _block_scales, _decode8, _decode_pairs, _dot8, _lookup, _tables
 from ._program_order import grouped_tile
 from ._split_k import reduce_partials
 from .config import (TRITON_DTYPE, KernelSpec, LaunchConfig, cached_options, device_target, on_device, register,
@@ -155,84 +155,60 @@ def _gemm_4bit_kernel(x_ptr, w_ptr, absmax_ptr, code_ptr, bias_ptr, out_ptr,
                       nested_code_ptr, nested_absmax_ptr, nested_offset_ptr,
                       M, N, K, stride_xm, stride_om, stride_w,
                       BLOCKSIZE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                      SUB: tl.constexpr, NESTED: tl.constexpr, HAS_BIAS: tl.constexpr, GROUP_M: tl.constexpr,
+                      NESTED: tl.constexpr, HAS_BIAS: tl.constexpr, GROUP_M: tl.constexpr,
                       DOT_IN_FP32: tl.constexpr, LUT_GATHER: tl.constexpr, SPLIT_K: tl.constexpr,
                       DECODE_PTX: tl.constexpr, W_AS_A: tl.constexpr):
-    tl.static_assert(not (W_AS_A and DECODE_PTX), "W_AS_A is for the table-lookup decoder")
+    # A step's BLOCK_K columns lie in one 4-bit block (the launcher caps BLOCK_K at the block size, and K is a
+    # multiple of it), so the codes are decoded to unscaled 16-bit values and the block's scale multiplies
+    # the step's partial dot: BLOCK_M multiplies per weight row instead of one per weight element.
+    # The codes of a byte are two neighbouring elements; the even ones (high nibbles) and the odd ones
+    # (low nibbles) are dotted with the even and odd columns of x, so the decoded values are never
+    # interleaved.
+    tl.static_assert(BLOCKSIZE % BLOCK_K == 0)
     pid_m, pid_n = grouped_tile(tl.program_id(0), M, N, BLOCK_M, BLOCK_N, GROUP_M)
-
     rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     m_mask = rm < M
     n_mask = n < N
     n64 = n.to(tl.int64)
-    sub = tl.arange(0, BLOCK_K // SUB)
-    byte = tl.arange(0, SUB // 2)
-    rk = tl.arange(0, BLOCK_K)
     blocks_per_row = K // BLOCKSIZE
+    dot_dtype = tl.float32 if DOT_IN_FP32 else x_ptr.dtype.element_ty
     # W_AS_A: compute the transposed tile W x^T ([BLOCK_N, BLOCK_M]), so the decoded weights are the dot's
     # A operand, which Hopper's wgmma reads from registers (B must come from shared memory).
     if W_AS_A:
         acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
     else:
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    dot_dtype = tl.float32 if DOT_IN_FP32 else x_ptr.dtype.element_ty
     if DECODE_PTX:
-        t0, t1, t2, t3, u0, u1, u2, u3 = _tables(code_ptr)
-        word = tl.arange(0, BLOCK_K // 8)
-        words = w_ptr.to(tl.pointer_type(tl.int32)) + n64[:, None] * stride_w + word[None, :]
+        t0, t1, t2, t3, u0, u1, u2, u3 = _tables(code_ptr, x_ptr.dtype.element_ty == tl.bfloat16)
     else:
-        lut = tl.load(code_ptr + tl.arange(0, 16))
+        lut = tl.load(code_ptr + tl.arange(0, 16)).to(x_ptr.dtype.element_ty)
+    w_tile = w_ptr + n64[:, None] * stride_w + tl.arange(0, BLOCK_K // 2)[None, :]
+    x_tile = x_ptr + rm.to(tl.int64)[:, None] * stride_xm + tl.arange(0, BLOCK_K)[None, :]
     # Split K: one weight tile per program is too little work to hide latency when N / BLOCK_N programs
     # do not fill the GPU; partial sums meet in an fp32 buffer.
     k_per_split = tl.cdiv(tl.cdiv(K, SPLIT_K), BLOCK_K) * BLOCK_K
     k_begin = tl.program_id(1) * k_per_split
     for k0 in range(k_begin, tl.minimum(k_begin + k_per_split, K), BLOCK_K):
-        k = k0 + rk
-        x = tl.load(x_ptr + rm.to(tl.int64)[:, None] * stride_xm + k[None, :], mask=m_mask[:, None] & (k < K)[None, :],
-                    other=0.0).to(dot_dtype)
+        x = tl.load(x_tile + k0, mask=m_mask[:, None], other=0.0).to(dot_dtype)
+        x_even, x_odd = tl.split(tl.reshape(x, (BLOCK_M, BLOCK_K // 2, 2)))
+        packed = tl.load(w_tile + k0 // 2, mask=n_mask[:, None], other=0)
         if DECODE_PTX:
-            # Eight dots over the words of the tile, one per element position e in a word: the sum over
-            # words of x[:, 8w+e] * W[:, 8w+e] for all e is the full product, with no interleaving of
-            # the decoded values.  Each word looks up its block's scale.
-            kw = k0 + 8 * word
-            wmask = n_mask[:, None] & (kw < K)[None, :]
-            packed = tl.load(words + k0 // 8, mask=wmask, other=0)
-            v1, v0, v3, v2, v5, v4, v7, v6 = _decode8(packed, t0, t1, t2, t3, u0, u1, u2, u3)
-            scale = _block_scales(absmax_ptr, nested_code_ptr, nested_absmax_ptr, nested_offset_ptr,
-                                  n64[:, None] * blocks_per_row + (kw // BLOCKSIZE)[None, :], wmask, NESTED)
-            x_even, x_odd = tl.split(tl.reshape(x, (BLOCK_M, BLOCK_K // 8, 4, 2)))
-            e04, e26 = tl.split(tl.reshape(x_even, (BLOCK_M, BLOCK_K // 8, 2, 2)))
-            e15, e37 = tl.split(tl.reshape(x_odd, (BLOCK_M, BLOCK_K // 8, 2, 2)))
-            x0, x4 = tl.split(e04)
-            x2, x6 = tl.split(e26)
-            x1, x5 = tl.split(e15)
-            x3, x7 = tl.split(e37)
-            acc = tl.dot(x0, tl.trans((v0 * scale).to(dot_dtype)), acc)
-            acc = tl.dot(x1, tl.trans((v1 * scale).to(dot_dtype)), acc)
-            acc = tl.dot(x2, tl.trans((v2 * scale).to(dot_dtype)), acc)
-            acc = tl.dot(x3, tl.trans((v3 * scale).to(dot_dtype)), acc)
-            acc = tl.dot(x4, tl.trans((v4 * scale).to(dot_dtype)), acc)
-            acc = tl.dot(x5, tl.trans((v5 * scale).to(dot_dtype)), acc)
-            acc = tl.dot(x6, tl.trans((v6 * scale).to(dot_dtype)), acc)
-            acc = tl.dot(x7, tl.trans((v7 * scale).to(dot_dtype)), acc)
+            hi, lo = _decode_pairs(packed, t0, t1, t2, t3, u0, u1, u2, u3, x_ptr.dtype.element_ty == tl.bfloat16)
         else:
-            k_sub = k0 + sub * SUB
-            sub_mask = k_sub < K
-            packed = tl.load(w_ptr + n64[:, None, None] * stride_w + (k_sub[:, None] // 2 + byte[None, :])[None, :, :],
-                             mask=n_mask[:, None, None] & sub_mask[None, :, None], other=0).to(tl.int32)
-            scale = _block_scales(absmax_ptr, nested_code_ptr, nested_absmax_ptr, nested_offset_ptr,
-                                  n64[:, None] * blocks_per_row + (k_sub // BLOCKSIZE)[None, :],
-                                  n_mask[:, None] & sub_mask[None, :], NESTED)
-            hi = _lookup(code_ptr, lut, packed >> 4, LUT_GATHER) * scale[:, :, None]
-            lo = _lookup(code_ptr, lut, packed & 15, LUT_GATHER) * scale[:, :, None]
+            codes = packed.to(tl.int32)
             # DOT_IN_FP32: Triton's interpreter (how Triton runs on CPU tensors) gets bf16 tl.dot wrong, as
             # numpy has no bf16; the launcher sets it there, and fp32 tiles are exact for bf16 values.
-            w = tl.reshape(tl.join(hi, lo), (BLOCK_N, BLOCK_K)).to(dot_dtype)  # high nibble first
-            if W_AS_A:
-                acc = tl.dot(w, tl.trans(x), acc)
-            else:
-                acc = tl.dot(x, tl.trans(w), acc)
+            hi = _lookup(code_ptr, lut, codes >> 4, LUT_GATHER).to(x_ptr.dtype.element_ty).to(dot_dtype)
+            lo = _lookup(code_ptr, lut, codes & 15, LUT_GATHER).to(x_ptr.dtype.element_ty).to(dot_dtype)
+        scale = _block_scales(absmax_ptr, nested_code_ptr, nested_absmax_ptr, nested_offset_ptr,
+                              n64 * blocks_per_row + k0 // BLOCKSIZE, n_mask, NESTED)
+        if W_AS_A:
+            part = tl.dot(lo, tl.trans(x_odd), tl.dot(hi, tl.trans(x_even)))
+            acc += part * scale[:, None]
+        else:
+            part = tl.dot(x_odd, tl.trans(lo), tl.dot(x_even, tl.trans(hi)))
+            acc += part * scale[None, :]
     if W_AS_A:
         acc = tl.trans(acc)
     if SPLIT_K == 1:
@@ -265,24 +241,40 @@ GEMV_CONFIGS = {
     "nvidia": (LaunchConfig({"BLOCK_N": 32, "CHUNK": 512, "PREFETCH": False, "LUT_GATHER": True, "MAX_SPLIT": 4,
                              "SPLIT_MIN_CHUNKS": 2, "DECODE_PTX": True, "HALF2": True}, num_warps=2),),
 }
+# GEMM: one config per bucket of rows (MAX_M: the most rows it takes), tried in order.  A weight tile is
+# decoded once per BLOCK_M rows, so BLOCK_M grows with M; split K keeps enough programs in flight when
+# N / BLOCK_N tiles alone do not fill the GPU.  NVIDIA: the PTX pair decoder; the decoded tile is the dot's B
+# operand (through shared memory), which tools/sweep_matmul_4bit.py found at least as fast as feeding it
+# to wgmma from registers (W_AS_A) at every M it tried, and faster with double quantization.  RDNA3: wave32
+# WMMA and 64 KiB of LDS.
+_NV = {"LUT_GATHER": True, "DECODE_PTX": True}
 GEMM_CONFIGS = {
-    "default": (LaunchConfig({"BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 64, "LUT_GATHER": True, "SPLIT_K": 2},
-                             num_warps=4),),
-    # H200: 42.6 us at M = 16, N = K = 8192 with W as the A operand (55 us as B); split 4.  Eight dots fed
-    # by the PTX decoder were slower.
-    "nvidia": (LaunchConfig({"BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 128, "LUT_GATHER": True, "SPLIT_K": 4,
-                             "W_AS_A": True}, num_warps=4, num_stages=3),),
-    "cdna3": (LaunchConfig({"BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 128, "LUT_GATHER": True, "SPLIT_K": 4},
-                           num_warps=4, num_stages=2, matrix_instr_nonkdim=16),),
-    "amd": (LaunchConfig({"BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 64, "LUT_GATHER": True, "SPLIT_K": 4},
-                         num_warps=4, num_stages=2),),
-    "rdna3": (LaunchConfig({"BLOCK_M": 16, "BLOCK_N": 32, "BLOCK_K": 64, "LUT_GATHER": True, "SPLIT_K": 4},
-                           num_warps=4, num_stages=1),),
+    "default": (LaunchConfig({"MAX_M": 128, "BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 64, "LUT_GATHER": True,
+                              "SPLIT_K": 2}, num_warps=4),),
+    "nvidia": (LaunchConfig({"MAX_M": 16, "BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 64, "SPLIT_K": 4, **_NV},
+                            num_warps=2, num_stages=3),
+               LaunchConfig({"MAX_M": 32, "BLOCK_M": 32, "BLOCK_N": 64, "BLOCK_K": 64, "SPLIT_K": 4, **_NV},
+                            num_warps=4, num_stages=3),
+               LaunchConfig({"MAX_M": 64, "BLOCK_M": 64, "BLOCK_N": 128, "BLOCK_K": 64, "SPLIT_K": 4, **_NV},
+                            num_warps=4, num_stages=3),
+               LaunchConfig({"MAX_M": 128, "BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 64, "SPLIT_K": 2, **_NV},
+                            num_warps=8, num_stages=3)),
+    "cdna3": (LaunchConfig({"MAX_M": 32, "BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 64, "LUT_GATHER": True,
+                            "SPLIT_K": 4}, num_warps=4, num_stages=2, matrix_instr_nonkdim=16),
+              LaunchConfig({"MAX_M": 128, "BLOCK_M": 64, "BLOCK_N": 128, "BLOCK_K": 64, "LUT_GATHER": True,
+                            "SPLIT_K": 2}, num_warps=8, num_stages=2, matrix_instr_nonkdim=16)),
+    "amd": (LaunchConfig({"MAX_M": 32, "BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 64, "LUT_GATHER": True,
+                          "SPLIT_K": 4}, num_warps=4, num_stages=2),
+            LaunchConfig({"MAX_M": 128, "BLOCK_M": 64, "BLOCK_N": 64, "BLOCK_K": 64, "LUT_GATHER": True,
+                          "SPLIT_K": 2}, num_warps=4, num_stages=2)),
+    "rdna3": (LaunchConfig({"MAX_M": 128, "BLOCK_M": 16, "BLOCK_N": 32, "BLOCK_K": 64, "LUT_GATHER": True,
+                            "SPLIT_K": 4}, num_warps=4, num_stages=1),),
 }
-# The most rows of x each path takes.  The fused GEMM decodes W once per BLOCK_M rows, so past one
-# tile dequantizing W once and calling the vendor GEMM wins (H200: fused M=16 55 us vs ~75 us).
+# The most rows of x each path takes.  Past the GEMM's, dequantizing W once and calling the vendor GEMM wins:
+# the fused GEMM decodes W once per BLOCK_M rows, and at 256 rows on the H200 it already lost to dequantize +
+# cuBLAS (docs/perf/2026-12-01-nf4-gemm.md).
 PATH_LIMITS = {
-    "default": {"gemv": 1, "gemm": 16},
+    "default": {"gemv": 1, "gemm": 128},
 }
 
 
@@ -326,12 +318,18 @@ def plan(m: int, n: int, k: int, blocksize: int, dtype: torch.dtype, device: tor
             split *= 2
         return Plan("gemv", cfg, split)
     if limits["gemm"] is None or m <= limits["gemm"]:
-        cfg = select(GEMM_CONFIGS, target)[0]
+        cfg = gemm_config(m, target)
         split = cfg.constexprs["SPLIT_K"]
         while split > 1 and k // split < cfg.constexprs["BLOCK_K"]:
             split //= 2
         return Plan("gemm", cfg, split)
     return Plan("dequant")
+
+
+def gemm_config(m: int, target) -> LaunchConfig:
+    """The GEMM config of the row bucket that takes ``m`` rows (the last bucket past them all)."""
+    configs = select(GEMM_CONFIGS, target)
+    return next((c for c in configs if m <= c.constexprs["MAX_M"]), configs[-1])
 
 
 def dequantize_weight(w, absmax, code, blocksize, n, k, dtype, nested_absmax=None, nested_code=None,
@@ -356,10 +354,6 @@ def dequantize_weight(w, absmax, code, blocksize, n, k, dtype, nested_absmax=Non
 
 def _unit_stride(t: torch.Tensor | None) -> torch.Tensor | None:
     return t if t is None or t.stride(-1) == 1 else t.contiguous()
-
-
-def _sub(blocksize: int, block_k: int) -> int:
-    return min(blocksize, block_k)
 
 
 def matmul_4bit(x: torch.Tensor, weight: torch.Tensor, absmax: torch.Tensor, code: torch.Tensor, blocksize: int,
@@ -416,17 +410,16 @@ def matmul_4bit(x: torch.Tensor, weight: torch.Tensor, absmax: torch.Tensor, cod
                 reduce_partials(partials, out2, bias)
             return out
         else:
-            block_k = c["BLOCK_K"]
+            block_k = min(c["BLOCK_K"], blocksize)  # a step stays inside one 4-bit block
             target = out2 if p.split_k == 1 else torch.empty(p.split_k, m, n, dtype=torch.float32, device=x.device)
             grid = (-(-m // c["BLOCK_M"]) * -(-n // c["BLOCK_N"]), p.split_k)
-            gemm_ptx = c.get("DECODE_PTX", False) and ptx_words
             _gemm_4bit_kernel[grid](x2, w, absmax, code, b, target, *nest, m, n, k, x2.stride(0), out2.stride(0),
-                                    k // 8 if gemm_ptx else k // 2,
-                                    BLOCKSIZE=blocksize, SUB=_sub(blocksize, block_k), NESTED=nested,
+                                    k // 2, BLOCKSIZE=blocksize, NESTED=nested,
                                     HAS_BIAS=bias is not None, GROUP_M=8, BLOCK_M=c["BLOCK_M"],
                                     BLOCK_N=c["BLOCK_N"], BLOCK_K=block_k, LUT_GATHER=c["LUT_GATHER"],
                                     SPLIT_K=p.split_k,
-                                    DECODE_PTX=gemm_ptx, W_AS_A=c.get("W_AS_A", False),
+                                    DECODE_PTX=c.get("DECODE_PTX", False) and x.device.type == "cuda",
+                                    W_AS_A=c.get("W_AS_A", False),
                                     DOT_IN_FP32=x.device.type == "cpu" and x.dtype == torch.bfloat16, **options)
         if p.split_k > 1:
             reduce_partials(target, out2, bias)
@@ -448,7 +441,7 @@ def _signature(kernel: str):
         s.update({"SPLITS": "i32"} if kernel == "gemv" else {})
         s["BLOCKSIZE"] = "constexpr"
         if kernel == "gemm":
-            s.update({"BLOCK_M": "constexpr", "BLOCK_N": "constexpr", "BLOCK_K": "constexpr", "SUB": "constexpr",
+            s.update({"BLOCK_M": "constexpr", "BLOCK_N": "constexpr", "BLOCK_K": "constexpr",
                       "NESTED": "constexpr", "HAS_BIAS": "constexpr", "GROUP_M": "constexpr",
                       "DOT_IN_FP32": "constexpr", "LUT_GATHER": "constexpr",
                       "SPLIT_K": "constexpr", "DECODE_PTX": "constexpr", "W_AS_A": "constexpr"})
@@ -478,7 +471,7 @@ GEMV_SPEC = register(KernelSpec(
                    drop=("MAX_SPLIT", "SPLIT_MIN_CHUNKS"))))
 GEMM_SPEC = register(KernelSpec(
     "gemm_4bit", _gemm_4bit_kernel, _signature("gemm"), DTYPES,
-    _with_defaults(GEMM_CONFIGS, lambda c: {"BLOCKSIZE": 64, "SUB": 64, "NESTED": True, "HAS_BIAS": False,
+    _with_defaults(GEMM_CONFIGS, lambda c: {"BLOCKSIZE": 64, "NESTED": True, "HAS_BIAS": False,
                                             "GROUP_M": 8, "DOT_IN_FP32": False, "SPLIT_K": 1,
                                             "DECODE_PTX": c.constexprs.get("DECODE_PTX", False),
-                                            "W_AS_A": c.constexprs.get("W_AS_A", False)})))
+                                            "W_AS_A": c.constexprs.get("W_AS_A", False)}, drop=("MAX_M",))))

@@ -26,7 +26,7 @@ from ...nn import Linear8bitLt
 from ..harness import Case, baseline, suite
 
 THRESHOLD = 6.0
-GPU_NK, GPU_ROWS = (8192, 8192), (1, 16, 4096)
+GPU_NK, GPU_ROWS = (8192, 8192), (1, 16, 64, 256, 4096)
 SMALL_NK, SMALL_ROWS = (512, 512), (1, 16, 64)
 OUTLIER_COLUMNS = 8
 

@@ -122,9 +122,11 @@ def nf4_cases(device: torch.device, quick: bool) -> list[Case]:
     return cases
 
 
-# (N, K) of the 4-bit matmul cases and the rows of x: decode (1), a small batch (16), a prefill (4096).
+# (N, K) of the 4-bit matmul cases and the rows of x: decode (1), batched decode (2 to 256: every bucket of the
+# kernel's plan), a prefill (4096).  The other shapes and dtypes take the rows where the targets are named.
 MATMUL_WEIGHTS = ((8192, 8192), (28672, 8192), (8192, 28672))
-MATMUL_ROWS = (1, 16, 4096)
+MATMUL_ROWS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 4096)
+MATMUL_ROWS_OTHER_SHAPES = (1, 16, 64, 256, 4096)
 
 
 def _bnb_matmul_4bit(weight: torch.Tensor, x: torch.Tensor, compress: bool):
@@ -149,7 +151,8 @@ def matmul_4bit_cases(device: torch.device, quick: bool) -> list[Case]:
         for compress in (False, True):
             packed, state = Q.quantize_4bit(weight, blocksize=64, quant_type="nf4", compress_statistics=compress)
             weight_bytes = packed.nbytes + state.absmax.nbytes + (state.state2.absmax.nbytes if compress else 0)
-            for m in (1, 16) if small else MATMUL_ROWS:
+            first = (n, k) == MATMUL_WEIGHTS[0] and dtype == torch.float16
+            for m in (1, 16) if small else MATMUL_ROWS if first else MATMUL_ROWS_OTHER_SHAPES:
                 if compress and (m == 4096 or (n, k) != MATMUL_WEIGHTS[0]):
                     continue  # double quant only where its decode cost shows: small batches, one shape
                 x = torch.randn(m, k, dtype=dtype, device=device)
@@ -159,5 +162,5 @@ def matmul_4bit_cases(device: torch.device, quick: bool) -> list[Case]:
                 label = f"M={m} {n}x{k} {str(dtype).removeprefix('torch.')}{' dq' if compress else ''}"
                 cases.append(Case("matmul_nf4", label, lambda x=x, p=packed, s=state: matmul_4bit(x, p, s),
                                   baselines, bytes=weight_bytes + x.nbytes + m * n * x.element_size(),
-                                  flops=2 * m * n * k, graph=m <= 16))
+                                  flops=2 * m * n * k, graph=m <= 256))
     return cases
