@@ -30,6 +30,9 @@ _recorded: set = set()  # (ordinal, Problem) already in the untuned file
 _validators: dict[int, dict] = {}
 _lock = threading.RLock()
 last_outcomes: dict = {}  # Problem -> tuner.Outcome of the latest tuning (verbose reports, tests)
+# path -> "PATH: OS error" of each results file a save failed on.  A process that tunes as it runs only warns
+# (its results stay in memory); ``anygpu tune``, whose whole point is the file, takes these and fails.
+_save_errors: dict[str, str] = {}
 
 
 def reset() -> None:
@@ -202,5 +205,15 @@ def _write(path: str, validators: dict | None, entries: list) -> None:
     try:
         results.merge_write(path, validators, entries)
     except OSError as e:
+        with _lock:
+            _save_errors.setdefault(path, f"{path}: {e}")
         warnings.warn(f"{path}: cannot save tuning results ({e}); they stay in memory for this process",
                       results.ResultsWarning, stacklevel=3)
+
+
+def take_save_errors() -> dict[str, str]:
+    """{path: "PATH: OS error"} of the results files that could not be saved since the last call (then forgotten)."""
+    with _lock:
+        errors = dict(_save_errors)
+        _save_errors.clear()
+    return errors

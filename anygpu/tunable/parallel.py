@@ -64,9 +64,8 @@ class Report:
     rows: list  # a Row per work item, in work order
     failures: list  # one line each: "cuda:1: GemmTunableOp_...: RuntimeError: ..."
     paths: list  # the results files written
-    # "PATH: OSError text" for each results file that could not be written (a directory, an immutable file...):
-    # tuning saves as it goes and only warns (an inference process keeps its results in memory), so the end of
-    # a run writes every file once more and reports here, for ``anygpu tune`` to fail on.
+    # "PATH: OS error" of each results file that could not be written (a directory, an immutable file...):
+    # tuning only warns about it (see ops.take_save_errors); ``anygpu tune`` fails on it.
     write_errors: list = dataclasses.field(default_factory=list)
 
     @property
@@ -154,6 +153,7 @@ def _worker_main(number: int, worker: Worker, backend_name: str, settings: dict,
     try:
         from .. import backend
         from . import controls
+        from . import ops as tune_ops
 
         backend.reset()
         controls.set(**settings)
@@ -170,6 +170,7 @@ def _worker_main(number: int, worker: Worker, backend_name: str, settings: dict,
             messages.send(("item", number, index, entry, error))
 
         tune_items(items, device, report)
+        messages.send(("save_errors", number, tune_ops.take_save_errors()))
         messages.send(("finished", number))
     except BaseException as e:
         with contextlib.suppress(Exception):  # the parent may be gone (interrupted)
@@ -183,20 +184,22 @@ def run(work: list, workers: list, settings: dict, progress: bool = True, target
     this process; more run in spawned processes (``target``: the worker function, for tests)."""
     rows = [Row(w, "") for w in work]
     failures: list = []
+    write_errors: dict = {}  # path -> "PATH: OS error"
     where = "processes" if workers[0].device == "cpu" else "devices"
     bar = tqdm(total=len(work), desc="tuning" if len(workers) == 1 else f"tuning in {len(workers)} {where}",
                unit="gemm", disable=not progress)
     with bar:
         if len(workers) == 1 and target is None:
-            ready = _run_here(rows, workers[0], settings, failures, bar)
+            paths = _run_here(rows, workers[0], settings, failures, bar, write_errors)
         else:
-            ready = _run_spawned(rows, workers, settings, failures, bar, target or _worker_main)
-    paths, write_errors = _save(rows, workers, ready)
-    return Report(rows, failures, paths, write_errors)
+            paths = _run_spawned(rows, workers, settings, failures, bar, target or _worker_main, write_errors)
+    written = [p for p in paths if os.path.isfile(p) and p not in write_errors]
+    return Report(rows, failures, written, list(write_errors.values()))
 
 
-def _run_here(rows: list, worker: Worker, settings: dict, failures: list, bar) -> list:
+def _run_here(rows: list, worker: Worker, settings: dict, failures: list, bar, write_errors: dict) -> list:
     from . import controls
+    from . import ops as tune_ops
 
     device = torch.device(worker.device)
     if device.type == "cuda":
@@ -207,9 +210,10 @@ def _run_here(rows: list, worker: Worker, settings: dict, failures: list, bar) -
         bar.update()
 
     with controls.settings(**settings) as s:
+        tune_ops.take_save_errors()  # this run's, not an earlier caller's
         tune_items(list(enumerate(r.work for r in rows)), device, report)
-        ordinal = max(device.index or 0, 0)
-        return {0: (results.current_validators(ordinal), s.results_path(ordinal))}
+        write_errors.update(tune_ops.take_save_errors())
+        return [s.results_path(max(device.index or 0, 0))]
 
 
 def _record(rows, index, name, entry, error, failures) -> None:
@@ -222,7 +226,7 @@ def _record(rows, index, name, entry, error, failures) -> None:
         failures.append(f"{name}: {row.work.op_signature},{row.work.params_signature} ({row.work.label}): {error}")
 
 
-def _run_spawned(rows: list, workers: list, settings: dict, failures: list, bar, target) -> list:
+def _run_spawned(rows: list, workers: list, settings: dict, failures: list, bar, target, write_errors: dict) -> list:
     from .. import backend
 
     backend_name = backend.name()
@@ -262,6 +266,8 @@ def _run_spawned(rows: list, workers: list, settings: dict, failures: list, bar,
                     _record(rows, message[2], workers[number].name, message[3], message[4], failures)
                     done[number] += 1
                     bar.update()
+                elif kind == "save_errors":
+                    write_errors.update(message[2])
                 elif kind == "finished":
                     finished.add(number)
                 elif kind == "crashed":
@@ -283,13 +289,11 @@ def _run_spawned(rows: list, workers: list, settings: dict, failures: list, bar,
     for row in rows:
         if row.solution is None and row.error is None:
             row.error = "not tuned: its worker stopped"
-    return ready
+    return _share(rows, workers, ready, write_errors)
 
 
-def _save(rows: list, workers: list, ready: dict) -> tuple[list, list]:
-    """Merge each worker's entries into its file and the files of the workers with identical validators (each
-    write atomic: a temporary file and os.replace); (the files that hold them, "PATH: error" of those that
-    could not be written)."""
+def _share(rows: list, workers: list, ready: dict, write_errors: dict | None = None) -> list:
+    """Merge each worker's entries into the files of the workers with identical validators; the files."""
     number = {w.name: i for i, w in enumerate(workers)}
     groups: dict = {}  # validators, as sorted items -> ({path: None}, [entries])
     for validators, path in ready.values():
@@ -299,12 +303,13 @@ def _save(rows: list, workers: list, ready: dict) -> tuple[list, list]:
         if row.solution is not None and n in ready:
             groups[tuple(sorted(ready[n][0].items()))][1].append(
                 results.Entry(row.work.op_signature, row.work.params_signature, row.solution, row.time_ms or 0.0))
-    errors: dict = {}
     for key, (paths, entries) in groups.items():
-        for path in paths if entries else ():
-            try:
-                results.merge_write(path, dict(key), entries)
-            except OSError as e:
-                errors[path] = f"{path}: {e}"
-    written = sorted({path for _, path in ready.values() if path not in errors and os.path.isfile(path)})
-    return written, list(errors.values())
+        if len(paths) > 1 and entries:
+            for path in paths:
+                try:
+                    results.merge_write(path, dict(key), entries)
+                except OSError as e:
+                    if write_errors is None:
+                        raise
+                    write_errors.setdefault(path, f"{path}: {e}")
+    return sorted({path for _, path in ready.values()})
