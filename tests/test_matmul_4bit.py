@@ -89,8 +89,8 @@ def test_plan_picks_paths_and_takes_an_override():
     assert K.plan(1, 64, 2048, 64, torch.float16, cpu).split_k == 4  # 16 steps of 128: split while each keeps 4
     assert K.plan(1, 64, 576, 64, torch.float16, cpu).split_k == 1
     assert K.plan(16, 8192, 8192, 64, torch.float16, cpu).path == "gemm"
-    assert K.plan(128, 8192, 8192, 64, torch.float16, cpu).path == "gemm"
-    assert K.plan(129, 8192, 8192, 64, torch.float16, cpu).path == "dequant"
+    assert K.plan(64, 8192, 8192, 64, torch.float16, cpu).path == "gemm"
+    assert K.plan(65, 8192, 8192, 64, torch.float16, cpu).path == "dequant"
     assert K.plan(4096, 8192, 8192, 64, torch.float16, cpu).path == "dequant"
     assert K.plan(1, 10, 100, 64, torch.float16, cpu).path == "dequant"  # blocks straddle rows
     try:

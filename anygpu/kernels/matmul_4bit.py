@@ -249,32 +249,28 @@ GEMV_CONFIGS = {
 # WMMA and 64 KiB of LDS.
 _NV = {"LUT_GATHER": True, "DECODE_PTX": True}
 GEMM_CONFIGS = {
-    "default": (LaunchConfig({"MAX_M": 128, "BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 64, "LUT_GATHER": True,
+    "default": (LaunchConfig({"MAX_M": 64, "BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 64, "LUT_GATHER": True,
                               "SPLIT_K": 2}, num_warps=4),),
     "nvidia": (LaunchConfig({"MAX_M": 16, "BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 64, "SPLIT_K": 4, **_NV},
                             num_warps=2, num_stages=3),
-               LaunchConfig({"MAX_M": 32, "BLOCK_M": 32, "BLOCK_N": 64, "BLOCK_K": 64, "SPLIT_K": 4, **_NV},
-                            num_warps=4, num_stages=3),
                LaunchConfig({"MAX_M": 64, "BLOCK_M": 64, "BLOCK_N": 128, "BLOCK_K": 64, "SPLIT_K": 4, **_NV},
-                            num_warps=4, num_stages=3),
-               LaunchConfig({"MAX_M": 128, "BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 64, "SPLIT_K": 2, **_NV},
-                            num_warps=8, num_stages=3)),
+                            num_warps=4, num_stages=3)),
     "cdna3": (LaunchConfig({"MAX_M": 32, "BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 64, "LUT_GATHER": True,
                             "SPLIT_K": 4}, num_warps=4, num_stages=2, matrix_instr_nonkdim=16),
-              LaunchConfig({"MAX_M": 128, "BLOCK_M": 64, "BLOCK_N": 128, "BLOCK_K": 64, "LUT_GATHER": True,
+              LaunchConfig({"MAX_M": 64, "BLOCK_M": 64, "BLOCK_N": 128, "BLOCK_K": 64, "LUT_GATHER": True,
                             "SPLIT_K": 2}, num_warps=8, num_stages=2, matrix_instr_nonkdim=16)),
     "amd": (LaunchConfig({"MAX_M": 32, "BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 64, "LUT_GATHER": True,
                           "SPLIT_K": 4}, num_warps=4, num_stages=2),
-            LaunchConfig({"MAX_M": 128, "BLOCK_M": 64, "BLOCK_N": 64, "BLOCK_K": 64, "LUT_GATHER": True,
+            LaunchConfig({"MAX_M": 64, "BLOCK_M": 64, "BLOCK_N": 64, "BLOCK_K": 64, "LUT_GATHER": True,
                           "SPLIT_K": 2}, num_warps=4, num_stages=2)),
-    "rdna3": (LaunchConfig({"MAX_M": 128, "BLOCK_M": 16, "BLOCK_N": 32, "BLOCK_K": 64, "LUT_GATHER": True,
+    "rdna3": (LaunchConfig({"MAX_M": 64, "BLOCK_M": 16, "BLOCK_N": 32, "BLOCK_K": 64, "LUT_GATHER": True,
                             "SPLIT_K": 4}, num_warps=4, num_stages=1),),
 }
 # The most rows of x each path takes.  Past the GEMM's, dequantizing W once and calling the vendor GEMM wins:
-# the fused GEMM decodes W once per BLOCK_M rows, and at 256 rows on the H200 it already lost to dequantize +
-# cuBLAS (docs/perf/2026-12-01-nf4-gemm.md).
+# the fused GEMM decodes W once per BLOCK_M rows, and from 128 rows on the H200 it lost to dequantize + cuBLAS
+# (docs/perf/2026-12-01-nf4-gemm.md).
 PATH_LIMITS = {
-    "default": {"gemv": 1, "gemm": 128},
+    "default": {"gemv": 1, "gemm": 64},
 }
 
 
