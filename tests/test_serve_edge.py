@@ -116,6 +116,20 @@ def test_huge_header_is_431(server, split):
         assert status == 431 and json.loads(body)["error"]["code"] == "request_header_fields_too_large"
 
 
+def test_the_probes_64_mb_header_and_5000_headers_get_431_at_the_defaults(engine):
+    """Issue 21 item 2, the exact cases: one 64 MB header got 200, 5000 headers were accepted."""
+    with ServerThread(build_app(engine)) as server:
+        for request in (get("/health", b"X-Big: " + b"b" * (64 << 20) + b"\r\n"),
+                        get("/health", b"".join(b"X-H%d: v\r\n" % i for i in range(5000)))):
+            with connect(server) as s:
+                try:
+                    s.sendall(request)
+                except (BrokenPipeError, ConnectionResetError):
+                    pass  # the server stopped reading at its limit
+                status, _, body = read_response(s)
+                assert status == 431 and json.loads(body)["error"]["type"] == "invalid_request_error"
+
+
 def test_many_headers_are_431(server):
     headers = b"".join(b"X-H%d: v\r\n" % i for i in range(5000))
     with connect(server) as s:

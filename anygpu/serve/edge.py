@@ -24,6 +24,7 @@ from .limits import EdgeLimits
 from .tgi_api import TGI_PATHS
 
 IDLE, HEAD, BODY = 0, 1, 2
+LINGER_S = 2.0  # how long a refused connection's remaining input is read and dropped before closing
 
 
 class _Refused(Exception):
@@ -209,6 +210,16 @@ class EdgeProtocol(HttpToolsProtocol):
             head += [b"content-type: application/json\r\ncontent-length: ", str(len(body)).encode(),
                      b"\r\nconnection: close\r\n\r\n"]
             self.transport.write(b"".join(head) + body)
+            if self.transport.can_write_eof():
+                # A lingering close, as nginx's: send the answer and FIN, then read and drop what the client is
+                # still sending for a moment.  Closing with unread data would send a reset, which can make the
+                # client's kernel drop our answer before the client reads it.
+                self.transport.write_eof()
+                self._closed = True
+                self._cancel_timers()
+                self.flow.resume_reading()
+                self._head_timer = self.loop.call_later(LINGER_S, self._close)
+                return
         self._close()
 
     def _close(self) -> None:
