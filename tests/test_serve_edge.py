@@ -277,3 +277,10 @@ def test_dead_engine_answers_503_before_any_stream():
                     assert r.json()["error"]["code"] == "engine_unavailable"
     finally:
         eng.shutdown()
+
+
+# -- API keys (item 8) ----------------------------------------------------------------------------------------
+@pytest.mark.parametrize("key", ["", "  ", "clé", "a b", "k\x01"])
+def test_build_app_refuses_keys_no_client_can_send(engine, key):
+    with pytest.raises(ValueError, match="api_key: expected"):
+        build_app(engine, api_key=key)
