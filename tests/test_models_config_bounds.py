@@ -19,6 +19,7 @@ from anygpu.models.llama import LlamaForCausalLM
 from anygpu.models.memory_check import check_model_fits
 from anygpu.models.registry import build_model
 
+from .test_models_gguf import _write
 from .test_models_hf_errors import CONFIG, make_folder
 
 
@@ -148,13 +149,9 @@ def test_rotary_table_sized_by_the_context_actually_used():
 
 # --- GGUF metadata: the same checks ---
 
-gguf = pytest.importorskip("gguf")
-
 
 def _gguf(path, **meta):
     """A 1-layer llama GGUF (hidden 32, 2 heads, 1 kv head), written by gguf.GGUFWriter, with ``meta`` overrides."""
-    from tests.test_models_gguf import _write
-
     tensors = {"token_embd.weight": (np.zeros((258, 32), np.float32), "F32")}
     for name, shape in {"attn_q": (32, 32), "attn_k": (16, 32), "attn_v": (16, 32), "attn_output": (32, 32),
                         "ffn_gate": (64, 32), "ffn_up": (64, 32), "ffn_down": (32, 64), "attn_norm": (32,),
