@@ -23,9 +23,13 @@ from __future__ import annotations
 import warnings
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
+from ..ops.matmul_4bit import dequantize_weight
+from ..quant.functional import _plain_absmax
 from ..quant.matmul import matmul_4bit
+from . import _cpu_weight_cache as cpu_cache
 from ._source_linear import source_weight
 from .params4bit import Params4bit, check_4bit_options
 
@@ -58,6 +62,7 @@ class Linear4bit(nn.Linear):
         self.compute_type_is_set = compute_dtype is not None
         self.quant_state = None  # mirrors weight.quant_state (bitsandbytes keeps it here for FSDP's sake)
         self.quant_storage = quant_storage
+        self._cpu_weight = None  # a _cpu_weight_cache.Entry: the dequantized weight for CPU calls
 
     @staticmethod
     def from_linear(linear: nn.Linear, quant_type: str = "nf4", *, compute_dtype=None,
@@ -122,8 +127,50 @@ class Linear4bit(nn.Linear):
         if self.compute_dtype is not None:
             x = x.to(self.compute_dtype)
         bias = self.bias.to(x.dtype) if self.bias is not None else None
+        if x.device.type == "cpu" and x.shape[-1] == self.in_features and not torch.compiler.is_compiling():
+            weight = self._cached_cpu_weight(quant_state, x.dtype)
+            if weight is not None:  # the reference's own arithmetic on the same bits: F.linear(x, dequant(W), bias)
+                return F.linear(x, weight, bias).to(input_dtype)
         weight = self.weight.data  # the packed bytes as a plain tensor: no subclass dispatch per call
         return matmul_4bit(x, weight, quant_state, bias=bias).to(input_dtype)
+
+    def _cached_cpu_weight(self, quant_state, dtype: torch.dtype) -> torch.Tensor | None:
+        """The dequantized weight in ``dtype`` from the layer's CPU cache (see ``_cpu_weight_cache``), built on a
+        miss if the budget allows; None when it does not or the weight is not a CPU 4-bit weight."""
+        param = self.weight
+        if param.device.type != "cpu" or dtype not in COMPUTE_DTYPES or quant_state.absmax.device.type != "cpu":
+            return None
+        sources = (param, quant_state.absmax)
+        entry = getattr(self, "_cpu_weight", None)
+        if entry is not None and entry.valid_for(sources, dtype):
+            return entry.weight
+        self._cpu_weight = None  # stale: release it before building its successor
+        n, k = (int(d) for d in quant_state.shape)
+        entry = cpu_cache.build(sources, dtype, n * k, lambda: self._dequantize(quant_state, n, k, dtype))
+        self._cpu_weight = entry
+        return None if entry is None else entry.weight
+
+    def _dequantize(self, quant_state, n: int, k: int, dtype: torch.dtype) -> torch.Tensor:
+        # The arguments anygpu.quant.matmul.matmul_4bit gives the op, so the weight is the reference's, bit for bit.
+        # Built as a normal tensor even in inference mode: a later training step may save it for backward.
+        with torch.inference_mode(False), torch.no_grad():
+            return self._dequantize_now(quant_state, n, k, dtype)
+
+    def _dequantize_now(self, quant_state, n: int, k: int, dtype: torch.dtype) -> torch.Tensor:
+        packed, state = self.weight.data, quant_state
+        if state.nested and state.state2.blocksize == 256:
+            nest = (state.state2.absmax, state.state2.code, state.offset.reshape(1))
+            return dequantize_weight(packed, state.absmax, state.code, state.blocksize, n, k, dtype, *nest)
+        return dequantize_weight(packed, _plain_absmax(state), state.code, state.blocksize, n, k, dtype)
+
+    def __getstate__(self):
+        state = dict(super().__getstate__())
+        state["_cpu_weight"] = None  # a copy or a pickle rebuilds its own (and pays for it in the budget)
+        return state
+
+    def _apply(self, fn, recurse=True):
+        self._cpu_weight = None  # .to(), .cuda(), .half(): the weight may move or change
+        return super()._apply(fn, recurse)
 
     # -- state_dict in bitsandbytes' format -------------------------------------------------------
 
@@ -147,6 +194,7 @@ class Linear4bit(nn.Linear):
         # copy, as load_state_dict does, unless told to assign: a layer must not alias another module's tensors
         copy = not (local_metadata or {}).get("assign_to_params_buffers", False)
         weight = rest.pop(weight_key, None)
+        self._cpu_weight = None
         if weight is not None and stats:
             self._load_prequantized(weight, stats, copy)
         elif weight is not None:

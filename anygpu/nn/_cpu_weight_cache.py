@@ -1,0 +1,132 @@
+"""Dequantized 4-bit weights kept per layer on the CPU, within one process-wide byte budget.
+
+Why a cache: on the CPU ``matmul_4bit`` is its reference, ``F.linear(x, dequant(W))``, which rebuilds the whole
+weight on every call (a decode step is then many times slower than the unquantized model).  PyTorch has no CPU
+kernel that computes from NF4/FP4 codes exactly: ``_weight_int4pack_mm_for_cpu`` is affine int4 (evenly spaced
+levels with a scale and a zero point per group) and NF4's 16 levels are not evenly spaced, so any re-encoding
+would change the result beyond the accuracy rule.  Dequantizing once and keeping the weight gives the reference's
+exact bits at the unquantized model's speed, at the unquantized model's memory cost for the cached layers: hence
+the budget, after which layers fall back to dequantizing per call.
+
+- Budget: ``ANYGPU_CPU_WEIGHT_CACHE_MB`` (0 turns the cache off), by default a quarter of the machine's RAM;
+  ``set_limit(bytes)`` changes it for this process.  Bytes are counted while a cached tensor is alive (a
+  finalizer gives them back when its layer drops it or is freed).
+- Validity: an entry remembers the packed weight and absmax it was built from (the objects, their storage and
+  version counters) and the dtype; a new weight (``load_state_dict``, a move, a requantization), new storage
+  (``param.data = ...``) or an in-place write through the parameter makes it stale, and the next call rebuilds
+  it.  Not seen: writes through a ``.data`` alias (torch gives it its own version counter) and in-place writes
+  to inference tensors (they have none); the layers also drop their entry on ``load_state_dict`` and moves.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import weakref
+
+import torch
+
+_lock = threading.Lock()
+_limit: int | None = None  # None: read the environment on first use
+_used = 0
+
+
+def _default_limit() -> int:
+    value = os.environ.get("ANYGPU_CPU_WEIGHT_CACHE_MB")
+    if value is not None and value.strip():
+        try:
+            mb = float(value)
+        except ValueError:
+            mb = -1.0
+        if not mb >= 0:
+            raise ValueError(f"ANYGPU_CPU_WEIGHT_CACHE_MB={value!r}: expected a number of MiB >= 0 (0: no cache)")
+        return int(mb * 2**20)
+    try:
+        return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") // 4
+    except (ValueError, OSError, AttributeError):  # no sysconf (Windows): a conservative 1 GiB
+        return 1 << 30
+
+
+def limit() -> int:
+    global _limit
+    with _lock:
+        if _limit is None:
+            _limit = _default_limit()
+        return _limit
+
+
+def set_limit(nbytes: int) -> int:
+    """Cap the bytes of cached dequantized weights (0: no cache); returns the previous cap.  Entries already held
+    stay until their layer drops them."""
+    global _limit
+    if isinstance(nbytes, bool) or not isinstance(nbytes, int) or nbytes < 0:
+        raise ValueError(f"nbytes: expected a non-negative int, got {nbytes!r}")
+    previous = limit()
+    with _lock:
+        _limit = nbytes
+    return previous
+
+
+def used() -> int:
+    """Bytes held by live cached weights."""
+    return _used
+
+
+def _reserve(nbytes: int) -> bool:
+    global _used
+    cap = limit()
+    with _lock:
+        if _used + nbytes > cap:
+            return False
+        _used += nbytes
+        return True
+
+
+def _release(nbytes: int) -> None:
+    global _used
+    with _lock:
+        _used -= nbytes
+
+
+def _version(t: torch.Tensor) -> int | None:
+    try:
+        return t._version
+    except RuntimeError:  # an inference tensor: no version counter
+        return None
+
+
+def _stamp(t: torch.Tensor) -> tuple:
+    # data_ptr: ``param.data = other`` keeps the object but swaps its storage
+    return t.data_ptr(), _version(t)
+
+
+class Entry:
+    """One layer's dequantized weight and what it was built from."""
+
+    __slots__ = ("weight", "sources", "stamps", "dtype")
+
+    def __init__(self, weight: torch.Tensor, sources: tuple[torch.Tensor, ...], dtype: torch.dtype):
+        self.weight = weight
+        self.sources = sources  # held: while they live their ids cannot be reused by other tensors
+        self.stamps = tuple(_stamp(t) for t in sources)
+        self.dtype = dtype
+
+    def valid_for(self, sources: tuple[torch.Tensor, ...], dtype: torch.dtype) -> bool:
+        return (dtype == self.dtype and len(sources) == len(self.sources)
+                and all(a is b for a, b in zip(sources, self.sources))
+                and self.stamps == tuple(_stamp(t) for t in sources))
+
+
+def build(sources: tuple[torch.Tensor, ...], dtype: torch.dtype, numel: int, make) -> Entry | None:
+    """An entry holding ``make()`` (``numel`` elements of ``dtype``) if its bytes fit in the budget, else None.
+    The size is checked before ``make`` runs, so nothing is allocated past the budget."""
+    nbytes = numel * dtype.itemsize
+    if not _reserve(nbytes):
+        return None
+    try:
+        weight = make()
+    except BaseException:
+        _release(nbytes)
+        raise
+    weakref.finalize(weight, _release, nbytes)
+    return Entry(weight, sources, dtype)
