@@ -8,9 +8,34 @@ through the template (as a chat UI would send it; ``--raw`` sends the text as it
 
 from __future__ import annotations
 
+import os
 import sys
 
 import click
+
+
+def default_threads() -> int:
+    """Half the cores this process may run on, at least 1.  A decode step is a few hundred small, memory-bound
+    ops, each an OpenMP parallel region whose threads spin-wait for each other: when another process holds a
+    core, one of ours waits for a time slice at every region (docs/perf/2026-12-01-cpu-threads.md), while one
+    thread fewer costs little in a bandwidth-bound step."""
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):  # no affinity API (macOS, Windows)
+        cores = os.cpu_count() or 1
+    return max(1, cores // 2)
+
+
+def apply_threads(ctx, param, value):
+    """--threads: torch's intra-op threads here, and OMP_NUM_THREADS for an engine process spawned from here."""
+    if value is None:
+        value = default_threads()
+    import torch
+
+    torch.set_num_threads(value)
+    os.environ["OMP_NUM_THREADS"] = str(value)  # a spawned child (serve's engine process) reads it at start
+    return value
+
 
 ENGINE_OPTIONS = [
     click.option("--model", default=None, metavar="PATH",
@@ -23,6 +48,9 @@ ENGINE_OPTIONS = [
     click.option("--max-model-len", type=click.IntRange(min=2), default=None,
                  help="Context length (default: the model's)."),
     click.option("--eager", is_flag=True, help="No CUDA/HIP graphs for decode steps."),
+    click.option("--threads", type=click.IntRange(min=1), default=None, expose_value=False, callback=apply_threads,
+                 help="CPU threads for torch's ops. Default: half the cores this process may use (at least 1): "
+                      "more threads spin-wait for each other, which makes decode slower when other work is busy."),
 ]
 SAMPLING_OPTIONS = [
     click.option("--max-tokens", type=click.IntRange(min=1), default=256, show_default=True),
