@@ -157,4 +157,9 @@ def format_report(report: dict) -> str:
     table = tabulate(rows, ["engine", "requests", "out tokens", "s", "out tok/s", "TTFT ms p50/p90/p99",
                             "TPOT ms p50/p90/p99"])
     ratio = report.get("speedup")
-    return head + table + (f"\nanygpu / transformers output tokens/s: {ratio:.2f}x" if ratio else "")
+    lines = [f"\nanygpu / transformers output tokens/s: {ratio:.2f}x"] if ratio else []
+    versus = report.get("vs_unquantized")
+    if versus:
+        lines.append("\nvs the unquantized engine, output tokens/s: "
+                     + ", ".join(f"{name.removeprefix('anygpu ')} {r:.2f}x" for name, r in versus.items()))
+    return head + table + "".join(lines)

@@ -9,6 +9,7 @@ import warnings
 import click
 
 from .._version import __version__
+from .generate import apply_threads
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
@@ -45,7 +46,9 @@ def doctor(as_json, targets, no_probe):
 @click.option("--model", default=None, metavar="PATH", help="model suite: a GGUF file or HF folder (default model).")
 @click.option("--random-config", default=None, metavar="NAME",
               help="model suite: random weights in these shapes instead of --model (llama3-8b, tiny).")
-@click.option("--quantize", type=click.Choice(["nf4", "fp4", "int8"]), default=None, help="model suite.")
+@click.option("--quantize", default=None, metavar="LIST",
+              help="model and serve suites: nf4, fp4 or int8; the model suite also takes a comma list with bf16 / "
+                   "none for the unquantized model (bf16,nf4,int8): each runs on the same workload, ratios in one run.")
 @click.option("--num-prompts", type=click.IntRange(min=1), default=64, show_default=True, help="model suite.")
 @click.option("--concurrency", type=click.IntRange(min=1), default=None, help="model suite (default: all prompts).")
 @click.option("--input-len", type=click.IntRange(min=1), default=512, show_default=True, help="model suite.")
@@ -54,6 +57,8 @@ def doctor(as_json, targets, no_probe):
               help="model suite: also run transformers' generate on the same workload. serve suite: also run the "
                    "offline engine on the same workload.")
 @click.option("--tp", type=click.IntRange(min=1), default=1, show_default=True, help="model and serve suites.")
+@click.option("--threads", type=click.IntRange(min=1), default=None, expose_value=False, callback=apply_threads,
+              help="CPU threads for torch's ops, as for `anygpu generate` (default: half the usable cores).")
 @click.option("--url", default=None, help="serve suite: load this running server instead of starting one.")
 @click.option("--api-key", envvar="ANYGPU_API_KEY", default=None, help="serve suite, with --url.")
 @click.option("--request-rate", type=click.FloatRange(min=0, min_open=True), default=float("inf"),
@@ -85,8 +90,10 @@ def bench(suite, list_suites, quick, json_path, png_path, tp, url, api_key, requ
         bench_model(json_path=json_path or "bench-results/model.json", tp=tp, **model_options)
         return
     if suite == "serve":
+        from .bench_model import single_quantize
         from .bench_serve import bench_serve
 
+        model_options["quantize"] = single_quantize(model_options["quantize"])
         bench_serve(json_path=json_path or "bench-results/serve.json", tp=tp, url=url, api_key=api_key,
                     request_rate=request_rate, half_load=half_load, disconnect_fraction=disconnect_fraction,
                     client_procs=client_procs, **model_options)

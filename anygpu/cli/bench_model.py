@@ -6,31 +6,82 @@ import json
 import os
 
 import click
+import torch
+
+
+QUANTIZE_CHOICES = ("nf4", "fp4", "int8")
+UNQUANTIZED = ("bf16", "none")  # the engine's own dtype: bfloat16 on GPUs, float32 on the CPU (named as it is)
+
+
+def parse_quantize(text: str | None) -> list[str | None]:
+    """``--quantize``: one format or a comma list (``bf16,nf4,int8``) run one after another on the same workload;
+    ``bf16`` / ``none`` is the unquantized model.  None (not given): the unquantized model alone."""
+    if text is None:
+        return [None]
+    entries = [item.strip().lower() for item in text.split(",")]
+    for item in entries:
+        if item not in QUANTIZE_CHOICES + UNQUANTIZED:
+            raise click.BadParameter(f"expected a comma list of {', '.join(QUANTIZE_CHOICES)} or bf16 / none "
+                                     f"(unquantized), got {item!r} in {text!r}", param_hint="--quantize")
+    variants = [None if item in UNQUANTIZED else item for item in entries]
+    if len(set(variants)) != len(variants):
+        raise click.BadParameter(f"expected each format once, got {text!r}", param_hint="--quantize")
+    return variants
+
+
+def single_quantize(text: str | None) -> str | None:
+    """``--quantize`` for suites that run one engine (serve): one format."""
+    variants = parse_quantize(text)
+    if len(variants) > 1:
+        raise click.BadParameter(f"the serve suite runs one model: expected one format, got {text!r}",
+                                 param_hint="--quantize")
+    return variants[0]
+
+
+def dtype_label(dtype) -> str:
+    return str(dtype).removeprefix("torch.")
 
 
 def bench_model(*, json_path, model, random_config, quantize, num_prompts, concurrency, input_len, output_len,
                 baseline, tp=1):
+    """Each ``--quantize`` variant's engine in turn (built, warmed up, timed, freed), then transformers' generate on
+    the same prompts if the unquantized model is among them."""
     from ..bench import model as bm
 
+    variants = parse_quantize(quantize)
     concurrency = concurrency or num_prompts
-    engine = make_engine(model, random_config, quantize, concurrency, input_len + output_len, tp)
-    config = engine.config
-    if input_len + output_len > engine.max_model_len:
-        raise click.BadParameter(f"input_len + output_len = {input_len + output_len} is over the context of "
-                                 f"{engine.max_model_len}", param_hint="--input-len/--output-len")
-    prompts = bm.random_prompts(num_prompts, input_len, config.vocab_size)
-    bm.warm_up(engine, input_len, config.vocab_size)
-    results = {"anygpu": bm.run_engine(engine, prompts, output_len, concurrency)}
-    report = {"model": engine.model_name + (f" ({quantize})" if quantize else "") + (f" tp={tp}" if tp > 1 else ""),
-              "workload": f"{num_prompts} prompts x {input_len} in / {output_len} out, concurrency {concurrency}",
-              "device": str(engine.device), "dtype": str(engine.dtype), "results": results}
-    if baseline and not quantize:
-        dtype, device, path = engine.dtype, engine.device, engine.model_path
+    results, names, base = {}, [], None
+    for variant in variants:
+        engine = make_engine(model, random_config, variant, concurrency, input_len + output_len, tp)
+        config = engine.config
+        if input_len + output_len > engine.max_model_len:
+            raise click.BadParameter(f"input_len + output_len = {input_len + output_len} is over the context of "
+                                     f"{engine.max_model_len}", param_hint="--input-len/--output-len")
+        prompts = bm.random_prompts(num_prompts, input_len, config.vocab_size)
+        bm.warm_up(engine, input_len, config.vocab_size)
+        label = variant or dtype_label(engine.dtype)
+        key = "anygpu" if len(variants) == 1 else f"anygpu {label}"
+        results[key] = bm.run_engine(engine, prompts, output_len, concurrency)
+        names.append(label)
+        if variant is None:
+            base = (key, engine.dtype, engine.model_path)
+        device, model_name, dtype = engine.device, engine.model_name, engine.dtype
         engine.close()
         del engine
         free_device(device)
-        results["transformers"] = bm.run_transformers(config, path, prompts, output_len, concurrency, dtype, device)
-        report["speedup"] = results["anygpu"]["output_tokens_per_s"] / results["transformers"]["output_tokens_per_s"]
+    quant = ",".join(names) if len(variants) > 1 else (variants[0] or "")
+    report = {"model": model_name + (f" ({quant})" if quant else "") + (f" tp={tp}" if tp > 1 else ""),
+              "workload": f"{num_prompts} prompts x {input_len} in / {output_len} out, concurrency {concurrency}",
+              "device": str(device), "dtype": str(dtype), "threads": torch.get_num_threads(), "results": results}
+    if base is not None and len(variants) > 1:
+        unquantized = results[base[0]]["output_tokens_per_s"]
+        report["vs_unquantized"] = {k: r["output_tokens_per_s"] / unquantized for k, r in results.items()}
+    if baseline and base is not None:
+        key, dtype, path = base
+        results[f"transformers {dtype_label(dtype)}" if len(variants) > 1 else "transformers"] = \
+            bm.run_transformers(config, path, prompts, output_len, concurrency, dtype, device)
+        ref = list(results.values())[-1]["output_tokens_per_s"]
+        report["speedup"] = results[key]["output_tokens_per_s"] / ref
     click.echo(bm.format_report(report))
     os.makedirs(os.path.dirname(json_path) or ".", exist_ok=True)
     with open(json_path, "w") as f:
