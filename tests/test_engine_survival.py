@@ -126,7 +126,7 @@ def test_a_request_that_fails_later_keeps_its_tokens_so_far_and_frees_its_blocks
     assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
 
 
-def test_a_failing_stop_string_search_ends_only_its_request(reference):
+def test_a_failing_detokenizer_ends_only_its_request(reference):
     """A fault in the text side of one request (here its detokenizer) ends it alone too."""
     engine = make_engine()
     for rid, (prompt, params) in with_poison().items():

@@ -8,6 +8,7 @@ logits into tokens.  Design and decisions: docs/engine-design.md.
 
 from .async_engine import AsyncLLMEngine
 from .block_manager import BlockManager
+from .errors import EngineDead, RequestFailed, RequestInvalid
 from .llm import LLM
 from .llm_engine import LLMEngine, RequestOutput
 from .sampler import Sampler
@@ -15,5 +16,5 @@ from .sampling_params import SamplingParams
 from .scheduler import ScheduledBatch, Scheduler
 from .sequence import Sequence, SequenceStatus
 
-__all__ = ["LLM", "AsyncLLMEngine", "BlockManager", "LLMEngine", "RequestOutput", "Sampler", "SamplingParams",
-           "ScheduledBatch", "Scheduler", "Sequence", "SequenceStatus"]
+__all__ = ["LLM", "AsyncLLMEngine", "BlockManager", "EngineDead", "LLMEngine", "RequestFailed", "RequestInvalid",
+           "RequestOutput", "Sampler", "SamplingParams", "ScheduledBatch", "Scheduler", "Sequence", "SequenceStatus"]

@@ -7,7 +7,8 @@
 
 ``generate`` takes raw prompts (strings or token-id lists) as they are, like vLLM; ``chat`` renders the model's
 chat template first.  All prompts go into the engine at once and run with continuous batching; outputs come
-back in prompt order.
+back in prompt order.  A prompt that fails inside a step comes back finished with ``finish_reason="error"`` and
+``error`` set (``errors.py``); the others are unaffected.
 """
 
 from __future__ import annotations
