@@ -1,0 +1,91 @@
+"""``--threads`` (generate, chat, serve, bench) and ``anygpu bench model --quantize LIST``: parsing and errors, and
+one real generate run with the option."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import click
+import pytest
+import torch
+
+from anygpu.cli.bench_model import parse_quantize, single_quantize
+from anygpu.cli.generate import apply_threads, default_threads
+
+from ._models_fixtures import smollm_path  # noqa: F401 - fixture
+
+
+def anygpu(*args, timeout: int = 300):
+    return subprocess.run([sys.executable, "-m", "anygpu.cli", *args], capture_output=True, text=True, timeout=timeout)
+
+
+@pytest.mark.parametrize("command", [["generate", "hi"], ["chat"], ["serve"], ["bench", "model"]])
+@pytest.mark.parametrize("value", ["0", "-2", "two", "1.5"])
+def test_bad_thread_counts_are_named(command, value):
+    run = anygpu(*command, "--threads", value)
+    assert run.returncode == 2, run.stderr[-2000:]
+    assert "--threads" in run.stderr
+
+
+def test_default_is_half_the_usable_cores():
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    assert default_threads() == max(1, cores // 2)
+
+
+def test_the_option_sets_torch_and_the_environment(monkeypatch):
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    before = torch.get_num_threads()
+    try:
+        assert apply_threads(None, None, 3) == 3
+        assert torch.get_num_threads() == 3 and os.environ["OMP_NUM_THREADS"] == "3"
+        assert apply_threads(None, None, None) == default_threads()
+        assert torch.get_num_threads() == default_threads()
+    finally:
+        torch.set_num_threads(before)
+
+
+def test_generate_with_threads(smollm_path):  # noqa: F811
+    run = anygpu("generate", "What is the capital of France?", "--threads", "1", "--max-tokens", "8")
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert "Paris" in run.stdout
+
+
+def test_quantize_lists():
+    assert parse_quantize(None) == [None]
+    assert parse_quantize("nf4") == ["nf4"]
+    assert parse_quantize("bf16,nf4,int8") == [None, "nf4", "int8"]
+    assert parse_quantize(" None , FP4") == [None, "fp4"]
+    assert single_quantize("int8") == "int8" and single_quantize("none") is None
+
+
+@pytest.mark.parametrize("text, message", [("nf4,q4", "'q4'"), ("nf4,,int8", "''"), ("bf16,none", "once"),
+                                           ("int8,int8", "once")])
+def test_bad_quantize_lists_are_named(text, message):
+    with pytest.raises(click.BadParameter, match=message) as info:
+        parse_quantize(text)
+    assert info.value.param_hint == "--quantize"
+
+
+def test_bench_cli_names_a_bad_quantize_entry_before_loading_anything():
+    run = anygpu("bench", "model", "--random-config", "tiny", "--quantize", "bf16,nf3", "--no-baseline")
+    assert run.returncode == 2 and "--quantize" in run.stderr and "'nf3'" in run.stderr
+    run = anygpu("bench", "serve", "--random-config", "tiny", "--quantize", "nf4,int8")
+    assert run.returncode == 2 and "--quantize" in run.stderr and "one format" in run.stderr
+
+
+def test_bench_model_runs_each_variant_on_one_workload(tmp_path):
+    import json
+
+    out = tmp_path / "model.json"
+    run = anygpu("bench", "model", "--random-config", "tiny", "--num-prompts", "2", "--input-len", "8",
+                 "--output-len", "4", "--quantize", "none,nf4,int8", "--threads", "1", "--json", str(out))
+    assert run.returncode == 0, run.stderr[-2000:]
+    report = json.loads(out.read_text())
+    # the unquantized entry is named by the dtype the engine really used (float32 on the CPU)
+    base = "bfloat16" if torch.cuda.is_available() else "float32"
+    assert list(report["results"]) == [f"anygpu {base}", "anygpu nf4", "anygpu int8", f"transformers {base}"]
+    assert all(r["output_tokens"] == 8 for r in report["results"].values())
+    assert report["vs_unquantized"][f"anygpu {base}"] == 1.0 and report["threads"] == 1
+    assert report["speedup"] > 0 and "vs the unquantized engine" in run.stdout
