@@ -10,6 +10,10 @@ same state_dict, computing with ``anygpu.quant.matmul.matmul_4bit`` (Triton on G
   ``compute_dtype=torch.float32`` is also warned about (upcast: slow).  The bias is cast per call, never
   in place, so its gradient (if it trains) stays in its own dtype.
 - Gradients flow to x and bias through the frozen weight (QLoRA); the weight never gets one.
+- On the CPU the layer keeps its dequantized weight (in the compute dtype) and calls ``F.linear`` -- the op's
+  reference, bit for bit -- instead of dequantizing on every call, while a process-wide budget allows
+  (``anygpu/nn/_cpu_weight_cache.py``: ``ANYGPU_CPU_WEIGHT_CACHE_MB``, default a quarter of the RAM); past it,
+  layers dequantize per call.  The cache is not in the state_dict, and is rebuilt when the weight changes.
 - state_dict: bitsandbytes' keys -- ``weight`` (packed), ``weight.absmax``, ``weight.quant_map``,
   ``weight.nested_absmax``, ``weight.nested_quant_map``, ``weight.quant_state.bitsandbytes__nf4|__fp4``
   (JSON in a uint8 tensor), ``bias``.  Loading reads the same keys (from bitsandbytes, transformers or
