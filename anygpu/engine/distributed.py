@@ -91,7 +91,8 @@ class RankSpec:
         if weights is None:
             weights = open_checkpoint(self.model_path).weights(progress=progress) if self.model_path else "random"
         return build_model(self.config, weights, dtype=self.dtype, device=self.device_of(rank),
-                           quantize=self.quantize, progress=progress, tp=TensorParallel(rank, self.world_size))
+                           quantize=self.quantize, progress=progress, tp=TensorParallel(rank, self.world_size),
+                           max_position=self.runner_args.get("max_model_len"))
 
     def build_runner(self, model, exit_stack: contextlib.ExitStack, workers: TPWorkers | None = None) -> ModelRunner:
         if self.tune:
