@@ -111,10 +111,15 @@ class Entry:
         self.stamps = tuple(_stamp(t) for t in sources)
         self.dtype = dtype
 
-    def valid_for(self, sources: tuple[torch.Tensor, ...], dtype: torch.dtype) -> bool:
-        return (dtype == self.dtype and len(sources) == len(self.sources)
-                and all(a is b for a, b in zip(sources, self.sources))
-                and self.stamps == tuple(_stamp(t) for t in sources))
+    def valid_for(self, *args) -> bool:
+        """``valid_for(*sources, dtype)``: built from these very tensors, unchanged since, in this dtype."""
+        *sources, dtype = args
+        if dtype != self.dtype or len(sources) != len(self.sources):
+            return False
+        for now, then, stamp in zip(sources, self.sources, self.stamps):
+            if now is not then or _stamp(now) != stamp:
+                return False
+        return True
 
 
 def build(sources: tuple[torch.Tensor, ...], dtype: torch.dtype, numel: int, make) -> Entry | None:

@@ -128,26 +128,29 @@ class Linear4bit(nn.Linear):
             warnings.warn("Linear4bit: float16 input with compute_dtype=torch.float32 is upcast on every call "
                           "(slow); pass compute_dtype=torch.float16 for fp16 inputs", UserWarning, stacklevel=2)
         input_dtype = x.dtype
-        if self.compute_dtype is not None:
+        if self.compute_dtype is not None and input_dtype != self.compute_dtype:
             x = x.to(self.compute_dtype)
-        bias = self.bias.to(x.dtype) if self.bias is not None else None
+        bias = self.bias
+        if bias is not None and bias.dtype != x.dtype:
+            bias = bias.to(x.dtype)
         if x.device.type == "cpu" and x.shape[-1] == self.in_features and not torch.compiler.is_compiling():
             weight = self._cached_cpu_weight(quant_state, x.dtype)
             if weight is not None:  # the reference's own arithmetic on the same bits: F.linear(x, dequant(W), bias)
-                return F.linear(x, weight, bias).to(input_dtype)
+                y = F.linear(x, weight, bias)
+                return y if y.dtype == input_dtype else y.to(input_dtype)
         weight = self.weight.data  # the packed bytes as a plain tensor: no subclass dispatch per call
         return matmul_4bit(x, weight, quant_state, bias=bias).to(input_dtype)
 
     def _cached_cpu_weight(self, quant_state, dtype: torch.dtype) -> torch.Tensor | None:
         """The dequantized weight in ``dtype`` from the layer's CPU cache (see ``_cpu_weight_cache``), built on a
         miss if the budget allows; None when it does not or the weight is not a CPU 4-bit weight."""
-        param = self.weight
-        if param.device.type != "cpu" or dtype not in COMPUTE_DTYPES or quant_state.absmax.device.type != "cpu":
-            return None
-        sources = (param, quant_state.absmax)
+        param, absmax = self.weight, quant_state.absmax
         entry = getattr(self, "_cpu_weight", None)
-        if entry is not None and entry.valid_for(sources, dtype):
+        if entry is not None and entry.valid_for(param, absmax, dtype):
             return entry.weight
+        if param.device.type != "cpu" or dtype not in COMPUTE_DTYPES or absmax.device.type != "cpu":
+            return None
+        sources = (param, absmax)
         self._cpu_weight = None  # stale: release it before building its successor
         n, k = (int(d) for d in quant_state.shape)
         entry = cpu_cache.build(sources, dtype, n * k, lambda: self._dequantize(quant_state, n, k, dtype))
