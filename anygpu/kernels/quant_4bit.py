@@ -87,7 +87,9 @@ def _dequantize_4bit_kernel(q_ptr, absmax_ptr, table_ptr, out_ptr, n, n_bytes, B
 # As in quant_blockwise: the tile for block size 64 (the 4-bit default); others keep its elements per program.
 _QUANTIZE_WAVE32 = (LaunchConfig({"QUANT_TYPE": NF4, "BS": 64, "BLOCKS": 16}, num_warps=4),)  # 8 per thread
 QUANTIZE_CONFIGS = {"default": _QUANTIZE_WAVE32, "rdna3": _QUANTIZE_WAVE32, "rdna4": _QUANTIZE_WAVE32,
-                    "amd": (LaunchConfig({"QUANT_TYPE": NF4, "BS": 64, "BLOCKS": 16}, num_warps=2),)}
+                    "amd": (LaunchConfig({"QUANT_TYPE": NF4, "BS": 64, "BLOCKS": 16}, num_warps=2),),
+                    # tools/sweep_quantize.py on the H200: one warp per 16 blocks (the search is instruction bound)
+                    "nvidia": (LaunchConfig({"QUANT_TYPE": NF4, "BS": 64, "BLOCKS": 16}, num_warps=1),)}
 _DEQUANTIZE_WAVE32 = (LaunchConfig({"BS": 64, "BLOCKS": 128}, num_warps=8),)  # 16 bytes, 32 values per thread
 DEQUANTIZE_CONFIGS = {"default": _DEQUANTIZE_WAVE32, "rdna3": _DEQUANTIZE_WAVE32, "rdna4": _DEQUANTIZE_WAVE32,
                       "amd": (LaunchConfig({"BS": 64, "BLOCKS": 64}, num_warps=4),)}  # LDS: the interleave stages

@@ -31,6 +31,12 @@ CLAMP_MIN_BITS = tl.constexpr(torch.tensor(1e-38, dtype=torch.float32).view(torc
 
 
 @triton.jit
+def _max_keep_nan(a, b):
+    """max that returns NaN when either side is NaN (GPUs' plain max drops it; torch's max keeps it)."""
+    return tl.maximum(a, b, propagate_nan=tl.PropagateNan.ALL)
+
+
+@triton.jit
 def _scaled_blocks(a_ptr, absmax_ptr, n, n_full_blocks, BS: tl.constexpr, BLOCKS: tl.constexpr):
     """Load this program's BLOCKS blocks, store their absmax, return (scaled fp32 [BLOCKS, BS], mask of
     the elements that exist, first element, offsets within the tile).  Everything as the reference (see
@@ -43,9 +49,7 @@ def _scaled_blocks(a_ptr, absmax_ptr, n, n_full_blocks, BS: tl.constexpr, BLOCKS
     in_range = local < left
     x = tl.load(a_ptr + base + local, mask=in_range, other=0.0).to(tl.float32)
 
-    absmax = tl.max(tl.abs(x), axis=1)
-    has_nan = tl.max((x != x).to(tl.int32), axis=1)  # GPUs' max drops NaN; torch's max returns it
-    absmax = tl.where(has_nan > 0, float("nan"), absmax)
+    absmax = tl.reduce(tl.abs(x), 1, _max_keep_nan)  # one reduction that keeps NaN, as torch's max does
     floor = tl.full([BLOCKS], CLAMP_MIN_BITS, tl.int32).to(tl.float32, bitcast=True)
     clamped = tl.where(absmax < floor, floor, absmax)  # NaN stays NaN, as torch.clamp
     block = first + rows
@@ -131,8 +135,13 @@ _QUANTIZE_WAVE32 = (LaunchConfig({"BS": 64, "BLOCKS": 16}, num_warps=4),
                     LaunchConfig({"BS": 4096, "BLOCKS": 1}, num_warps=16))
 _QUANTIZE_WAVE64 = (LaunchConfig({"BS": 64, "BLOCKS": 16}, num_warps=2),
                     LaunchConfig({"BS": 4096, "BLOCKS": 1}, num_warps=8))
+# NVIDIA: tools/sweep_quantize.py on the H200 (docs/perf/2026-12-01-nf4-gemm.md): the search is instruction
+# bound, so small programs (few warps) that keep more of the SM's warps independent won.
+_QUANTIZE_NVIDIA = (LaunchConfig({"BS": 64, "BLOCKS": 8}, num_warps=1),
+                    LaunchConfig({"BS": 256, "BLOCKS": 2}, num_warps=1),
+                    LaunchConfig({"BS": 4096, "BLOCKS": 1}, num_warps=4))
 QUANTIZE_CONFIGS = {"default": _QUANTIZE_WAVE32, "amd": _QUANTIZE_WAVE64, "rdna3": _QUANTIZE_WAVE32,
-                    "rdna4": _QUANTIZE_WAVE32}
+                    "rdna4": _QUANTIZE_WAVE32, "nvidia": _QUANTIZE_NVIDIA}
 _DEQUANTIZE_WAVE32 = (LaunchConfig({"BS": 64, "BLOCKS": 64}, num_warps=8),)
 DEQUANTIZE_CONFIGS = {"default": _DEQUANTIZE_WAVE32, "amd": (LaunchConfig({"BS": 64, "BLOCKS": 64}, num_warps=4),),
                       "rdna3": _DEQUANTIZE_WAVE32, "rdna4": _DEQUANTIZE_WAVE32}
