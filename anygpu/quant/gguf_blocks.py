@@ -196,15 +196,15 @@ def dequantize_blocks(raw: torch.Tensor, type_name: str, out: torch.Tensor | Non
         out = torch.empty(numel, dtype=torch.float32, device=raw.device)
     elif out.numel() != numel:
         raise ValueError(f"{type_name}: out has {out.numel()} elements, the blocks hold {numel}")
-    out = out.view(-1)
+    flat = out.view(-1)
     if type_name in ("F32", "F16", "BF16"):
         dtype = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}[type_name]
-        out.copy_(raw.view(dtype))  # exact when widening; one rounding when narrowing
+        flat.copy_(raw.view(dtype))  # exact when widening; one rounding when narrowing
         return out
     decode = _DECODERS[type_name]
     step = max(1, CHUNK_ELEMENTS // block)
     blocks = raw.view(-1, size)
     for i in range(0, blocks.shape[0], step):
         part = blocks[i: i + step]
-        out[i * block: (i + part.shape[0]) * block].copy_(decode(part).reshape(-1))
+        flat[i * block: (i + part.shape[0]) * block].copy_(decode(part).reshape(-1))
     return out
