@@ -31,7 +31,12 @@ from .generate import ENGINE_OPTIONS, _options
               help="Require 'Authorization: Bearer KEY' (env ANYGPU_API_KEY).")
 @click.option("--tp", type=click.IntRange(min=1), default=1, show_default=True,
               help="Tensor-parallel size: shard the model over this many GPUs (processes over gloo on the CPU).")
-@click.option("--served-model-name", default=None, help="The model id clients send (default: the file's name).")
+@click.option("--served-model-name", multiple=True, metavar="NAME[,NAME...]",
+              help="The model names clients may send, repeatable or a comma list; the first is reported (default: "
+                   "the model's own name: a GGUF's general.name, the HF repo id or folder name).")
+@click.option("--strict-model-name", is_flag=True,
+              help="Answer an unknown 'model' with 404 (OpenAI's, vLLM's behaviour); by default any name means the "
+                   "one model served (TGI's), and a missing one always does.")
 @click.option("--max-num-seqs", type=click.IntRange(min=1), default=None,
               help="Sequences per batch (default 256 on GPUs, 16 on the CPU).")
 @click.option("--max-concurrent-requests", type=click.IntRange(min=1), default=1024, show_default=True,
@@ -53,24 +58,31 @@ from .generate import ENGINE_OPTIONS, _options
               help="Seconds an idle connection is kept open between requests.")
 @click.option("--max-connections", type=click.IntRange(min=1), default=EdgeLimits.max_connections,
               show_default=True, help="Open connections before new ones get 503 with Retry-After.")
-@click.option("--access-log", is_flag=True, help="Log one line per request (method, path, status).")
+@click.option("--access-log/--no-access-log", default=True, show_default=True,
+              help="Log one line per request (client, method, path, status).")
 @click.option("--gpu-memory-utilization", type=click.FloatRange(0.05, 0.99), default=0.9, show_default=True)
 @click.option("--engine-in-thread", is_flag=True,
               help="Run the engine in a thread of the server's process instead of its own process (they then "
                    "share the GIL: slower under load, but one process).")
 @click.option("--log-level", type=click.Choice(["critical", "error", "warning", "info", "debug"]), default="info")
 def serve(model, quantize, dtype, tune, max_model_len, eager, random_config, host, port, api_key, tp,
-          served_model_name, max_num_seqs, max_concurrent_requests, max_body_bytes, max_request_line,
-          max_header_bytes, max_headers, header_timeout, body_timeout, keep_alive_timeout, max_connections,
-          access_log, gpu_memory_utilization, engine_in_thread, log_level):
-    """Serve a model over HTTP: OpenAI's /v1/chat/completions, /v1/completions and /v1/models, TGI's /generate
-    and /generate_stream, /health and /metrics."""
+          served_model_name, strict_model_name, max_num_seqs, max_concurrent_requests, max_body_bytes,
+          max_request_line, max_header_bytes, max_headers, header_timeout, body_timeout, keep_alive_timeout,
+          max_connections, access_log, gpu_memory_utilization, engine_in_thread, log_level):
+    """Serve a model over HTTP: OpenAI's /v1/chat/completions, /v1/completions and /v1/models, TGI's /,
+    /generate and /generate_stream, /tokenize, /detokenize, /version, /health and /metrics."""
     from ..engine import AsyncLLMEngine, LLMEngine
     from ..engine.engine_process import EngineClient
     from ..serve import build_app, runner
 
+    from ..serve.names import parse_names
+
     if model and random_config:
         raise click.UsageError("give --model or --random-config, not both")
+    try:
+        names = parse_names(served_model_name) if served_model_name else None
+    except ValueError as e:
+        raise click.BadParameter(str(e).removeprefix("model_name: "), param_hint="--served-model-name") from None
     if api_key is None and "ANYGPU_API_KEY" in os.environ:
         api_key = os.environ["ANYGPU_API_KEY"]  # click reads an empty variable as unset: an open server
     if api_key is not None:
@@ -100,8 +112,9 @@ def serve(model, quantize, dtype, tune, max_model_len, eager, random_config, hos
         sock.close()
         raise click.ClickException(f"cannot load the model: {e}") from None
     async_engine = AsyncLLMEngine(engine)
-    app = build_app(async_engine, model_name=served_model_name, api_key=api_key, max_body_bytes=max_body_bytes,
-                    max_concurrent_requests=max_concurrent_requests)
+    app = build_app(async_engine, model_name=names, api_key=api_key,
+                    max_body_bytes=max_body_bytes, max_concurrent_requests=max_concurrent_requests,
+                    strict_model_name=strict_model_name)
     name = app.state.server.model_name
     click.echo(f"anygpu: serving {name!r} on http://{host}:{sock.getsockname()[1]} (tp={tp}, "
                f"device={engine.device}, dtype={str(engine.dtype).removeprefix('torch.')})", err=True)

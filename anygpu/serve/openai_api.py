@@ -35,32 +35,35 @@ def add_openai_routes(app: FastAPI, server: Server) -> None:
         arrival = time.monotonic()
         server.authorize(request)
         body = await server.read_body(request, CompletionRequest)
-        server.check_model(body.model)
+        name = server.check_model(body.model)
         body.check_supported()
         ids = server.tokenize(body.single_prompt(), "prompt")
         max_tokens = server.limit_tokens(ids, body.max_tokens, COMPLETIONS_DEFAULT_MAX_TOKENS, "prompt", "max_tokens")
         params = server.sampling(lambda: body.sampling_params(max_tokens))
-        return await _respond(request, server, body, "cmpl", "text_completion", ids, params, arrival, chat=False)
+        return await _respond(request, server, body, name, "cmpl", "text_completion", ids, params, arrival,
+                              chat=False)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
         arrival = time.monotonic()
         server.authorize(request)
         body = await server.read_body(request, ChatCompletionRequest)
-        server.check_model(body.model)
+        name = server.check_model(body.model)
         body.check_supported()
-        ids = server.chat_ids(body)
+        ids = server.chat_ids(body.messages)
         param = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
         max_tokens = server.limit_tokens(ids, body.requested_max_tokens, None, "messages", param)
         params = server.sampling(lambda: body.sampling_params(max_tokens))
-        return await _respond(request, server, body, "chatcmpl", "chat.completion", ids, params, arrival, chat=True)
+        return await _respond(request, server, body, name, "chatcmpl", "chat.completion", ids, params, arrival,
+                              chat=True)
 
 
-async def _respond(request, server: Server, body, prefix: str, obj: str, ids, params, arrival: float, chat: bool):
+async def _respond(request, server: Server, body, name: str, prefix: str, obj: str, ids, params, arrival: float,
+                   chat: bool):
     request_id = f"{prefix}-{uuid.uuid4().hex}"
     ticket = server.admit()
     timer = RequestTimer(server.metrics, arrival)
-    head = {"id": request_id, "object": obj, "created": int(time.time()), "model": server.model_name}
+    head = {"id": request_id, "object": obj, "created": int(time.time()), "model": name}
     if body.stream:
         return EngineStream(_stream(server, request_id, ids, params, timer, ticket, head, chat, body.include_usage),
                             ticket)

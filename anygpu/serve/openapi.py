@@ -13,12 +13,16 @@ from __future__ import annotations
 from fastapi import FastAPI
 from fastapi.openapi.utils import get_openapi
 
-from .protocol import ChatCompletionRequest, CompletionRequest, GenerateRequest
+from .protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, GenerateRequest, TokenizeRequest
 
 BODIES = {"/v1/completions": CompletionRequest, "/v1/chat/completions": ChatCompletionRequest,
-          "/generate": GenerateRequest, "/generate_stream": GenerateRequest}
-STREAMED = {"/v1/completions", "/v1/chat/completions", "/generate_stream"}
-TGI = {"/generate", "/generate_stream", "/info", "/health"}  # TGI-shaped errors (/health: TGI's 503 body)
+          "/generate": GenerateRequest, "/generate_stream": GenerateRequest, "/": GenerateRequest,
+          "/tokenize": TokenizeRequest, "/detokenize": DetokenizeRequest}
+STREAMED = {"/v1/completions", "/v1/chat/completions", "/generate_stream", "/"}
+TGI = {"/", "/generate", "/generate_stream", "/info", "/health"}  # TGI-shaped errors (/health: TGI's 503 body)
+# The JSON 200s that are not one object: TGI's ``/`` answers a one-element list, ``/tokenize`` a list (TGI's
+# shape) or an object (vLLM's).
+JSON_200 = {"/": {"type": "array", "items": {"type": "object"}}, "/tokenize": {"type": ["array", "object"]}}
 
 _REF = "#/components/schemas/{model}"
 OPENAI_ERROR = {"type": "object", "required": ["error"], "properties": {"error": {
@@ -48,7 +52,7 @@ def describe(app: FastAPI) -> dict:
     components["OpenAIError"], components["TGIError"] = OPENAI_ERROR, TGI_ERROR
     for path, operations in spec["paths"].items():
         for method, op in operations.items():
-            ok = {"application/json": {"schema": {"type": "object"}}}
+            ok = {"application/json": {"schema": JSON_200.get(path, {"type": "object"})}}
             if path in BODIES and method == "post":
                 model = BODIES[path]
                 schema = model.model_json_schema(ref_template=_REF)

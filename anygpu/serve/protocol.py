@@ -59,7 +59,7 @@ class StreamOptions(_Body):
 class _OpenAISampling(_Body):
     """Fields the two OpenAI routes share."""
 
-    model: str
+    model: str | None = None  # None: the served model (see Server.check_model for the name policy)
     max_tokens: Count | None = None
     temperature: Annotated[float, Field(ge=0.0, le=2.0)] | None = None
     top_p: Annotated[float, Field(gt=0.0, le=1.0)] | None = None
@@ -227,3 +227,23 @@ class GenerateRequest(_Body):
     inputs: Annotated[str, Field(min_length=1)]
     parameters: TGIParameters = Field(default_factory=TGIParameters)
     stream: bool = False
+
+
+# -- tokenizer routes ----------------------------------------------------------------------------------
+class TokenizeRequest(_Body):
+    """``/tokenize`` in TGI's shape (``inputs``: a list of tokens with their text and offsets back) or vLLM's
+    (``prompt`` or ``messages``: ``{"count", "max_model_len", "tokens"}`` back); exactly one of the three."""
+
+    model: str | None = None
+    inputs: str | None = None
+    parameters: dict[str, Any] | None = None  # TGI sends its generate parameters along; tokenizing ignores them
+    prompt: str | None = None
+    messages: Annotated[list[ChatMessage], Field(min_length=1)] | None = None
+    add_special_tokens: bool = True
+    add_generation_prompt: bool = True
+    return_token_strs: bool = False
+
+
+class DetokenizeRequest(_Body):
+    model: str | None = None
+    tokens: Annotated[list[TokenId], Field(max_length=1 << 20)]

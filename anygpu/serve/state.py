@@ -24,7 +24,8 @@ from starlette.requests import ClientDisconnect
 from ..engine import AsyncLLMEngine, RequestOutput, SamplingParams
 from .errors import APIError, bad_request, from_validation
 from .metrics import RequestTimer, ServerMetrics
-from .protocol import ChatCompletionRequest
+from .names import ModelNames, default_model_name, parse_names
+from .protocol import ChatMessage
 
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
@@ -77,11 +78,13 @@ class EngineStream(StreamingResponse):
 class Server:
     """State shared by the routes: the engine, the model's limits, metrics and the admission count."""
 
-    def __init__(self, engine: AsyncLLMEngine, model_name: str | None, api_key: str | None,
-                 max_body_bytes: int, max_concurrent_requests: int):
+    def __init__(self, engine: AsyncLLMEngine, model_name: str | list[str] | None, api_key: str | None,
+                 max_body_bytes: int, max_concurrent_requests: int, strict_model_name: bool = False):
         self.engine, self.llm = engine, engine.engine
         self.tokenizer = self.llm.tokenizer
-        self.model_name = model_name or self.llm.model_name
+        names = parse_names(model_name) if model_name is not None else [default_model_name(self.llm)]
+        self.names = ModelNames(names, strict_model_name)
+        self.model_name = self.names.primary
         self.max_model_len = self.llm.max_model_len
         self.vocab_size = self.llm.config.vocab_size
         self.api_key = api_key
@@ -124,10 +127,9 @@ class Server:
         return APIError(413, f"body: larger than the limit of {self.max_body_bytes} bytes", None,
                         "request_too_large")
 
-    def check_model(self, name: str) -> None:
-        if name != self.model_name:
-            raise APIError(404, f"model: {name!r} does not exist; this server serves {self.model_name!r}",
-                           "model", "model_not_found")
+    def check_model(self, name: str | None) -> str:
+        """The model name to answer with (``names.ModelNames``: the policy), or 404 when strict and unknown."""
+        return self.names.resolve(name)
 
     def admit(self) -> Ticket:
         """A slot among ``max_concurrent_requests``, or 429 with Retry-After; 503 if the engine has died (before
@@ -153,11 +155,11 @@ class Server:
             raise APIError(status, f"{param}: token ids must be in [0, {self.vocab_size}), got {bad[:3]}", param)
         return list(prompt)
 
-    def chat_ids(self, body: ChatCompletionRequest) -> list[int]:
+    def chat_ids(self, messages: list[ChatMessage], add_generation_prompt: bool = True) -> list[int]:
         if self.tokenizer is None or self.tokenizer.chat_template is None:
             raise APIError(400, "messages: this model has no chat template; use /v1/completions", "messages")
         try:
-            return self.tokenizer.encode_chat([m.as_template_message() for m in body.messages])
+            return self.tokenizer.encode_chat([m.as_template_message() for m in messages], add_generation_prompt)
         except Exception as error:  # the template's own raise_exception, or a message it cannot render
             raise APIError(400, f"messages: the chat template failed: {error}", "messages") from None
 

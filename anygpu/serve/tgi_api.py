@@ -1,5 +1,7 @@
 """TGI's native routes: ``/generate`` (one JSON answer) and ``/generate_stream`` (server-sent events, one per
-token; the last carries ``generated_text`` and ``details``; no ``[DONE]``, as in TGI), and ``/info``.
+token; the last carries ``generated_text`` and ``details``; no ``[DONE]``, as in TGI), ``/`` (what TGI's own
+clients, ``text_generation.Client`` and ``huggingface_hub.InferenceClient.text_generation``, post to: the body's
+``stream`` picks the stream, else ``/generate``'s answer in a one-element list, as TGI does), and ``/info``.
 
 TGI's conventions, kept so its clients work unchanged: validation errors are 422 with
 ``{"error", "error_type"}``; ``max_new_tokens`` defaults to 100; decoding is greedy unless ``do_sample`` or a
@@ -18,10 +20,11 @@ from fastapi.responses import JSONResponse
 
 from .._version import __version__
 from .metrics import RequestTimer
+from ..engine.sampling_params import MAX_STOP_STRINGS
 from .protocol import GenerateRequest
 from .state import EngineStream, Server, engine_error, sse
 
-TGI_PATHS = ("/generate", "/generate_stream", "/info")
+TGI_PATHS = ("/", "/generate", "/generate_stream", "/info")
 
 
 def _finish_reason(out, eos_ids) -> str:
@@ -35,10 +38,11 @@ def _finish_reason(out, eos_ids) -> str:
 def add_tgi_routes(app: FastAPI, server: Server) -> None:
     eos_ids = server.llm.scheduler.eos_token_ids
 
-    async def prepare(request: Request):
+    async def prepare(request: Request, body: GenerateRequest | None = None):
         arrival = time.monotonic()
-        server.authorize(request)
-        body = await server.read_body(request, GenerateRequest, tgi=True)
+        if body is None:
+            server.authorize(request)
+            body = await server.read_body(request, GenerateRequest, tgi=True)
         p = body.parameters
         p.check_supported()
         ids = server.tokenize(body.inputs, "inputs", status=422)
@@ -56,14 +60,35 @@ def add_tgi_routes(app: FastAPI, server: Server) -> None:
     @app.get("/info")
     async def info(request: Request):
         server.authorize(request)
-        return {"model_id": server.model_name, "max_input_tokens": server.max_model_len - 1,
-                "max_total_tokens": server.max_model_len,
-                "max_concurrent_requests": server.max_concurrent_requests, "version": __version__,
-                "router": "anygpu"}
+        # TGI's fields (huggingface_hub's get_endpoint_info returns them); both names of the input limit, old
+        # and new.  Not ours to say: the commit sha and Docker label (null).
+        return {"model_id": server.model_name, "model_sha": None, "model_dtype": str(server.llm.dtype),
+                "model_device_type": server.llm.device.type, "model_pipeline_tag": "text-generation",
+                "max_concurrent_requests": server.max_concurrent_requests, "max_best_of": 1,
+                "max_stop_sequences": MAX_STOP_STRINGS, "max_input_tokens": server.max_model_len - 1,
+                "max_input_length": server.max_model_len - 1, "max_total_tokens": server.max_model_len,
+                "max_client_batch_size": 1, "validation_workers": 1, "version": __version__, "sha": None,
+                "docker_label": None, "router": "anygpu"}
+
+    @app.post("/")
+    async def compat_generate(request: Request):
+        server.authorize(request)
+        body = await server.read_body(request, GenerateRequest, tgi=True)
+        if body.stream:
+            return await start_stream(request, body)
+        answer = await answer_whole(request, body)
+        return answer if isinstance(answer, JSONResponse) else [answer]
 
     @app.post("/generate")
     async def generate(request: Request):
-        body, ids, params, timer, request_id, ticket = await prepare(request)
+        return await answer_whole(request)
+
+    @app.post("/generate_stream")
+    async def generate_stream(request: Request):
+        return await start_stream(request)
+
+    async def answer_whole(request: Request, body: GenerateRequest | None = None):
+        body, ids, params, timer, request_id, ticket = await prepare(request, body)
         out = await server.complete(request, request_id, ids, params, timer, ticket)
         if out is None:
             return JSONResponse({}, status_code=499)
@@ -77,9 +102,8 @@ def add_tgi_routes(app: FastAPI, server: Server) -> None:
                 "tokens": [token(t, tok.decode([t], skip_special_tokens=False) if tok else "") for t in out.token_ids]}
         return answer
 
-    @app.post("/generate_stream")
-    async def generate_stream(request: Request):
-        body, ids, params, timer, request_id, ticket = await prepare(request)
+    async def start_stream(request: Request, body: GenerateRequest | None = None):
+        body, ids, params, timer, request_id, ticket = await prepare(request, body)
         return EngineStream(_stream(body, ids, params, timer, request_id, ticket), ticket)
 
     async def _stream(body, ids, params, timer, request_id, ticket):
