@@ -14,6 +14,7 @@ PKG = ROOT / "anygpu"
 LAYERS = ["backend", "kernels", "ops", "testing", "quant", "models", "engine", "serve", "bench", "diagnostics", "cli"]
 RANK = {name: i for i, name in enumerate(LAYERS)}
 RANK.update({"nn": RANK["quant"], "optim": RANK["quant"], "tunable": RANK["quant"], "diagnostics": RANK["bench"],
+             "integrations": RANK["models"],  # bridges to peft / bitsandbytes: above nn, optim and ops
              "_version": -1, "__init__": len(LAYERS), "__main__": len(LAYERS)})
 
 

@@ -170,6 +170,27 @@ class Linear4bit(nn.Linear):
             return dequantize_weight(packed, state.absmax, state.code, state.blocksize, n, k, dtype, *nest)
         return dequantize_weight(packed, _plain_absmax(state), state.code, state.blocksize, n, k, dtype)
 
+    # -- full-precision view, for adapters that merge into the weight (PEFT's merge_and_unload) -----
+
+    def dequantize(self, dtype: torch.dtype | None = None) -> torch.Tensor:
+        """The weight as a new full-precision [out_features, in_features] tensor (default: the dtype it was
+        quantized from), with the bits ``forward`` computes with."""
+        quant_state = self._current_quant_state()
+        n, k = (int(d) for d in quant_state.shape)
+        return self._dequantize(quant_state, n, k, quant_state.dtype if dtype is None else dtype)
+
+    def requantize_(self, weight: torch.Tensor) -> None:
+        """Replace the weight by ``weight`` ([out_features, in_features], full precision), quantized now where the
+        layer is with its settings (type, blocksize, nesting, storage); the CPU cache is rebuilt on the next call."""
+        if not isinstance(weight, torch.Tensor) or not weight.is_floating_point():
+            raise ValueError(f"weight: expected a floating-point tensor, got {getattr(weight, 'dtype', type(weight))}")
+        self._current_quant_state()  # a layer never moved is quantized first, so the new weight is too
+        errors: list = []
+        self._cpu_weight = None
+        self._load_full_precision(weight, True, "weight", errors)
+        if errors:
+            raise ValueError(errors[0])
+
     def __getstate__(self):
         state = dict(super().__getstate__())
         state["_cpu_weight"] = None  # a copy or a pickle rebuilds its own (and pays for it in the budget)

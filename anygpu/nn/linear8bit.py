@@ -146,6 +146,29 @@ class Linear8bitLt(nn.Linear):
         CB, SCB, _ = int8_vectorwise_quant(weight.detach().to(torch.float16))  # has_fp16_weights: per call
         return matmul_8bit(x, CB, SCB, self._threshold, bias, B=weight)
 
+    # -- full-precision view, for adapters that merge into the weight (PEFT's merge_and_unload) ------
+
+    def dequantize(self, dtype: torch.dtype | None = None) -> torch.Tensor:
+        """The weight as a new full-precision [out_features, in_features] tensor: ``CB * SCB / 127`` once int8
+        (default dtype fp16, what it was quantized from), else a copy of the full-precision weight."""
+        weight = self.weight
+        if weight.dtype != torch.int8:
+            return weight.detach().to(dtype or weight.dtype, copy=True)
+        if getattr(weight, "SCB", None) is None:
+            raise ValueError("weight: int8 codes without their SCB row scales (load the SCB from the checkpoint)")
+        full = weight.data.float() * (weight.SCB.float().unsqueeze(1) / 127.0)
+        return full.to(dtype or torch.float16)
+
+    def requantize_(self, weight: torch.Tensor) -> None:
+        """Replace the weight by ``weight`` ([out_features, in_features], full precision): quantized to int8 now
+        if the layer's weight is int8, kept full precision otherwise (``has_fp16_weights``)."""
+        if not isinstance(weight, torch.Tensor) or not weight.is_floating_point():
+            raise ValueError(f"weight: expected a floating-point tensor, got {getattr(weight, 'dtype', type(weight))}")
+        errors: list = []
+        self._load_full_precision(weight, True, "weight", errors)
+        if errors:
+            raise ValueError(errors[0])
+
     # -- state_dict in bitsandbytes' format -----------------------------------------------------------
 
     def _save_to_state_dict(self, destination, prefix, keep_vars):
