@@ -177,8 +177,9 @@ def _iq4_xs(b):
 
 _DECODERS = {"Q4_0": _q4_0, "Q4_1": _q4_1, "Q5_0": _q5_0, "Q5_1": _q5_1, "Q8_0": _q8_0, "Q2_K": _q2_k,
              "Q3_K": _q3_k, "Q4_K": _q4_k, "Q5_K": _q5_k, "Q6_K": _q6_k, "IQ4_NL": _iq4_nl, "IQ4_XS": _iq4_xs}
-# Blocks decoded per step: bounds the fp32/int temporaries (a few times the chunk's output) whatever the tensor.
-CHUNK_ELEMENTS = 1 << 20
+# Values decoded per step: bounds the temporaries (a few times the chunk's output) whatever the tensor, and keeps
+# them cache-sized (docs/perf/2026-12-01-gguf-memory.md has the load times by chunk size).
+CHUNK_ELEMENTS = 1 << 18
 
 
 def dequantize_blocks(raw: torch.Tensor, type_name: str, out: torch.Tensor | None = None) -> torch.Tensor:
