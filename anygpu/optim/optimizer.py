@@ -1,9 +1,10 @@
-"""The shared base of the 8-bit optimizers: torch.optim conventions, bitsandbytes' state layout.
+"""The shared base of the 8-bit and 32-bit optimizers: torch.optim conventions, bitsandbytes' state layout.
 
 Per parameter, ``self.state[p]`` holds bitsandbytes' keys: ``step`` (int), ``state1`` (and ``state2``
 for two-state optimizers), and for 8-bit states ``qmap1`` / ``qmap2`` (the signed / unsigned dynamic
 maps) and ``absmax1`` / ``absmax2`` (fp32, one per 256-element block).  Tensors with fewer than
-``min_8bit_size`` elements keep fp32 states.  ``state_dict()`` moves the quantization keys under
+``min_8bit_size`` elements, and every tensor of an ``optim_bits=32`` optimizer (the ``*32bit`` classes), keep
+fp32 states.  ``GlobalOptimManager`` overrides (``optim/manager.py``) apply per parameter, as in bitsandbytes.  ``state_dict()`` moves the quantization keys under
 ``"__bnb_optimizer_quant_state__"`` per parameter as bitsandbytes does (FSDP skips them), and
 ``load_state_dict`` reads ours and bitsandbytes' alike, keeping uint8 codes and fp32 absmax / maps as they
 are (torch's loader would cast them to the parameter's dtype).
@@ -27,6 +28,7 @@ import torch
 
 from ..quant.maps import dynamic_map
 from . import reference
+from .manager import GlobalOptimManager, check_optim_bits
 from .paging import PAGE_MIN_SIZE, PAGED_KEYS, StatePager, host_zeros, streams_states, to_host
 from .reference import BLOCKSIZE, TWO_STATES, step_scalars
 
@@ -35,6 +37,10 @@ QUANT_STATE_KEY = "__bnb_optimizer_quant_state__"
 QUANT_KEYS = frozenset({"qmap1", "qmap2", "max1", "max2", "new_max1", "new_max2", "state1", "state2", "gnorm_vec",
                         "absmax1", "absmax2", "unorm_vec"})
 PARAM_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+# Update rules the 8-bit kernel runs under another name (bitsandbytes' name2optimizer_id does the same), and
+# the ones it has no code for (those step through the PyTorch reference on every device).
+KERNEL_RULES = {"lamb": "adam", "lars": "momentum"}
+NO_KERNEL = frozenset({"adagrad"})
 
 
 def check_hyperparameters(lr: float, betas: tuple, eps: float | None, weight_decay: float) -> None:
@@ -99,18 +105,26 @@ def _canonical_map(value: torch.Tensor, device: torch.device, signed: bool) -> t
 
 
 class Optimizer8bit(torch.optim.Optimizer):
-    """Subclasses set ``update_name`` (one of ``reference.OPTIMIZERS``) and build ``defaults``
-    with ``lr``, ``betas``, ``eps`` and ``weight_decay`` (AdEMAMix: also alpha, t_alpha, t_beta3)."""
+    """Subclasses set ``update_name`` (one of ``reference.RULES``, or ``lamb`` / ``lars``) and build
+    ``defaults`` with ``lr``, ``betas``, ``eps`` and ``weight_decay`` (AdEMAMix: also alpha, t_alpha, t_beta3).
+    ``optim_bits`` (8 or 32) picks the states' precision; ``max_unorm`` > 0 clips fp32-state updates by the
+    trust ratio (LAMB, LARS)."""
 
     update_name: str = ""
     # Paged optimizers page the states of GPU parameters with at least this many elements (bitsandbytes'
     # 1e5); set it on an instance before the first step to change that.
     page_min_size: int = PAGE_MIN_SIZE
 
-    def __init__(self, params, defaults: dict, min_8bit_size: int = 4096, is_paged: bool = False):
+    def __init__(self, params, defaults: dict, min_8bit_size: int = 4096, is_paged: bool = False,
+                 optim_bits: int = 8, max_unorm: float = 0.0):
         if isinstance(min_8bit_size, bool) or not isinstance(min_8bit_size, int) or min_8bit_size < 0:
             raise ValueError(f"min_8bit_size: expected an int >= 0, got {min_8bit_size!r}")
+        if not max_unorm >= 0.0:
+            raise ValueError(f"max_unorm: expected >= 0, got {max_unorm!r}")
         self.min_8bit_size = min_8bit_size
+        self.optim_bits = check_optim_bits(optim_bits)
+        self.max_unorm = float(max_unorm)
+        self.mng = GlobalOptimManager.get_instance()
         self.is_paged = bool(is_paged)
         self._pagers: dict = {}
         self._simulate_paging = False  # tests: page CPU parameters too (through CPU slots)
@@ -127,14 +141,20 @@ class Optimizer8bit(torch.optim.Optimizer):
             return host_zeros(shape, dtype, pin=p.device.type == "cuda")
         return torch.zeros(shape, dtype=dtype, device=p.device)
 
-    def _init_state(self, p: torch.Tensor, state: dict) -> None:
+    def _config(self, group: dict, p: torch.Tensor, gindex: int, pindex: int) -> dict:
+        """The group's settings with this optimizer's and the manager's overrides for p (bitsandbytes' get_config)."""
+        config = dict(group, optim_bits=self.optim_bits, min_8bit_size=self.min_8bit_size, max_unorm=self.max_unorm)
+        config.update(self.mng.config_for(p, gindex, pindex))
+        return config
+
+    def _init_state(self, p: torch.Tensor, state: dict, config: dict) -> None:
         if p.dtype not in PARAM_DTYPES:
             raise ValueError(f"params: expected fp32, fp16 or bf16 parameters, got {p.dtype}")
-        two = self.update_name in TWO_STATES
+        two = KERNEL_RULES.get(self.update_name, self.update_name) in TWO_STATES
         lead = (2,) if self.update_name == "ademamix" else ()  # AdEMAMix's state1: the fast and slow EMAs
         paged = self._pages(p)
         state["step"] = 0
-        if p.numel() < self.min_8bit_size:
+        if config["optim_bits"] == 32 or p.numel() < config["min_8bit_size"]:
             state["state1"] = self._zeros(lead + p.shape, torch.float32, p, paged)
             if two:
                 state["state2"] = self._zeros(p.shape, torch.float32, p, paged)
@@ -155,19 +175,20 @@ class Optimizer8bit(torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         streamed = defaultdict(list)  # device -> [(p, state, group)] whose states are on the host
-        for group in self.param_groups:
-            for p in group["params"]:
+        for gindex, group in enumerate(self.param_groups):
+            for pindex, p in enumerate(group["params"]):
                 if p.grad is None:
                     continue
                 if p.grad.is_sparse:
                     raise ValueError("params: sparse gradients are not supported")
                 state = self.state[p]
+                config = self._config(group, p, gindex, pindex)
                 if not state:
-                    self._init_state(p, state)
+                    self._init_state(p, state, config)
                 if self._is_streamed(p, state):
-                    streamed[p.device].append((p, state, group))
+                    streamed[p.device].append((p, state, config))
                 else:
-                    self._update(p, state, group)
+                    self._update(p, state, config)
         for device, items in streamed.items():
             pager = self._pagers.get(device)
             if pager is None:
@@ -186,10 +207,11 @@ class Optimizer8bit(torch.optim.Optimizer):
         t = state if tensors is None else tensors
         state["step"] += 1
         beta1, beta2 = group["betas"][0], group["betas"][1]
-        k = step_scalars(self.update_name, group["lr"], beta1, beta2, group.get("eps", 0.0),
+        name = KERNEL_RULES.get(self.update_name, self.update_name)
+        k = step_scalars(name, group["lr"], beta1, beta2, group.get("eps", 0.0),
                          group["weight_decay"], state["step"], *self._beta3_alpha(group, state["step"]))
-        name = self.update_name
-        kernel = _use_kernel(p)
+        max_unorm = group.get("max_unorm", 0.0)
+        kernel = _use_kernel(p) and name not in NO_KERNEL
         if t["state1"].dtype == torch.uint8:
             if not p.is_contiguous():  # the kernel and the reference read row-major order
                 raise ValueError("params: 8-bit states need contiguous parameters")
@@ -201,12 +223,12 @@ class Optimizer8bit(torch.optim.Optimizer):
                 update_8bit(*args, *search_tables(state["qmap1"], state.get("qmap2")))
             else:
                 reference.update_8bit(*args)
-        elif kernel:
+        elif kernel and not max_unorm > 0:  # the kernel has no trust ratio: clipped updates take the reference
             from ..kernels.optim_8bit import update_32bit
 
             update_32bit(name, p, p.grad, t["state1"], t.get("state2"), k)
         else:
-            reference.update_32bit(name, p, p.grad, t["state1"], t.get("state2"), k)
+            reference.update_32bit(name, p, p.grad, t["state1"], t.get("state2"), k, max_unorm)
 
     def synchronize(self) -> None:
         """Wait until the states a paged optimizer streamed back are in host memory: call it before reading
@@ -223,13 +245,18 @@ class Optimizer8bit(torch.optim.Optimizer):
 
     def __getstate__(self) -> dict:
         state = super().__getstate__()
-        state.update(min_8bit_size=self.min_8bit_size, is_paged=self.is_paged)
+        state.update(min_8bit_size=self.min_8bit_size, is_paged=self.is_paged, optim_bits=self.optim_bits,
+                     max_unorm=self.max_unorm)
+        state.pop("mng", None)  # the process's singleton: never pickled, re-attached on load
         return state
 
     def __setstate__(self, state: dict) -> None:
         super().__setstate__(state)
         self.__dict__.setdefault("min_8bit_size", 4096)
         self.__dict__.setdefault("is_paged", False)
+        self.__dict__.setdefault("optim_bits", 8)
+        self.__dict__.setdefault("max_unorm", 0.0)
+        self.__dict__["mng"] = GlobalOptimManager.get_instance()
         self.__dict__.setdefault("_pagers", {})
         self.__dict__.setdefault("_simulate_paging", False)
         for param_state in self.state.values():  # a deepcopy or unpickle copies the shared default maps

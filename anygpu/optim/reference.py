@@ -18,6 +18,11 @@ Semantics are bitsandbytes' CUDA 8-bit kernels (reference sheet section 9):
   ``p -= lr * (m1/c1 + alpha*m2) / (sqrt(nu)/c2 + eps)`` with ``c1 = 1-b1^t``, ``c2 = sqrt(1-b2^t)``;
   then ``p *= 1 - lr*wd`` (bitsandbytes' CPU path decays before the update).  ``state1`` holds m1 and m2
   ([2, *shape], absmax1 [2, blocks]), both with the signed map.
+- adagrad (bitsandbytes' CPU rule): ``g += wd*p``; ``s1 = s1 + g*g``; ``p -= lr * g / (sqrt(s1) + eps)``.
+- lamb / lars: adam / momentum; with fp32 states and ``max_unorm`` > 0 (bitsandbytes' 32-bit path) the
+  update u (adam: ``s1 / (sqrt(s2) + eps_scaled)``, momentum: ``s1``, rmsprop: ``g / (sqrt(s1) + eps)``) is
+  scaled by the trust ratio ``min(1, max_unorm * |p| / |u|)``, norms over the whole tensor, |p| before the
+  step.  8-bit states never clip (bitsandbytes' blockwise kernels have no update norm either).
 - A non-finite gradient element zeroes that element's states and leaves its parameter unchanged.
 """
 
@@ -29,7 +34,8 @@ from dataclasses import dataclass
 import torch
 
 BLOCKSIZE = 256
-OPTIMIZERS = ("adam", "momentum", "rmsprop", "lion", "ademamix")
+OPTIMIZERS = ("adam", "momentum", "rmsprop", "lion", "ademamix")  # the rules the Triton kernel has too
+RULES = OPTIMIZERS + ("adagrad",)  # adagrad: this reference only
 TWO_STATES = ("adam", "ademamix")
 
 
@@ -78,9 +84,22 @@ def _f32(x: float) -> torch.Tensor:
     return torch.tensor(x, dtype=torch.float32)
 
 
+def trust_ratio(update: torch.Tensor, param_norm: torch.Tensor, max_unorm: float) -> torch.Tensor:
+    """LAMB / LARS: ``min(1, max_unorm * |p| / |update|)`` as a 0-d fp32 tensor (no host sync)."""
+    unorm = torch.linalg.vector_norm(update)
+    limit = max_unorm * param_norm
+    return torch.where(unorm > limit, limit / unorm, torch.ones_like(unorm))
+
+
 def update_fp32(name: str, p: torch.Tensor, g: torch.Tensor, s1: torch.Tensor, s2: torch.Tensor | None,
-                k: StepScalars) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    """(new p, new s1, new s2), all fp32, element-wise; inputs fp32 and unchanged."""
+                k: StepScalars, max_unorm: float = 0.0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """(new p, new s1, new s2), all fp32, element-wise (but the trust ratio when ``max_unorm`` > 0); inputs
+    fp32 and unchanged."""
+    param_norm = torch.linalg.vector_norm(p) if max_unorm > 0 else None
+
+    def clip(update: torch.Tensor) -> torch.Tensor:
+        return update if param_norm is None else update * trust_ratio(update, param_norm, max_unorm)
+
     b1, b2, omb1, omb2 = _f32(k.beta1), _f32(k.beta2), _f32(k.one_minus_beta1), _f32(k.one_minus_beta2)
     eps, step_size, wd, decay = _f32(k.eps), _f32(k.step_size), _f32(k.weight_decay), _f32(k.decay)
     finite = torch.isfinite(g)
@@ -89,7 +108,7 @@ def update_fp32(name: str, p: torch.Tensor, g: torch.Tensor, s1: torch.Tensor, s
     if name == "adam":
         s1 = s1 * b1 + omb1 * g
         new_s2 = s2 * b2 + omb2 * (g * g)
-        new_p = p + (s1 / (_sqrt_rn(new_s2) + eps)) * step_size
+        new_p = p + clip(s1 / (_sqrt_rn(new_s2) + eps)) * step_size
         if k.weight_decay > 0:
             new_p = new_p * decay
     elif name == "ademamix":  # s1: [2, n] (the fast and the slow EMA)
@@ -105,17 +124,21 @@ def update_fp32(name: str, p: torch.Tensor, g: torch.Tensor, s1: torch.Tensor, s
     elif name == "momentum":
         g = g + wd * p
         s1 = g if k.first_step else s1 * b1 + g
-        new_p = p + step_size * s1
+        new_p = p + step_size * clip(s1)
     elif name == "rmsprop":
         g = g + wd * p
         s1 = s1 * b1 + omb1 * (g * g)
+        new_p = p + step_size * clip(g / (_sqrt_rn(s1) + eps))
+    elif name == "adagrad":
+        g = g + wd * p
+        s1 = s1 + g * g
         new_p = p + step_size * (g / (_sqrt_rn(s1) + eps))
     elif name == "lion":
         new_p = p * decay if k.weight_decay > 0 else p
         new_p = new_p + step_size * torch.sign(s1 * b1 + omb1 * g)
         s1 = s1 * b2 + omb2 * g
     else:
-        raise ValueError(f"name: expected one of {OPTIMIZERS}, got {name!r}")
+        raise ValueError(f"name: expected one of {RULES}, got {name!r}")
     s1 = torch.where(finite, s1, 0.0)
     if new_s2 is not None:
         new_s2 = torch.where(finite, new_s2, 0.0)
@@ -164,11 +187,11 @@ def update_8bit(name: str, p: torch.Tensor, g: torch.Tensor, state1: torch.Tenso
 
 
 def update_32bit(name: str, p: torch.Tensor, g: torch.Tensor, state1: torch.Tensor, state2: torch.Tensor | None,
-                 k: StepScalars) -> None:
-    """One step in place with fp32 states (tensors under min_8bit_size)."""
+                 k: StepScalars, max_unorm: float = 0.0) -> None:
+    """One step in place with fp32 states (32-bit optimizers, tensors under min_8bit_size)."""
     new_p, s1, s2 = update_fp32(name, p.detach().reshape(-1).float(), g.reshape(-1).float(),
                                 state1.reshape(len(state1), -1) if name == "ademamix" else state1.reshape(-1),
-                                state2.reshape(-1) if state2 is not None else None, k)
+                                state2.reshape(-1) if state2 is not None else None, k, max_unorm)
     p.detach().copy_(new_p.view(p.shape))
     state1.copy_(s1.view(state1.shape))
     if state2 is not None:
