@@ -12,11 +12,14 @@ the CPU; ``Linear8bitLt`` / ``Int8Params`` compute with ``anygpu.quant.int8.matm
 through the frozen 4-bit and int8 weights to the inputs, so LoRA adapters train on top (QLoRA).
 """
 
+from .embedding import Embedding, StableEmbedding
+from .embedding_quantized import Embedding4bit, Embedding8bit, EmbeddingFP4, EmbeddingNF4
 from .int8params import Int8Params
 from .linear4bit import Linear4bit, LinearFP4, LinearNF4
 from .linear8bit import Linear8bitLt
 from .params4bit import Params4bit
 from .quantize_model import QuantizeReport, quantize_model
 
-__all__ = ["Int8Params", "Linear4bit", "Linear8bitLt", "LinearFP4", "LinearNF4", "Params4bit", "QuantizeReport",
+__all__ = ["Embedding", "Embedding4bit", "Embedding8bit", "EmbeddingFP4", "EmbeddingNF4", "StableEmbedding",
+           "Int8Params", "Linear4bit", "Linear8bitLt", "LinearFP4", "LinearNF4", "Params4bit", "QuantizeReport",
            "quantize_model"]
