@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import importlib
 import threading
 import warnings
 from dataclasses import dataclass
@@ -26,12 +27,23 @@ from typing import Callable
 import torch
 
 from .. import backend
-from ..kernels import int8_matmul as I8
-from ..kernels import matmul_4bit as K4
 from ..kernels.config import device_target, select
 from . import candidates, controls, results, tuner
 from .signatures import DTYPE_NAMES
 
+class _KernelModule:
+    """A kernel module imported on first use: the kernels need Triton, and ``import anygpu.tunable`` (the GEMM
+    tuner, which needs only torch) must work without it."""
+
+    def __init__(self, name: str):
+        self._name = name
+
+    def __getattr__(self, attr: str):
+        return getattr(importlib.import_module(self._name, __package__), attr)
+
+
+I8 = _KernelModule("..kernels.int8_matmul")
+K4 = _KernelModule("..kernels.matmul_4bit")
 _lock = threading.RLock()
 last_outcomes: dict = {}  # (op signature, params signature) -> tuner.Outcome
 
