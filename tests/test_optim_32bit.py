@@ -203,3 +203,14 @@ def test_manager_rejects_unknown_keys_and_direct_construction():
         mng.override_config(torch.nn.Parameter(torch.randn(2)), "optim_bits", 4)
     with pytest.raises(RuntimeError, match="get_instance"):
         ao.GlobalOptimManager()
+
+
+@pytest.mark.parametrize("kw", [dict(momentum=0.9), dict(momentum=0.9, nesterov=True, weight_decay=1e-2),
+                                dict(momentum=0.9, dampening=0.1, max_unorm=0.0)])
+def test_pytorch_lars_matches_bitsandbytes(kw):
+    p0 = torch.randn(SHAPE, generator=torch.Generator().manual_seed(8))
+    grads = _grads(seed=9)
+    ours, _ = _run(ao.PytorchLARS, p0, grads, lr=0.1, **kw)
+    theirs, _ = _run(bnb.optim.PytorchLARS, p0, grads, lr=0.1, **kw)
+    torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=1e-6)
+    assert (ours - p0).abs().max() > 1e-3

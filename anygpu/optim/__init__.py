@@ -17,6 +17,7 @@ from .optimizers32 import (SGD, AdEMAMix, AdEMAMix32bit, Adam, Adam32bit, AdamW,
                            PagedAdam, PagedAdam32bit, PagedAdamW, PagedAdamW32bit, PagedAdEMAMix, PagedAdEMAMix32bit,
                            PagedLion, PagedLion32bit, RMSprop, RMSprop32bit, SGD32bit)
 from .paging import PAGE_MIN_SIZE, streams_states
+from .pytorch_lars import PytorchLARS
 from .trust_ratio import LAMB, LARS, Adagrad, Adagrad8bit, Adagrad32bit, LAMB8bit, LAMB32bit, LARS8bit, LARS32bit
 
 __all__ = ["SGD", "AdEMAMix", "AdEMAMix8bit", "AdEMAMix32bit", "Adagrad", "Adagrad8bit", "Adagrad32bit", "Adam",
@@ -24,5 +25,5 @@ __all__ = ["SGD", "AdEMAMix", "AdEMAMix8bit", "AdEMAMix32bit", "Adagrad", "Adagr
            "LAMB32bit", "LARS", "LARS8bit", "LARS32bit", "Lion", "Lion8bit", "Lion32bit", "Optimizer8bit",
            "PAGE_MIN_SIZE", "PagedAdEMAMix", "PagedAdEMAMix8bit", "PagedAdEMAMix32bit", "PagedAdam", "PagedAdam8bit",
            "PagedAdam32bit", "PagedAdamW", "PagedAdamW8bit", "PagedAdamW32bit", "PagedLion", "PagedLion8bit",
-           "PagedLion32bit", "QUANT_STATE_KEY", "RMSprop", "RMSprop8bit", "RMSprop32bit", "SGD8bit", "SGD32bit",
+           "PagedLion32bit", "PytorchLARS", "QUANT_STATE_KEY", "RMSprop", "RMSprop8bit", "RMSprop32bit", "SGD8bit", "SGD32bit",
            "streams_states"]

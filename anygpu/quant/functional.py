@@ -35,7 +35,8 @@ from .. import ops
 from ..ops._quant_common import QUANT_TYPES, check_blocksize, check_code_8bit, check_dtype, check_input, num_blocks
 from ..ops.quantize_4bit import check as check_quantize_4bit
 from ..ops.quantize_4bit import packed_rows
-from .maps import dynamic_map, get_4bit_type
+from .int8 import int8_linear_matmul, int8_mm_dequant, int8_vectorwise_dequant, int8_vectorwise_quant  # noqa: F401
+from .maps import create_dynamic_map, dynamic_map, get_4bit_type  # noqa: F401 - bitsandbytes.functional's names
 from .state import QuantState
 
 NESTED_BLOCKSIZE = 256  # double quantization of 4-bit absmax, as bitsandbytes
