@@ -156,3 +156,35 @@ def test_merged_model_saves_and_loads_as_anygpu_layers():
     fresh.load_state_dict(copy.deepcopy(merged.state_dict()))
     with torch.no_grad():
         torch.testing.assert_close(fresh(x), merged(x))
+
+
+def test_tiny_llama_qlora_trains_and_merges():
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+    model = transformers.LlamaForCausalLM(config).eval()
+    report = quantize_model(model, "nf4", progress=False)  # every nn.Linear but lm_head
+    assert type(model.model.layers[0].self_attn.q_proj) is Linear4bit, report
+    lora = register_lora(peft.LoraConfig(r=8, lora_alpha=16, target_modules=["q_proj", "v_proj", "down_proj"],
+                                         lora_dropout=0.0, task_type="CAUSAL_LM"))
+    model = peft.get_peft_model(model, lora)
+    ids = torch.randint(0, 128, (4, 24), generator=torch.Generator().manual_seed(1))
+    opt = torch.optim.Adam([p for p in model.parameters() if p.requires_grad], lr=2e-2)
+    losses = []
+    for _ in range(25):
+        loss = model(input_ids=ids, labels=ids).loss
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    assert losses[-1] < 0.85 * losses[0], losses  # from ln(128): it learns the sequences
+    with torch.no_grad():
+        unmerged = model(input_ids=ids).logits
+        with model.disable_adapter():
+            base = model(input_ids=ids).logits
+    merged = model.merge_and_unload()
+    assert type(merged.model.layers[1].mlp.down_proj) is Linear4bit
+    with torch.no_grad():
+        out = merged(input_ids=ids).logits
+    assert (out - unmerged).norm() < 0.5 * (base - unmerged).norm()
