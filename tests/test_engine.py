@@ -35,7 +35,7 @@ def run(engine: LLMEngine, prompts, params=GREEDY, stagger: int = 0) -> dict[str
             engine.add_request(str(i), p, params)
         for o in engine.step():
             if o.finished:
-                out[o.request_id] = o.token_ids
+                out[o.request_id] = o.outputs[0].token_ids
         step += 1
     return out
 
@@ -106,7 +106,7 @@ def test_prefix_cache_hits_equal_alone(engine_factory, prompts, alone):
     while engine.has_unfinished():
         for o in engine.step():
             if o.finished:
-                hits, tokens = o.num_cached_tokens, o.token_ids
+                hits, tokens = o.num_cached_tokens, o.outputs[0].token_ids
     assert first["0"] == alone["0"]
     assert tokens == alone["1"]
     assert hits >= 16  # the shared system-prompt blocks came from the cache
@@ -119,11 +119,11 @@ def test_stream_text_and_stop_string(engine_factory, prompts):
     deltas, last = [], None
     while engine.has_unfinished():
         for o in engine.step():
-            deltas.append(o.delta_text)
+            deltas.append(o.outputs[0].delta_text)
             last = o
-    assert last.finished and last.finish_reason == "stop" and last.stop_reason == "Paris"
-    assert last.text == "The capital of France is "
-    assert "".join(deltas) == last.text
+    assert last.finished and last.outputs[0].finish_reason == "stop" and last.outputs[0].stop_reason == "Paris"
+    assert last.outputs[0].text == "The capital of France is "
+    assert "".join(deltas) == last.outputs[0].text
 
 
 def test_bad_input_is_rejected_and_others_continue(engine_factory, prompts, alone):
@@ -145,7 +145,7 @@ def test_bad_input_is_rejected_and_others_continue(engine_factory, prompts, alon
     assert engine.block_manager.num_free_blocks < engine.runner.num_blocks
     out = {}
     while engine.has_unfinished():
-        out.update({o.request_id: o.token_ids for o in engine.step() if o.finished})
+        out.update({o.request_id: o.outputs[0].token_ids for o in engine.step() if o.finished})
     assert out == {"good": alone["0"]}
     assert engine.block_manager.num_free_blocks == engine.runner.num_blocks
 
@@ -158,10 +158,10 @@ def test_llm_generate_and_chat(engine_factory, prompts, alone):
 
     llm._ids = itertools.count()
     outs = llm.generate([prompts[0], prompts[2]], GREEDY)
-    assert [o.token_ids for o in outs] == [alone["0"], alone["2"]]
+    assert [o.outputs[0].token_ids for o in outs] == [alone["0"], alone["2"]]
     chat = llm.chat([{"role": "user", "content": QUESTIONS[0]}], SamplingParams(max_tokens=16, temperature=0))
-    assert chat[0].text == "The capital of France is Paris."
-    assert chat[0].finish_reason == "stop"
+    assert chat[0].outputs[0].text == "The capital of France is Paris."
+    assert chat[0].outputs[0].finish_reason == "stop"
     with pytest.raises(ValueError, match="sampling_params: expected one per prompt"):
         llm.generate(["a", "b"], [GREEDY])
 
@@ -173,12 +173,12 @@ def test_async_engine_streams_and_aborts_on_disconnect(engine_factory, prompts, 
     async def full(i):
         tokens = None
         async for o in served.generate(f"a{i}", prompts[i], GREEDY):
-            tokens = o.token_ids
+            tokens = o.outputs[0].token_ids
         return tokens
 
     async def leave_early():
         async for o in served.generate("leaver", prompts[3], SamplingParams(max_tokens=200, temperature=0)):
-            if len(o.token_ids) >= 2:
+            if len(o.outputs[0].token_ids) >= 2:
                 break  # the client goes away: the request must be aborted
 
     async def bad():

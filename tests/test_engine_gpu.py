@@ -37,7 +37,7 @@ def tokens(engine: LLMEngine, params=GREEDY) -> list[list[int]]:
         engine.add_request(str(i), p, params)
     out = {}
     while engine.has_unfinished():
-        out.update({o.request_id: o.token_ids for o in engine.step() if o.finished})
+        out.update({o.request_id: o.outputs[0].token_ids for o in engine.step() if o.finished})
     return [out[str(i)] for i in range(len(PROMPTS))]
 
 
@@ -71,7 +71,7 @@ def test_seeded_sampling_equal_alone_and_batched(folder):
     engine.add_request("alone", PROMPTS[1], params)
     alone = None
     while engine.has_unfinished():
-        alone = next((o.token_ids for o in engine.step() if o.finished), alone)
+        alone = next((o.outputs[0].token_ids for o in engine.step() if o.finished), alone)
     assert alone == batched[1]
 
 

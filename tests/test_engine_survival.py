@@ -84,7 +84,7 @@ def reference() -> dict:
     """The tokens of a, b and c when nothing fails."""
     engine = make_engine()
     outs = run_all(engine, {rid: (PROMPTS[rid], PARAMS[rid]) for rid in PROMPTS})
-    return {rid: out.token_ids for rid, out in outs.items()}
+    return {rid: out.outputs[0].token_ids for rid, out in outs.items()}
 
 
 def with_poison(params: SamplingParams | None = None) -> dict:
@@ -102,10 +102,10 @@ def test_one_failing_request_ends_alone(reference, fault, error_type):
     engine = make_engine(fault)
     outs = run_all(engine, with_poison())
     bad = outs["bad"]
-    assert bad.finished and bad.finish_reason == "error" and bad.error_type == error_type
+    assert bad.finished and bad.outputs[0].finish_reason == "error" and bad.error_type == error_type
     assert "injected" in bad.error
     for rid in PROMPTS:
-        assert outs[rid].finish_reason == "length" and outs[rid].token_ids == reference[rid], rid
+        assert outs[rid].outputs[0].finish_reason == "length" and outs[rid].outputs[0].token_ids == reference[rid], rid
     assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks and not engine.requests
 
 
@@ -121,8 +121,8 @@ def test_a_request_that_fails_later_keeps_its_tokens_so_far_and_frees_its_blocks
 
     engine.runner.sampler.sample = faulty
     outs = run_all(engine, with_poison(SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)))
-    assert outs["bad"].finish_reason == "error" and len(outs["bad"].token_ids) == 3
-    assert all(outs[rid].token_ids == reference[rid] for rid in PROMPTS)
+    assert outs["bad"].outputs[0].finish_reason == "error" and len(outs["bad"].outputs[0].token_ids) == 3
+    assert all(outs[rid].outputs[0].token_ids == reference[rid] for rid in PROMPTS)
     assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
 
 
@@ -141,8 +141,9 @@ def test_a_failing_detokenizer_ends_only_its_request(reference):
         for out in engine.step():
             if out.finished:
                 done[out.request_id] = out
-    assert done["bad"].finish_reason == "error" and done["bad"].error_type == "invalid_request"  # a ValueError
-    assert all(done[rid].token_ids == reference[rid] for rid in PROMPTS)
+    # A ValueError: the request's own fault.
+    assert done["bad"].outputs[0].finish_reason == "error" and done["bad"].error_type == "invalid_request"
+    assert all(done[rid].outputs[0].token_ids == reference[rid] for rid in PROMPTS)
 
 
 async def _generate_all(engine: AsyncLLMEngine, requests: dict) -> dict:
@@ -166,11 +167,12 @@ def test_async_engine_fails_one_stream_and_serves_the_rest(reference, in_process
         outs = asyncio.run(_generate_all(engine, with_poison()))
         assert isinstance(outs["bad"], RequestFailed) and "injected: sampling failed" in str(outs["bad"])
         for rid in PROMPTS:
-            assert outs[rid].finish_reason == "length" and outs[rid].token_ids == reference[rid], rid
+            done = outs[rid].outputs[0]
+            assert done.finish_reason == "length" and done.token_ids == reference[rid], rid
         assert engine.healthy and engine.error is None
         # It goes on serving, and a parameter fault is a ValueError (a 4xx at the HTTP layer).
         again = asyncio.run(_generate_all(engine, {"a2": (PROMPTS["a"], PARAMS["a"])}))
-        assert again["a2"].token_ids == reference["a"]
+        assert again["a2"].outputs[0].token_ids == reference["a"]
     finally:
         engine.shutdown()
         if not in_process:
@@ -184,7 +186,7 @@ def test_engine_process_reports_a_parameter_fault_as_invalid():
     try:
         outs = asyncio.run(_generate_all(engine, {"bad": (POISON, PARAMS["b"]), "a": (PROMPTS["a"], PARAMS["a"])}))
         assert isinstance(outs["bad"], RequestInvalid) and isinstance(outs["bad"], ValueError)
-        assert outs["a"].finish_reason == "length" and engine.healthy
+        assert outs["a"].outputs[0].finish_reason == "length" and engine.healthy
     finally:
         engine.shutdown()
         client.close()

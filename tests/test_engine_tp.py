@@ -42,7 +42,7 @@ def tokens(engine: LLMEngine, params=GREEDY) -> list[list[int]]:
         if pending:  # one new request per step
             i, p = pending.pop(0)
             engine.add_request(str(i), p, params)
-        out.update({o.request_id: o.token_ids for o in engine.step() if o.finished})
+        out.update({o.request_id: o.outputs[0].token_ids for o in engine.step() if o.finished})
     return [out[str(i)] for i in range(len(PROMPTS))]
 
 

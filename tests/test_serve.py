@@ -256,7 +256,8 @@ def test_health_and_metrics(server, client, model):
                  "anygpu_num_requests_waiting", "anygpu_kv_cache_usage_perc", "anygpu_prompt_tokens_total",
                  "anygpu_generation_tokens_total", 'anygpu_request_success_total{finished_reason="length"'):
         assert name in text, name
-    values = {line.split(" ")[0]: float(line.split(" ")[1]) for line in text.splitlines()
+    # "name{labels} value": label values may hold spaces (the default model name does), the value never.
+    values = {line.rsplit(" ", 1)[0]: float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
               if line and not line.startswith("#")}
     label = f'{{model_name="{model}"}}'
     assert values[f"anygpu_generation_tokens_total{label}"] >= 3

@@ -106,7 +106,7 @@ def _stream(engine, request_id, prompt_ids, params):
     last = None
     while engine.has_unfinished():
         for out in engine.step():
-            click.echo(out.delta_text, nl=False)
+            click.echo(out.outputs[0].delta_text, nl=False)
             sys.stdout.flush()
             last = out
     click.echo()
@@ -118,7 +118,7 @@ def summary_line(engine, out) -> str:
     first token), peak memory (device allocator on GPUs, resident set on the CPU)."""
     from .. import backend, get_peak_memory
 
-    n = len(out.token_ids)
+    n = len(out.outputs[0].token_ids)
     ttft = out.first_token_time - out.arrival_time if out.first_token_time else float("nan")
     decode = out.finish_time - out.first_token_time if out.first_token_time else 0.0
     rate = (n - 1) / decode if n > 1 and decode > 0 else float("nan")
@@ -188,5 +188,5 @@ def chat(system, model, quantize, dtype, tune, max_model_len, eager, **sampling)
             continue
         turn += 1
         out = _stream(engine, f"chat-{turn}", ids, params)
-        history.append({"role": "assistant", "content": out.text})
+        history.append({"role": "assistant", "content": out.outputs[0].text})
         click.echo(summary_line(engine, out), err=True)

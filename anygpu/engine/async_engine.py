@@ -3,7 +3,7 @@ each request is an async iterator of ``RequestOutput``s.
 
     engine = AsyncLLMEngine(LLMEngine(...))
     async for out in engine.generate("req-1", prompt, params):
-        send(out.delta_text)
+        send(out.outputs[0].delta_text)
 
 Why a thread: a step is a blocking model call (tens of ms on a GPU, more on the CPU); on the event loop it
 would stall every other connection.  The thread owns the ``LLMEngine`` (it is not thread-safe): requests and
@@ -69,7 +69,7 @@ class AsyncLLMEngine:
                     finished = True  # the engine has dropped it already
                     raise item
                 finished = item.finished
-                if item.finish_reason == "error":
+                if item.outputs[0].finish_reason == "error":
                     raise as_exception(request_id, item.error_type, item.error)
                 yield item
                 if finished:
@@ -208,8 +208,9 @@ def _merge(older: RequestOutput, newer):
     """``newer`` with the deltas of both (outputs carry cumulative text and ids, and per-step deltas)."""
     if isinstance(newer, BaseException):
         return newer
-    newer.delta_text = older.delta_text + newer.delta_text
-    newer.delta_token_ids = older.delta_token_ids + newer.delta_token_ids
+    for old, new in zip(older.outputs, newer.outputs):
+        new.delta_text = old.delta_text + new.delta_text
+        new.delta_token_ids = old.delta_token_ids + new.delta_token_ids
     return newer
 
 

@@ -36,7 +36,7 @@ import threading
 from dataclasses import dataclass, field
 
 from .errors import classify
-from .llm_engine import RequestOutput, check_request
+from .llm_engine import CompletionOutput, RequestOutput, check_request
 
 STARTUP_TIMEOUT_S = 1800  # an 8B checkpoint read from a slow disk, plus warmup and graph capture
 
@@ -176,11 +176,18 @@ class EngineClient:
         live.token_ids.extend(delta_ids)
         if finished:
             del self.requests[request_id]
-        return RequestOutput(request_id, live.prompt_token_ids, text=live.text, token_ids=list(live.token_ids),
-                             delta_text=delta_text, delta_token_ids=delta_ids, finished=finished,
-                             finish_reason=finish_reason, stop_reason=stop_reason, arrival_time=arrival,
+        completion = CompletionOutput(0, live.text, list(live.token_ids), finish_reason=finish_reason,
+                                      stop_reason=stop_reason, delta_text=delta_text, delta_token_ids=delta_ids)
+        return RequestOutput(request_id, live.prompt_token_ids, [completion], finished=finished, arrival_time=arrival,
                              first_token_time=first_token, finish_time=finish, num_cached_tokens=cached,
                              error=error, error_type=error_type)
+
+
+def _wire(o: RequestOutput) -> tuple:
+    """What crosses the pipe for one output: its deltas (the client keeps the cumulative text and ids)."""
+    c = o.outputs[0]
+    return (o.request_id, c.delta_text, c.delta_token_ids, o.finished, c.finish_reason, c.stop_reason,
+            o.arrival_time, o.first_token_time, o.finish_time, o.num_cached_tokens, o.error, o.error_type)
 
 
 def _stats(engine) -> tuple:
@@ -242,9 +249,7 @@ def _engine_main(factory, conn) -> None:
                     conn.send(("fatal", traceback.format_exc()))
                 raise
             dirty = False
-            conn.send(("step", [(o.request_id, o.delta_text, o.delta_token_ids, o.finished, o.finish_reason,
-                                 o.stop_reason, o.arrival_time, o.first_token_time, o.finish_time,
-                                 o.num_cached_tokens, o.error, o.error_type) for o in outputs], _stats(engine)))
+            conn.send(("step", [_wire(o) for o in outputs], _stats(engine)))
     except (EOFError, BrokenPipeError, KeyboardInterrupt):
         pass  # the parent went away or is stopping us
     finally:

@@ -3,12 +3,15 @@
     from anygpu import LLM, SamplingParams
     llm = LLM()                                            # the default model (SmolLM2-135M-Instruct), or a path
     outs = llm.generate(["The capital of France is"], SamplingParams(temperature=0, max_tokens=16))
-    outs = llm.chat([{"role": "user", "content": "Hi!"}], SamplingParams(max_tokens=64))
+    outs[0].outputs[0].text                                # vLLM's RequestOutput: .outputs[i].text, .token_ids,
+    outs = llm.chat([{"role": "user", "content": "Hi!"}], SamplingParams(max_tokens=64))   # .finish_reason
 
 ``generate`` takes raw prompts (strings or token-id lists) as they are, like vLLM; ``chat`` renders the model's
 chat template first.  All prompts go into the engine at once and run with continuous batching; outputs come
-back in prompt order.  A prompt that fails inside a step comes back finished with ``finish_reason="error"`` and
-``error`` set (``errors.py``); the others are unaffected.
+back in prompt order, each a ``RequestOutput`` (``llm_engine.py``) with ``prompt`` (the text, when given as text),
+``prompt_token_ids`` and ``outputs[0]`` (``text``, ``token_ids``, ``finish_reason``, ``stop_reason``; ``logprobs``
+None).  A prompt that fails inside a step comes back finished with ``finish_reason="error"`` and ``error`` set
+(``errors.py``); the others are unaffected.
 """
 
 from __future__ import annotations
@@ -34,7 +37,8 @@ class LLM:
         prompts = list(prompts)
         if isinstance(sampling_params, list):
             if len(sampling_params) != len(prompts):
-                raise ValueError(f"sampling_params: expected one per prompt ({len(prompts)}), got {len(sampling_params)}")
+                raise ValueError(f"sampling_params: expected one per prompt ({len(prompts)}), "
+                                 f"got {len(sampling_params)}")
             params = sampling_params
         else:
             params = [sampling_params or SamplingParams()] * len(prompts)
@@ -48,15 +52,23 @@ class LLM:
             for request_id in added:  # all or nothing: a bad prompt leaves no orphan running
                 self.engine.abort(request_id)
             raise
-        return self._run(ids, use_tqdm)
+        outputs = self._run(ids, use_tqdm)
+        for out, prompt in zip(outputs, prompts):
+            out.prompt = prompt if isinstance(prompt, str) else None
+        return outputs
 
     def chat(self, messages, sampling_params=None, use_tqdm: bool = False) -> list[RequestOutput]:
         """``messages``: one conversation (a list of {"role", "content"} dicts) or a list of them."""
         if self.tokenizer is None:
             raise ValueError("messages: this model has no tokenizer, so no chat template")
         conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
-        prompts = [self.tokenizer.encode_chat(conv) for conv in conversations]
-        return self.generate(prompts, sampling_params, use_tqdm)
+        texts = [self.tokenizer.apply_chat_template(conv) for conv in conversations]
+        # The template writes BOS and the role markers itself: its text is encoded without adding specials.
+        outputs = self.generate([self.tokenizer.encode(t, add_special_tokens=False) for t in texts],
+                                sampling_params, use_tqdm)
+        for out, text in zip(outputs, texts):
+            out.prompt = text
+        return outputs
 
     def close(self) -> None:
         """Release the engine (with ``tp > 1``: stop its worker processes; garbage collection does it too)."""

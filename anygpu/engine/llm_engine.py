@@ -55,22 +55,49 @@ DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.
 
 
 @dataclass
-class RequestOutput:
-    request_id: str
-    prompt_token_ids: list[int]
+class CompletionOutput:
+    """One completion of a request, vLLM's shape (``index``, ``text``, ``token_ids``, ``finish_reason``, ...),
+    plus what a stream needs: ``delta_text`` and ``delta_token_ids``, new since the previous output."""
+
+    index: int = 0
     text: str = ""
     token_ids: list[int] = field(default_factory=list)
-    delta_text: str = ""
-    delta_token_ids: list[int] = field(default_factory=list)
-    finished: bool = False
+    cumulative_logprob: float | None = None  # log probabilities are not computed yet: None, as vLLM unasked
+    logprobs: list | None = None
     finish_reason: str | None = None  # "stop", "length", "abort", "error"
     stop_reason: str | int | None = None  # the stop string or stop token id that ended it
+    delta_text: str = ""
+    delta_token_ids: list[int] = field(default_factory=list)
+
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass
+class RequestOutput:
+    """A request's state after a step, vLLM's shape: ``outputs[i]`` are its completions (one: ``n`` > 1 is not
+    supported).  ``text``, ``token_ids``, ``finish_reason``, ``stop_reason``, ``delta_text`` and ``delta_token_ids``
+    read ``outputs[0]``'s, for code written against the single-completion shape."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput] = field(default_factory=lambda: [CompletionOutput()])
+    finished: bool = False
+    prompt: str | None = None  # the prompt's text when it was given as text (LLM.generate fills it in)
+    prompt_logprobs: list | None = None
     error: str | None = None  # finish_reason "error": what failed (errors.py)
     error_type: str | None = None  # finish_reason "error": "invalid_request" or "internal"
     arrival_time: float = 0.0
     first_token_time: float | None = None
     finish_time: float | None = None
     num_cached_tokens: int = 0
+
+    text = property(lambda self: self.outputs[0].text)
+    token_ids = property(lambda self: self.outputs[0].token_ids)
+    finish_reason = property(lambda self: self.outputs[0].finish_reason)
+    stop_reason = property(lambda self: self.outputs[0].stop_reason)
+    delta_text = property(lambda self: self.outputs[0].delta_text)
+    delta_token_ids = property(lambda self: self.outputs[0].delta_token_ids)
 
 
 @dataclass
@@ -311,11 +338,11 @@ class LLMEngine:
         # Hold back what could still turn out to be the start of a stop string.
         hold = 0 if seq.is_finished else req.hold
         visible = max(req.emitted_chars, len(req.text) - hold)
-        out = RequestOutput(request_id, seq.prompt_token_ids, text=req.text[:visible],
-                            token_ids=list(seq.output_token_ids),
-                            delta_text=req.text[req.emitted_chars: visible],
-                            delta_token_ids=list(seq.output_token_ids[req.emitted_tokens:]),
-                            finished=seq.is_finished, finish_reason=seq.finish_reason, stop_reason=req.stop_reason,
+        completion = CompletionOutput(0, req.text[:visible], list(seq.output_token_ids),
+                                      finish_reason=seq.finish_reason, stop_reason=req.stop_reason,
+                                      delta_text=req.text[req.emitted_chars: visible],
+                                      delta_token_ids=list(seq.output_token_ids[req.emitted_tokens:]))
+        out = RequestOutput(request_id, seq.prompt_token_ids, [completion], finished=seq.is_finished,
                             arrival_time=seq.arrival_time, first_token_time=seq.first_token_time,
                             finish_time=seq.finish_time,
                             num_cached_tokens=seq.num_cached_tokens, error=req.error, error_type=req.error_type)

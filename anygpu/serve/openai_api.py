@@ -71,7 +71,8 @@ async def _respond(request, server: Server, body, name: str, prefix: str, obj: s
     out = await server.complete(request, request_id, ids, params, timer, ticket)
     if out is None:  # the client left; nobody reads this
         return JSONResponse({}, status_code=499)
-    text, tokens, reason = out.text, len(out.token_ids), out.finish_reason
+    done = out.outputs[0]
+    text, tokens, reason = done.text, len(done.token_ids), done.finish_reason
     choice = ({"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
                "finish_reason": reason} if chat else
               {"index": 0, "text": text, "logprobs": None, "finish_reason": reason})
@@ -105,11 +106,12 @@ async def _stream(server: Server, request_id, ids, params, timer, ticket, head, 
             if chat:
                 yield chunk(None, role=True)
             async for out in outputs:
-                tokens = len(out.token_ids)
-                if out.delta_text:
-                    yield text_chunk(out.delta_text)
+                completion = out.outputs[0]
+                tokens = len(completion.token_ids)
+                if completion.delta_text:
+                    yield text_chunk(completion.delta_text)
                 if out.finished:
-                    yield chunk(None, finish_reason=out.finish_reason)
+                    yield chunk(None, finish_reason=completion.finish_reason)
         if include_usage:
             yield sse({**base, "choices": [], "usage": _usage(len(ids), tokens)})
     except Exception as error:  # the stream has started: the status line is sent, so report in-band

@@ -198,8 +198,8 @@ class Server:
         async def outputs() -> AsyncIterator[RequestOutput]:
             nonlocal reason
             async for out in gen:
-                timer.tokens_out(time.monotonic(), len(out.delta_token_ids))
-                reason = out.finish_reason
+                timer.tokens_out(time.monotonic(), len(out.outputs[0].delta_token_ids))
+                reason = out.outputs[0].finish_reason
                 yield out
 
         try:

@@ -27,12 +27,13 @@ from .state import EngineStream, Server, engine_error, sse
 TGI_PATHS = ("/", "/generate", "/generate_stream", "/info")
 
 
-def _finish_reason(out, eos_ids) -> str:
-    if out.finish_reason == "length":
+def _finish_reason(done, eos_ids) -> str:
+    """TGI's finish reason for a finished ``CompletionOutput``."""
+    if done.finish_reason == "length":
         return "length"
-    if isinstance(out.stop_reason, str):
+    if isinstance(done.stop_reason, str):
         return "stop_sequence"
-    return "eos_token" if out.token_ids and out.token_ids[-1] in eos_ids else "stop_sequence"
+    return "eos_token" if done.token_ids and done.token_ids[-1] in eos_ids else "stop_sequence"
 
 
 def add_tgi_routes(app: FastAPI, server: Server) -> None:
@@ -92,14 +93,15 @@ def add_tgi_routes(app: FastAPI, server: Server) -> None:
         out = await server.complete(request, request_id, ids, params, timer, ticket)
         if out is None:
             return JSONResponse({}, status_code=499)
-        text = (body.inputs + out.text) if body.parameters.return_full_text else out.text
+        done = out.outputs[0]
+        text = (body.inputs + done.text) if body.parameters.return_full_text else done.text
         answer = {"generated_text": text}
         if body.parameters.details:
             tok = server.tokenizer
             answer["details"] = {
-                "finish_reason": _finish_reason(out, eos_ids), "generated_tokens": len(out.token_ids),
+                "finish_reason": _finish_reason(done, eos_ids), "generated_tokens": len(done.token_ids),
                 "seed": params.seed, "prefill": [],
-                "tokens": [token(t, tok.decode([t], skip_special_tokens=False) if tok else "") for t in out.token_ids]}
+                "tokens": [token(t, tok.decode([t], skip_special_tokens=False) if tok else "") for t in done.token_ids]}
         return answer
 
     async def start_stream(request: Request, body: GenerateRequest | None = None):
@@ -111,18 +113,19 @@ def add_tgi_routes(app: FastAPI, server: Server) -> None:
         try:
             async with server.stream(request_id, ids, params, timer, ticket) as outputs:
                 async for out in outputs:
-                    new = out.delta_token_ids
+                    done = out.outputs[0]
+                    new = done.delta_token_ids
                     for i, tid in enumerate(new):
                         index += 1
                         # A step brings one token; its text is the delta (text held back for a stop string
                         # or an incomplete character arrives with a later token).
-                        event = {"index": index, "token": token(tid, out.delta_text if i == len(new) - 1 else ""),
+                        event = {"index": index, "token": token(tid, done.delta_text if i == len(new) - 1 else ""),
                                  "top_tokens": None, "generated_text": None, "details": None}
                         if out.finished and i == len(new) - 1:
-                            full = (body.inputs + out.text) if body.parameters.return_full_text else out.text
+                            full = (body.inputs + done.text) if body.parameters.return_full_text else done.text
                             event["generated_text"] = full
-                            event["details"] = {"finish_reason": _finish_reason(out, eos_ids),
-                                                "generated_tokens": len(out.token_ids), "seed": params.seed,
+                            event["details"] = {"finish_reason": _finish_reason(done, eos_ids),
+                                                "generated_tokens": len(done.token_ids), "seed": params.seed,
                                                 "input_length": len(ids)}
                         yield sse(event)
         except Exception as error:
