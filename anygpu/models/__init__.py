@@ -6,8 +6,10 @@
     ids = ckpt.tokenizer.encode_chat([{"role": "user", "content": "What is the capital of France?"}])
     for name, tensor in ckpt.weights(): ...       # Hugging Face names, CPU tensors
 
-Supported: Llama-family decoders (Llama 2/3, Mistral, Qwen2, SmolLM2) from a Hugging Face folder (safetensors) or
-a GGUF file (F32, F16, BF16, Q8_0, Q4_0, Q4_1 tensors, byte-level BPE tokenizer).
+Supported: Llama-family decoders (Llama 2/3, Mistral, Qwen2, SmolLM2) from a Hugging Face folder (safetensors), a
+GGUF file (F32, F16, BF16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q2_K..Q6_K, IQ4_NL, IQ4_XS tensors, dequantized at load;
+byte-level BPE tokenizer), or a Hugging Face hub id (``org/name``, ``org/name:Q4_K_M``) through the local cache
+(``models/resolve.py``).
 """
 
 from .checkpoint import default_model_path, open_checkpoint
