@@ -1,0 +1,120 @@
+"""anygpu's kernels behind bitsandbytes' own ops: unchanged ``bitsandbytes`` / ``transformers`` / ``peft`` code
+computes with anygpu's Triton kernels.
+
+bitsandbytes (0.45+) routes its work through ``torch.library`` ops (``bitsandbytes::dequantize_4bit`` and the
+like, defined in ``bitsandbytes/_ops.py``) with one kernel per device type, registered by its backends
+(``bitsandbytes/backends/<device>/ops.py``, imported by ``bitsandbytes/__init__.py``: cpu and default always,
+cuda when ``torch.cuda.is_available()``).  ``torch.library.register_kernel`` lets a third party register
+another kernel for the same op and device type; the latest registration wins (torch warns once that a kernel
+was overridden).  ``install()`` does that for the ops below, after importing bitsandbytes so its own
+registrations come first.
+
+    import anygpu.integrations.bitsandbytes as agb
+    agb.install()                 # CUDA device type: NVIDIA and ROCm GPUs alike (torch names both "cuda")
+
+Ops taken over (their signatures are anygpu's ops' signatures, or map onto ``anygpu.ops.matmul_4bit``):
+``quantize_4bit``, ``dequantize_4bit``, ``quantize_blockwise``, ``dequantize_blockwise``, ``gemv_4bit``,
+``gemm_4bit``.  Not yet: the int8 ops and the optimizer updates (bitsandbytes' own kernels stay there), the
+``.out`` variants, and an automatic install through bitsandbytes' ``bitsandbytes.backends`` entry-point group
+(it loads every installed package's entry point on import; anygpu would declare one in its pyproject).
+
+``devices=("cpu",)`` also works; there anygpu's CPU ops are the PyTorch references, which bitsandbytes' own CPU
+backend already matches, so it only serves to check the mechanism.  ``gemv_4bit`` is left to bitsandbytes on
+the CPU: there bitsandbytes calls it only for weights it repacked into its own AVX512-BF16 layout (``Linear4bit``
+in eval mode, ``quant_state.packing_format_for_cpu``), which is not the packed format anygpu reads.  ``calls`` counts, per op, the calls that
+ran on anygpu's kernels (a diagnostic: it tells whether the install took).  Registrations last for the process.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import torch
+
+from .. import ops
+from ..quant.maps import get_4bit_type
+
+calls: Counter = Counter()
+_installed: set = set()
+
+
+def _quantize_4bit(A, blocksize, quant_type, quant_storage):
+    calls["quantize_4bit"] += 1
+    return ops.quantize_4bit(A, blocksize, quant_type, quant_storage)
+
+
+def _dequantize_4bit(A, absmax, blocksize, quant_type, shape, dtype):
+    calls["dequantize_4bit"] += 1
+    return ops.dequantize_4bit(A, _flat(absmax).float(), blocksize, quant_type, list(shape), dtype)
+
+
+def _quantize_blockwise(A, code, blocksize):
+    calls["quantize_blockwise"] += 1
+    return ops.quantize_blockwise(A, code, blocksize)
+
+
+def _dequantize_blockwise(A, absmax, code, blocksize, dtype):
+    calls["dequantize_blockwise"] += 1
+    return ops.dequantize_blockwise(A, _flat(absmax).float(), code, blocksize, dtype)
+
+
+def _flat(t: torch.Tensor | None) -> torch.Tensor | None:
+    # checkpoints loaded by transformers may carry absmax as [1, blocks], and a model cast after loading (PEFT's
+    # prepare_model_for_kbit_training) in bf16: bitsandbytes' kernels read it flat, in fp32
+    return None if t is None else t.reshape(-1)
+
+
+def _packed(B: torch.Tensor) -> torch.Tensor:
+    # bitsandbytes passes the packed weight as its [bytes, 1] column or that column transposed: same bytes
+    return B.reshape(-1) if B.is_contiguous() else B.contiguous().reshape(-1)
+
+
+def _gemv_4bit(A, B, shapeB, absmax, code, blocksize):
+    calls["gemv_4bit"] += 1
+    n, k = (int(d) for d in shapeB)
+    return ops.matmul_4bit(A, _packed(B), _flat(absmax).float(), code.float(), blocksize, n, k)
+
+
+def _gemm_4bit(A, B, shapeB, absmax, blocksize, quant_type, bias=None, absmax_8bit=None, absmax_code=None,
+               absmax_offset=None):
+    calls["gemm_4bit"] += 1
+    n, k = (int(d) for d in shapeB)
+    code = get_4bit_type(quant_type, A.device)
+    if bias is not None and bias.dtype != A.dtype:
+        bias = bias.to(A.dtype)
+    if absmax_8bit is not None:  # double quantization: absmax is the second level, absmax_8bit the codes
+        return ops.matmul_4bit(A, _packed(B), _flat(absmax_8bit), code, blocksize, n, k, bias, _flat(absmax).float(),
+                               absmax_code.float(), absmax_offset.reshape(1).float())
+    return ops.matmul_4bit(A, _packed(B), _flat(absmax).float(), code, blocksize, n, k, bias)
+
+
+KERNELS = {"quantize_4bit": _quantize_4bit, "dequantize_4bit": _dequantize_4bit,
+           "quantize_blockwise": _quantize_blockwise, "dequantize_blockwise": _dequantize_blockwise,
+           "gemv_4bit": _gemv_4bit, "gemm_4bit": _gemm_4bit}
+
+
+def install(devices=("cuda",)) -> list[str]:
+    """Register anygpu's kernels for bitsandbytes' ops on ``devices`` (torch device types); returns the
+    ``bitsandbytes::<op>`` names now served by anygpu.  Idempotent."""
+    if isinstance(devices, str):
+        devices = (devices,)
+    for device in devices:
+        if device not in ("cuda", "cpu"):
+            raise ValueError(f"devices: expected 'cuda' and/or 'cpu', got {device!r}")
+    try:
+        import bitsandbytes  # noqa: F401 -- its own registrations first, so ours override them
+    except ImportError as exc:
+        raise ImportError("anygpu.integrations.bitsandbytes needs bitsandbytes (pip install bitsandbytes)") from exc
+    names = []
+    for device in devices:
+        for op, fn in KERNELS.items():
+            if device == "cpu" and op == "gemv_4bit":
+                continue  # see the module doc: bitsandbytes' CPU-only weight layout
+            qualified = f"bitsandbytes::{op}"
+            if not hasattr(torch.ops.bitsandbytes, op):
+                continue  # an older bitsandbytes without this op
+            if (qualified, device) not in _installed:
+                torch.library.register_kernel(qualified, device, fn)
+                _installed.add((qualified, device))
+            names.append(qualified)
+    return sorted(set(names))

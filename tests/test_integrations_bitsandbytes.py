@@ -1,0 +1,113 @@
+"""anygpu's kernels behind bitsandbytes' ops (anygpu/integrations/bitsandbytes.py), checked on the CPU.
+
+Each check runs in a subprocess: the registration lasts for the process, and the other tests use bitsandbytes'
+own CPU kernels as their oracle.  On the CPU anygpu's ops are the PyTorch references, which match bitsandbytes'
+CPU backend bit for bit (test_quant_compat.py), so the outputs must not change at all once installed, while
+``calls`` shows anygpu's kernels ran.  The GPU side (the point of the install) needs the device tool.
+"""
+
+import json
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+pytest.importorskip("bitsandbytes")
+
+LINEAR = """
+import json, torch, bitsandbytes as bnb
+
+def run():
+    out = {}
+    for qt in ("nf4", "fp4"):
+        for nested in (False, True):
+            torch.manual_seed(1)
+            layer = bnb.nn.Linear4bit(128, 64, bias=True, quant_type=qt, compress_statistics=nested)
+            layer = layer.to("cpu")  # quantizes through bitsandbytes::quantize_4bit (+ quantize_blockwise)
+            x = torch.randn(2, 8, 128)
+            out[f"{qt}-{nested}"] = [layer(x[:1, :1]), layer(x), layer.weight.data.clone()]
+    return out
+
+before = run()
+import anygpu.integrations.bitsandbytes as agb
+names = agb.install(devices=("cpu",))
+after = run()
+same = all(torch.equal(a, b) for k in before for a, b in zip(before[k], after[k]))
+print(json.dumps({"names": names, "same": same, "calls": dict(agb.calls)}))
+"""
+
+TRANSFORMERS = """
+import json, sys, warnings, torch, transformers, peft
+import anygpu.integrations.bitsandbytes as agb
+if sys.argv[2] == "anygpu":
+    agb.install(devices=("cpu",))
+torch.manual_seed(0)
+config = transformers.LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+transformers.LlamaForCausalLM(config).save_pretrained(sys.argv[1])
+bnb_config = transformers.BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4",
+                                             bnb_4bit_use_double_quant=True, bnb_4bit_compute_dtype=torch.float32)
+model = transformers.AutoModelForCausalLM.from_pretrained(sys.argv[1], quantization_config=bnb_config,
+                                                          device_map="cpu")
+# bitsandbytes repacks 4-bit weights into its own CPU layout on an eval-mode forward (AVX512-BF16 machines),
+# which neither anygpu nor bitsandbytes' own dequantize_4bit (PEFT's merge) reads: stay in train mode (Llama has
+# no dropout, so the outputs are the same)
+model.train()
+quantized = type(model.model.layers[0].self_attn.q_proj).__name__
+ids = torch.randint(0, 128, (2, 12), generator=torch.Generator().manual_seed(1))
+generated = model.generate(ids, max_new_tokens=4, do_sample=False)
+model = peft.prepare_model_for_kbit_training(model, use_gradient_checkpointing=False)
+model = peft.get_peft_model(model, peft.LoraConfig(r=8, lora_alpha=16, target_modules=["q_proj", "v_proj"],
+                                                   lora_dropout=0.0, task_type="CAUSAL_LM"))
+opt = torch.optim.Adam([p for p in model.parameters() if p.requires_grad], lr=2e-2)
+losses = []
+for _ in range(8):
+    loss = model(input_ids=ids, labels=ids).loss
+    opt.zero_grad(); loss.backward(); opt.step()
+    losses.append(loss.item())
+with torch.no_grad():
+    unmerged = model(input_ids=ids).logits
+with warnings.catch_warnings():
+    warnings.simplefilter("ignore")  # PEFT warns that a 4-bit merge rounds
+    merged = model.merge_and_unload()
+with torch.no_grad():
+    out = merged(input_ids=ids).logits
+print(json.dumps({"quantized": quantized, "generated": list(generated.shape), "losses": losses,
+                  "merge_rel": ((out - unmerged).norm() / unmerged.norm()).item(), "calls": dict(agb.calls)}))
+"""
+
+
+def _run(script: str, *args) -> dict:
+    done = subprocess.run([sys.executable, "-c", textwrap.dedent(script), *args], capture_output=True, text=True,
+                          timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def test_bitsandbytes_linear4bit_runs_on_anygpu_kernels_with_identical_results():
+    result = _run(LINEAR)
+    assert "bitsandbytes::gemm_4bit" in result["names"] and "bitsandbytes::dequantize_4bit" in result["names"]
+    assert result["same"]
+    calls = result["calls"]
+    assert calls.get("quantize_4bit", 0) == 4  # each layer quantized by anygpu
+    assert calls.get("quantize_blockwise", 0) == 2  # the two nested layers' absmax
+    assert calls.get("gemm_4bit", 0) + calls.get("gemv_4bit", 0) + calls.get("dequantize_4bit", 0) >= 8
+
+
+def test_transformers_4bit_load_generate_qlora_and_merge_on_anygpu_kernels(tmp_path):
+    pytest.importorskip("transformers")
+    pytest.importorskip("peft")
+    result = _run(TRANSFORMERS, str(tmp_path / "tiny"), "anygpu")
+    own = _run(TRANSFORMERS, str(tmp_path / "tiny-bnb"), "bitsandbytes")  # bitsandbytes' own CPU kernels
+    assert not own["calls"]
+    # the same training run, step for step, within float rounding of the kernels' summation order
+    assert result["losses"] == pytest.approx(own["losses"], rel=1e-3)
+    assert result["quantized"] == "Linear4bit"
+    assert result["generated"] == [2, 16]
+    assert result["losses"][-1] < result["losses"][0]
+    assert result["merge_rel"] < 0.1  # the merged model is the adapted one, up to one requantization
+    calls = result["calls"]
+    assert calls.get("quantize_4bit", 0) >= 14  # 7 linears per layer x 2 layers at load (and more at merge)
+    assert calls.get("dequantize_4bit", 0) >= 4  # PEFT's merge dequantizes q_proj and v_proj in both layers
+    assert calls.get("gemm_4bit", 0) + calls.get("gemv_4bit", 0) > 0
