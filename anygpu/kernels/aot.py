@@ -160,16 +160,37 @@ def _nvidia_resources(cubin: bytes) -> dict:
     return parse_res_usage(out.stdout)
 
 
-def cross_compile(targets: list[Target], specs: dict[str, KernelSpec] | None = None) -> list[CompileReport]:
-    """Compile every config of every kernel for every dtype and target, aligned and unaligned."""
+def cross_compile(targets: list[Target], specs: dict[str, KernelSpec] | None = None,
+                  workers: int | None = None) -> list[CompileReport]:
+    """Compile every config of every kernel for every dtype and target, aligned and unaligned.
+
+    ``workers``: processes that compile side by side (default: the usable cores; 1 compiles here).  Each
+    compile is independent and single-threaded, so a 2-core machine halves the wall time.  Workers are
+    given only registered kernels' names; ``specs`` not in the registry compile in this process."""
     from . import load_all
 
-    specs = load_all() if specs is None else specs
-    reports = []
-    for target in targets:
-        for spec in specs.values():
-            for config in select(spec.configs, target):
-                for dtype in spec.dtypes:
-                    for aligned in (True, False):
-                        reports.append(compile_one(spec, target, config, dtype, aligned))
-    return reports
+    registry = load_all()
+    specs = registry if specs is None else specs
+    jobs = [(name, target, i, dtype, aligned)
+            for target in targets for name, spec in specs.items()
+            for i, _ in enumerate(select(spec.configs, target)) for dtype in spec.dtypes for aligned in (True, False)]
+    workers = len(os.sched_getaffinity(0)) if workers is None and hasattr(os, "sched_getaffinity") else workers or 1
+    shareable = all(registry.get(name) is spec for name, spec in specs.items())
+    if workers <= 1 or len(jobs) < 2 * workers or not shareable:
+        return [_compile_job(job, specs) for job in jobs]
+    import concurrent.futures
+    import multiprocessing
+
+    with concurrent.futures.ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn")) as pool:
+        return list(pool.map(_compile_job, jobs, chunksize=4))
+
+
+def _compile_job(job: tuple, specs: dict[str, KernelSpec] | None = None) -> CompileReport:
+    """One (kernel, target, config index, dtype, variant); in a worker, the kernel comes from the registry."""
+    name, target, index, dtype, aligned = job
+    if specs is None:
+        from . import load_all
+
+        specs = load_all()
+    spec = specs[name]
+    return compile_one(spec, target, select(spec.configs, target)[index], dtype, aligned)
