@@ -21,8 +21,10 @@ Ops taken over (their signatures are anygpu's ops' signatures, or map onto ``any
 ``devices=("cpu",)`` also works; there anygpu's CPU ops are the PyTorch references, which bitsandbytes' own CPU
 backend already matches, so it only serves to check the mechanism.  ``gemv_4bit`` is left to bitsandbytes on
 the CPU: there bitsandbytes calls it only for weights it repacked into its own AVX512-BF16 layout (``Linear4bit``
-in eval mode, ``quant_state.packing_format_for_cpu``), which is not the packed format anygpu reads.  ``calls`` counts, per op, the calls that
-ran on anygpu's kernels (a diagnostic: it tells whether the install took).  Registrations last for the process.
+in eval mode, ``quant_state.packing_format_for_cpu``), which is not the packed format anygpu reads.
+
+``calls`` counts, per op, the calls that ran on anygpu's kernels (a diagnostic: it tells whether the install
+took).  Registrations last for the process.
 """
 
 from __future__ import annotations

@@ -55,7 +55,8 @@ class _QuantizedMerge:
             self._set_weight(base, merged)
             if self.lora_bias[adapter]:
                 if base.bias is None:
-                    raise RuntimeError("Impossible to merge LoRA with `lora_bias=True` because the base layer has no bias.")
+                    raise RuntimeError("Impossible to merge LoRA with `lora_bias=True` because the base layer has "
+                                       "no bias.")
                 base.bias.data += self.lora_B[adapter].bias * self.scaling[adapter]
             self.merged_adapters.append(adapter)
 
@@ -94,8 +95,8 @@ def lora_classes() -> dict:
         Linear = _lora_linear()
         for base in (Linear4bit, Linear8bitLt):
             name = f"Lora{base.__name__}"
-            cls = type(name, (_QuantizedMerge, Linear), {"__module__": __name__, "__qualname__": name,
-                                                          "__doc__": f"PEFT's lora.Linear over anygpu's {base.__name__}."})
+            doc = f"PEFT's lora.Linear over anygpu's {base.__name__}."
+            cls = type(name, (_QuantizedMerge, Linear), {"__module__": __name__, "__qualname__": name, "__doc__": doc})
             _CLASSES[base] = cls
     return dict(_CLASSES)
 

@@ -25,5 +25,6 @@ __all__ = ["SGD", "AdEMAMix", "AdEMAMix8bit", "AdEMAMix32bit", "Adagrad", "Adagr
            "LAMB32bit", "LARS", "LARS8bit", "LARS32bit", "Lion", "Lion8bit", "Lion32bit", "Optimizer8bit",
            "PAGE_MIN_SIZE", "PagedAdEMAMix", "PagedAdEMAMix8bit", "PagedAdEMAMix32bit", "PagedAdam", "PagedAdam8bit",
            "PagedAdam32bit", "PagedAdamW", "PagedAdamW8bit", "PagedAdamW32bit", "PagedLion", "PagedLion8bit",
-           "PagedLion32bit", "PytorchLARS", "QUANT_STATE_KEY", "RMSprop", "RMSprop8bit", "RMSprop32bit", "SGD8bit", "SGD32bit",
+           "PagedLion32bit", "PytorchLARS", "QUANT_STATE_KEY", "RMSprop", "RMSprop8bit", "RMSprop32bit", "SGD8bit",
+           "SGD32bit",
            "streams_states"]

@@ -4,7 +4,8 @@ Per parameter, ``self.state[p]`` holds bitsandbytes' keys: ``step`` (int), ``sta
 for two-state optimizers), and for 8-bit states ``qmap1`` / ``qmap2`` (the signed / unsigned dynamic
 maps) and ``absmax1`` / ``absmax2`` (fp32, one per 256-element block).  Tensors with fewer than
 ``min_8bit_size`` elements, and every tensor of an ``optim_bits=32`` optimizer (the ``*32bit`` classes), keep
-fp32 states.  ``GlobalOptimManager`` overrides (``optim/manager.py``) apply per parameter, as in bitsandbytes.  ``state_dict()`` moves the quantization keys under
+fp32 states.  ``GlobalOptimManager`` overrides (``optim/manager.py``) apply per parameter, as in bitsandbytes.
+``state_dict()`` moves the quantization keys under
 ``"__bnb_optimizer_quant_state__"`` per parameter as bitsandbytes does (FSDP skips them), and
 ``load_state_dict`` reads ours and bitsandbytes' alike, keeping uint8 codes and fp32 absmax / maps as they
 are (torch's loader would cast them to the parameter's dtype).
