@@ -14,9 +14,11 @@ registrations come first.
 
 Ops taken over (their signatures are anygpu's ops' signatures, or map onto ``anygpu.ops.matmul_4bit``):
 ``quantize_4bit``, ``dequantize_4bit``, ``quantize_blockwise``, ``dequantize_blockwise``, ``gemv_4bit``,
-``gemm_4bit``.  Not yet: the int8 ops and the optimizer updates (bitsandbytes' own kernels stay there), the
-``.out`` variants, and an automatic install through bitsandbytes' ``bitsandbytes.backends`` entry-point group
-(it loads every installed package's entry point on import; anygpu would declare one in its pyproject).
+``gemm_4bit``, ``int8_vectorwise_quant``, ``int8_linear_matmul``, ``int8_mm_dequant``.  Not yet: the other
+int8 ops (``int8_double_quant``, ``int8_scaled_mm`` -- bitsandbytes' default one calls the two above), the
+optimizer updates (bitsandbytes' own kernels stay there), the ``.out`` variants, and an automatic install
+through bitsandbytes' ``bitsandbytes.backends`` entry-point group (it loads every installed package's entry
+point on import; anygpu would declare one in its pyproject).
 
 ``devices=("cpu",)`` also works; there anygpu's CPU ops are the PyTorch references, which bitsandbytes' own CPU
 backend already matches, so it only serves to check the mechanism.  ``gemv_4bit`` is left to bitsandbytes on
@@ -34,6 +36,7 @@ from collections import Counter
 import torch
 
 from .. import ops
+from ..quant import int8
 from ..quant.maps import get_4bit_type
 
 calls: Counter = Counter()
@@ -90,9 +93,25 @@ def _gemm_4bit(A, B, shapeB, absmax, blocksize, quant_type, bias=None, absmax_8b
     return ops.matmul_4bit(A, _packed(B), _flat(absmax).float(), code, blocksize, n, k, bias)
 
 
+def _int8_vectorwise_quant(A, threshold=0.0):
+    calls["int8_vectorwise_quant"] += 1
+    return int8.int8_vectorwise_quant(A, threshold)
+
+
+def _int8_linear_matmul(A, B):
+    calls["int8_linear_matmul"] += 1
+    return int8.int8_linear_matmul(A, B)
+
+
+def _int8_mm_dequant(A, row_stats, col_stats, dtype=None, bias=None):
+    calls["int8_mm_dequant"] += 1
+    return int8.int8_mm_dequant(A, row_stats, col_stats, bias=bias, dtype=dtype)
+
+
 KERNELS = {"quantize_4bit": _quantize_4bit, "dequantize_4bit": _dequantize_4bit,
            "quantize_blockwise": _quantize_blockwise, "dequantize_blockwise": _dequantize_blockwise,
-           "gemv_4bit": _gemv_4bit, "gemm_4bit": _gemm_4bit}
+           "gemv_4bit": _gemv_4bit, "gemm_4bit": _gemm_4bit, "int8_vectorwise_quant": _int8_vectorwise_quant,
+           "int8_linear_matmul": _int8_linear_matmul, "int8_mm_dequant": _int8_mm_dequant}
 
 
 def install(devices=("cuda",)) -> list[str]:
