@@ -224,3 +224,18 @@ def test_shutdown_fails_waiting_requests_instead_of_hanging():
     engine.shutdown()
     outs = asyncio.run(_generate_all(engine, {"a": (PROMPTS["a"], PARAMS["a"])}))
     assert isinstance(outs["a"], EngineDead) and engine.error is None and not engine.dead.is_set()
+
+
+def test_cli_stream_reports_a_request_that_failed_alone():
+    """`anygpu generate` prints the failure and exits 1 instead of a summary line as if it had worked."""
+    import click
+
+    from anygpu.cli.generate import _stream
+
+    engine = poison_sampler(random_engine("tiny", max_model_len=64))
+    try:
+        with pytest.raises(click.ClickException, match="generation failed: .*injected: sampling failed"):
+            _stream(engine, "x", POISON, SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))
+        assert _stream(engine, "y", PROMPTS["a"], PARAMS["a"]).finish_reason == "length"  # the engine steps on
+    finally:
+        engine.close()

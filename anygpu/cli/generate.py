@@ -110,6 +110,8 @@ def _stream(engine, request_id, prompt_ids, params):
             sys.stdout.flush()
             last = out
     click.echo()
+    if last is not None and last.finish_reason == "error":  # the engine failed this request alone
+        raise click.ClickException(f"generation failed: {last.error}")
     return last
 
 
