@@ -46,18 +46,22 @@ def test_lds_limits():
     assert TARGETS["gfx950"].shared_per_block == 160 * 1024
     assert TARGETS["gfx1100"].shared_per_block == 64 * 1024
     assert TARGETS["sm_90"].shared_per_block == 227 * 1024
+    # CUDA guide, opt-in per block: Ada and consumer Blackwell 99 KiB, data-center Blackwell 227 KiB.
+    assert TARGETS["sm_89"].shared_per_block == TARGETS["sm_120"].shared_per_block == 99 * 1024
+    assert TARGETS["sm_100"].shared_per_block == 227 * 1024
+    assert TARGETS["gfx908"].shared_per_block == 64 * 1024 and TARGETS["gfx908"].warp_size == 64
 
 
 def test_lookup_unknown_arch_is_guessed_and_marked():
     t = lookup("gfx1030")
     assert not t.known and t.warp_size == 32 and t.vendor == "amd" and t.matrix_unit == "none" and t.family == "rdna2"
     assert lookup("gfx1010").family == "rdna1" and lookup("gfx1151").family == "rdna3"
-    t = lookup("gfx908")
+    t = lookup("gfx906")
     assert not t.known and t.warp_size == 64
     # Unknown NVIDIA parts get limits every GPU since Volta meets (a T4, sm_75, has 64 KiB per SM).
     t = lookup("sm_75")
     assert not t.known and t.shared_per_block == 48 * 1024 and t.max_threads_per_cu == 1024 and t.fp8 == ()
-    t = lookup("sm_120")
+    t = lookup("sm_121")
     assert not t.known and t.shared_per_block <= 99 * 1024 and t.fp8_dtypes()[0] == torch.float8_e4m3fn
     with pytest.raises(ValueError, match="arch"):
         lookup("tpu_v5")

@@ -20,13 +20,15 @@ class Target:
     vendor: str  # "amd" | "nvidia"
     family: str  # "cdna3", "rdna3", "hopper", ...
     warp_size: int  # threads per wavefront / warp
-    shared_per_block: int  # bytes of LDS / shared memory one program may use
+    shared_per_block: int  # bytes of LDS / shared memory one program may use (NVIDIA: the opt-in maximum)
     shared_per_cu: int  # bytes per CU / SM (occupancy)
     max_threads_per_cu: int  # resident threads per CU / SM (occupancy)
     max_blocks_per_cu: int
     fp8: tuple[str, ...]  # torch dtype names of the hardware's fp8 formats, () if none
     matrix_unit: str  # "mfma" | "wmma" | "mma" | "wgmma" | "tcgen05"
     products: str
+    # Registers one thread may use, as the cross-compile report counts them (AMD: VGPRs + AGPRs).
+    max_registers: int = 255
     known: bool = True  # False for a target synthesised from an arch name we have no row for
 
     @property
@@ -64,19 +66,27 @@ def _amd(arch, family, warp, lds, waves_per_cu, fp8, unit, products):
     # AMD has no fixed "blocks per CU"; waves are the limit, so allow one block per resident wave.
     # RDNA reports WGPs as its multiprocessors (WGP mode), and a WGP holds 128 KiB of LDS, 64 KiB per group.
     lds_per_cu = 2 * lds if warp == 32 else lds
-    return Target(arch, "amd", family, warp, lds, lds_per_cu, waves_per_cu * warp, waves_per_cu, fp8, unit, products)
+    # CDNA: 256 VGPRs + 256 AGPRs per lane (one file on gfx90a and later, two on gfx908); RDNA: 256 VGPRs.
+    registers = 512 if unit == "mfma" else 256
+    return Target(arch, "amd", family, warp, lds, lds_per_cu, waves_per_cu * warp, waves_per_cu, fp8, unit, products,
+                  registers)
 
 
 def _nv(cc, family, smem_block, smem_sm, threads_sm, blocks_sm, fp8, unit, products):
-    return Target(f"sm_{cc}", "nvidia", family, 32, smem_block, smem_sm, threads_sm, blocks_sm, fp8, unit, products)
+    # Every CUDA GPU since Volta: 64 K 32-bit registers per SM, at most 255 per thread.
+    return Target(f"sm_{cc}", "nvidia", family, 32, smem_block, smem_sm, threads_sm, blocks_sm, fp8, unit, products, 255)
 
 
-# LDS: 64 KiB per workgroup on CDNA2/3 and RDNA; 160 KiB on gfx950 (ROCm GPU specs).  CDNA CUs hold
-# 4 SIMDs x 8 waves; RDNA WGPs report as the "multiprocessor" and hold 4 SIMDs x 16 wave32.
-# NVIDIA numbers are the opt-in per-block shared memory and per-SM limits of the CUDA guide.
+# LDS: 64 KiB per workgroup on CDNA1/2/3 and RDNA; 160 KiB on gfx950 (ROCm GPU specs).  CDNA2/3 CUs hold
+# 4 SIMDs x 8 waves, CDNA1 (gfx908) 4 x 10 (the compiler's occupancy ceiling for it); RDNA WGPs report as the
+# "multiprocessor" and hold 4 SIMDs x 16 wave32.
+# NVIDIA numbers are the opt-in per-block shared memory (the SM's shared memory less the 1 KiB the driver
+# reserves per block) and per-SM limits of the CUDA guide's compute-capability table (CCCL's arch_traits
+# carries the same numbers).  Triton's launcher opts a kernel in when it needs more than the default 48 KiB.
 TARGETS: dict[str, Target] = {
     t.arch: t
     for t in [
+        _amd("gfx908", "cdna1", 64, 64 * KiB, 40, (), "mfma", "MI100"),
         _amd("gfx90a", "cdna2", 64, 64 * KiB, 32, (), "mfma", "MI210, MI250, MI250X"),
         _amd("gfx942", "cdna3", 64, 64 * KiB, 32, _FNUZ, "mfma", "MI300X, MI300A, MI325X"),
         _amd("gfx950", "cdna4", 64, 160 * KiB, 32, _OCP, "mfma", "MI350X, MI355X"),
@@ -89,11 +99,18 @@ TARGETS: dict[str, Target] = {
         _nv(89, "ada", 99 * KiB, 100 * KiB, 1536, 24, _OCP, "mma", "L4, L40S, RTX 4090"),
         _nv(90, "hopper", 227 * KiB, 228 * KiB, 2048, 32, _OCP, "wgmma", "H100, H200, GH200"),
         _nv(100, "blackwell", 227 * KiB, 228 * KiB, 2048, 32, _OCP, "tcgen05", "B200, GB200"),
+        # Consumer Blackwell is its own family: Ada's SM limits, mma (no tcgen05), not sm_100's 227 KiB.
+        _nv(120, "blackwell-consumer", 99 * KiB, 100 * KiB, 1536, 24, _OCP, "mma",
+            "RTX 5090, RTX 5080, RTX PRO 6000 Blackwell"),
     ]
 }
 
-# What CI cross-compiles every kernel config for.
+# What CI cross-compiles every kernel config for, every dtype, aligned and unaligned.
 CI_TARGETS = ("gfx942", "gfx90a", "gfx1100", "gfx950", "sm_80", "sm_90")
+# What CI cross-compiles every kernel config for once (bf16 where the kernel takes it, aligned): each is a
+# family the six above do not cover, and the dtype x variant product adds compile time, not coverage of
+# the table's per-target entries.
+CI_ONCE_TARGETS = ("gfx908", "gfx1201", "sm_89", "sm_100", "sm_120")
 
 _GFX = re.compile(r"^gfx([0-9]{1,2})([0-9a-f])([0-9a-f])$")
 _SM = re.compile(r"^sm_([0-9]{2,3})a?$")
@@ -136,15 +153,18 @@ def lookup(arch: str) -> Target:
         # The limits every CUDA GPU since Volta meets: 48 KiB of shared memory per block without opt-in,
         # 64 KiB per SM and 1024 resident threads (Turing's).  fp8 from Ada (sm_89) on.
         return Target(arch, "nvidia", "unknown", 32, 48 * KiB, 64 * KiB, 1024, 16, _OCP if cc >= 89 else (), "mma",
-                      "unknown", known=False)
+                      "unknown", 255, known=False)
     raise ValueError(f"arch: expected a gfx name (e.g. 'gfx942') or an sm name (e.g. 'sm_90'), got {arch!r}")
 
 
 def parse_target_list(text: str) -> list[Target]:
-    """``"gfx942,sm_90"`` -> targets; ``"all"`` -> every row; ``"ci"`` -> CI's list."""
+    """``"gfx942,sm_90"`` -> targets; ``"all"`` -> every row; ``"ci"`` -> CI's full list; ``"ci-once"`` -> the
+    targets CI compiles each config of once."""
     text = text.strip()
     if text in ("all", ""):
         return list(TARGETS.values())
     if text == "ci":
         return [TARGETS[a] for a in CI_TARGETS]
+    if text == "ci-once":
+        return [TARGETS[a] for a in CI_ONCE_TARGETS]
     return [lookup(a.strip()) for a in text.split(",") if a.strip()]
