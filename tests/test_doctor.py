@@ -5,7 +5,7 @@ import sys
 
 import pytest
 
-from anygpu.diagnostics.checks import check_arch, check_triton, check_visible
+from anygpu.diagnostics.checks import check_arch, check_reference_path, check_triton, check_visible
 
 
 def run_doctor(*args, env=None):
@@ -122,3 +122,63 @@ def test_doctor_reports_a_device_that_cannot_be_described(fresh_backend, monkeyp
 def test_check_triton_reports_a_mismatch_with_torch():
     (p,) = check_triton("cuda", "3.9.0", ("amd", "nvidia"), {"triton": "3.9.0"}, ("triton", "3.6.0"))
     assert p.severity == "error" and "built with triton 3.6.0" in p.message
+
+
+def test_reference_path_is_a_warning_not_an_error():
+    (p,) = check_reference_path("gfx1030", "unsupported target: 'gfx1030'")
+    assert p.severity == "warning"
+    assert p.message.startswith("gfx1030: Triton cannot target this GPU; ops run their PyTorch reference on it")
+    assert check_reference_path("gfx942", None) == []
+
+
+def test_doctor_says_gfx1030_runs_the_references(fresh_backend, monkeypatch):
+    """Asked about gfx1030, the doctor asks Triton once (a real compile of a trivial kernel), reports the
+    reference path and compiles none of the kernels for it."""
+    pytest.importorskip("triton")
+    from anygpu.backend.targets import lookup
+    from anygpu.diagnostics.doctor import collect, render
+    from anygpu.kernels import aot
+
+    monkeypatch.setenv("ANYGPU_BACKEND", "cpu")
+    monkeypatch.setattr(aot, "cross_compile", lambda *a, **k: pytest.fail("compiled kernels for gfx1030"))
+    report = collect(targets=[lookup("gfx1030")], probe=False)
+    assert report["ok"] and report["cross_compile"] == []
+    assert "gfx1030: Triton cannot target this GPU; ops run their PyTorch reference on it" in render(report)
+
+
+def test_doctor_on_a_faked_gfx1030_gpu(fresh_backend, monkeypatch):
+    """A ROCm torch on an RX 6900 XT (faked device properties): the GPU is listed with kernels "reference",
+    the doctor says why, does not try to run a Triton kernel on it, and the setup counts as working."""
+    pytest.importorskip("triton")
+    from types import SimpleNamespace
+
+    import torch
+
+    from anygpu.backend import rocm
+    from anygpu.diagnostics.doctor import collect, render
+    from anygpu.kernels import aot
+
+    monkeypatch.delenv("ANYGPU_BACKEND", raising=False)
+    monkeypatch.setattr(torch.version, "hip", "6.4.43482")
+    monkeypatch.setattr(torch.version, "cuda", None)
+    monkeypatch.setattr(torch.backends.cuda, "is_built", lambda: True)
+    monkeypatch.setattr(torch.cuda, "_device_count_amdsmi", lambda: 1)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    props = SimpleNamespace(name="AMD Radeon RX 6900 XT", gcnArchName="gfx1030", warp_size=32, multi_processor_count=40,
+                            total_memory=16 * 2**30, shared_memory_per_block=65536, major=10, minor=3)
+    real = rocm.describe
+    monkeypatch.setattr(rocm, "describe", lambda index=0, props_=None: real(index, props=props))
+    for name in ("active_memory", "peak_memory", "cache_memory"):
+        monkeypatch.setattr(rocm, name, lambda *a: 0)
+    monkeypatch.setattr(rocm, "total_memory", lambda *a: props.total_memory)
+    import anygpu.diagnostics.doctor as doctor
+
+    monkeypatch.setattr(doctor, "probe_kernel", lambda device: pytest.fail("ran a Triton kernel on gfx1030"))
+    monkeypatch.setattr(aot, "cross_compile", lambda *a, **k: pytest.fail("compiled kernels for gfx1030"))
+    report = collect()
+    assert report["backend"]["name"] == "rocm" and report["gpus"][0]["arch"] == "gfx1030"
+    assert report["gpus"][0]["kernels"] == "reference" and report["ok"], report["problems"]
+    messages = [p["message"] for p in report["problems"]]
+    assert sum("gfx1030: Triton cannot target this GPU; ops run their PyTorch reference on it" in m
+               for m in messages) == 1
+    assert "gfx1030: Triton cannot target this GPU" in render(report)

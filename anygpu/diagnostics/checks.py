@@ -79,6 +79,16 @@ def check_arch(arch: str, known_to_anygpu: bool, triton_error: str | None) -> li
     return problems
 
 
+def check_reference_path(arch: str, triton_error: str | None) -> list:
+    """An arch the installed Triton cannot compile for still works: its ops run their PyTorch references."""
+    if not triton_error:
+        return []
+    return [Problem("warning", f"{arch}: Triton cannot target this GPU; ops run their PyTorch reference on it "
+                    f"({triton_error})", "slower but correct; a torch/triton release that supports the arch brings "
+                    "the kernels back (on ROCm an RDNA part can borrow a supported arch with "
+                    "HSA_OVERRIDE_GFX_VERSION, e.g. 11.0.0, at your own risk)")]
+
+
 def torch_triton_requirement(requires=None) -> tuple[str, str] | None:
     """(distribution, version) of the triton this torch build was made with, from torch's metadata:
     "triton==3.6.0; platform_system == 'Linux'" or "pytorch-triton-rocm==3.5.1"; None if it names none."""

@@ -16,7 +16,7 @@ from .. import backend
 from .._version import __version__
 from ..backend.base import triton_info
 from ..backend.targets import Target, parse_target_list
-from .checks import Problem, check_arch, check_triton, check_visible, torch_triton_requirement
+from .checks import Problem, check_arch, check_reference_path, check_triton, check_visible, torch_triton_requirement
 
 # Run in a child process: the interpreter is chosen when kernels are decorated, at import.
 _INTERPRETER_PROBE = "from anygpu.diagnostics.doctor import probe_kernel; print(probe_kernel('cpu') or 'ok')"
@@ -69,6 +69,17 @@ def _probe_interpreter() -> str | None:
     return None
 
 
+def _cannot_target(target: Target | None) -> str | None:
+    """Why the installed Triton cannot compile for ``target`` (None: it can, or there is no Triton to ask)."""
+    from ..kernels import HAS_TRITON
+
+    if target is None or not HAS_TRITON:
+        return None
+    from ..kernels.aot import triton_cannot_target
+
+    return triton_cannot_target(target)
+
+
 def collect(targets: list[Target] | None = None, probe: bool = True) -> dict:
     """Everything the doctor knows, as plain data (what ``--json`` prints)."""
     info = triton_info()
@@ -105,18 +116,24 @@ def collect(targets: list[Target] | None = None, probe: bool = True) -> dict:
         report["versions"] = be.versions
         report["memory"] = {"active": backend.get_active_memory(), "peak": backend.get_peak_memory(),
                             "cached": backend.get_cache_memory(), "limit": backend.get_memory_limit()}
+        reference_only = set()
         if be.is_gpu:
             for i in range(count):
                 d = backend.current(i)
+                cannot = _cannot_target(d.target)
                 report["gpus"].append({"index": i, "name": d.device_name, "arch": d.arch, "raw_arch": d.raw_arch,
                                        "warp_size": d.warp_size, "multiprocessors": d.multiprocessor_count,
                                        "memory_bytes": d.total_memory, "shared_per_block": d.shared_memory_per_block,
-                                       "fp8": [str(t).replace("torch.", "") for t in d.fp8_dtypes]})
+                                       "fp8": [str(t).replace("torch.", "") for t in d.fp8_dtypes],
+                                       "kernels": "reference" if cannot else "triton"})
+                if cannot and d.arch not in reference_only:
+                    reference_only.add(d.arch)
+                    problems += check_reference_path(d.arch, cannot)
             targets = targets if targets is not None else [be.target]
         else:
             report["cpu"] = {"name": be.device_name, "arch": be.arch, "cores": be.multiprocessor_count,
                              "memory_bytes": be.total_memory}
-        if probe and info["version"]:
+        if probe and info["version"] and not (be.is_gpu and be.arch in reference_only):
             error = probe_kernel(be.device) if be.is_gpu else _probe_interpreter()
             report["triton_runs_here"] = {"ok": error is None, "how": "GPU" if be.is_gpu else "interpreter",
                                           "error": error}
@@ -126,7 +143,14 @@ def collect(targets: list[Target] | None = None, probe: bool = True) -> dict:
     if targets and info["version"]:
         from ..kernels.aot import cross_compile
 
-        reports = cross_compile(targets)
+        # An arch Triton cannot build for gets one line, not a compile failure per config: anygpu serves it
+        # with the references.
+        cannot = {t.arch: _cannot_target(t) for t in targets}
+        for t in targets:
+            if cannot[t.arch] and t.arch not in {g["arch"] for g in report["gpus"]}:
+                problems += check_reference_path(t.arch, cannot[t.arch]) + check_arch(t.arch, t.known, None)
+        targets = [t for t in targets if not cannot[t.arch]]
+        reports = cross_compile(targets) if targets else []
         report["cross_compile"] = [r.as_dict() for r in reports]
         for t in targets:
             failed = [r for r in reports if r.target == t.arch and not r.ok]

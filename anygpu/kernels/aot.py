@@ -28,6 +28,11 @@ import torch
 from ..backend.targets import Target
 from .config import KernelSpec, LaunchConfig, select
 
+try:
+    import triton.language as tl
+except ImportError:  # anygpu imports without Triton; nothing here is called then
+    tl = None
+
 
 @dataclass
 class CompileReport:
@@ -160,29 +165,62 @@ def _nvidia_resources(cubin: bytes) -> dict:
     return parse_res_usage(out.stdout)
 
 
+def jobs_for(targets: list[Target], specs: dict[str, KernelSpec], once: bool = False) -> list[tuple]:
+    """(kernel, target, config index, dtype, aligned) for every config each target's table selects: every dtype,
+    aligned and unaligned; or, with ``once``, one compile per config (bf16 where the kernel takes it, aligned)."""
+    jobs = []
+    for target in targets:
+        for name, spec in specs.items():
+            dtypes = ((torch.bfloat16 if torch.bfloat16 in spec.dtypes else spec.dtypes[0]),) if once else spec.dtypes
+            for i, _ in enumerate(select(spec.configs, target)):
+                jobs += [(name, target, i, dtype, aligned) for dtype in dtypes for aligned in ((True,) if once else (True, False))]
+    return jobs
+
+
+# Reports of registered kernels already compiled in this process, by job: the CI tests and the docs' table
+# ask for the same compiles, and each costs a second or more.
+_DONE: dict[tuple, CompileReport] = {}
+
+
+def _key(job: tuple) -> tuple:
+    name, target, index, dtype, aligned = job
+    return name, target, index, dtype, aligned
+
+
 def cross_compile(targets: list[Target], specs: dict[str, KernelSpec] | None = None,
-                  workers: int | None = None) -> list[CompileReport]:
-    """Compile every config of every kernel for every dtype and target, aligned and unaligned.
+                  workers: int | None = None, once: bool = False) -> list[CompileReport]:
+    """Compile every config of every kernel for every dtype and target, aligned and unaligned (``once``: each
+    config once, see ``jobs_for``).
 
     ``workers``: processes that compile side by side (default: the usable cores; 1 compiles here).  Each
     compile is independent and single-threaded, so a 2-core machine halves the wall time.  Workers are
-    given only registered kernels' names; ``specs`` not in the registry compile in this process."""
+    given only registered kernels' names; ``specs`` not in the registry compile in this process.  Registered
+    kernels' reports are kept for the process: asking again compiles nothing."""
     from . import load_all
 
     registry = load_all()
     specs = registry if specs is None else specs
-    jobs = [(name, target, i, dtype, aligned)
-            for target in targets for name, spec in specs.items()
-            for i, _ in enumerate(select(spec.configs, target)) for dtype in spec.dtypes for aligned in (True, False)]
-    workers = len(os.sched_getaffinity(0)) if workers is None and hasattr(os, "sched_getaffinity") else workers or 1
+    jobs = jobs_for(targets, specs, once)
     shareable = all(registry.get(name) is spec for name, spec in specs.items())
-    if workers <= 1 or len(jobs) < 2 * workers or not shareable:
-        return [_compile_job(job, specs) for job in jobs]
-    import concurrent.futures
-    import multiprocessing
+    todo = [job for job in jobs if _key(job) not in _DONE] if shareable else jobs
+    workers = len(os.sched_getaffinity(0)) if workers is None and hasattr(os, "sched_getaffinity") else workers or 1
+    if workers <= 1 or len(todo) < 2 * workers or not shareable:
+        done = [_compile_job(job, specs) for job in todo]
+    else:
+        import concurrent.futures
+        import multiprocessing
 
-    with concurrent.futures.ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn")) as pool:
-        return list(pool.map(_compile_job, jobs, chunksize=4))
+        with concurrent.futures.ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn")) as pool:
+            done = list(pool.map(_compile_job, todo, chunksize=4))
+    if not shareable:
+        return done
+    _DONE.update(zip(map(_key, todo), done))
+    return [_DONE[_key(job)] for job in jobs]
+
+
+def compiled_count() -> int:
+    """How many registered-kernel compiles this process has run (what CI time scales with)."""
+    return len(_DONE)
 
 
 def _compile_job(job: tuple, specs: dict[str, KernelSpec] | None = None) -> CompileReport:
@@ -194,3 +232,44 @@ def _compile_job(job: tuple, specs: dict[str, KernelSpec] | None = None) -> Comp
         specs = load_all()
     spec = specs[name]
     return compile_one(spec, target, select(spec.configs, target)[index], dtype, aligned)
+
+
+def _probe(x_ptr):  # the smallest kernel: if Triton cannot build this for an arch, it builds nothing for it
+    tl.store(x_ptr, tl.load(x_ptr) + 1)
+
+
+_CANNOT: dict[str, str | None] = {}
+
+
+def triton_cannot_target(target: Target) -> str | None:
+    """Why the installed Triton cannot compile for ``target`` (e.g. "unsupported target: 'gfx1030'"), or None
+    when it can.  Found by compiling a trivial kernel for it, once per arch per process: cheap after the
+    first time (Triton's cache), and it is what fails for an arch Triton lacks (gfx1030 with triton 3.9)."""
+    if target.arch not in _CANNOT:
+        _CANNOT[target.arch] = _try_probe(target)
+    return _CANNOT[target.arch]
+
+
+def _try_probe(target: Target) -> str | None:
+    import triton
+    from triton.compiler import ASTSource
+    from triton.runtime.jit import JITFunction
+
+    # MLIR writes its diagnostics (the reason, then a pipeline reproducer) to file descriptor 2, not into the
+    # exception: catch them there, keep the reason, and keep the user's terminal clean.
+    with tempfile.TemporaryFile(mode="w+b") as err:
+        saved = os.dup(2)
+        os.dup2(err.fileno(), 2)
+        try:
+            triton.compile(ASTSource(fn=JITFunction(_probe), signature={"x_ptr": "*fp32"}),
+                           target=target.triton_target())
+            return None
+        except Exception as e:  # noqa: BLE001 - any failure means Triton cannot build for this arch
+            error = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+        finally:
+            os.dup2(saved, 2)
+            os.close(saved)
+        err.seek(0)
+        said = err.read().decode(errors="replace")
+    m = re.search(r"error: (unsupported target[^\n]*)", said)
+    return m.group(1).strip() if m else error

@@ -11,7 +11,9 @@
 
 torch's dispatcher cannot tell ROCm from CUDA (both are the CUDA key), so the GPU implementation is one
 function; the per-arch differences are in the kernel's config table (``kernels/config.py``).
-``ANYGPU_KERNELS=reference`` runs the reference on GPUs too, to tell a kernel bug from a model bug.
+``ANYGPU_KERNELS=reference`` runs the reference on GPUs too, to tell a kernel bug from a model bug.  On a GPU
+the installed Triton cannot compile for (gfx1030 with triton 3.9) every op runs its reference there too, found
+once per device (``reference_only``).
 """
 
 from __future__ import annotations
@@ -138,6 +140,37 @@ def _kernels_choice() -> str:
     return value
 
 
+_REFERENCE_ONLY: dict[int, str | None] = {}
+
+
+def reference_only(index: int) -> str | None:
+    """Why GPU ``index`` runs the references (Triton cannot target its arch), or None.  Decided once per device
+    per process: the first op on the device compiles a trivial kernel for its arch (``aot.triton_cannot_target``)."""
+    if index not in _REFERENCE_ONLY:
+        from ..kernels import HAS_TRITON
+
+        reason = None
+        if HAS_TRITON:
+            from ..backend import describe_gpu
+            from ..kernels.aot import triton_cannot_target
+
+            target = describe_gpu(index).target
+            error = triton_cannot_target(target)
+            if error:
+                reason = f"{target.arch}: Triton cannot target this GPU; ops run their PyTorch reference on it ({error})"
+                warnings.warn(f"anygpu: {reason}", stacklevel=4)
+        _REFERENCE_ONLY[index] = reason
+    return _REFERENCE_ONLY[index]
+
+
+def _gpu_index(args) -> int | None:
+    """The device index of the first GPU tensor among an op's arguments."""
+    for a in args:
+        if isinstance(a, torch.Tensor) and a.device.type == "cuda":
+            return a.device.index if a.device.index is not None else torch.cuda.current_device()
+    return None
+
+
 def _resolve(path: str) -> Callable | None:
     from ..kernels import HAS_TRITON
 
@@ -175,8 +208,12 @@ def define_op(schema: str, *, check: Callable, reference: Callable, fake: Callab
 
     def gpu_impl(*args):
         check(*args)
-        k = None if _kernels_choice() == "reference" else kernel()
-        return (k or reference)(*args)
+        if _kernels_choice() == "reference":
+            return reference(*args)
+        index = _gpu_index(args)
+        if index is not None and reference_only(index):
+            return reference(*args)
+        return (kernel() or reference)(*args)
 
     torch.library.impl(qualname, "cuda", gpu_impl, lib=_LIB)
     if backward is not None:
