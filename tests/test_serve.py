@@ -130,8 +130,8 @@ def test_client_errors_name_the_field(client, model):
         client.chat.completions.create(model=model, messages=QUESTION, n=2)
     assert e.value.param == "n"
     with pytest.raises(openai.BadRequestError) as e:
-        client.chat.completions.create(model=model, messages=QUESTION, logprobs=True)
-    assert e.value.param == "logprobs"
+        client.completions.create(model=model, prompt="hi", echo=True)
+    assert e.value.param == "echo"
 
 
 @pytest.mark.parametrize("body, status, param", [

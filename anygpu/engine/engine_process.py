@@ -67,6 +67,7 @@ class _Live:
     prompt_token_ids: list[int]
     text: str = ""
     token_ids: list[int] = field(default_factory=list)
+    logprobs: list | None = None
 
 
 class EngineClient:
@@ -168,15 +169,21 @@ class EngineClient:
         self.scheduler.num_running, self.scheduler.num_waiting, self.block_manager.num_free_blocks = stats
 
     def _output(self, request_id, delta_text, delta_ids, finished, finish_reason, stop_reason, arrival,
-                first_token, finish, cached, error, error_type) -> RequestOutput | None:
+                first_token, finish, cached, error, error_type, cumulative_logprob,
+                delta_logprobs) -> RequestOutput | None:
         live = self.requests.get(request_id)
         if live is None:  # aborted here before the engine heard of it
             return None
         live.text += delta_text
         live.token_ids.extend(delta_ids)
+        if delta_logprobs is not None:
+            live.logprobs = live.logprobs if live.logprobs is not None else []
+            live.logprobs.extend(delta_logprobs)
         if finished:
             del self.requests[request_id]
-        completion = CompletionOutput(0, live.text, list(live.token_ids), finish_reason=finish_reason,
+        logprobs = list(live.logprobs) if live.logprobs is not None else None
+        completion = CompletionOutput(0, live.text, list(live.token_ids), cumulative_logprob, logprobs,
+                                      finish_reason=finish_reason,
                                       stop_reason=stop_reason, delta_text=delta_text, delta_token_ids=delta_ids)
         return RequestOutput(request_id, live.prompt_token_ids, [completion], finished=finished, arrival_time=arrival,
                              first_token_time=first_token, finish_time=finish, num_cached_tokens=cached,
@@ -186,8 +193,10 @@ class EngineClient:
 def _wire(o: RequestOutput) -> tuple:
     """What crosses the pipe for one output: its deltas (the client keeps the cumulative text and ids)."""
     c = o.outputs[0]
+    new_logprobs = None if c.logprobs is None else c.logprobs[len(c.token_ids) - len(c.delta_token_ids):]
     return (o.request_id, c.delta_text, c.delta_token_ids, o.finished, c.finish_reason, c.stop_reason,
-            o.arrival_time, o.first_token_time, o.finish_time, o.num_cached_tokens, o.error, o.error_type)
+            o.arrival_time, o.first_token_time, o.finish_time, o.num_cached_tokens, o.error, o.error_type,
+            c.cumulative_logprob, new_logprobs)
 
 
 def _stats(engine) -> tuple:

@@ -55,6 +55,15 @@ DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.
 
 
 @dataclass
+class Logprob:
+    """vLLM's: one token's log-probability under the model, its rank (1 = most likely) and its text."""
+
+    logprob: float
+    rank: int | None = None
+    decoded_token: str | None = None
+
+
+@dataclass
 class CompletionOutput:
     """One completion of a request, vLLM's shape (``index``, ``text``, ``token_ids``, ``finish_reason``, ...),
     plus what a stream needs: ``delta_text`` and ``delta_token_ids``, new since the previous output."""
@@ -62,8 +71,9 @@ class CompletionOutput:
     index: int = 0
     text: str = ""
     token_ids: list[int] = field(default_factory=list)
-    cumulative_logprob: float | None = None  # log probabilities are not computed yet: None, as vLLM unasked
-    logprobs: list | None = None
+    cumulative_logprob: float | None = None  # with SamplingParams.logprobs: the sum over token_ids
+    # With SamplingParams.logprobs = k: per token, {id: Logprob} of the sampled token (first) and the k most likely.
+    logprobs: list[dict[int, Logprob]] | None = None
     finish_reason: str | None = None  # "stop", "length", "abort", "error"
     stop_reason: str | int | None = None  # the stop string or stop token id that ended it
     delta_text: str = ""
@@ -111,6 +121,8 @@ class _Request:
     error: str | None = None
     error_type: str | None = None
     hold: int = 0  # characters held back from delta_text: len(longest stop string) - 1
+    logprobs: list = field(default_factory=list)  # CompletionOutput.logprobs so far (built once per token)
+    cumulative_logprob: float = 0.0
 
 
 def check_request(prompt, params, vocab_size: int, tokenizer, max_model_len: int) -> tuple[list[int], SamplingParams]:
@@ -339,7 +351,8 @@ class LLMEngine:
         hold = 0 if seq.is_finished else req.hold
         visible = max(req.emitted_chars, len(req.text) - hold)
         completion = CompletionOutput(0, req.text[:visible], list(seq.output_token_ids),
-                                      finish_reason=seq.finish_reason, stop_reason=req.stop_reason,
+                                      *self._logprobs(req), finish_reason=seq.finish_reason,
+                                      stop_reason=req.stop_reason,
                                       delta_text=req.text[req.emitted_chars: visible],
                                       delta_token_ids=list(seq.output_token_ids[req.emitted_tokens:]))
         out = RequestOutput(request_id, seq.prompt_token_ids, [completion], finished=seq.is_finished,
@@ -348,6 +361,22 @@ class LLMEngine:
                             num_cached_tokens=seq.num_cached_tokens, error=req.error, error_type=req.error_type)
         req.emitted_chars, req.emitted_tokens = visible, len(seq.output_token_ids)
         return out
+
+    def _logprobs(self, req: _Request) -> tuple[float | None, list | None]:
+        """(cumulative_logprob, logprobs) for the output, the sampler's new entries converted once each."""
+        seq = req.seq
+        if seq.params.logprobs is None:
+            return None, None
+        tok = self.tokenizer
+        text = (lambda t: tok.decode([t], skip_special_tokens=False)) if tok is not None else (lambda t: None)
+        for pos in range(len(req.logprobs), min(len(seq.output_logprobs), len(seq.output_token_ids))):
+            token, (logprob, rank, top) = seq.output_token_ids[pos], seq.output_logprobs[pos]
+            entry = {token: Logprob(logprob, rank, text(token))}
+            for r, (tid, lp) in enumerate(top, 1):
+                entry.setdefault(tid, Logprob(lp, r, text(tid)))
+            req.logprobs.append(entry)
+            req.cumulative_logprob += logprob
+        return req.cumulative_logprob, list(req.logprobs)
 
     def _start_tp(self, spec: RankSpec, weights, progress: bool) -> None:
         """Rank 0's side of the start-up (see distributed.py): the workers build while this process does."""

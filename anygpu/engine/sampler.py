@@ -91,6 +91,18 @@ def apply_filters(logits: torch.Tensor, top_k: list[int], top_p: list[float], mi
     return torch.empty_like(logits).scatter_(-1, order, sorted_logits.masked_fill(~keep, -math.inf))
 
 
+def _logprobs(raw: torch.Tensor, tokens: torch.Tensor, rows: list[int], ks: list[int]) -> list[tuple]:
+    """Each row's (logprob of its token, its rank, the k most likely (id, logprob)), from the model's raw
+    logits (vLLM's default: before penalties, temperature and filters, so they describe the model)."""
+    index = torch.tensor(rows, device=raw.device)
+    lp = torch.log_softmax(raw[index], dim=-1)
+    chosen = lp.gather(1, tokens[index].unsqueeze(1))
+    ranks = (lp > chosen).sum(dim=1) + 1
+    top_lp, top_ids = lp.topk(max(ks), dim=-1) if max(ks) else (lp[:, :0], lp[:, :0].long())
+    chosen, ranks, top_lp, top_ids = chosen[:, 0].tolist(), ranks.tolist(), top_lp.tolist(), top_ids.tolist()
+    return [(chosen[j], ranks[j], list(zip(top_ids[j][:k], top_lp[j][:k]))) for j, k in enumerate(ks)]
+
+
 class Sampler:
     def sample_each(self, logits: torch.Tensor, seqs: list[Sequence]) -> list[int | Exception]:
         """``sample``, except that a row whose sampling fails gets its exception instead of a token, and the
@@ -119,7 +131,8 @@ class Sampler:
         if logits.dim() != 2 or logits.shape[0] != len(seqs):
             raise ValueError(f"logits: expected shape [{len(seqs)}, vocab] (one row per sequence), "
                              f"got {tuple(logits.shape)}")
-        logits = apply_penalties(logits.float(), seqs)
+        raw = logits.float()
+        logits = apply_penalties(raw, seqs)
         tokens = logits.argmax(dim=-1)
         rows = [i for i, s in enumerate(seqs) if s.params.temperature >= SAMPLING_EPS]
         if rows:
@@ -135,6 +148,10 @@ class Sampler:
                 if seqs[i].params.seed is not None:
                     q[j] = self._draw(seqs[i], probs.shape[1], device)
             tokens[index] = (probs / q.clamp_min_(torch.finfo(torch.float32).tiny)).argmax(dim=-1)
+        wanted = [i for i, s in enumerate(seqs) if s.params.logprobs is not None]
+        entries = _logprobs(raw, tokens, wanted, [seqs[i].params.logprobs for i in wanted]) if wanted else []
+        for i, entry in zip(wanted, entries):  # last: nothing after this can fail and leave a stray entry
+            seqs[i].output_logprobs.append(entry)
         return tokens.tolist()
 
     @staticmethod

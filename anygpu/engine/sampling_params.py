@@ -35,6 +35,7 @@ MAX_TOP_K = 2**31 - 1                     # TGI's (an i32); no vocabulary comes 
 MAX_STOP_STRINGS = 64
 MAX_STOP_STRING_CHARS = 256
 MAX_STOP_TOKEN_IDS = 256
+MAX_LOGPROBS = 20  # OpenAI's top_logprobs bound; each is a top-k over the vocabulary at every token
 
 
 def _is_int(x) -> bool:
@@ -74,6 +75,7 @@ class SamplingParams:
     ignore_eos: bool = False
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
+    logprobs: int | None = None          # None: none; k: each token's log-probability and the k most likely
 
     def __post_init__(self) -> None:
         self.validate()
@@ -125,6 +127,10 @@ class SamplingParams:
             bad = [t for t in self.stop_token_ids if not 0 <= t < vocab_size]
             if bad:
                 raise ValueError(f"stop_token_ids: expected ids in [0, {vocab_size}) (the vocabulary), got {bad[:8]}")
+        if self.logprobs is not None:
+            if not _is_int(self.logprobs) or not 0 <= self.logprobs <= MAX_LOGPROBS:
+                raise ValueError(f"logprobs: expected None or an int in [0, {MAX_LOGPROBS}], got {self.logprobs!r}")
+            self.logprobs = int(self.logprobs)
         for name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name}: expected True or False, got {getattr(self, name)!r}")

@@ -39,6 +39,8 @@ class Sequence:
         self.seq_id: int = next(_ids) if seq_id is None else seq_id
         self.params: SamplingParams = SamplingParams() if params is None else params
         self.output_token_ids: list[int] = []
+        # Sampler's, when params.logprobs is set: per output token (logprob, rank, [(id, logprob)] top-k).
+        self.output_logprobs: list[tuple[float, int, list[tuple[int, float]]]] = []
         self.status = SequenceStatus.WAITING
         self.finish_reason: str | None = None     # "stop" (EOS / id / string), "length", "abort", "error"
         self.num_computed_tokens = 0               # tokens whose K/V are in the cache

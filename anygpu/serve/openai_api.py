@@ -5,7 +5,9 @@ Defaults, as vLLM's: completions generate at most 16 tokens unless ``max_tokens`
 default); chat generates until EOS or the end of the context.  A stream sends the assistant role first,
 then one chunk per new piece of text, then a chunk with ``finish_reason``, then (with
 ``stream_options.include_usage``) a chunk with ``choices: []`` and the usage; every earlier chunk then carries
-``usage: null``.  An error after the stream has started is sent as ``data: {"error": {...}}``, which
+``usage: null``.  With log-probabilities asked for, a chunk goes out for every step that brought tokens (its
+text may be empty while a stop string is held back) and carries those tokens' log-probabilities
+(``logprobs.py``).  An error after the stream has started is sent as ``data: {"error": {...}}``, which
 OpenAI's client raises as an APIError.
 """
 
@@ -17,6 +19,7 @@ import uuid
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 
+from .logprobs import chat_logprobs, completion_logprobs
 from .metrics import RequestTimer
 from .protocol import ChatCompletionRequest, CompletionRequest
 from .state import EngineStream, Server, dumps, engine_error, sse
@@ -73,10 +76,17 @@ async def _respond(request, server: Server, body, name: str, prefix: str, obj: s
         return JSONResponse({}, status_code=499)
     done = out.outputs[0]
     text, tokens, reason = done.text, len(done.token_ids), done.finish_reason
-    choice = ({"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
+    logprobs = _logprobs(done.token_ids, done.logprobs, params.logprobs, chat)
+    choice = ({"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": logprobs,
                "finish_reason": reason} if chat else
-              {"index": 0, "text": text, "logprobs": None, "finish_reason": reason})
+              {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": reason})
     return {**head, "object": obj, "choices": [choice], "usage": _usage(len(ids), tokens)}
+
+
+def _logprobs(token_ids, entries, k: int | None, chat: bool, offset: int = 0) -> dict | None:
+    if k is None or entries is None:
+        return None
+    return chat_logprobs(token_ids, entries, k) if chat else completion_logprobs(token_ids, entries, k, offset)
 
 
 async def _stream(server: Server, request_id, ids, params, timer, ticket, head, chat: bool, include_usage: bool):
@@ -85,12 +95,12 @@ async def _stream(server: Server, request_id, ids, params, timer, ticket, head, 
     if include_usage:
         base["usage"] = None
 
-    def chunk(text: str | None, finish_reason=None, role: bool = False):
+    def chunk(text: str | None, finish_reason=None, role: bool = False, logprobs=None):
         if chat:
             delta = {"role": "assistant", "content": ""} if role else ({} if text is None else {"content": text})
-            choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
+            choice = {"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
         else:
-            choice = {"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish_reason}
+            choice = {"index": 0, "text": text or "", "logprobs": logprobs, "finish_reason": finish_reason}
         return sse({**base, "choices": [choice]})
 
     # The chunk sent for every new piece of text, as a template: at a few thousand chunks per second on one
@@ -108,7 +118,14 @@ async def _stream(server: Server, request_id, ids, params, timer, ticket, head, 
             async for out in outputs:
                 completion = out.outputs[0]
                 tokens = len(completion.token_ids)
-                if completion.delta_text:
+                if params.logprobs is not None and completion.delta_token_ids:
+                    # Every new token's log-probabilities, in the chunk of the text that came with them (text held
+                    # back for a stop string comes later, with its own token's chunk).
+                    start = tokens - len(completion.delta_token_ids)
+                    offset = len(completion.text) - len(completion.delta_text)
+                    yield chunk(completion.delta_text, logprobs=_logprobs(
+                        completion.delta_token_ids, completion.logprobs[start:], params.logprobs, chat, offset))
+                elif completion.delta_text:
                     yield text_chunk(completion.delta_text)
                 if out.finished:
                     yield chunk(None, finish_reason=completion.finish_reason)

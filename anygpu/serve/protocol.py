@@ -3,7 +3,7 @@
 Parsed with pydantic in strict JSON mode: a number sent as a string, a bool where an int is expected or a
 float where an int is expected is an error naming the field (lax coercion would run a request the client
 did not write).  Unknown fields are ignored, as OpenAI's own API does; fields we know but do not implement
-(``logprobs``, ``tools``, ``logit_bias``, ``n`` > 1, ...) are refused with a 400 naming them rather than
+(``tools``, ``logit_bias``, ``n`` > 1, ``echo``, ...) are refused with a 400 naming them rather than
 silently dropped.
 
 Every number is bounded here, so the OpenAPI schema shows the ranges and nothing out of range reaches the
@@ -31,8 +31,8 @@ from typing import Annotated, Any, Literal, Union
 from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag
 
 from ..engine import SamplingParams
-from ..engine.sampling_params import (MAX_STOP_STRING_CHARS, MAX_STOP_STRINGS, MAX_STOP_TOKEN_IDS, MAX_TOP_K,
-                                      SEED_MAX, SEED_MIN)
+from ..engine.sampling_params import (MAX_LOGPROBS, MAX_STOP_STRING_CHARS, MAX_STOP_STRINGS, MAX_STOP_TOKEN_IDS,
+                                      MAX_TOP_K, SEED_MAX, SEED_MIN)
 from .errors import APIError
 
 MAX_COUNT = 2**31 - 1  # token counts: TGI's i32; the context bounds them further
@@ -70,7 +70,6 @@ class _OpenAISampling(_Body):
     seed: Annotated[int, Field(ge=SEED_MIN, le=SEED_MAX)] | None = None
     presence_penalty: Penalty | None = None
     frequency_penalty: Penalty | None = None
-    logprobs: Any = None
     logit_bias: dict[str, Annotated[float, Field(ge=-100.0, le=100.0)]] | None = None
     user: str | None = None
     # vLLM's extensions
@@ -85,8 +84,6 @@ class _OpenAISampling(_Body):
     def check_supported(self) -> None:
         if self.n not in (None, 1):
             raise APIError(400, "n: only 1 choice per request is supported; send n requests", "n")
-        if self.logprobs not in (None, False, 0):
-            raise APIError(400, "logprobs: log probabilities are not supported by this server", "logprobs")
         if self.logit_bias:
             raise APIError(400, "logit_bias: not supported by this server", "logit_bias")
         if self.stream_options is not None and not self.stream:
@@ -103,7 +100,12 @@ class _OpenAISampling(_Body):
                 values[name] = getattr(self, name)
         if self.stop is not None:
             values["stop"] = [self.stop] if isinstance(self.stop, str) else self.stop
-        return SamplingParams(**values)
+        return SamplingParams(**values, logprobs=self.logprob_count)
+
+    @property
+    def logprob_count(self) -> int | None:
+        """SamplingParams.logprobs: None for none, else how many most likely tokens to list per token."""
+        raise NotImplementedError
 
     @property
     def include_usage(self) -> bool:
@@ -112,15 +114,23 @@ class _OpenAISampling(_Body):
 
 class CompletionRequest(_OpenAISampling):
     prompt: str | list[int] | list[str] | list[list[int]]
+    logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = None  # the legacy API's: how many top tokens
     echo: bool = False
     best_of: Count | None = None
     suffix: str | None = None
 
     def check_supported(self) -> None:
         super().check_supported()
-        for name, off in (("echo", False), ("best_of", 1), ("suffix", None)):
+        if self.echo:  # the prompt's own log-probabilities would need logits at every prompt position
+            raise APIError(400, "echo: not supported by this server (prompt log-probabilities are not computed)",
+                           "echo")
+        for name, off in (("best_of", 1), ("suffix", None)):
             if getattr(self, name) not in (off, None):
                 raise APIError(400, f"{name}: not supported by this server", name)
+
+    @property
+    def logprob_count(self) -> int | None:
+        return self.logprobs
 
     def single_prompt(self) -> str | list[int]:
         """The one prompt (a string or token ids); a batch of several is refused."""
@@ -157,21 +167,26 @@ class ChatMessage(_Body):
 class ChatCompletionRequest(_OpenAISampling):
     messages: Annotated[list[ChatMessage], Field(min_length=1)]
     max_completion_tokens: Count | None = None
-    top_logprobs: Annotated[int, Field(ge=0, le=20)] | None = None
+    logprobs: bool = False
+    top_logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = None
     tools: list[Any] | None = None
     tool_choice: Any = None
     response_format: dict[str, Any] | None = None
 
     def check_supported(self) -> None:
         super().check_supported()
-        if self.top_logprobs:
-            raise APIError(400, "top_logprobs: log probabilities are not supported by this server", "top_logprobs")
+        if self.top_logprobs is not None and not self.logprobs:
+            raise APIError(400, "top_logprobs: only allowed when logprobs is true", "top_logprobs")
         if self.tools:
             raise APIError(400, "tools: tool calling is not supported by this server", "tools")
         if self.tool_choice not in (None, "none", "auto"):
             raise APIError(400, "tool_choice: tool calling is not supported by this server", "tool_choice")
         if self.response_format and self.response_format.get("type") not in (None, "text"):
             raise APIError(400, "response_format: only {'type': 'text'} is supported", "response_format")
+
+    @property
+    def logprob_count(self) -> int | None:
+        return (self.top_logprobs or 0) if self.logprobs else None
 
     @property
     def requested_max_tokens(self) -> int | None:
