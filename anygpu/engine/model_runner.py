@@ -37,6 +37,7 @@ import torch
 import torch.distributed as dist
 
 from ..models.llama import MODES, AttentionBatch, LlamaForCausalLM
+from ..ops.define import runs_references
 from .sampler import Sampler
 from .scheduler import ScheduledBatch
 
@@ -92,7 +93,9 @@ class ModelRunner:
         self.kv_cache = torch.empty(2, cfg.num_layers, num_blocks, block_size, self.num_kv_heads, cfg.head_dim,
                                     dtype=self.dtype, device=self.device)
         model.set_kv_caches([(self.kv_cache[0, i], self.kv_cache[1, i]) for i in range(cfg.num_layers)])
-        if self.device.type == "cuda" and not enforce_eager:
+        # Decode graphs only over the Triton kernels: the ops' references (ANYGPU_KERNELS=reference, or a GPU
+        # Triton cannot target) may synchronise with the host, which a capture cannot hold.
+        if self.device.type == "cuda" and not enforce_eager and not runs_references(self.device):
             try:
                 self._capture_decode_graphs()
             except BaseException:

@@ -163,6 +163,16 @@ def reference_only(index: int) -> str | None:
     return _REFERENCE_ONLY[index]
 
 
+def runs_references(device: torch.device) -> bool:
+    """Whether ops on ``device`` run their PyTorch references (``ANYGPU_KERNELS=reference``, or a GPU Triton cannot
+    target).  Callers that capture CUDA/HIP graphs ask first: the references may synchronise with the host."""
+    device = torch.device(device)
+    if device.type != "cuda":
+        return False
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    return _kernels_choice() == "reference" or reference_only(index) is not None
+
+
 def _gpu_index(args) -> int | None:
     """The device index of the first GPU tensor among an op's arguments."""
     for a in args:
