@@ -225,19 +225,15 @@ def _gemm_4bit_kernel(x_ptr, w_ptr, absmax_ptr, code_ptr, bias_ptr, out_ptr,
 # GEMV: BLOCK_N rows per program, CHUNK elements of each row per step (several 4-bit blocks when CHUNK
 # exceeds the block size), the next step's weights loaded before this one's are decoded (PREFETCH);
 # K split up to MAX_SPLIT ways, the partial sums added by kernels/_split_k.py
-# (tools/sweep_matmul_4bit.py on the H200 picks them).  GEMM: BLOCK_M 16 for tensor cores / MFMA / WMMA;
-# decoding the weight tile, not the dot, bounds it, so more programs (split K) help.  RDNA3: wave32
-# WMMA and 64 KiB of LDS.
+# (tools/sweep_matmul_4bit.py and tools/sweep_gemv_shapes.py on the H200 pick them; the measurements are in
+# docs/perf/2026-12-01-nf4-gemm.md and docs/benchmarks-h200.md).
 GEMV_CONFIGS = {
     "default": (LaunchConfig({"BLOCK_N": 32, "CHUNK": 128, "PREFETCH": True, "LUT_GATHER": True,
                               "MAX_SPLIT": 8}, num_warps=4),),
-    # H200 (tools/sweep_matmul_4bit.py, 2026-11-29): the PTX decoder with 16-bit pair math, 64 rows,
-    # 512-element steps, 2 warps, split 4: 20.6 us at N = K = 8192 fp16 (1.86x F.linear; fp32 math
-    # 23.5 us).  Prefetching, per-word fp32 accumulators and x loaded per element position measured
-    # within 1 us: the loop is bound by the ~5 instructions per weight element of decoding
-    # (byte permutes and selects) and table moves, not by memory.
-    # Llama-3-8B decode shapes (tools/sweep_gemv_shapes.py, same day): 32 rows with split 4 is within 3 % of
-    # the best on every shape, and 1.2-1.9x faster than 64 rows on K = 4096 layers (too few programs there).
+    # NVIDIA: the PTX decoder with 16-bit pair math and no prefetch: the loop is bound by the instructions that
+    # decode each weight element (byte permutes and selects) and the table moves, not by memory, so
+    # prefetching and wider accumulators did not help.  32 rows with split 4 keeps enough programs on narrow
+    # (K = 4096) layers, where 64 rows left the GPU underfilled.
     "nvidia": (LaunchConfig({"BLOCK_N": 32, "CHUNK": 512, "PREFETCH": False, "LUT_GATHER": True, "MAX_SPLIT": 4,
                              "SPLIT_MIN_CHUNKS": 2, "DECODE_PTX": True, "HALF2": True}, num_warps=2),),
 }
