@@ -53,7 +53,9 @@ def test_gfx1030_is_detected_once_and_said(rocm_gpu, monkeypatch):
     monkeypatch.setattr(aot, "_try_probe", lambda target: probes.append(target.arch) or real(target))
     with pytest.warns(UserWarning, match="gfx1030: Triton cannot target this GPU; ops run their PyTorch reference"):
         reason = define.reference_only(0)
-    assert "unsupported target: 'gfx1030'" in reason
+    # MLIR prints the reason ("unsupported target: 'gfx1030'") to stderr the first time in a process; a later
+    # probe (after another test's) only has the compiler's exception to quote.
+    assert "unsupported target: 'gfx1030'" in reason or "CompilationError" in reason, reason
     assert define.reference_only(0) == reason and probes == ["gfx1030"]  # once per process
 
 
