@@ -169,8 +169,12 @@ def runs_references(device: torch.device) -> bool:
     device = torch.device(device)
     if device.type != "cuda":
         return False
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    return _kernels_choice() == "reference" or reference_only(index) is not None
+    return _references_on(device.index if device.index is not None else torch.cuda.current_device())
+
+
+def _references_on(index: int | None) -> bool:
+    """The one decision behind ``runs_references`` and every op's GPU dispatch (``index``: None, no GPU tensor)."""
+    return _kernels_choice() == "reference" or (index is not None and reference_only(index) is not None)
 
 
 def _gpu_index(args) -> int | None:
@@ -218,10 +222,7 @@ def define_op(schema: str, *, check: Callable, reference: Callable, fake: Callab
 
     def gpu_impl(*args):
         check(*args)
-        if _kernels_choice() == "reference":
-            return reference(*args)
-        index = _gpu_index(args)
-        if index is not None and reference_only(index):
+        if _references_on(_gpu_index(args)):
             return reference(*args)
         return (kernel() or reference)(*args)
 
