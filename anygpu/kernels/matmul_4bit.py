@@ -199,8 +199,8 @@ def _gemm_4bit_kernel(x_ptr, w_ptr, absmax_ptr, code_ptr, bias_ptr, out_ptr,
             codes = packed.to(tl.int32)
             # DOT_IN_FP32: Triton's interpreter (how Triton runs on CPU tensors) gets bf16 tl.dot wrong, as
             # numpy has no bf16; the launcher sets it there, and fp32 tiles are exact for bf16 values.
-            hi = _lookup(code_ptr, lut, codes >> 4, LUT_GATHER).to(x_ptr.dtype.element_ty).to(dot_dtype)
-            lo = _lookup(code_ptr, lut, codes & 15, LUT_GATHER).to(x_ptr.dtype.element_ty).to(dot_dtype)
+            hi = _lookup(code_ptr, lut, codes >> 4, LUT_GATHER).to(dot_dtype)  # lut holds x's dtype
+            lo = _lookup(code_ptr, lut, codes & 15, LUT_GATHER).to(dot_dtype)
         scale = _block_scales(absmax_ptr, nested_code_ptr, nested_absmax_ptr, nested_offset_ptr,
                               n64 * blocks_per_row + k0 // BLOCKSIZE, n_mask, NESTED)
         if W_AS_A:
