@@ -157,7 +157,7 @@ def _gemm_4bit_kernel(x_ptr, w_ptr, absmax_ptr, code_ptr, bias_ptr, out_ptr,
                       BLOCKSIZE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                       NESTED: tl.constexpr, HAS_BIAS: tl.constexpr, GROUP_M: tl.constexpr,
                       DOT_IN_FP32: tl.constexpr, LUT_GATHER: tl.constexpr, SPLIT_K: tl.constexpr,
-                      DECODE_PTX: tl.constexpr, W_AS_A: tl.constexpr):
+                      DECODE_PTX: tl.constexpr):
     # A step's BLOCK_K columns lie in one 4-bit block (the launcher caps BLOCK_K at the block size, and K is a
     # multiple of it), so the codes are decoded to unscaled 16-bit values and the block's scale multiplies
     # the step's partial dot: BLOCK_M multiplies per weight row instead of one per weight element.
@@ -173,12 +173,7 @@ def _gemm_4bit_kernel(x_ptr, w_ptr, absmax_ptr, code_ptr, bias_ptr, out_ptr,
     n64 = n.to(tl.int64)
     blocks_per_row = K // BLOCKSIZE
     dot_dtype = tl.float32 if DOT_IN_FP32 else x_ptr.dtype.element_ty
-    # W_AS_A: compute the transposed tile W x^T ([BLOCK_N, BLOCK_M]), so the decoded weights are the dot's
-    # A operand, which Hopper's wgmma reads from registers (B must come from shared memory).
-    if W_AS_A:
-        acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
-    else:
-        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     if DECODE_PTX:
         t0, t1, t2, t3, u0, u1, u2, u3 = _tables(code_ptr, x_ptr.dtype.element_ty == tl.bfloat16)
     else:
@@ -203,14 +198,8 @@ def _gemm_4bit_kernel(x_ptr, w_ptr, absmax_ptr, code_ptr, bias_ptr, out_ptr,
             lo = _lookup(code_ptr, lut, codes & 15, LUT_GATHER).to(dot_dtype)
         scale = _block_scales(absmax_ptr, nested_code_ptr, nested_absmax_ptr, nested_offset_ptr,
                               n64 * blocks_per_row + k0 // BLOCKSIZE, n_mask, NESTED)
-        if W_AS_A:
-            part = tl.dot(lo, tl.trans(x_odd), tl.dot(hi, tl.trans(x_even)))
-            acc += part * scale[:, None]
-        else:
-            part = tl.dot(x_odd, tl.trans(lo), tl.dot(x_even, tl.trans(hi)))
-            acc += part * scale[None, :]
-    if W_AS_A:
-        acc = tl.trans(acc)
+        part = tl.dot(x_odd, tl.trans(lo), tl.dot(x_even, tl.trans(hi)))
+        acc += part * scale[None, :]
     if SPLIT_K == 1:
         if HAS_BIAS:
             acc += tl.load(bias_ptr + n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
@@ -241,7 +230,7 @@ GEMV_CONFIGS = {
 # decoded once per BLOCK_M rows, so BLOCK_M grows with M; split K keeps enough programs in flight when
 # N / BLOCK_N tiles alone do not fill the GPU.  NVIDIA: the PTX pair decoder; the decoded tile is the dot's B
 # operand (through shared memory), which tools/sweep_matmul_4bit.py found at least as fast as feeding it
-# to wgmma from registers (W_AS_A) at every M it tried, and faster with double quantization.  RDNA3: wave32
+# to wgmma from registers (W x^T, dropped) at every M it tried, and faster with double quantization.  RDNA3: wave32
 # WMMA and 64 KiB of LDS.
 _NV = {"LUT_GATHER": True, "DECODE_PTX": True}
 GEMM_CONFIGS = {
@@ -411,7 +400,6 @@ def matmul_4bit(x: torch.Tensor, weight: torch.Tensor, absmax: torch.Tensor, cod
                                     BLOCK_N=c["BLOCK_N"], BLOCK_K=block_k, LUT_GATHER=c["LUT_GATHER"],
                                     SPLIT_K=p.split_k,
                                     DECODE_PTX=c.get("DECODE_PTX", False) and x.device.type == "cuda",
-                                    W_AS_A=c.get("W_AS_A", False),
                                     DOT_IN_FP32=x.device.type == "cpu" and x.dtype == torch.bfloat16, **options)
         if p.split_k > 1:
             reduce_partials(target, out2, bias)
@@ -436,7 +424,7 @@ def _signature(kernel: str):
             s.update({"BLOCK_M": "constexpr", "BLOCK_N": "constexpr", "BLOCK_K": "constexpr",
                       "NESTED": "constexpr", "HAS_BIAS": "constexpr", "GROUP_M": "constexpr",
                       "DOT_IN_FP32": "constexpr", "LUT_GATHER": "constexpr",
-                      "SPLIT_K": "constexpr", "DECODE_PTX": "constexpr", "W_AS_A": "constexpr"})
+                      "SPLIT_K": "constexpr", "DECODE_PTX": "constexpr"})
         else:
             s.update({"BLOCK_N": "constexpr", "CHUNK": "constexpr", "SEG": "constexpr",
                       "EVEN_K": "constexpr", "PARTIAL": "constexpr", "PREFETCH": "constexpr",
@@ -465,5 +453,4 @@ GEMM_SPEC = register(KernelSpec(
     "gemm_4bit", _gemm_4bit_kernel, _signature("gemm"), DTYPES,
     _with_defaults(GEMM_CONFIGS, lambda c: {"BLOCKSIZE": 64, "NESTED": True, "HAS_BIAS": False,
                                             "GROUP_M": 8, "DOT_IN_FP32": False, "SPLIT_K": 1,
-                                            "DECODE_PTX": c.constexprs.get("DECODE_PTX", False),
-                                            "W_AS_A": c.constexprs.get("W_AS_A", False)}, drop=("MAX_M",))))
+                                            "DECODE_PTX": c.constexprs.get("DECODE_PTX", False)}, drop=("MAX_M",))))
