@@ -8,13 +8,12 @@ import triton.language as tl
 
 
 @triton.jit
-def _block_scales(absmax_ptr, nested_code_ptr, nested_absmax_ptr, nested_offset_ptr, idx, flat, mask,
+def _block_scales(absmax_ptr, nested_code_ptr, nested_absmax_ptr, nested_offset_ptr, idx, mask,
                   NESTED: tl.constexpr):
-    """fp32 absmax of the 4-bit blocks stored at ``idx`` (double quantization decoded on the fly; ``flat``: the
-    blocks' row-major numbers, which the nested blocks of 256 count in)."""
+    """fp32 absmax of the 4-bit blocks at ``idx`` (double quantization decoded on the fly)."""
     if NESTED:
         q = tl.load(absmax_ptr + idx, mask=mask, other=0).to(tl.int32)
-        scale = tl.load(nested_code_ptr + q) * tl.load(nested_absmax_ptr + flat // 256, mask=mask, other=0.0)
+        scale = tl.load(nested_code_ptr + q) * tl.load(nested_absmax_ptr + idx // 256, mask=mask, other=0.0)
         scale += tl.load(nested_offset_ptr)
     else:
         scale = tl.load(absmax_ptr + idx, mask=mask, other=0.0).to(tl.float32)

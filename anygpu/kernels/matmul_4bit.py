@@ -33,31 +33,12 @@ from .config import (TRITON_DTYPE, KernelSpec, LaunchConfig, cached_options, dev
 
 
 @triton.jit
-def _w_offset(k0, stride_wt, W_TILE: tl.constexpr, PER_WORD: tl.constexpr):
-    """Where column k0's packed words start, from a row's start: row-major (W_TILE 0) or tiled (W_TILE columns
-    of every row stored together, tile after tile; see ``tile_weight``)."""
-    if W_TILE:
-        return (k0 // W_TILE) * stride_wt + (k0 % W_TILE) // PER_WORD
-    return k0 // PER_WORD
-
-
-@triton.jit
-def _scale_index(n64, block, N, blocks_per_row, W_TILE: tl.constexpr):
-    """The absmax index of 4-bit block ``block`` of rows n64: row-major, or block-major when tiled."""
-    if W_TILE:
-        return block * N + n64
-    return n64 * blocks_per_row + block
-
-
-@triton.jit
-def _gemv_load(w_rows, k0, K, n_mask, stride_wt, CHUNK: tl.constexpr, PER_WORD: tl.constexpr,
-               EVEN_K: tl.constexpr, W_TILE: tl.constexpr):
+def _gemv_load(w_rows, k0, K, n_mask, CHUNK: tl.constexpr, PER_WORD: tl.constexpr, EVEN_K: tl.constexpr):
     """One step's packed weights: [BLOCK_N, CHUNK / PER_WORD] words (int32 for the PTX decoder, else bytes)."""
     j = tl.arange(0, CHUNK // PER_WORD)
-    at = w_rows + _w_offset(k0, stride_wt, W_TILE, PER_WORD)
     if EVEN_K:
-        return tl.load(at, mask=n_mask[:, None], other=0)
-    return tl.load(at, mask=n_mask[:, None] & (k0 + PER_WORD * j < K)[None, :], other=0)
+        return tl.load(w_rows + k0 // PER_WORD, mask=n_mask[:, None], other=0)
+    return tl.load(w_rows + k0 // PER_WORD, mask=n_mask[:, None] & (k0 + PER_WORD * j < K)[None, :], other=0)
 
 
 @triton.jit
@@ -70,12 +51,11 @@ def _load_x(x_row, k0, K, kx, EVEN_K: tl.constexpr):
 @triton.jit
 def _gemv_4bit_kernel(x_ptr, w_ptr, absmax_ptr, code_ptr, bias_ptr, out_ptr,
                       nested_code_ptr, nested_absmax_ptr, nested_offset_ptr,
-                      N, K, stride_xm, stride_om, stride_w, stride_wt, SPLITS,
+                      N, K, stride_xm, stride_om, stride_w, SPLITS,
                       BLOCKSIZE: tl.constexpr, BLOCK_N: tl.constexpr, CHUNK: tl.constexpr, SEG: tl.constexpr,
                       EVEN_K: tl.constexpr, PARTIAL: tl.constexpr, PREFETCH: tl.constexpr,
                       NESTED: tl.constexpr, HAS_BIAS: tl.constexpr,
-                      LUT_GATHER: tl.constexpr, DECODE_PTX: tl.constexpr, HALF2: tl.constexpr,
-                      W_TILE: tl.constexpr = 0):
+                      LUT_GATHER: tl.constexpr, DECODE_PTX: tl.constexpr, HALF2: tl.constexpr):
     # One program: BLOCK_N output features of one row of x, over 1/SPLITS of K, CHUNK elements of each
     # row per step.  stride_w (a row's packed length in words or bytes) is an argument, not K // 8,
     # so that Triton sees it is a multiple of 16 and emits 16-byte loads.  A step covers CHUNK / SEG
@@ -108,14 +88,14 @@ def _gemv_4bit_kernel(x_ptr, w_ptr, absmax_ptr, code_ptr, bias_ptr, out_ptr,
     if PREFETCH:
         # (n < N or 0: an empty split loads nothing; a scalar & a vector mask trips the interpreter)
         first = n < tl.where(c_start < c_end, N, 0)
-        packed = _gemv_load(w_rows, c_start * CHUNK, K, first, stride_wt, CHUNK, PER_WORD, EVEN_K, W_TILE)
+        packed = _gemv_load(w_rows, c_start * CHUNK, K, first, CHUNK, PER_WORD, EVEN_K)
     for c in range(c_start, c_end):
         k0 = c * CHUNK
         if PREFETCH:
             more = n < tl.where(c + 1 < c_end, N, 0)
-            following = _gemv_load(w_rows, k0 + CHUNK, K, more, stride_wt, CHUNK, PER_WORD, EVEN_K, W_TILE)
+            following = _gemv_load(w_rows, k0 + CHUNK, K, more, CHUNK, PER_WORD, EVEN_K)
         else:
-            packed = _gemv_load(w_rows, k0, K, n_mask, stride_wt, CHUNK, PER_WORD, EVEN_K, W_TILE)
+            packed = _gemv_load(w_rows, k0, K, n_mask, CHUNK, PER_WORD, EVEN_K)
         if HALF2:
             # x as pairs in int32 words (x0|x1, x2|x3, ...), multiplied with the decoded codes in 16-bit pair
             # arithmetic (4 products per lane summed in 16 bits, then fp32): half the instructions of
@@ -153,7 +133,6 @@ def _gemv_4bit_kernel(x_ptr, w_ptr, absmax_ptr, code_ptr, bias_ptr, out_ptr,
         block = k0 // BLOCKSIZE + seg * SEG // BLOCKSIZE
         seg_mask = n_mask[:, None] & (k0 + seg * SEG < K)[None, :]
         scale = _block_scales(absmax_ptr, nested_code_ptr, nested_absmax_ptr, nested_offset_ptr,
-                              _scale_index(n64[:, None], block[None, :], N, blocks_per_row, W_TILE),
                               n64[:, None] * blocks_per_row + block[None, :], seg_mask, NESTED)
         if CHUNK == SEG:
             acc += tl.sum(prod, axis=1) * tl.reshape(scale, (BLOCK_N,))
@@ -174,11 +153,11 @@ def _gemv_4bit_kernel(x_ptr, w_ptr, absmax_ptr, code_ptr, bias_ptr, out_ptr,
 @triton.jit
 def _gemm_4bit_kernel(x_ptr, w_ptr, absmax_ptr, code_ptr, bias_ptr, out_ptr,
                       nested_code_ptr, nested_absmax_ptr, nested_offset_ptr,
-                      M, N, K, stride_xm, stride_om, stride_w, stride_wt,
+                      M, N, K, stride_xm, stride_om, stride_w,
                       BLOCKSIZE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                       NESTED: tl.constexpr, HAS_BIAS: tl.constexpr, GROUP_M: tl.constexpr,
                       DOT_IN_FP32: tl.constexpr, LUT_GATHER: tl.constexpr, SPLIT_K: tl.constexpr,
-                      DECODE_PTX: tl.constexpr, W_TILE: tl.constexpr = 0):
+                      DECODE_PTX: tl.constexpr):
     # A step's BLOCK_K columns lie in one 4-bit block (the launcher caps BLOCK_K at the block size, and K is a
     # multiple of it), so the codes are decoded to unscaled 16-bit values and the block's scale multiplies
     # the step's partial dot: BLOCK_M multiplies per weight row instead of one per weight element.
@@ -208,7 +187,7 @@ def _gemm_4bit_kernel(x_ptr, w_ptr, absmax_ptr, code_ptr, bias_ptr, out_ptr,
     for k0 in range(k_begin, tl.minimum(k_begin + k_per_split, K), BLOCK_K):
         x = tl.load(x_tile + k0, mask=m_mask[:, None], other=0.0).to(dot_dtype)
         x_even, x_odd = tl.split(tl.reshape(x, (BLOCK_M, BLOCK_K // 2, 2)))
-        packed = tl.load(w_tile + _w_offset(k0, stride_wt, W_TILE, 2), mask=n_mask[:, None], other=0)
+        packed = tl.load(w_tile + k0 // 2, mask=n_mask[:, None], other=0)
         if DECODE_PTX:
             hi, lo = _decode_pairs(packed, t0, t1, t2, t3, u0, u1, u2, u3, x_ptr.dtype.element_ty == tl.bfloat16)
         else:
@@ -218,7 +197,6 @@ def _gemm_4bit_kernel(x_ptr, w_ptr, absmax_ptr, code_ptr, bias_ptr, out_ptr,
             hi = _lookup(code_ptr, lut, codes >> 4, LUT_GATHER).to(dot_dtype)  # lut holds x's dtype
             lo = _lookup(code_ptr, lut, codes & 15, LUT_GATHER).to(dot_dtype)
         scale = _block_scales(absmax_ptr, nested_code_ptr, nested_absmax_ptr, nested_offset_ptr,
-                              _scale_index(n64, k0 // BLOCKSIZE, N, blocks_per_row, W_TILE),
                               n64 * blocks_per_row + k0 // BLOCKSIZE, n_mask, NESTED)
         part = tl.dot(x_odd, tl.trans(lo), tl.dot(x_even, tl.trans(hi)))
         acc += part * scale[None, :]
@@ -355,21 +333,6 @@ def dequantize_weight(w, absmax, code, blocksize, n, k, dtype, nested_absmax=Non
     return out
 
 
-def tile_weight(weight: torch.Tensor, absmax: torch.Tensor, n: int, k: int, blocksize: int, tile: int):
-    """The tiled layout of a packed weight: every row's ``tile`` consecutive columns stored together, tile after
-    tile ([k / tile, n, tile / 2] bytes), and absmax block-major ([k / blocksize, n]), so that one step of a
-    kernel over a few rows reads one contiguous run of bytes.  A permutation: ``untile_weight`` restores the
-    bitsandbytes bytes exactly."""
-    w = weight.reshape(-1).view(torch.uint8).view(n, k // tile, tile // 2).transpose(0, 1).contiguous()
-    return w.reshape(-1), absmax.view(n, k // blocksize).t().contiguous().reshape(-1)
-
-
-def untile_weight(weight: torch.Tensor, absmax: torch.Tensor, n: int, k: int, blocksize: int, tile: int):
-    """The bitsandbytes (row-major) bytes of a weight tiled by ``tile_weight``."""
-    w = weight.view(k // tile, n, tile // 2).transpose(0, 1).contiguous()
-    return w.reshape(-1), absmax.view(k // blocksize, n).t().contiguous().reshape(-1)
-
-
 def _unit_stride(t: torch.Tensor | None) -> torch.Tensor | None:
     return t if t is None or t.stride(-1) == 1 else t.contiguous()
 
@@ -377,10 +340,9 @@ def _unit_stride(t: torch.Tensor | None) -> torch.Tensor | None:
 def matmul_4bit(x: torch.Tensor, weight: torch.Tensor, absmax: torch.Tensor, code: torch.Tensor, blocksize: int,
                 n: int, k: int, bias: torch.Tensor | None = None, nested_absmax: torch.Tensor | None = None,
                 nested_code: torch.Tensor | None = None, nested_offset: torch.Tensor | None = None,
-                plan_: Plan | None = None, w_tile: int = 0) -> torch.Tensor:
+                plan_: Plan | None = None) -> torch.Tensor:
     """Launch on x's device.  x: [..., k] fp16/bf16 (fp32 works); weight: the packed bytes (any shape and
-    storage dtype, viewed as uint8), row-major or (``w_tile``) laid out by ``tile_weight``; the caller (the op)
-    has checked every argument."""
+    storage dtype, viewed as uint8); the caller (the op) has checked every argument."""
     lead = x.shape[:-1]
     x2 = x.reshape(-1, k)
     if x2.stride(-1) != 1:
@@ -402,8 +364,6 @@ def matmul_4bit(x: torch.Tensor, weight: torch.Tensor, absmax: torch.Tensor, cod
     b = bias if bias is not None else dummy
     out2 = out.view(m, n)
     if p.path == "dequant" or (p.path == "gemm" and x.dtype == torch.float32):
-        if w_tile:
-            w, absmax = untile_weight(w, absmax, n, k, blocksize, w_tile)
         wd = dequantize_weight(w, absmax, code, blocksize, n, k, x.dtype, nested_absmax, nested_code, nested_offset)
         return torch.nn.functional.linear(x, wd, bias)
     cfg = p.config
@@ -421,8 +381,7 @@ def matmul_4bit(x: torch.Tensor, weight: torch.Tensor, absmax: torch.Tensor, cod
             half2 = (ptx and c.get("HALF2", False) and x.dtype in (torch.float16, torch.bfloat16)
                      and x2.data_ptr() % 4 == 0 and x2.stride(0) % 2 == 0)
             _gemv_4bit_kernel[grid](x2, w, absmax, code, b, partials, *nest, n, k, x2.stride(0), out2.stride(0),
-                                    (w_tile or k) // (8 if ptx else 2), n * w_tile // (8 if ptx else 2),
-                                    p.split_k, BLOCKSIZE=blocksize, W_TILE=w_tile,
+                                    k // 8 if ptx else k // 2, p.split_k, BLOCKSIZE=blocksize,
                                     BLOCK_N=c["BLOCK_N"], CHUNK=chunk,
                                     SEG=min(chunk, blocksize), EVEN_K=k % chunk == 0, PARTIAL=p.split_k > 1,
                                     PREFETCH=c["PREFETCH"], NESTED=nested, HAS_BIAS=bias is not None,
@@ -436,8 +395,7 @@ def matmul_4bit(x: torch.Tensor, weight: torch.Tensor, absmax: torch.Tensor, cod
             target = out2 if p.split_k == 1 else torch.empty(p.split_k, m, n, dtype=torch.float32, device=x.device)
             grid = (-(-m // c["BLOCK_M"]) * -(-n // c["BLOCK_N"]), p.split_k)
             _gemm_4bit_kernel[grid](x2, w, absmax, code, b, target, *nest, m, n, k, x2.stride(0), out2.stride(0),
-                                    (w_tile or k) // 2, n * w_tile // 2, BLOCKSIZE=blocksize, NESTED=nested,
-                                    W_TILE=w_tile,
+                                    k // 2, BLOCKSIZE=blocksize, NESTED=nested,
                                     HAS_BIAS=bias is not None, GROUP_M=8, BLOCK_M=c["BLOCK_M"],
                                     BLOCK_N=c["BLOCK_N"], BLOCK_K=block_k, LUT_GATHER=c["LUT_GATHER"],
                                     SPLIT_K=p.split_k,
@@ -460,19 +418,18 @@ def _signature(kernel: str):
         s.update({"M": "i32"} if kernel == "gemm" else {})
         s.update({"N": "i32", "K": "i32", "stride_xm": "i32", "stride_om": "i32"})
         s["stride_w"] = "i32"
-        s["stride_wt"] = "i32"
         s.update({"SPLITS": "i32"} if kernel == "gemv" else {})
         s["BLOCKSIZE"] = "constexpr"
         if kernel == "gemm":
             s.update({"BLOCK_M": "constexpr", "BLOCK_N": "constexpr", "BLOCK_K": "constexpr",
                       "NESTED": "constexpr", "HAS_BIAS": "constexpr", "GROUP_M": "constexpr",
                       "DOT_IN_FP32": "constexpr", "LUT_GATHER": "constexpr",
-                      "SPLIT_K": "constexpr", "DECODE_PTX": "constexpr", "W_TILE": "constexpr"})
+                      "SPLIT_K": "constexpr", "DECODE_PTX": "constexpr"})
         else:
             s.update({"BLOCK_N": "constexpr", "CHUNK": "constexpr", "SEG": "constexpr",
                       "EVEN_K": "constexpr", "PARTIAL": "constexpr", "PREFETCH": "constexpr",
                       "NESTED": "constexpr", "HAS_BIAS": "constexpr", "LUT_GATHER": "constexpr",
-                      "DECODE_PTX": "constexpr", "HALF2": "constexpr", "W_TILE": "constexpr"})
+                      "DECODE_PTX": "constexpr", "HALF2": "constexpr"})
         return s
     return sig
 
@@ -490,12 +447,10 @@ GEMV_SPEC = register(KernelSpec(
     _with_defaults(GEMV_CONFIGS, lambda c: {"BLOCKSIZE": 64, "SEG": min(64, c.constexprs["CHUNK"]), "EVEN_K": True,
                                             "PARTIAL": True, "NESTED": False, "HAS_BIAS": True,
                                             "DECODE_PTX": c.constexprs.get("DECODE_PTX", False),
-                                            "HALF2": c.constexprs.get("HALF2", False),
-                                            "W_TILE": c.constexprs.get("W_TILE", 0)},
+                                            "HALF2": c.constexprs.get("HALF2", False)},
                    drop=("MAX_SPLIT", "SPLIT_MIN_CHUNKS"))))
 GEMM_SPEC = register(KernelSpec(
     "gemm_4bit", _gemm_4bit_kernel, _signature("gemm"), DTYPES,
     _with_defaults(GEMM_CONFIGS, lambda c: {"BLOCKSIZE": 64, "NESTED": True, "HAS_BIAS": False,
                                             "GROUP_M": 8, "DOT_IN_FP32": False, "SPLIT_K": 1,
-                                            "DECODE_PTX": c.constexprs.get("DECODE_PTX", False),
-                                            "W_TILE": c.constexprs.get("W_TILE", 0)}, drop=("MAX_M",))))
+                                            "DECODE_PTX": c.constexprs.get("DECODE_PTX", False)}, drop=("MAX_M",))))
