@@ -110,23 +110,19 @@ def _outlier_fp(y, x_rows, w_rows, scb, x_ptr, cols_ptr, n_out, m_mask, n_mask, 
 
 
 @triton.jit
-def _dequantize_store(acc, facc, xo, wo, row_stat, scb, rm64, rn, m_mask, n_mask, x_rows, w_rows, x_ptr, bias_ptr,
+def _dequantize_store(acc, xo, wo, row_stat, scb, rm64, rn, m_mask, n_mask, x_rows, w_rows, x_ptr, bias_ptr,
                       cols_ptr, n_out, out_ptr, stride_om, HAS_BIAS: tl.constexpr, HAS_THRESHOLD: tl.constexpr,
-                      FP_GIVEN: tl.constexpr, HEAD: tl.constexpr):
+                      HEAD: tl.constexpr):
     """The epilogue of every GEMM kernel here: int32 sums [BM, BN] to x's dtype in the reference's order,
-    bias, then (threshold) the outlier columns' fp products: ``facc`` (FP_GIVEN) or the listed columns',
-    the first HEAD of them from the gathered ``xo`` [BM, HEAD] and ``wo`` [BN, HEAD] (``n_out``: the list's
-    length)."""
+    bias, then (threshold) the listed outlier columns' fp products, the first HEAD of them from the gathered
+    ``xo`` [BM, HEAD] and ``wo`` [BN, HEAD] (``n_out``: the list's length)."""
     y = acc.to(tl.float32) * ((row_stat[:, None] * scb[None, :]) * _f32(INV_127_SQUARED_BITS))
     if HAS_BIAS:
         y = y + tl.load(bias_ptr + rn, mask=n_mask, other=0.0).to(tl.float32)[None, :]
     if HAS_THRESHOLD:  # the reference rounds the int8 part before it adds the outlier columns'
         y = _round_to(y, out_ptr)
-        if FP_GIVEN:
-            y = y + facc
-        else:
-            if HEAD > 0:
-                y = _fp_dot(xo, _dequantized(wo, scb, x_ptr), y)
-            y = _outlier_fp(y, x_rows, w_rows, scb, x_ptr, cols_ptr, n_out, m_mask, n_mask, HEAD, OUTLIER_STEP)
+        if HEAD > 0:
+            y = _fp_dot(xo, _dequantized(wo, scb, x_ptr), y)
+        y = _outlier_fp(y, x_rows, w_rows, scb, x_ptr, cols_ptr, n_out, m_mask, n_mask, HEAD, OUTLIER_STEP)
     out = out_ptr + rm64[:, None] * stride_om + rn[None, :]
     tl.store(out, to_output(y, out_ptr), mask=m_mask[:, None] & n_mask[None, :])

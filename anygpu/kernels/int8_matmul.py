@@ -2,19 +2,10 @@
 quantized row-wise to int8, exact int32 products, and the outlier columns of x (``threshold > 0``) in
 x's own precision.  The arithmetic is the reference's (``anygpu/ops/int8_matmul.py``), step for step.
 
-One kernel, ``_int8_matmul_kernel``, takes its int8 A operand from one of three sources (``SOURCE``):
-
-* 0, x: the rows of x are quantized inside the kernel.  All rows sit in one BLOCK_M tile, so each
-  K step sees whole columns: the outlier columns are masked to 0 in the codes and multiplied in x's
-  dtype right there.  Row stats are the absmax of each row, over K, before the main loop (a pass over
-  x from L2: ``STATS_GIVEN=False``, for one or two rows) or from the stats kernel (``STATS_GIVEN``).
-  One launch (two), no atomics, no buffers: the decode path.
-* 1, codes: ``quantize_rows`` (``int8_quantize.py``) wrote the codes, the row stats and the outlier
-  columns (a program per row); the main loop is a plain int8 x int8 -> int32 ``tl.dot`` GEMM.  For many
-  rows on NVIDIA sm_90, ``_int8_matmul_tma_kernel`` does the same with the codes and CB brought by
-  tensor descriptors (TMA), in persistent programs.
-* 2, int32: ``torch._int_mm`` (cuBLASLt / hipBLASLt) did the int8 GEMM on those codes; the kernel is
-  the epilogue.
+``quantize_rows`` (``int8_quantize.py``) writes the int8 A operand (the codes), the row stats and the outlier
+columns (a program per row); the matmul's main loop is a plain int8 x int8 -> int32 ``tl.dot`` GEMM
+(``_int8_matmul_kernel``).  For many rows on NVIDIA sm_90, ``_int8_matmul_tma_kernel`` does the same with the
+codes and CB brought by tensor descriptors (TMA), in persistent programs.
 
 The codes of an outlier column's entries that are not outliers themselves are either zeroed by the list
 launch (many rows: ``KEPT=False``), or, for a few rows, the matmul takes the kept codes' products back
@@ -44,10 +35,10 @@ round ``acc * s + bias`` once, the reference twice).  Without outlier columns th
 bit-identical to the reference; with them the fp32 sum over the outlier columns is in another order
 than the reference's GEMM, which can move a result by one unit in the last place of x's dtype.
 
-``plan`` picks the path (the one place it is decided): ``fused`` (source 0, stats in the kernel),
-``fused_stats`` (source 0 with the stats kernel), ``gemm`` (quantize + source 1), ``gemm_tma`` (quantize +
-the TMA kernel) and ``int_mm`` (quantize + torch._int_mm + source 2), by the number of rows and the
-per-target tables below.
+``plan`` picks the path (the one place it is decided): ``gemm`` (quantize + the pointer kernel, small or
+large tiles) or ``gemm_tma`` (quantize + the TMA kernel), by the number of rows and the per-target tables
+below.  The paths that quantized x inside the matmul and that ran ``torch._int_mm`` before an epilogue
+lost to ``gemm`` at every measured size and no target selected them: git history keeps them.
 """
 
 from __future__ import annotations
@@ -61,38 +52,16 @@ import torch
 import triton
 import triton.language as tl
 
-from ._int8_epilogue import (LIST_HEAD, _dequantize_store, _dequantized, _fp_dot, _gathered, _list_head,
-                             _without_outlier_codes)
+from ._int8_epilogue import LIST_HEAD, _dequantize_store, _gathered, _list_head, _without_outlier_codes
 from ._program_order import grouped_tile
 from .config import TRITON_DTYPE, KernelSpec, LaunchConfig, device_target, on_device, register, select
 from .int8_outlier_epilogue import outlier_epilogue
-from .int8_quantize import _as_fp16, _pow2, _rint, _scale, fp16_threshold, fp_exact_options, hopper_pdl, quantize_rows
+from .int8_quantize import fp16_threshold, fp_exact_options, hopper_pdl, quantize_rows
 
 try:  # host-side tensor descriptors (TMA on NVIDIA): triton >= 3.3
     from triton.tools.tensor_descriptor import TensorDescriptor
 except ImportError:
     TensorDescriptor = None
-
-
-@triton.jit
-def _row_absmax(x_ptr, M, K, stride_xm, threshold, BLOCK_M: tl.constexpr, ROWS: tl.constexpr,
-                CHUNK: tl.constexpr, HAS_THRESHOLD: tl.constexpr):
-    """Per row of the tile, the absmax over K of |fp16(x)| below the threshold ([BLOCK_M] fp32).  The pass
-    reads ROWS (>= M) rows, CHUNK elements of each per step, and spreads the result over BLOCK_M rows."""
-    r = tl.arange(0, ROWS)
-    rows = x_ptr + r.to(tl.int64)[:, None] * stride_xm
-    amax = tl.zeros([ROWS], tl.float32)
-    for k0 in range(0, K, CHUNK):
-        k = k0 + tl.arange(0, CHUNK)
-        v = tl.abs(_as_fp16(tl.load(rows + k[None, :], mask=(r < M)[:, None] & (k < K)[None, :], other=0.0)))
-        if HAS_THRESHOLD:
-            v = tl.where(v >= threshold, 0.0, v)
-        amax = tl.maximum(amax, tl.max(v, axis=1))
-    if ROWS == BLOCK_M:
-        return amax
-    else:
-        one_hot = tl.arange(0, BLOCK_M)[:, None] == r[None, :]
-        return tl.sum(tl.where(one_hot, amax[None, :], 0.0), axis=1)
 
 
 @triton.jit
@@ -108,21 +77,15 @@ def _prefetch_l2(w_rows, n_mask, K, PREFETCH_K: tl.constexpr):
 
 @triton.jit
 def _int8_matmul_kernel(x_ptr, a_ptr, w_ptr, row_stats_ptr, scb_ptr, bias_ptr, cols_ptr, count_ptr, acc_ptr, out_ptr,
-                        M, N, K, stride_xm, stride_om, threshold,
-                        SOURCE: tl.constexpr, STATS_GIVEN: tl.constexpr, BLOCK_M: tl.constexpr,
-                        BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, ROWS: tl.constexpr,
-                        STATS_CHUNK: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_THRESHOLD: tl.constexpr,
-                        KEPT: tl.constexpr, PDL: tl.constexpr = False, PREFETCH_K: tl.constexpr = 0,
-                        INT32_OUT: tl.constexpr = False):
-    # x [M, K] (x's dtype, unit stride in K); a: the int8 codes [M, K] (SOURCE 1, 2); w: CB int8 [N, K];
-    # acc: torch._int_mm's int32 [M, N] (SOURCE 2); cols / count: the outlier columns (SOURCE 1, 2).
-    # INT32_OUT (SOURCE 1, HAS_THRESHOLD off): the int32 sums go to acc [M, N], and ``_outlier_epilogue_kernel``
-    # (launched next) does the rest: a few rows with a threshold, see OUTLIER_EPILOGUE_ROWS.
-    if SOURCE == 0:  # every row in the one row tile
-        pid_m = 0
-        pid_n = tl.program_id(0)
-    else:
-        pid_m, pid_n = grouped_tile(tl.program_id(0), M, N, BLOCK_M, BLOCK_N, GROUP_M)
+                        M, N, K, stride_xm, stride_om, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                        BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, HAS_BIAS: tl.constexpr,
+                        HAS_THRESHOLD: tl.constexpr, KEPT: tl.constexpr, PDL: tl.constexpr = False,
+                        PREFETCH_K: tl.constexpr = 0, INT32_OUT: tl.constexpr = False):
+    # x [M, K] (x's dtype, unit stride in K); a: the int8 codes [M, K]; w: CB int8 [N, K]; cols / count: the
+    # outlier columns.  INT32_OUT (HAS_THRESHOLD off): the int32 sums go to acc [M, N], and
+    # ``_outlier_epilogue_kernel`` (launched next) does the rest: a few rows with a threshold, see
+    # OUTLIER_EPILOGUE_ROWS.
+    pid_m, pid_n = grouped_tile(tl.program_id(0), M, N, BLOCK_M, BLOCK_N, GROUP_M)
     rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     m_mask = rm < M
@@ -139,61 +102,35 @@ def _int8_matmul_kernel(x_ptr, a_ptr, w_ptr, row_stats_ptr, scb_ptr, bias_ptr, c
         if INT32_OUT:  # the epilogue launch may start now: it gathers its operands during our main loop
             tl.extra.cuda.gdc_launch_dependents()
     scb = tl.load(scb_ptr + rn, mask=n_mask, other=0.0)
-    if SOURCE == 0 and not STATS_GIVEN:
-        row_stat = _row_absmax(x_ptr, M, K, stride_xm, threshold, BLOCK_M, ROWS, STATS_CHUNK, HAS_THRESHOLD)
-    else:
-        row_stat = tl.load(row_stats_ptr + rm, mask=m_mask, other=0.0)
-    n_out = 0  # the outlier list's length (SOURCE 1, 2), loaded once with its head
-    if HAS_THRESHOLD and SOURCE != 0:
+    row_stat = tl.load(row_stats_ptr + rm, mask=m_mask, other=0.0)
+    n_out = 0  # the outlier list's length, loaded once with its head
+    if HAS_THRESHOLD:
         n_out, head = _list_head(cols_ptr, count_ptr, K, LIST_HEAD)
 
-    if SOURCE == 2:
-        acc = tl.load(acc_ptr + rm64[:, None] * N + rn[None, :], mask=m_mask[:, None] & n_mask[None, :], other=0)
-    else:
-        acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.int32)
-        if SOURCE == 0:
-            scale = _scale(row_stat, BLOCK_M)
-            if HAS_THRESHOLD:
-                facc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-        for k0 in range(0, K, BLOCK_K):
-            k = k0 + rk
-            k_mask = k < K
-            w = tl.load(w_rows + k[None, :], mask=n_mask[:, None] & k_mask[None, :], other=0)
-            if SOURCE == 0:
-                mk = m_mask[:, None] & k_mask[None, :]
-                xv = tl.load(x_rows + k[None, :], mask=mk, other=0.0)
-                x16 = _as_fp16(xv)
-                q = _rint(x16 * scale[:, None])
-                if HAS_THRESHOLD:
-                    col_out = tl.max(((tl.abs(x16) >= threshold) & mk).to(tl.int32), axis=0)  # [BLOCK_K]
-                    q = tl.where(col_out[None, :] != 0, 0.0, q)
-                    if tl.max(col_out, axis=0) != 0:  # this step holds outlier columns: those in x's dtype,
-                        xo = tl.where(col_out[None, :] != 0, xv, 0.0)  # from the tiles in hand (no load)
-                        facc = _fp_dot(xo, _dequantized(w, scb, x_ptr), facc)
-                a = q.to(tl.int8)
-            else:
-                a = tl.load(a_rows + k[None, :], mask=m_mask[:, None] & k_mask[None, :], other=0)
-            acc = tl.dot(a, tl.trans(w), acc, out_dtype=tl.int32)  # triton 3.6 wants it said
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.int32)
+    for k0 in range(0, K, BLOCK_K):
+        k = k0 + rk
+        k_mask = k < K
+        w = tl.load(w_rows + k[None, :], mask=n_mask[:, None] & k_mask[None, :], other=0)
+        a = tl.load(a_rows + k[None, :], mask=m_mask[:, None] & k_mask[None, :], other=0)
+        acc = tl.dot(a, tl.trans(w), acc, out_dtype=tl.int32)  # triton 3.6 wants it said
     if INT32_OUT:
         tl.store(acc_ptr + rm64[:, None] * N + rn[None, :], acc, mask=m_mask[:, None] & n_mask[None, :])
         return
     if PDL:  # the next launch (the next int8 matmul's quantize) may start: it waits for this one to end
         tl.extra.cuda.gdc_launch_dependents()
 
-    xo = 0.0  # the list head's columns of x and of the weight, for the epilogue (SOURCE 1, 2)
+    xo = 0.0  # the list head's columns of x and of the weight, for the epilogue
     wo = 0.0
-    if HAS_THRESHOLD and SOURCE != 0:  # one round of gathers, issued together
+    if HAS_THRESHOLD:  # one round of gathers, issued together
         in_head = tl.arange(0, LIST_HEAD) < n_out
         xo = _gathered(x_rows, head, in_head, m_mask)
         wo = _gathered(w_rows, head, in_head, n_mask)
         if KEPT:
             acc = tl.dot(-_gathered(a_rows, head, in_head, m_mask), tl.trans(wo), acc, out_dtype=tl.int32)
             acc = _without_outlier_codes(acc, a_rows, w_rows, cols_ptr, n_out, m_mask, n_mask, LIST_HEAD, LIST_HEAD)
-    if SOURCE != 0 or not HAS_THRESHOLD:
-        facc = 0.0  # the outlier columns' fp products: summed in the main loop (SOURCE 0), else from the list
-    _dequantize_store(acc, facc, xo, wo, row_stat, scb, rm64, rn, m_mask, n_mask, x_rows, w_rows, x_ptr, bias_ptr,
-                      cols_ptr, n_out, out_ptr, stride_om, HAS_BIAS, HAS_THRESHOLD, SOURCE == 0,
-                      LIST_HEAD if SOURCE != 0 else 0)
+    _dequantize_store(acc, xo, wo, row_stat, scb, rm64, rn, m_mask, n_mask, x_rows, w_rows, x_ptr, bias_ptr,
+                      cols_ptr, n_out, out_ptr, stride_om, HAS_BIAS, HAS_THRESHOLD, LIST_HEAD)
 
 
 @triton.jit
@@ -201,7 +138,7 @@ def _int8_matmul_tma_kernel(a_desc, w_desc, x_ptr, w_ptr, row_stats_ptr, scb_ptr
                             out_ptr, M, N, K, stride_xm, stride_om, programs, BLOCK_M: tl.constexpr,
                             BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
                             HAS_BIAS: tl.constexpr, HAS_THRESHOLD: tl.constexpr):
-    """SOURCE 1 for many rows on NVIDIA sm_90: the codes and CB [N, K] come through tensor descriptors (TMA
+    """The GEMM for many rows on NVIDIA sm_90: the codes and CB [N, K] come through tensor descriptors (TMA
     copies into shared memory: no address arithmetic or registers per element, which let a 128 x 256 tile fit
     where the pointer kernel's spills), and ``programs`` persistent programs walk the tiles in grouped order.
     The outlier columns' codes were zeroed by the list launch (``quantize_rows(zero_columns=True)``)."""
@@ -223,18 +160,16 @@ def _int8_matmul_tma_kernel(a_desc, w_desc, x_ptr, w_ptr, row_stats_ptr, scb_ptr
         rm64 = rm.to(tl.int64)
         row_stat = tl.load(row_stats_ptr + rm, mask=m_mask, other=0.0)
         scb = tl.load(scb_ptr + rn, mask=n_mask, other=0.0)
-        _dequantize_store(acc, 0.0, 0.0, 0.0, row_stat, scb, rm64, rn, m_mask, n_mask,
+        _dequantize_store(acc, 0.0, 0.0, row_stat, scb, rm64, rn, m_mask, n_mask,
                           x_ptr + rm64[:, None] * stride_xm, w_ptr + rn.to(tl.int64)[:, None] * K, x_ptr, bias_ptr,
-                          cols_ptr, n_out, out_ptr, stride_om, HAS_BIAS, HAS_THRESHOLD, False, 0)
+                          cols_ptr, n_out, out_ptr, stride_om, HAS_BIAS, HAS_THRESHOLD, 0)
 
 
 # ---- configs: per target, per path ---------------------------------------------------------------
-# First guesses, unmeasured (written without a GPU; registers and shared memory from the cross-compile
-# reports): to be swept on the hardware.  fused: one row tile of 16 rows (the smallest MMA) and every
-# program streaming CB; at N = 8192, BLOCK_N 32 makes 256 programs (2 per H100/H200 SM) and 16 makes
-# 512 (MI300X has 304 CUs), and num_stages keeps several weight tiles in flight per program.  gemm:
-# 16-row tiles for a few dozen rows (CB is read once per row tile), the classic big tiles for prefill.
-# AMD: 64 KiB of LDS on CDNA2/3 and RDNA3; RDNA3 takes narrower tiles (wave32, spills otherwise).
+# Registers and shared memory from the cross-compile reports; the NVIDIA tables swept on the H200
+# (docs/perf/2026-11-30-int8-h200.md).  16-row tiles for a few dozen rows (CB is read once per row tile),
+# the classic big tiles for prefill.  AMD: 64 KiB of LDS on CDNA2/3 and RDNA3; RDNA3 takes narrower tiles
+# (wave32, spills otherwise).
 
 
 def _cfg(bm, bn, bk, warps=4, stages=None, group_m=8, **amd):
@@ -242,15 +177,9 @@ def _cfg(bm, bn, bk, warps=4, stages=None, group_m=8, **amd):
                         num_stages=stages, **amd)
 
 
-FUSED_CONFIGS = {
-    "default": (_cfg(16, 32, 256, stages=3),),
-    "nvidia": (_cfg(16, 32, 256, stages=4),),
-    "amd": (_cfg(16, 16, 256, stages=2, matrix_instr_nonkdim=16),),
-    "rdna3": (_cfg(16, 16, 128, stages=2),),
-}
 GEMM_SMALL_CONFIGS = {
     "default": (_cfg(16, 64, 128, stages=3),),
-    "nvidia": (_cfg(16, 32, 512, warps=2, stages=3),),  # H200, main kernel alone: M=1 20.7 us, M=16 21.5
+    "nvidia": (_cfg(16, 32, 512, warps=2, stages=3),),
     "amd": (_cfg(16, 64, 128, stages=2, matrix_instr_nonkdim=16),),
     "rdna3": (_cfg(16, 64, 64, stages=2),),
 }
@@ -262,44 +191,29 @@ GEMM_LARGE_CONFIGS = {
     "amd": (_cfg(128, 128, 64, warps=8, stages=2, matrix_instr_nonkdim=16),),
     "rdna3": (_cfg(64, 64, 64, warps=4, stages=2),),
 }
-# Many rows on NVIDIA sm_90 (the TMA kernel; no other target has the config).  H200, M = 4096, N = K = 8192
-# fp16, threshold 6 (tools/probe_int8_large.py, 2026-11-30): the whole path with 128x256x128, 8 warps,
-# 4 stages 529 us (3 stages 558; 256x128x128 553; 128x128x256 596; 128x256x64 603; the pointer kernel's
-# best 681; torch._int_mm alone 605, F.linear 826).  Persistent programs: 493 us for the kernel alone
-# against 498 with a program a tile.  At M = 1 and 16 its 16-row tiles lost to the pointer kernel (25.2 and
-# 34.5 us against 23.1 and 28.0).
+# Many rows on NVIDIA sm_90 (the TMA kernel; no other target has the config): TMA copies let a 128 x 256 tile
+# fit where the pointer kernel's spills.  At 16 rows its tiles lost to the pointer kernel's, so it starts
+# past PATH_LIMITS["small"].
 GEMM_TMA_CONFIGS = {
     "default": (),
     "hopper": (_cfg(128, 256, 128, warps=8, stages=4),),
 }
-# SOURCE 2 (after torch._int_mm): the epilogue and the outlier columns only.
-EPILOGUE_CONFIGS = {
-    "default": (_cfg(64, 64, 32, warps=4),),
-}
-# The most rows each path takes.  fused: the kernel's own stats pass reads every row from each program;
-# fused_stats: each program reads x in its dtype (2 bytes an element where the codes are 1); past that,
-# the codes once (gemm) and, where there are enough rows for the vendor int8 GEMM to beat ours, int_mm.
 # ``small``: the most rows the gemm path runs with GEMM_SMALL_CONFIGS.
-# H200 (anygpu bench int8, N = K = 8192 fp16, threshold 6, 2026-11-30): the GEMM path beat the fused ones at
-# every M (M=1: 22.9 us vs fused_stats 136 us; M=16: 28.0 vs fused_stats 133 us; every program of the fused
-# kernel quantizes all of x again) and torch._int_mm + epilogue at M=4096 (679 vs 761 us).  So GEMM everywhere
-# until the fused paths are made faster; they stay selectable (plan_for, set_plan_override) and tested.
 PATH_LIMITS = {
-    "default": {"fused": 0, "fused_stats": 0, "small": 64, "int_mm_from": None},
+    "default": {"small": 64},
 }
-STATS_ELEMENTS = 4096  # fused: x elements per step of the stats pass (ROWS x STATS_CHUNK)
 # Row tiles up to this many rows take the kept codes' products out in the matmul; bigger ones have the
-# codes zeroed (H200, N = K = 8192: the gather costs each 128x128 program more than a zeroing launch).
+# codes zeroed (the gather costs each 128x128 program more than a zeroing launch).
 KEPT_CODES_UP_TO_BLOCK_M = 16
 
 
 @dataclass(frozen=True)
 class Plan:
-    path: str  # "fused" | "fused_stats" | "gemm" | "int_mm"
+    path: str  # one of PATHS
     config: LaunchConfig
 
 
-PATHS = ("fused", "fused_stats", "gemm", "gemm_tma", "int_mm")
+PATHS = ("gemm", "gemm_tma")
 _PLAN_OVERRIDE = None
 
 
@@ -318,20 +232,12 @@ def plan(m: int, n: int, k: int, dtype: torch.dtype, device: torch.device, overr
         chosen = _PLAN_OVERRIDE(m, n, k, dtype, device)
         if chosen is not None:
             return chosen
-    return _plan(m, n, k, device.type, device_target(device))
+    return _plan(m, k, device_target(device))
 
 
 @functools.lru_cache(maxsize=1024)
-def _plan(m: int, n: int, k: int, device_type: str, target) -> Plan:
-    limits = select(PATH_LIMITS, target)
-    if m <= limits["fused"]:
-        return Plan("fused", select(FUSED_CONFIGS, target)[0])
-    if m <= limits["fused_stats"]:
-        return Plan("fused_stats", select(FUSED_CONFIGS, target)[0])
-    start = limits["int_mm_from"]
-    if start is not None and m >= start and _int_mm_applies(m, k, n, device_type):
-        return Plan("int_mm", select(EPILOGUE_CONFIGS, target)[0])
-    if m <= limits["small"]:
+def _plan(m: int, k: int, target) -> Plan:
+    if m <= select(PATH_LIMITS, target)["small"]:
         return Plan("gemm", select(GEMM_SMALL_CONFIGS, target)[0])
     if _tma_applies(k, target):
         return Plan("gemm_tma", select(GEMM_TMA_CONFIGS, target)[0])
@@ -343,26 +249,12 @@ def plan_for(path: str, m: int, n: int, k: int, device: torch.device) -> Plan:
     if path not in PATHS:
         raise ValueError(f"path: expected one of {PATHS}, got {path!r}")
     target = device_target(device)
-    if path in ("fused", "fused_stats"):
-        if m > FUSED_CONFIGS["default"][0].constexprs["BLOCK_M"]:
-            raise ValueError(f"path: {path!r} takes at most 16 rows, got {m}")
-        return Plan(path, select(FUSED_CONFIGS, target)[0])
-    if path == "int_mm":
-        if not _int_mm_applies(m, k, n, device.type):
-            raise ValueError(f"path: torch._int_mm does not take an [{m}, {k}] x [{k}, {n}] product on {device}")
-        return Plan(path, select(EPILOGUE_CONFIGS, target)[0])
     if path == "gemm_tma":
         if not _tma_applies(k, target):
             raise ValueError(f"path: 'gemm_tma' runs on NVIDIA sm_90 with K a multiple of 16, not K={k} on {device}")
         return Plan(path, select(GEMM_TMA_CONFIGS, target)[0])
-    limits = select(PATH_LIMITS, target)
-    return Plan(path, select(GEMM_SMALL_CONFIGS if m <= limits["small"] else GEMM_LARGE_CONFIGS, target)[0])
-
-
-def _int_mm_applies(m: int, k: int, n: int, device_type: str) -> bool:
-    if device_type == "cpu":
-        return True
-    return device_type == "cuda" and m > 16 and k % 8 == 0 and n % 8 == 0  # cuBLASLt / hipBLASLt limits
+    small = m <= select(PATH_LIMITS, target)["small"]
+    return Plan(path, select(GEMM_SMALL_CONFIGS if small else GEMM_LARGE_CONFIGS, target)[0])
 
 
 def _tma_applies(k: int, target) -> bool:
@@ -374,13 +266,11 @@ def _tma_applies(k: int, target) -> bool:
 
 # Programmatic dependent launch (NVIDIA sm_90+): the small-M matmul launches while the quantize (or list)
 # launch runs, asks L2 for the first PDL_PREFETCH_K bytes of each of its weight rows (the weights do not
-# depend on x), then waits for the codes (``gdc_wait``).  At M = 1 the matmul is a weight stream of ~21 us
-# behind a ~4 us quantize launch, so part of the stream starts during it.  The quantize launch is itself a
+# depend on x), then waits for the codes (``gdc_wait``): at a few rows the matmul is a weight stream behind a
+# short quantize launch, so part of the stream starts during it.  The quantize launch is itself a
 # programmatic dependent of whatever ran before (it waits before touching memory), and the matmul lets the
-# next launch start after its main loop: H200, M = 16 24.8 -> 24.2 us, M = 1 22.5-22.8 -> 22.0-22.3 (the
-# launch latency between two int8 matmuls is hidden).  ANYGPU_INT8_PDL=0 turns it all off.  512 bytes: with the
-# outlier epilogue launch, M = 16 took 23.0 / 22.4 / 22.5 / 22.7 / 23.1 us at 0 / 256 / 512 / 1024 / 2048 B
-# (more of it delays the start of the main loop); M = 1 21.3 us at 512 and 1024.
+# next launch start after its main loop, which hides the launch latency between two int8 matmuls.
+# ANYGPU_INT8_PDL=0 turns it all off.  512 bytes: more of it delays the start of the main loop.
 PDL_PREFETCH_K = 512
 # 2..OUTLIER_EPILOGUE_ROWS rows (one row tile) with a threshold: no list launch before the matmul and no gathers
 # in its tail; the matmul stores its int32 sums (INT32_OUT) and ``outlier_epilogue``, a launch after it, lists
@@ -436,58 +326,40 @@ def int8_matmul(x: torch.Tensor, CB: torch.Tensor, SCB: torch.Tensor, threshold:
     thr = fp16_threshold(float(threshold)) if threshold > 0 else 0.0
     has_threshold = threshold > 0
     p = plan_ or plan(m, n, k, x.dtype, x.device)
+    if p.path not in PATHS:
+        raise ValueError(f"plan: expected a path of {PATHS}, got {p.path!r}")
     if p.path == "gemm_tma" and CB.data_ptr() % 16:  # a descriptor's base must be 16-byte aligned
         p = Plan("gemm", select(GEMM_LARGE_CONFIGS, device_target(x.device))[0])
     cfg = p.config
     c = cfg.constexprs
     out2 = out.view(m, n)
     dummy = SCB
-    codes = stats = cols = count = acc = None
-    kept = pdl = split = False
-    words = None
-    if p.path == "fused_stats":
-        _, stats, _ = quantize_rows(x2, thr, codes=False)
-    elif p.path == "gemm_tma":
+    cols = count = acc = dummy
+    if p.path == "gemm_tma":
         codes, stats, outliers = quantize_rows(x2, thr, zero_columns=True)
-        cols, count = outliers if has_threshold else (dummy, dummy)
+        if has_threshold:
+            cols, count = outliers
         _gemm_tma(x2, codes, CB, stats, SCB, bias if bias is not None else dummy, cols, count, out2, cfg,
                   has_bias=bias is not None, has_threshold=has_threshold)
         return out
-    elif p.path in ("gemm", "int_mm"):
-        kept = p.path == "gemm" and c["BLOCK_M"] <= KEPT_CODES_UP_TO_BLOCK_M  # else zero the columns' codes
-        pdl = kept and uses_pdl(x.device)
-        split = kept and has_threshold and 1 < m <= min(c["BLOCK_M"], OUTLIER_EPILOGUE_ROWS)
-        codes, stats, outliers = quantize_rows(x2, thr, zero_columns=not kept, signal=pdl, mark_only=split)
-        if split:
-            words = outliers
-            acc = torch.empty(m, n, dtype=torch.int32, device=x.device)
-        elif has_threshold:
-            cols, count = outliers
-        if p.path == "int_mm":
-            acc = torch._int_mm(codes, CB.t())
-    source = {"fused": 0, "fused_stats": 0, "gemm": 1, "int_mm": 2}[p.path]
-    if source == 0:
-        if m > c["BLOCK_M"]:
-            raise ValueError(f"plan: the {p.path} path takes at most {c['BLOCK_M']} rows, got {m}")
-        grid = (triton.cdiv(n, c["BLOCK_N"]),)
-    else:
-        grid = (triton.cdiv(m, c["BLOCK_M"]) * triton.cdiv(n, c["BLOCK_N"]),)
-    own_stats = stats is None and source == 0
-    rows = min(_pow2(m), c["BLOCK_M"]) if own_stats else 1  # only the kernel's own stats pass reads these two
+    kept = c["BLOCK_M"] <= KEPT_CODES_UP_TO_BLOCK_M  # else zero the columns' codes
+    pdl = kept and uses_pdl(x.device)
+    split = kept and has_threshold and 1 < m <= min(c["BLOCK_M"], OUTLIER_EPILOGUE_ROWS)
+    codes, stats, outliers = quantize_rows(x2, thr, zero_columns=not kept, signal=pdl, mark_only=split)
+    if split:
+        acc = torch.empty(m, n, dtype=torch.int32, device=x.device)
+    elif has_threshold:
+        cols, count = outliers
+    grid = (triton.cdiv(m, c["BLOCK_M"]) * triton.cdiv(n, c["BLOCK_N"]),)
     with on_device(x.device):
         _int8_matmul_kernel[grid](
-            x2, codes if codes is not None else dummy, CB, stats if stats is not None else dummy, SCB,
-            bias if bias is not None else dummy, cols if cols is not None else dummy,
-            count if count is not None else dummy, acc if acc is not None else dummy, out2,
-            m, n, k, x2.stride(0), out2.stride(0), thr,
-            SOURCE=source, STATS_GIVEN=not own_stats, BLOCK_M=c["BLOCK_M"], BLOCK_N=c["BLOCK_N"],
-            BLOCK_K=c["BLOCK_K"], GROUP_M=c["GROUP_M"], ROWS=rows,
-            STATS_CHUNK=STATS_ELEMENTS // rows if own_stats else 16,
-            HAS_BIAS=bias is not None, HAS_THRESHOLD=has_threshold and not split, KEPT=kept and not split, PDL=pdl,
-            PREFETCH_K=PDL_PREFETCH_K if pdl else 0, INT32_OUT=split,
-            **fp_exact_options(cfg, x.device, pdl=pdl))
+            x2, codes, CB, stats, SCB, bias if bias is not None else dummy, cols, count, acc, out2,
+            m, n, k, x2.stride(0), out2.stride(0), BLOCK_M=c["BLOCK_M"], BLOCK_N=c["BLOCK_N"],
+            BLOCK_K=c["BLOCK_K"], GROUP_M=c["GROUP_M"], HAS_BIAS=bias is not None,
+            HAS_THRESHOLD=has_threshold and not split, KEPT=kept and not split, PDL=pdl,
+            PREFETCH_K=PDL_PREFETCH_K if pdl else 0, INT32_OUT=split, **fp_exact_options(cfg, x.device, pdl=pdl))
     if split:
-        outlier_epilogue(x2, codes, CB, stats, SCB, bias, words, acc, out2, pdl)
+        outlier_epilogue(x2, codes, CB, stats, SCB, bias, outliers, acc, out2, pdl)
     return out
 
 
@@ -522,11 +394,9 @@ def _matmul_signature(dtype: torch.dtype) -> dict:
     t = TRITON_DTYPE[dtype]
     sig = {"x_ptr": f"*{t}", "a_ptr": "*i8", "w_ptr": "*i8", "row_stats_ptr": "*fp32", "scb_ptr": "*fp32",
            "bias_ptr": f"*{t}", "cols_ptr": "*i32", "count_ptr": "*i32", "acc_ptr": "*i32", "out_ptr": f"*{t}",
-           "M": "i32", "N": "i32", "K": "i32", "stride_xm": "i32", "stride_om": "i32", "threshold": "fp32"}
-    sig.update(dict.fromkeys(("SOURCE", "STATS_GIVEN", "BLOCK_M", "BLOCK_N", "BLOCK_K", "GROUP_M", "ROWS",
-                              "STATS_CHUNK", "HAS_BIAS", "HAS_THRESHOLD", "KEPT", "PDL", "PREFETCH_K",
-                              "INT32_OUT"),
-                             "constexpr"))
+           "M": "i32", "N": "i32", "K": "i32", "stride_xm": "i32", "stride_om": "i32"}
+    sig.update(dict.fromkeys(("BLOCK_M", "BLOCK_N", "BLOCK_K", "GROUP_M", "HAS_BIAS", "HAS_THRESHOLD", "KEPT", "PDL",
+                              "PREFETCH_K", "INT32_OUT"), "constexpr"))
     return sig
 
 
@@ -538,11 +408,6 @@ def _with(table: dict, **extra) -> dict:
             for key, cfgs in table.items()}
 
 
-FUSED_SPEC = register(KernelSpec(
-    "int8_matmul_fused", _int8_matmul_kernel, _matmul_signature, DTYPES,
-    _with(FUSED_CONFIGS, SOURCE=0, STATS_GIVEN=False, ROWS=2, STATS_CHUNK=STATS_ELEMENTS // 2, KEPT=False)))
-
-
 def _and_int32_out(table: dict) -> dict:
     """``table`` plus each config in its INT32_OUT form (a few rows with a threshold: OUTLIER_EPILOGUE_ROWS)."""
     int32_out = _with(table, INT32_OUT=True, HAS_THRESHOLD=False, KEPT=False)
@@ -551,11 +416,10 @@ def _and_int32_out(table: dict) -> dict:
 
 GEMM_SMALL_SPEC = register(KernelSpec(
     "int8_matmul_gemm_small", _int8_matmul_kernel, _matmul_signature, DTYPES,
-    _and_int32_out(hopper_pdl(_with(GEMM_SMALL_CONFIGS, SOURCE=1, STATS_GIVEN=True, ROWS=1, STATS_CHUNK=16, KEPT=True),
-                           PDL=True, PREFETCH_K=PDL_PREFETCH_K))))
+    _and_int32_out(hopper_pdl(_with(GEMM_SMALL_CONFIGS, KEPT=True), PDL=True, PREFETCH_K=PDL_PREFETCH_K))))
 GEMM_SPEC = register(KernelSpec(
     "int8_matmul_gemm", _int8_matmul_kernel, _matmul_signature, DTYPES,
-    _with(GEMM_LARGE_CONFIGS, SOURCE=1, STATS_GIVEN=True, ROWS=1, STATS_CHUNK=16, KEPT=False)))
+    _with(GEMM_LARGE_CONFIGS, KEPT=False)))
 
 
 def _tma_signature(dtype: torch.dtype) -> dict:
@@ -571,8 +435,3 @@ def _tma_signature(dtype: torch.dtype) -> dict:
 GEMM_TMA_SPEC = register(KernelSpec(
     "int8_matmul_gemm_tma", _int8_matmul_tma_kernel, _tma_signature, DTYPES,
     _with(GEMM_TMA_CONFIGS)))
-EPILOGUE_SPEC = register(KernelSpec(
-    "int8_matmul_epilogue", _int8_matmul_kernel, _matmul_signature, DTYPES,
-    _with(EPILOGUE_CONFIGS, SOURCE=2, STATS_GIVEN=True, ROWS=1, STATS_CHUNK=16, KEPT=False)))
-
-

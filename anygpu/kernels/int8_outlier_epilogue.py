@@ -60,14 +60,13 @@ def _outlier_epilogue_kernel(x_ptr, a_ptr, w_ptr, row_stats_ptr, scb_ptr, bias_p
         tl.extra.cuda.gdc_wait()  # the matmul's int32 sums
     acc = tl.load(acc_ptr + rm64[:, None] * N + rn[None, :], mask=m_mask[:, None] & n_mask[None, :], other=0)
     acc = acc + kept
-    _dequantize_store(acc, 0.0, xo, wo, row_stat, scb, rm64, rn, m_mask, n_mask, x_rows, w_rows, x_ptr, bias_ptr,
-                      cols, n_out, out_ptr, stride_om, HAS_BIAS, True, False, LIST_HEAD)
+    _dequantize_store(acc, xo, wo, row_stat, scb, rm64, rn, m_mask, n_mask, x_rows, w_rows, x_ptr, bias_ptr,
+                      cols, n_out, out_ptr, stride_om, HAS_BIAS, True, LIST_HEAD)
 
 
 # The epilogue launch after an INT32_OUT matmul: a program per BLOCK_N output columns (all rows), each listing
-# the outlier columns from the rows' bit words LIST_K columns a step.  H200, M = 16, N = K = 8192
-# (tools/trace_int8.py epilogue, a call in a graph of 20): 64 columns on 4 warps 22.6 us; 128 on 4 23.2; 256
-# on 4 27.2; 128 on 8 23.8; 64 and 32 on 2 warps 24.3 and 23.9 (the listing spills there).
+# the outlier columns from the rows' bit words LIST_K columns a step.  Fewer than 4 warps spill in the listing;
+# wider programs list the same columns for fewer outputs (docs/perf/2026-11-30-int8-h200.md).
 OUTLIER_EPILOGUE_CONFIGS = {
     "default": (LaunchConfig({"BLOCK_N": 64, "LIST_K": 8192}, num_warps=4),),
     "nvidia": (LaunchConfig({"BLOCK_N": 64, "LIST_K": 8192, "POPC": True}, num_warps=4),),

@@ -142,15 +142,15 @@ def _list_row_outliers(x_ptr, cols_ptr, count_ptr, K, threshold, BLOCK_K: tl.con
 @triton.jit
 def _int8_quantize_kernel(x_ptr, codes_ptr, stats_ptr, flags_ptr, cols_ptr, count_ptr, M, K, stride_xm,
                           threshold, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, ONE_TILE: tl.constexpr,
-                          WRITE_CODES: tl.constexpr, HAS_THRESHOLD: tl.constexpr, LIST: tl.constexpr,
-                          MARK: tl.constexpr, PDL: tl.constexpr = False, POPC: tl.constexpr = False):
-    """Row stats of BLOCK_R rows and, with WRITE_CODES, their codes (0 for outlier entries; the rest of an
-    outlier column is dealt with later, see the module doc) and their outlier columns, marked (MARK 1: a
-    flag per column, into zeros; 2: each row's own bit words) for ``_outlier_list_kernel``.  LIST (a single
-    row): an extra program (program M) lists the row's outlier columns instead, beside the row's program
-    rather than after it.  PDL: launched as a programmatic dependent of whatever ran before (it may have written
-    x, or still read memory these outputs reuse: every program waits for it first), and the next launch may
-    start once each row's program has loaded its row."""
+                          HAS_THRESHOLD: tl.constexpr, LIST: tl.constexpr, MARK: tl.constexpr,
+                          PDL: tl.constexpr = False, POPC: tl.constexpr = False):
+    """Row stats and codes of BLOCK_R rows (0 for outlier entries; the rest of an outlier column is dealt
+    with later, see the module doc) and their outlier columns, marked (MARK 1: a flag per column, into zeros;
+    2: each row's own bit words) for ``_outlier_list_kernel``.  LIST (a single row): an extra program (program
+    M) lists the row's outlier columns instead, beside the row's program rather than after it.  PDL: launched
+    as a programmatic dependent of whatever ran before (it may have written x, or still read memory these
+    outputs reuse: every program waits for it first), and the next launch may start once each row's program
+    has loaded its row."""
     if PDL:
         tl.extra.cuda.gdc_wait()
     if LIST and tl.program_id(0) == M:
@@ -159,13 +159,13 @@ def _int8_quantize_kernel(x_ptr, codes_ptr, stats_ptr, flags_ptr, cols_ptr, coun
         _list_row_outliers(x_ptr, cols_ptr, count_ptr, K, threshold, LIST_CHUNK, POPC)
     else:
         _quantize_rows(x_ptr, codes_ptr, stats_ptr, flags_ptr, M, K, stride_xm, threshold, BLOCK_R, BLOCK_K,
-                       ONE_TILE, WRITE_CODES, HAS_THRESHOLD, MARK if WRITE_CODES and HAS_THRESHOLD else 0, PDL)
+                       ONE_TILE, HAS_THRESHOLD, MARK if HAS_THRESHOLD else 0, PDL)
 
 
 @triton.jit
 def _quantize_rows(x_ptr, codes_ptr, stats_ptr, flags_ptr, M, K, stride_xm, threshold, BLOCK_R: tl.constexpr,
-                   BLOCK_K: tl.constexpr, ONE_TILE: tl.constexpr, WRITE_CODES: tl.constexpr,
-                   HAS_THRESHOLD: tl.constexpr, MARK: tl.constexpr, PDL: tl.constexpr = False):
+                   BLOCK_K: tl.constexpr, ONE_TILE: tl.constexpr, HAS_THRESHOLD: tl.constexpr, MARK: tl.constexpr,
+                   PDL: tl.constexpr = False):
     tl.static_assert(MARK != 2 or BLOCK_R == 1)  # bit words: a row per program
     r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     r_mask = r < M
@@ -178,7 +178,7 @@ def _quantize_rows(x_ptr, codes_ptr, stats_ptr, flags_ptr, M, K, stride_xm, thre
         x16 = _as_fp16(tl.load(rows + rk[None, :], mask=mask, other=0.0))
         mag = tl.abs(x16)
         if PDL:  # after the row's load: the next launch's early loads (the matmul's L2 prefetch) do not queue
-            tl.extra.cuda.gdc_launch_dependents()  # before it (H200, M=16: 25.3 -> 24.4 us for the whole path)
+            tl.extra.cuda.gdc_launch_dependents()  # before it
         if HAS_THRESHOLD:
             out = (mag >= threshold) & mask
             mag = tl.where(out, 0.0, mag)
@@ -187,12 +187,11 @@ def _quantize_rows(x_ptr, codes_ptr, stats_ptr, flags_ptr, M, K, stride_xm, thre
             elif MARK == 2:
                 _mark_row_words(out, 0, flags_ptr, tl.program_id(0), K, BLOCK_K)
         amax = tl.max(mag, axis=1)
-        if WRITE_CODES:
-            scale = _scale(amax, BLOCK_R)
-            q = _rint(x16 * scale[:, None])
-            if HAS_THRESHOLD:
-                q = tl.where(out, 0.0, q)
-            tl.store(codes + rk[None, :], q.to(tl.int8), mask=mask)
+        scale = _scale(amax, BLOCK_R)
+        q = _rint(x16 * scale[:, None])
+        if HAS_THRESHOLD:
+            q = tl.where(out, 0.0, q)
+        tl.store(codes + rk[None, :], q.to(tl.int8), mask=mask)
     else:  # two passes: the absmax, then the codes (the second read mostly hits the cache)
         amax = tl.zeros([BLOCK_R], tl.float32)
         for k0 in range(0, K, BLOCK_K):
@@ -209,16 +208,15 @@ def _quantize_rows(x_ptr, codes_ptr, stats_ptr, flags_ptr, M, K, stride_xm, thre
             amax = tl.maximum(amax, tl.max(mag, axis=1))
         if PDL:
             tl.extra.cuda.gdc_launch_dependents()
-        if WRITE_CODES:
-            scale = _scale(amax, BLOCK_R)
-            for k0 in range(0, K, BLOCK_K):
-                k = k0 + rk
-                mask = r_mask[:, None] & (k < K)[None, :]
-                x16 = _as_fp16(tl.load(rows + k[None, :], mask=mask, other=0.0))
-                q = _rint(x16 * scale[:, None])
-                if HAS_THRESHOLD:
-                    q = tl.where(tl.abs(x16) >= threshold, 0.0, q)
-                tl.store(codes + k[None, :], q.to(tl.int8), mask=mask)
+        scale = _scale(amax, BLOCK_R)
+        for k0 in range(0, K, BLOCK_K):
+            k = k0 + rk
+            mask = r_mask[:, None] & (k < K)[None, :]
+            x16 = _as_fp16(tl.load(rows + k[None, :], mask=mask, other=0.0))
+            q = _rint(x16 * scale[:, None])
+            if HAS_THRESHOLD:
+                q = tl.where(tl.abs(x16) >= threshold, 0.0, q)
+            tl.store(codes + k[None, :], q.to(tl.int8), mask=mask)
     tl.store(stats_ptr + r, amax, mask=r_mask)
 
 
@@ -266,8 +264,8 @@ QUANTIZE_CONFIGS = {
     "nvidia": (LaunchConfig({"MAX_BLOCK_K": 8192, "POPC": True}, num_warps=8),),
     "amd": (LaunchConfig({"MAX_BLOCK_K": 8192}, num_warps=4),),  # wave64: the same 256 threads
 }
-# H200, M = 4096, K = 8192, zeroing the listed columns' codes: 32 rows a program on 8 warps 10.9 us (on 4 warps
-# 16.4; 8 rows 12.1-12.2; 2 rows 18.9-23.3).
+# Zeroing the listed columns' codes of many rows: 32 rows a program on 8 warps beat fewer rows or warps
+# (docs/perf/2026-11-30-int8-h200.md).
 OUTLIER_LIST_CONFIGS = {
     "default": (LaunchConfig({"BLOCK_K": 8192, "ZERO_ROWS": 32}, num_warps=8),),
     "nvidia": (LaunchConfig({"BLOCK_K": 8192, "ZERO_ROWS": 32, "POPC": True}, num_warps=8),),
@@ -295,12 +293,12 @@ def _pow2(v: int) -> int:
     return 1 << max(v - 1, 0).bit_length()
 
 
-def quantize_rows(x2: torch.Tensor, threshold: float, codes: bool = True, zero_columns: bool = False,
-                  signal: bool = False, mark_only: bool = False):
+def quantize_rows(x2: torch.Tensor, threshold: float, zero_columns: bool = False, signal: bool = False,
+                  mark_only: bool = False):
     """(codes int8 [M, K], row stats fp32 [M], outliers) of x2 [M, K] (unit stride in K): a program per row.
     Codes of outlier entries are 0, and with ``zero_columns`` (several rows) every code of an outlier column;
     otherwise those keep theirs (the matmul takes their products back out).  ``outliers``: None without a
-    threshold (or ``codes=False``), else ``(cols, count)``: the outlier columns, increasing, in
+    threshold, else ``(cols, count)``: the outlier columns, increasing, in
     cols[:count].  A single row lists them in the same launch; more rows mark them (each row its own bit
     words, or with ``zero_columns`` flags in a zeroed buffer) and one small launch lists them.
     ``threshold``: as ``fp16_threshold`` returns it, 0 for none.  ``signal`` (``uses_pdl``): every launch is a
@@ -312,11 +310,11 @@ def quantize_rows(x2: torch.Tensor, threshold: float, codes: bool = True, zero_c
     device = x2.device
     cfg = select(QUANTIZE_CONFIGS, device_target(device))[0]
     block_k = max(32, min(_pow2(k), cfg.constexprs["MAX_BLOCK_K"]))
-    has_threshold = threshold > 0 and codes
+    has_threshold = threshold > 0
     listed = has_threshold and m == 1
     marked = has_threshold and mark_only and not listed  # bit words only: the matmul's epilogue lists them
     list_launch = has_threshold and not listed and not marked  # the columns are listed by a launch of their own
-    out_codes = torch.empty(m, k, dtype=torch.int8, device=device) if codes else None
+    out_codes = torch.empty(m, k, dtype=torch.int8, device=device)
     stats = torch.empty(m, dtype=torch.float32, device=device)
     words = marked or (list_launch and not zero_columns)  # else flags (the zeroing programs read them all)
     flags = cols = count = stats
@@ -329,8 +327,8 @@ def quantize_rows(x2: torch.Tensor, threshold: float, codes: bool = True, zero_c
         count = torch.empty(1, dtype=torch.int32, device=device)
     with on_device(device):
         _int8_quantize_kernel[(m + listed,)](
-            x2, out_codes if codes else stats, stats, flags, cols, count, m, k, x2.stride(0), threshold, BLOCK_R=1,
-            BLOCK_K=block_k, ONE_TILE=block_k >= k, WRITE_CODES=codes, HAS_THRESHOLD=threshold > 0, LIST=listed,
+            x2, out_codes, stats, flags, cols, count, m, k, x2.stride(0), threshold, BLOCK_R=1,
+            BLOCK_K=block_k, ONE_TILE=block_k >= k, HAS_THRESHOLD=has_threshold, LIST=listed,
             MARK=(2 if words else 1) if list_launch or marked else 0, PDL=signal,
             POPC=cfg.constexprs.get("POPC", False), **fp_exact_options(cfg, device, pdl=signal))
         if list_launch:
@@ -360,8 +358,8 @@ def _quantize_signature(dtype: torch.dtype) -> dict:
     return {"x_ptr": f"*{TRITON_DTYPE[dtype]}", "codes_ptr": "*i8", "stats_ptr": "*fp32", "flags_ptr": "*i8",
             "cols_ptr": "*i32", "count_ptr": "*i32", "M": "i32", "K": "i32", "stride_xm": "i32",
             "threshold": "fp32", "BLOCK_R": "constexpr", "BLOCK_K": "constexpr", "ONE_TILE": "constexpr",
-            "WRITE_CODES": "constexpr", "HAS_THRESHOLD": "constexpr", "LIST": "constexpr", "MARK": "constexpr",
-            "PDL": "constexpr", "POPC": "constexpr"}
+            "HAS_THRESHOLD": "constexpr", "LIST": "constexpr", "MARK": "constexpr", "PDL": "constexpr",
+            "POPC": "constexpr"}
 
 
 def _quantize_forms(cfg: LaunchConfig) -> tuple:
@@ -370,8 +368,7 @@ def _quantize_forms(cfg: LaunchConfig) -> tuple:
     MAX_BLOCK_K), or writing the bit words in two (a few long rows, ``mark_only``)."""
     block = cfg.constexprs["MAX_BLOCK_K"]
     return tuple(LaunchConfig({"BLOCK_R": 1, "BLOCK_K": block, "ONE_TILE": one, "LIST": listed, "MARK": mark,
-                               "WRITE_CODES": True, "HAS_THRESHOLD": True,
-                               "POPC": cfg.constexprs.get("POPC", False)}, cfg.num_warps)
+                               "HAS_THRESHOLD": True, "POPC": cfg.constexprs.get("POPC", False)}, cfg.num_warps)
                  for one, listed, mark in ((True, True, 0), (True, False, 2), (False, False, 1), (False, False, 2)))
 
 

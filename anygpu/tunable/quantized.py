@@ -1,7 +1,7 @@
 """The quantized matmuls as tuned ops: their paths and kernel configs are the candidates.
 
-``kernels/matmul_4bit.py:plan`` and ``kernels/int8_matmul.py:plan`` decide the path (GEMV / fused / GEMM /
-dequantize or ``torch._int_mm``) and config of every 4-bit and int8 matmul.  Their hooks
+``kernels/matmul_4bit.py:plan`` and ``kernels/int8_matmul.py:plan`` decide the path (GEMV / GEMM / dequantize,
+or the int8 GEMM's tile table and TMA kernel) and config of every 4-bit and int8 matmul.  Their hooks
 (``set_plan_override``) let this module decide instead, per problem, from the results file or by timing
 every candidate plan on random data of that shape.  Entries share the results file with the GEMMs::
 
@@ -97,12 +97,10 @@ def _plans_int8(problem, device) -> dict:
     target = device_target(device)
     offered["Gemm_small"] = I8.Plan("gemm", select(I8.GEMM_SMALL_CONFIGS, target)[0])
     offered["Gemm_large"] = I8.Plan("gemm", select(I8.GEMM_LARGE_CONFIGS, target)[0])
-    for path, name in (("fused", "Fused"), ("fused_stats", "Fused_stats"), ("int_mm", "Int_mm"),
-                       ("gemm_tma", "Gemm_tma")):  # NVIDIA sm_90 only
-        try:
-            offered[name] = I8.plan_for(path, m, n, k, device)
-        except ValueError:  # a path that does not take this shape
-            pass
+    try:  # NVIDIA sm_90 only
+        offered["Gemm_tma"] = I8.plan_for("gemm_tma", m, n, k, device)
+    except ValueError:  # not on this target, or not this K
+        pass
     return offered
 
 
