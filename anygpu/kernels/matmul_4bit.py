@@ -164,7 +164,7 @@ def _gemm_4bit_kernel(x_ptr, w_ptr, absmax_ptr, code_ptr, bias_ptr, out_ptr,
     # The codes of a byte are two neighbouring elements; the even ones (high nibbles) and the odd ones
     # (low nibbles) are dotted with the even and odd columns of x, so the decoded values are never
     # interleaved.
-    tl.static_assert(BLOCKSIZE % BLOCK_K == 0)
+    tl.static_assert(BLOCKSIZE % BLOCK_K == 0 or BLOCK_K % BLOCKSIZE == 0)
     pid_m, pid_n = grouped_tile(tl.program_id(0), M, N, BLOCK_M, BLOCK_N, GROUP_M)
     rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -196,10 +196,21 @@ def _gemm_4bit_kernel(x_ptr, w_ptr, absmax_ptr, code_ptr, bias_ptr, out_ptr,
             # numpy has no bf16; the launcher sets it there, and fp32 tiles are exact for bf16 values.
             hi = _lookup(code_ptr, lut, codes >> 4, LUT_GATHER).to(dot_dtype)  # lut holds x's dtype
             lo = _lookup(code_ptr, lut, codes & 15, LUT_GATHER).to(dot_dtype)
-        scale = _block_scales(absmax_ptr, nested_code_ptr, nested_absmax_ptr, nested_offset_ptr,
-                              n64 * blocks_per_row + k0 // BLOCKSIZE, n_mask, NESTED)
-        part = tl.dot(x_odd, tl.trans(lo), tl.dot(x_even, tl.trans(hi)))
-        acc += part * scale[None, :]
+        if BLOCK_K > BLOCKSIZE:
+            # A step of several 4-bit blocks: each block's scale multiplies its decoded values (in x's dtype),
+            # so the dots accumulate straight into acc.
+            SUB: tl.constexpr = BLOCK_K // BLOCKSIZE
+            blk = n64[:, None] * blocks_per_row + k0 // BLOCKSIZE + tl.arange(0, SUB)[None, :]
+            sc = _block_scales(absmax_ptr, nested_code_ptr, nested_absmax_ptr, nested_offset_ptr, blk,
+                               n_mask[:, None], NESTED).to(dot_dtype)[:, :, None]
+            hi = tl.reshape(tl.reshape(hi, (BLOCK_N, SUB, BLOCKSIZE // 2)) * sc, (BLOCK_N, BLOCK_K // 2))
+            lo = tl.reshape(tl.reshape(lo, (BLOCK_N, SUB, BLOCKSIZE // 2)) * sc, (BLOCK_N, BLOCK_K // 2))
+            acc = tl.dot(x_odd, tl.trans(lo), tl.dot(x_even, tl.trans(hi), acc))
+        else:
+            scale = _block_scales(absmax_ptr, nested_code_ptr, nested_absmax_ptr, nested_offset_ptr,
+                                  n64 * blocks_per_row + k0 // BLOCKSIZE, n_mask, NESTED)
+            part = tl.dot(x_odd, tl.trans(lo), tl.dot(x_even, tl.trans(hi)))
+            acc += part * scale[None, :]
     if SPLIT_K == 1:
         if HAS_BIAS:
             acc += tl.load(bias_ptr + n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
@@ -391,7 +402,10 @@ def matmul_4bit(x: torch.Tensor, weight: torch.Tensor, absmax: torch.Tensor, cod
                 reduce_partials(partials, out2, bias)
             return out
         else:
-            block_k = min(c["BLOCK_K"], blocksize)  # a step stays inside one 4-bit block
+            # A step stays inside one 4-bit block, or (FOLD_SCALE) spans whole blocks when K allows.
+            block_k = min(c["BLOCK_K"], blocksize)
+            if c.get("FOLD_SCALE") and c["BLOCK_K"] % blocksize == 0 and k % c["BLOCK_K"] == 0:
+                block_k = c["BLOCK_K"]
             target = out2 if p.split_k == 1 else torch.empty(p.split_k, m, n, dtype=torch.float32, device=x.device)
             grid = (-(-m // c["BLOCK_M"]) * -(-n // c["BLOCK_N"]), p.split_k)
             _gemm_4bit_kernel[grid](x2, w, absmax, code, b, target, *nest, m, n, k, x2.stride(0), out2.stride(0),
