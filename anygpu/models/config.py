@@ -16,6 +16,7 @@ from typing import Iterable
 
 import torch
 
+from .bnb_config import BnbQuantization
 from .config_checks import (
     EPS_RANGE,
     LIMITS,
@@ -77,6 +78,8 @@ class ModelConfig:
     bos_token_id: int | None
     eos_token_ids: tuple[int, ...]
     dtype: torch.dtype | None    # the checkpoint's dtype (None for GGUF: dequantized to fp32)
+    # A bitsandbytes checkpoint's quantization_config: its linears are stored packed and load as they are.
+    quantization: BnbQuantization | None = None
 
     def __post_init__(self):
         check_model_config(self)  # direct constructions too (benchmarks' random-weight configs)
@@ -112,6 +115,7 @@ class ModelConfig:
             bias = f.bool("attention_bias", False)
             window = f.int("sliding_window", LIMITS["sliding_window"], None)
         dtype = cfg.get("dtype") or cfg.get("torch_dtype")
+        quantization = cfg.get("quantization_config")
         fields = dict(
             architecture=arch,
             vocab_size=f.int("vocab_size", LIMITS["vocab_size"]),
@@ -131,6 +135,7 @@ class ModelConfig:
             bos_token_id=f.int("bos_token_id", LIMITS["token_id"], None),
             eos_token_ids=check_eos_ids(cfg.get("eos_token_id"), "eos_token_id", where),
             dtype=_DTYPES.get(dtype) if isinstance(dtype, str) else None,
+            quantization=None if quantization is None else BnbQuantization.from_hf(quantization, where),
         )
         return _checked(cls, fields, where, HF_KEYS)
 

@@ -5,7 +5,8 @@ weights.
     for name, w in ckpt.weights():      # ("model.embed_tokens.weight", bf16 [49152, 576]), ... in the stored dtype
 
 Only safetensors are read: ``pytorch_model.bin`` files are pickles, which can run code when loaded, so they are
-refused (convert them with transformers' ``save_pretrained(..., safe_serialization=True)``).  The eos ids of
+refused (convert them with transformers' ``save_pretrained(..., safe_serialization=True)``).  A bitsandbytes
+checkpoint (``quantization_config`` in config.json) yields its packed weights and quant-state items as stored.  The eos ids of
 config.json, generation_config.json (instruct models often list several there) and the tokenizer are merged, so
 generation stops on any of them.
 """
@@ -18,11 +19,12 @@ from typing import Iterator
 
 import torch
 
+from .bnb_weights import unpacked_shapes
 from .config import HF_KEYS, ModelConfig
 from .config_checks import check_eos_ids
 from .folder_files import file_in_folder, read_json
 from .safetensors_header import TensorEntry, read_header
-from .shape_check import check_tensor_shapes
+from .shape_check import check_tensor_shapes, expected_shapes
 from .tokenizer import Tokenizer
 
 _INDEX = "model.safetensors.index.json"
@@ -49,6 +51,9 @@ class HFCheckpoint:
                 if name in shapes:
                     raise ValueError(f"{f}: tensor {name!r} is also in another file of {self.path}")
                 shapes[name] = entry.shape
+        if config.quantization is not None:  # packed 4-bit weights: checked by byte count, then as [out, in]
+            nbytes = {n: e.end - e.begin for tensors in self.headers.values() for n, e in tensors.items()}
+            shapes = unpacked_shapes(shapes, nbytes, expected_shapes(config), str(self.path))
         check_tensor_shapes(config, shapes, where=str(self.path), config_where=str(config_path), keys=HF_KEYS)
         # A folder of weights alone still runs on token ids (a tokenizer.model without tokenizer.json is refused
         # by from_hf_folder: that is a tokenizer we cannot read, not a missing one).

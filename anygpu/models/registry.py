@@ -4,7 +4,9 @@
 ``ARCHITECTURES`` (one entry per supported ``ModelConfig.architecture``); weights are a checkpoint's
 ``weights()`` iterator or ``"random"`` (vLLM's dummy weights: uniform in [-1e-3, 1e-3], norms at 1, for
 benchmarks in real shapes without a download).  ``quantize`` re-quantizes every linear but the output head with
-``anygpu.nn.quantize_model`` (nf4, fp4, int8 = LLM.int8() at threshold 6.0), with a progress bar.
+``anygpu.nn.quantize_model`` (nf4, fp4, int8 = LLM.int8() at threshold 6.0), with a progress bar.  A
+bitsandbytes checkpoint (``config.quantization``) is not re-quantized: its stored layers load as they are
+(``bnb_load.py``).
 
 ``tp``: build one rank's shard of a tensor-parallel model.  Random weights are generated as full HF-named
 tensors, each from a seed derived from its name, and go through ``load_weights`` like a checkpoint's: every
@@ -20,6 +22,7 @@ from collections.abc import Iterable, Iterator
 import torch
 
 from ..nn import quantize_model
+from .bnb_load import build_prequantized
 from .config import ModelConfig
 from .llama import LlamaForCausalLM
 from .parallel import TensorParallel
@@ -66,6 +69,11 @@ def build_model(config: ModelConfig, weights: Iterable[tuple[str, torch.Tensor]]
         if weights != "random":
             raise ValueError(f"weights: expected a (name, tensor) iterator or 'random', got {weights!r}")
         weights = random_weights(config, dtype, device)
+    if config.quantization is not None:
+        if quantize is not None:
+            raise ValueError(f"quantize: the checkpoint is already quantized by bitsandbytes "
+                             f"({config.quantization.bits}-bit); load it without quantize={quantize!r}")
+        return build_prequantized(model_class(config), config, weights, dtype, device, tp, max_position)
     model = model_class(config)(config, dtype=dtype, device=device, tp=tp, max_position=max_position)
     model.load_weights(weights)
     if quantize is not None:

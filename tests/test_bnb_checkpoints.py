@@ -1,0 +1,114 @@
+"""bitsandbytes checkpoints, both ways (issue 23, part 2), with real transformers + bitsandbytes on the CPU.
+
+- A tiny random Llama quantized by transformers + bitsandbytes (``BitsAndBytesConfig``: nf4 double-quant, fp4,
+  8-bit) and saved loads into the engine's model as stored: ``Linear4bit`` / ``Linear8bitLt`` holding the file's
+  packed bytes, the fused q/k/v and gate/up dequantizing to bitsandbytes' own q, k, v..., logits close to
+  transformers' for the same quantized model.
+- ``anygpu.nn.save_quantized`` on a transformers model quantized by ``anygpu.nn.quantize_model`` writes a folder
+  transformers + bitsandbytes load (same logits as ours), and the engine too; ``anygpu generate`` runs it.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+bnb = pytest.importorskip("bitsandbytes")
+
+from safetensors import safe_open  # noqa: E402
+
+from anygpu.models import HFCheckpoint  # noqa: E402
+from anygpu.models.registry import build_model  # noqa: E402
+from anygpu.nn import Linear4bit, Linear8bitLt  # noqa: E402
+
+from .test_models_llama import full_logits  # noqa: E402
+
+IDS = [1, 5, 9, 33, 70, 2, 101, 64, 17, 3, 88, 120]
+QUANT = {
+    "nf4-double": dict(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
+                       bnb_4bit_compute_dtype=torch.float32),
+    "fp4": dict(load_in_4bit=True, bnb_4bit_quant_type="fp4", bnb_4bit_compute_dtype=torch.float32),
+    "int8": dict(load_in_8bit=True),
+}
+
+
+def tiny_config(**extra):
+    return transformers.LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                    num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                                    tie_word_embeddings=False, bos_token_id=1, eos_token_id=2, **extra)
+
+
+@pytest.fixture(scope="module")
+def float_folder(tmp_path_factory):
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(tiny_config()).eval()
+    folder = tmp_path_factory.mktemp("tiny-fp32")
+    model.save_pretrained(folder)
+    return folder
+
+
+def hf_quantized(folder, kind):
+    q = transformers.BitsAndBytesConfig(**QUANT[kind])
+    return transformers.AutoModelForCausalLM.from_pretrained(folder, quantization_config=q, device_map="cpu",
+                                                             dtype=torch.float32).eval()
+
+
+def hf_logits(model, ids=IDS):
+    with torch.inference_mode():
+        return model(torch.tensor([ids])).logits[0].float()
+
+
+def dequantized_twin(hf, float_folder):
+    """transformers' model in fp32 with bitsandbytes' own dequantization of every quantized weight: the oracle for
+    our logits (bitsandbytes' CPU matmuls round activations to 16 bits, ours compute in fp32)."""
+    twin = transformers.LlamaForCausalLM.from_pretrained(float_folder, dtype=torch.float32).eval()
+    linears = dict(twin.named_modules())
+    for name, module in hf.named_modules():
+        if isinstance(module, bnb.nn.Linear4bit):
+            w = bnb.functional.dequantize_4bit(module.weight.data, module.weight.quant_state)
+        elif isinstance(module, bnb.nn.Linear8bitLt):
+            w = module.weight.data.float() * module.weight.SCB.float()[:, None] / 127
+        else:
+            continue
+        linears[name].weight.data.copy_(w)
+    return twin
+
+
+def ours(folder):
+    ckpt = HFCheckpoint(folder)
+    return build_model(ckpt.config, ckpt.weights(progress=False), progress=False)
+
+
+@pytest.mark.parametrize("kind", list(QUANT))
+def test_transformers_checkpoint_loads_as_stored(float_folder, tmp_path, kind):
+    hf = hf_quantized(float_folder, kind)
+    hf.save_pretrained(tmp_path)
+    model = ours(tmp_path)
+    layer = model.layers[1]
+    cls = Linear8bitLt if kind == "int8" else Linear4bit
+    for linear in (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj):
+        assert type(linear) is cls
+    assert type(model.lm_head) is torch.nn.Linear  # transformers keeps the head in full precision
+    with safe_open(tmp_path / "model.safetensors", "pt") as f:  # the stored bytes, not a re-quantization
+        stored = f.get_tensor("model.layers.1.self_attn.o_proj.weight")
+    assert torch.equal(layer.self_attn.o_proj.weight.data, stored)
+    # the fused q/k/v is bitsandbytes' q, k and v, stacked
+    attn = hf.model.layers[1].self_attn
+    if kind == "int8":
+        want = torch.cat([attn.q_proj.weight.data, attn.k_proj.weight.data, attn.v_proj.weight.data])
+        assert torch.equal(layer.self_attn.qkv_proj.weight.data, want)
+    else:
+        want = torch.cat([bnb.functional.dequantize_4bit(p.weight.data, p.weight.quant_state)
+                          for p in (attn.q_proj, attn.k_proj, attn.v_proj)])
+        torch.testing.assert_close(layer.self_attn.qkv_proj.dequantize(torch.float32), want, atol=1e-6, rtol=0)
+    got = full_logits(model, IDS)
+    if kind != "int8":  # LLM.int8() quantizes the activations too: no fp32 twin computes what it does
+        torch.testing.assert_close(got, hf_logits(dequantized_twin(hf, float_folder)), atol=2e-4, rtol=1e-4)
+    # bitsandbytes' own CPU forward rounds activations to bf16 (4-bit) or fp16 (int8): within that rounding
+    ref = hf_logits(hf)
+    torch.testing.assert_close(got, ref, atol=5e-3, rtol=0)  # logits up to 0.5
