@@ -24,7 +24,7 @@ from safetensors import safe_open  # noqa: E402
 
 from anygpu.models import HFCheckpoint  # noqa: E402
 from anygpu.models.registry import build_model  # noqa: E402
-from anygpu.nn import Linear4bit, Linear8bitLt  # noqa: E402
+from anygpu.nn import Linear4bit, Linear8bitLt, quantize_model, save_quantized  # noqa: E402
 
 from .test_models_llama import full_logits  # noqa: E402
 
@@ -112,3 +112,70 @@ def test_transformers_checkpoint_loads_as_stored(float_folder, tmp_path, kind):
     # bitsandbytes' own CPU forward rounds activations to bf16 (4-bit) or fp16 (int8): within that rounding
     ref = hf_logits(hf)
     torch.testing.assert_close(got, ref, atol=5e-3, rtol=0)  # logits up to 0.5
+
+
+SAVE = {"nf4": ("nf4", {}), "fp4-plain": ("fp4", dict(compress_statistics=False)), "int8": ("int8", dict(threshold=6.0))}
+
+
+def anygpu_quantized(float_folder, kind):
+    quant_type, options = SAVE[kind]
+    model = transformers.LlamaForCausalLM.from_pretrained(float_folder, dtype=torch.float32).eval()
+    quantize_model(model, quant_type, progress=False, **options)
+    return model
+
+
+def write_tokenizer(folder, vocab: int = 128):
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    tok = Tokenizer(models.WordLevel({f"w{i}": i for i in range(vocab)}, unk_token="w0"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok.save(str(folder / "tokenizer.json"))
+
+
+@pytest.mark.parametrize("kind", list(SAVE))
+def test_save_quantized_loads_in_transformers_and_anygpu(float_folder, tmp_path, kind):
+    model = anygpu_quantized(float_folder, kind)
+    assert save_quantized(model, tmp_path) == tmp_path
+    # config.json says what transformers' own BitsAndBytesConfig would
+    quant_type, options = SAVE[kind]
+    if kind == "int8":
+        bnb_config = transformers.BitsAndBytesConfig(load_in_8bit=True, llm_int8_skip_modules=["lm_head"])
+    else:
+        bnb_config = transformers.BitsAndBytesConfig(
+            load_in_4bit=True, bnb_4bit_quant_type=quant_type, bnb_4bit_compute_dtype=torch.float32,
+            bnb_4bit_use_double_quant=options.get("compress_statistics", True), llm_int8_skip_modules=["lm_head"])
+    saved = json.loads((tmp_path / "config.json").read_text())["quantization_config"]
+    assert saved == json.loads(bnb_config.to_json_string(use_diff=False))
+    ref = hf_logits(model)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, device_map="cpu").eval()
+    layer_cls = bnb.nn.Linear8bitLt if kind == "int8" else bnb.nn.Linear4bit
+    assert type(hf.model.layers[0].mlp.down_proj) is layer_cls
+    torch.testing.assert_close(hf_logits(hf), ref, atol=5e-3, rtol=0)  # bitsandbytes' 16-bit activations
+    engine_model = ours(tmp_path)
+    torch.testing.assert_close(full_logits(engine_model, IDS), ref, atol=1e-5, rtol=1e-5)
+
+
+def test_generate_cli_runs_a_saved_folder(float_folder, tmp_path):
+    save_quantized(anygpu_quantized(float_folder, "nf4"), tmp_path)
+    write_tokenizer(tmp_path)
+    proc = subprocess.run([sys.executable, "-m", "anygpu.cli", "generate", "--model", str(tmp_path), "--raw",
+                           "--max-tokens", "5", "w5 w9 w33"], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    assert f"model={tmp_path.name}" in proc.stderr and "generated_tokens=" in proc.stderr
+
+
+def test_errors_name_the_field(float_folder, tmp_path):
+    save_quantized(anygpu_quantized(float_folder, "nf4"), tmp_path)
+    ckpt = HFCheckpoint(tmp_path)
+    with pytest.raises(ValueError, match=r"quantize: the checkpoint is already quantized by bitsandbytes \(4-bit\)"):
+        build_model(ckpt.config, ckpt.weights(progress=False), quantize="nf4", progress=False)
+    config = json.loads((tmp_path / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "gptq", "bits": 4}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match=r"config\.json: quantization_config\.quant_method: 'gptq' checkpoints are "
+                                         r"not supported"):
+        HFCheckpoint(tmp_path)
+    with pytest.raises(ValueError, match="no Linear4bit or Linear8bitLt layer: quantize it first"):
+        save_quantized(transformers.LlamaForCausalLM(tiny_config()), tmp_path / "plain")
+    with pytest.raises(ValueError, match="expected a transformers model"):
+        save_quantized(ours(float_folder), tmp_path / "engine")
