@@ -127,11 +127,11 @@ def test_client_errors_name_the_field(client, model):
         client.completions.create(model=model, prompt="word " * 300)
     assert e.value.param == "prompt" and e.value.code == "context_length_exceeded"
     with pytest.raises(openai.BadRequestError) as e:
-        client.chat.completions.create(model=model, messages=QUESTION, n=2)
+        client.chat.completions.create(model=model, messages=QUESTION, n=17)  # past MAX_N
     assert e.value.param == "n"
     with pytest.raises(openai.BadRequestError) as e:
-        client.completions.create(model=model, prompt="hi", echo=True)
-    assert e.value.param == "echo"
+        client.completions.create(model=model, prompt="hi", max_tokens=0)  # 0 only with echo
+    assert e.value.param == "max_tokens"
 
 
 @pytest.mark.parametrize("body, status, param", [

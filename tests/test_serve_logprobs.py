@@ -153,6 +153,6 @@ def test_logprob_errors_name_the_field(client):
     with pytest.raises(openai.BadRequestError) as e:
         client.completions.create(model="m", prompt="hi", logprobs=21)
     assert e.value.param == "logprobs"
-    with pytest.raises(openai.BadRequestError) as e:
-        client.completions.create(model="m", prompt="hi", echo=True, logprobs=1)
-    assert e.value.param == "echo"
+    with pytest.raises(openai.BadRequestError) as e:  # echo with prompt logprobs: tests/test_echo_logprobs.py
+        client.completions.create(model="m", prompt="hi", echo=True, logprobs=1, best_of=2)
+    assert e.value.param == "best_of"

@@ -14,6 +14,10 @@ ValueError from the iterator, and the engine goes on serving the others.  A requ
 (``errors.py``) raises ``RequestInvalid`` (a ValueError) or ``RequestFailed`` (a RuntimeError) from its iterator;
 the others go on.
 
+``SamplingParams.n`` > 1 fans out into n child requests (``parallel_sampling.py``) whose outputs are merged:
+each item then has n ``outputs``, with the deltas of each since the previous item.  A child that fails fails
+the request (its iterator raises) and aborts the other children.
+
 When the engine itself fails (``step`` raises: see ``LLMEngine``; or the engine process died), every open and
 every later request raises ``EngineDead``, ``healthy`` turns False and stays so, ``error`` holds the cause, and
 ``wait_dead()`` returns it: a server awaits that to exit (or restart) rather than answer 503 forever.
@@ -33,6 +37,7 @@ from collections.abc import AsyncIterator
 
 from .errors import EngineDead, RequestFailed, as_exception
 from .llm_engine import LLMEngine, RequestOutput
+from .parallel_sampling import ParentRequest, child_id, child_params
 from .sampling_params import SamplingParams
 
 log = logging.getLogger("anygpu.engine")
@@ -53,8 +58,45 @@ class AsyncLLMEngine:
         self._thread = threading.Thread(target=self._loop, name="anygpu-engine", daemon=True)
         self._thread.start()
 
-    async def generate(self, request_id: str, prompt, params: SamplingParams | None = None
-                       ) -> AsyncIterator[RequestOutput]:
+    def generate(self, request_id: str, prompt, params: SamplingParams | None = None
+                 ) -> AsyncIterator[RequestOutput]:
+        if isinstance(params, SamplingParams) and params.n > 1:
+            return self._generate_n(request_id, prompt, params)
+        return self._generate_one(request_id, prompt, params)
+
+    async def _generate_n(self, request_id: str, prompt, params: SamplingParams) -> AsyncIterator[RequestOutput]:
+        children = child_params(params)
+        parent = ParentRequest(request_id, len(children))
+        queue: asyncio.Queue = asyncio.Queue()
+
+        async def pump(index: int, child: AsyncIterator[RequestOutput]) -> None:
+            try:
+                async for out in child:
+                    queue.put_nowait((index, out))
+            except Exception as error:  # the child has ended (aborted if it still ran): the request fails
+                queue.put_nowait((index, error))
+
+        tasks = [asyncio.ensure_future(pump(i, self._generate_one(child_id(request_id, i), prompt, p)))
+                 for i, p in enumerate(children)]
+        try:
+            while not parent.finished:
+                items = [await queue.get()]
+                while not queue.empty():  # what piled up goes out as one item, as for one completion
+                    items.append(queue.get_nowait())
+                for index, item in items:
+                    if isinstance(item, BaseException):
+                        raise item
+                    parent.add(index, item)
+                if params.prompt_logprobs is not None and parent.latest[0] is None:
+                    continue  # the prompt's log-probabilities come with child 0: the first item carries them
+                yield parent.output()
+        finally:
+            for task in tasks:  # cancelling a child's iteration aborts that child in the engine
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+
+    async def _generate_one(self, request_id: str, prompt, params: SamplingParams | None
+                            ) -> AsyncIterator[RequestOutput]:
         queue: asyncio.Queue = asyncio.Queue()
         self._send(("add", request_id, prompt, params, queue, asyncio.get_running_loop()))
         finished = False

@@ -70,7 +70,8 @@ class BlockManager:
     def _cache_hits(self, seq: Sequence) -> tuple[list[int], list[bytes]]:
         """Cached blocks (and their hashes) holding seq's leading full blocks, leaving the last token out."""
         hits, hashes = [], []
-        if not self.enable_prefix_caching:
+        # Prompt log-probabilities need the logits of every prompt position, so a cached block is no use to them.
+        if not self.enable_prefix_caching or seq.needs_prompt_logprobs:
             return hits, hashes
         bs, parent = self.block_size, b""
         for i in range((seq.num_tokens - 1) // bs):

@@ -17,7 +17,10 @@ protocol is plain tuples over a pipe, our own data only (nothing from a checkpoi
                        ("step", deltas, stats) after every step and after control messages
                        ("fatal", traceback) when a step fails for the engine (it then exits non-zero)
     delta = (request_id, delta_text, delta_token_ids, finished, finish_reason, stop_reason,
-             arrival_time, first_token_time, finish_time, num_cached_tokens, error, error_type)
+             arrival_time, first_token_time, finish_time, num_cached_tokens, error, error_type,
+             cumulative_logprob, new_logprobs, prompt_logprobs)
+
+``prompt_logprobs`` crosses once, with the request's first output (the engine has them complete by then).
 
 Only deltas cross the pipe (a step of 256 sequences is a few tens of KB); the client rebuilds each request's
 cumulative text and ids.  Prompts are tokenized and checked in the client with the engine's own rules
@@ -68,6 +71,7 @@ class _Live:
     text: str = ""
     token_ids: list[int] = field(default_factory=list)
     logprobs: list | None = None
+    prompt_logprobs: list | None = None
 
 
 class EngineClient:
@@ -170,7 +174,7 @@ class EngineClient:
 
     def _output(self, request_id, delta_text, delta_ids, finished, finish_reason, stop_reason, arrival,
                 first_token, finish, cached, error, error_type, cumulative_logprob,
-                delta_logprobs) -> RequestOutput | None:
+                delta_logprobs, prompt_logprobs) -> RequestOutput | None:
         live = self.requests.get(request_id)
         if live is None:  # aborted here before the engine heard of it
             return None
@@ -179,6 +183,8 @@ class EngineClient:
         if delta_logprobs is not None:
             live.logprobs = live.logprobs if live.logprobs is not None else []
             live.logprobs.extend(delta_logprobs)
+        if prompt_logprobs is not None:
+            live.prompt_logprobs = prompt_logprobs
         if finished:
             del self.requests[request_id]
         logprobs = list(live.logprobs) if live.logprobs is not None else None
@@ -187,16 +193,17 @@ class EngineClient:
                                       stop_reason=stop_reason, delta_text=delta_text, delta_token_ids=delta_ids)
         return RequestOutput(request_id, live.prompt_token_ids, [completion], finished=finished, arrival_time=arrival,
                              first_token_time=first_token, finish_time=finish, num_cached_tokens=cached,
-                             error=error, error_type=error_type)
+                             error=error, error_type=error_type, prompt_logprobs=live.prompt_logprobs)
 
 
 def _wire(o: RequestOutput) -> tuple:
     """What crosses the pipe for one output: its deltas (the client keeps the cumulative text and ids)."""
     c = o.outputs[0]
     new_logprobs = None if c.logprobs is None else c.logprobs[len(c.token_ids) - len(c.delta_token_ids):]
+    first = len(c.token_ids) == len(c.delta_token_ids)  # this request's first output (or one with no tokens)
     return (o.request_id, c.delta_text, c.delta_token_ids, o.finished, c.finish_reason, c.stop_reason,
             o.arrival_time, o.first_token_time, o.finish_time, o.num_cached_tokens, o.error, o.error_type,
-            c.cumulative_logprob, new_logprobs)
+            c.cumulative_logprob, new_logprobs, o.prompt_logprobs if first else None)
 
 
 def _stats(engine) -> tuple:
@@ -215,8 +222,8 @@ def _handle(engine, conn, message) -> bool:
         engine.add_request(request_id, ids, params)
     except Exception as error:  # checked by the client already: only a race or a fault could get here
         error_type, text = classify(error)
-        conn.send(("step", [(request_id, "", [], True, "error", None, 0.0, None, None, 0, text, error_type)],
-                   _stats(engine)))
+        conn.send(("step", [(request_id, "", [], True, "error", None, 0.0, None, None, 0, text, error_type,
+                             None, None, None)], _stats(engine)))
     return True
 
 

@@ -9,9 +9,11 @@
 ``generate`` takes raw prompts (strings or token-id lists) as they are, like vLLM; ``chat`` renders the model's
 chat template first.  All prompts go into the engine at once and run with continuous batching; outputs come
 back in prompt order, each a ``RequestOutput`` (``llm_engine.py``) with ``prompt`` (the text, when given as text),
-``prompt_token_ids`` and ``outputs[0]`` (``text``, ``token_ids``, ``finish_reason``, ``stop_reason``; ``logprobs``
-None).  A prompt that fails inside a step comes back finished with ``finish_reason="error"`` and ``error`` set
-(``errors.py``); the others are unaffected.
+``prompt_token_ids`` and ``outputs[i]`` (``text``, ``token_ids``, ``finish_reason``, ``stop_reason``, ``logprobs``
+with ``SamplingParams.logprobs``), one per ``SamplingParams.n`` (``parallel_sampling.py``), and
+``prompt_logprobs`` with ``SamplingParams.prompt_logprobs``.  A prompt that fails inside a step comes back
+finished with ``finish_reason="error"`` and ``error`` set (``errors.py``; with n > 1 its other completions are
+aborted); the other prompts are unaffected.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ import itertools
 from tqdm.auto import tqdm
 
 from .llm_engine import LLMEngine, RequestOutput
+from .parallel_sampling import ParentRequest, child_id, child_params
 from .sampling_params import SamplingParams
 
 
@@ -43,16 +46,21 @@ class LLM:
         else:
             params = [sampling_params or SamplingParams()] * len(prompts)
         ids = [f"offline-{next(self._ids)}" for _ in prompts]
-        added = []
+        added, families = [], {}
         try:
             for request_id, prompt, p in zip(ids, prompts, params):
-                self.engine.add_request(request_id, prompt, p)
-                added.append(request_id)
+                if not isinstance(p, SamplingParams):
+                    raise ValueError(f"sampling_params: expected SamplingParams, got {type(p).__name__}")
+                children = [child_id(request_id, i) for i in range(p.n)]
+                families[request_id] = children
+                for child, cp in zip(children, child_params(p)):
+                    self.engine.add_request(child, prompt, cp)
+                    added.append(child)
         except Exception:
             for request_id in added:  # all or nothing: a bad prompt leaves no orphan running
                 self.engine.abort(request_id)
             raise
-        outputs = self._run(ids, use_tqdm)
+        outputs = self._run(ids, families, use_tqdm)
         for out, prompt in zip(outputs, prompts):
             out.prompt = prompt if isinstance(prompt, str) else None
         return outputs
@@ -74,14 +82,36 @@ class LLM:
         """Release the engine (with ``tp > 1``: stop its worker processes; garbage collection does it too)."""
         self.engine.close()
 
-    def _run(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
-        wanted = set(ids)
-        done: dict[str, RequestOutput] = {}
+    def _run(self, ids: list[str], families: dict[str, list[str]], use_tqdm: bool) -> list[RequestOutput]:
+        parent_of = {c: (request_id, i) for request_id, children in families.items() for i, c in enumerate(children)}
+        parents = {request_id: ParentRequest(request_id, len(children)) for request_id, children in families.items()}
         bar = tqdm(total=len(ids), desc="generating", disable=not use_tqdm)
-        while len(done) < len(ids):
+        left = set(ids)
+        while left:
             for out in self.engine.step():
-                if out.finished and out.request_id in wanted:
-                    done[out.request_id] = out
+                if out.request_id not in parent_of:
+                    continue
+                request_id, i = parent_of[out.request_id]
+                parent = parents[request_id]
+                parent.add(i, out)
+                if out.finished and out.error is not None:
+                    self._abort_siblings(parent, families[request_id])
+                if request_id in left and parent.finished:
+                    left.discard(request_id)
                     bar.update(1)
         bar.close()
-        return [done[i] for i in ids]
+        return [parents[i].output() for i in ids]
+
+    def _abort_siblings(self, parent: ParentRequest, children: list[str]) -> None:
+        """One completion failed: the request has failed, so its other completions stop now (as "abort")."""
+        for i, child in enumerate(children):
+            out = parent.latest[i]
+            if out is not None and out.finished:
+                continue
+            self.engine.abort(child)
+            if out is None:
+                out = RequestOutput(child, parent.latest[next(j for j, o in enumerate(parent.latest) if o)]
+                                    .prompt_token_ids)
+            out.finished = True
+            out.outputs[0].finish_reason = "abort"
+            parent.latest[i] = out

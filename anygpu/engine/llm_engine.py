@@ -85,8 +85,8 @@ class CompletionOutput:
 
 @dataclass
 class RequestOutput:
-    """A request's state after a step, vLLM's shape: ``outputs[i]`` are its completions (one: ``n`` > 1 is not
-    supported).  ``text``, ``token_ids``, ``finish_reason``, ``stop_reason``, ``delta_text`` and ``delta_token_ids``
+    """A request's state after a step, vLLM's shape: ``outputs[i]`` are its completions (``SamplingParams.n``
+    of them; one from ``LLMEngine``, n merged by ``parallel_sampling.ParentRequest``).  ``text``, ``token_ids``, ``finish_reason``, ``stop_reason``, ``delta_text`` and ``delta_token_ids``
     read ``outputs[0]``'s, for code written against the single-completion shape."""
 
     request_id: str
@@ -123,6 +123,7 @@ class _Request:
     hold: int = 0  # characters held back from delta_text: len(longest stop string) - 1
     logprobs: list = field(default_factory=list)  # CompletionOutput.logprobs so far (built once per token)
     cumulative_logprob: float = 0.0
+    prompt_logprobs: list | None = None  # RequestOutput.prompt_logprobs, built once all are computed
 
 
 def check_request(prompt, params, vocab_size: int, tokenizer, max_model_len: int) -> tuple[list[int], SamplingParams]:
@@ -133,6 +134,9 @@ def check_request(prompt, params, vocab_size: int, tokenizer, max_model_len: int
     if not isinstance(params, SamplingParams):
         raise ValueError(f"params: expected a SamplingParams, got {type(params).__name__}")
     params.validate(vocab_size)
+    if params.n != 1:
+        raise ValueError(f"n: an engine request runs one completion; n = {params.n} runs through LLM.generate or "
+                         f"AsyncLLMEngine.generate, which fan out (parallel_sampling.py)")
     if isinstance(prompt, str):
         if tokenizer is None:
             raise ValueError("prompt: this engine has no tokenizer; pass token ids")
@@ -358,23 +362,38 @@ class LLMEngine:
         out = RequestOutput(request_id, seq.prompt_token_ids, [completion], finished=seq.is_finished,
                             arrival_time=seq.arrival_time, first_token_time=seq.first_token_time,
                             finish_time=seq.finish_time,
-                            num_cached_tokens=seq.num_cached_tokens, error=req.error, error_type=req.error_type)
+                            num_cached_tokens=seq.num_cached_tokens, error=req.error, error_type=req.error_type,
+                            prompt_logprobs=self._prompt_logprobs(req))
         req.emitted_chars, req.emitted_tokens = visible, len(seq.output_token_ids)
         return out
+
+    def _entry(self, token: int, logprob: float, rank: int, top: list) -> dict[int, Logprob]:
+        """vLLM's ``{id: Logprob}`` for one position: the token first, then the most likely ones."""
+        tok = self.tokenizer
+        text = (lambda t: tok.decode([t], skip_special_tokens=False)) if tok is not None else (lambda t: None)
+        entry = {token: Logprob(logprob, rank, text(token))}
+        for r, (tid, lp) in enumerate(top, 1):
+            entry.setdefault(tid, Logprob(lp, r, text(tid)))
+        return entry
+
+    def _prompt_logprobs(self, req: _Request) -> list | None:
+        """vLLM's ``RequestOutput.prompt_logprobs`` (None first: the first token has no context) once the
+        runner has computed every prompt position, else None."""
+        seq = req.seq
+        if req.prompt_logprobs is None and seq.params.prompt_logprobs is not None and not seq.needs_prompt_logprobs:
+            ids = seq.prompt_token_ids
+            req.prompt_logprobs = [None] + [self._entry(ids[j + 1], *entry)
+                                            for j, entry in enumerate(seq.prompt_logprobs)]
+        return req.prompt_logprobs
 
     def _logprobs(self, req: _Request) -> tuple[float | None, list | None]:
         """(cumulative_logprob, logprobs) for the output, the sampler's new entries converted once each."""
         seq = req.seq
         if seq.params.logprobs is None:
             return None, None
-        tok = self.tokenizer
-        text = (lambda t: tok.decode([t], skip_special_tokens=False)) if tok is not None else (lambda t: None)
         for pos in range(len(req.logprobs), min(len(seq.output_logprobs), len(seq.output_token_ids))):
             token, (logprob, rank, top) = seq.output_token_ids[pos], seq.output_logprobs[pos]
-            entry = {token: Logprob(logprob, rank, text(token))}
-            for r, (tid, lp) in enumerate(top, 1):
-                entry.setdefault(tid, Logprob(lp, r, text(tid)))
-            req.logprobs.append(entry)
+            req.logprobs.append(self._entry(token, logprob, rank, top))
             req.cumulative_logprob += logprob
         return req.cumulative_logprob, list(req.logprobs)
 

@@ -38,7 +38,7 @@ import torch.distributed as dist
 
 from ..models.llama import MODES, AttentionBatch, LlamaForCausalLM
 from ..ops.define import runs_references
-from .sampler import Sampler
+from .sampler import Sampler, prompt_logprobs
 from .scheduler import ScheduledBatch
 
 CPU_KV_CACHE_BYTES = 1 << 30
@@ -146,14 +146,19 @@ class ModelRunner:
         torch.cuda.empty_cache()
 
     # -- one step ---------------------------------------------------------------------------------------
-    def pack(self, batch: ScheduledBatch) -> tuple[torch.Tensor, list[int | None]]:
-        """The step as one host int64 message (see HEADER), and the index of each sequence's last token if it
-        needs logits.  One tensor: a single host-to-device copy (a decode step would otherwise pay five small
-        synchronous copies) and a single message to each tensor-parallel worker."""
-        ids, positions, slots, q_lens, k_lens, logit_rows = [], [], [], [], [], []
+    def pack(self, batch: ScheduledBatch) -> tuple[torch.Tensor, list[int | None], list[tuple[int, int, int]]]:
+        """The step as one host int64 message (see HEADER), the index of each sequence's last token if it needs
+        logits, and the prompt positions whose logits give prompt log-probabilities: (sequence index, index of the
+        first token, count).  One tensor: a single host-to-device copy (a decode step would otherwise pay five
+        small synchronous copies) and a single message to each tensor-parallel worker."""
+        ids, positions, slots, q_lens, k_lens, logit_rows, prompt_rows = [], [], [], [], [], [], []
         bs = self.block_size
-        for seq, n, needs_logits in zip(batch.seqs, batch.num_tokens, batch.needs_logits):
+        for i, (seq, n, needs_logits) in enumerate(zip(batch.seqs, batch.num_tokens, batch.needs_logits)):
             start = seq.num_computed_tokens
+            if seq.needs_prompt_logprobs and start == len(seq.prompt_logprobs):  # this chunk's prompt positions
+                count = min(start + n, seq.num_prompt_tokens - 1) - start
+                if count > 0:
+                    prompt_rows.append((i, len(ids), count))
             ids.extend(seq.token_range(start, start + n))
             positions.extend(range(start, start + n))
             table = seq.block_table
@@ -176,12 +181,13 @@ class ModelRunner:
             for seq in batch.seqs:
                 row = seq.block_table[:width]
                 tables += row + [0] * (width - len(row))
-        rows = [r for r in logit_rows if r is not None]
+        rows = sorted({r for r in logit_rows if r is not None}.union(
+            *(range(first, first + count) for _, first, count in prompt_rows)))
         header = [MODES.index(mode), len(ids), len(q_lens), width, max(q_lens), max(k_lens), len(rows)]
         if len(rows) == len(ids):  # a decode step: every token needs its logits, no gather
             rows = []
         message = torch.tensor(header + ids + positions + slots + cu + k_lens + tables + rows, dtype=torch.long)
-        return message, logit_rows
+        return message, logit_rows, prompt_rows
 
     @torch.inference_mode()
     def execute(self, message: torch.Tensor) -> torch.Tensor | None:
@@ -215,7 +221,7 @@ class ModelRunner:
     def run(self, batch: ScheduledBatch) -> list[int | None | Exception]:
         """Run one scheduled step; returns the sampled token of each sequence (None where no logits were needed,
         the exception where sampling that sequence failed: ``Sampler.sample_each``)."""
-        message, logit_rows = self.pack(batch)
+        message, logit_rows, prompt_rows = self.pack(batch)
         if self.workers is not None:
             self.workers.send(message)
         try:
@@ -229,10 +235,37 @@ class ModelRunner:
         if logits is None:
             return [None] * len(logit_rows)
         seqs = [s for s, r in zip(batch.seqs, logit_rows) if r is not None]
-        sampled = iter(self.sampler.sample_each(logits, seqs))
+        failed = {}
+        if prompt_rows:  # logits came for more rows than the sampled ones: pick those out first
+            t, num_rows = int(message[1]), int(message[6])
+            where = {r: j for j, r in enumerate(range(t) if num_rows == t else message[-num_rows:].tolist())}
+            failed = self._prompt_logprobs(batch, logits, where, prompt_rows)
+            logits = logits[torch.tensor([where[r] for r in logit_rows if r is not None], dtype=torch.long,
+                                         device=logits.device)]
+        sampled = iter(self.sampler.sample_each(logits, seqs) if seqs else [])
         if self.workers is not None:
             self.workers.check()  # a worker that died mid-step leaves garbage logits behind (its NCCL group aborted)
-        return [next(sampled) if r is not None else None for r in logit_rows]
+        results = [next(sampled) if r is not None else None for r in logit_rows]
+        for i, error in failed.items():
+            results[i] = error
+        return results
+
+    @staticmethod
+    def _prompt_logprobs(batch: ScheduledBatch, logits: torch.Tensor, where: dict[int, int],
+                         prompt_rows: list[tuple[int, int, int]]) -> dict[int, Exception]:
+        """Append each chunk's prompt log-probabilities to its sequence; a sequence whose computation fails gets
+        the exception instead (``LLMEngine`` then fails that request alone)."""
+        failed = {}
+        for i, first, count in prompt_rows:
+            seq = batch.seqs[i]
+            start = seq.num_computed_tokens
+            try:
+                rows = logits[where[first]: where[first] + count]  # consecutive tokens: consecutive rows
+                targets = seq.prompt_token_ids[start + 1: start + 1 + count]
+                seq.prompt_logprobs.extend(prompt_logprobs(rows, targets, seq.params.prompt_logprobs))
+            except Exception as error:
+                failed[i] = error
+        return failed
 
     def _wait_for_step(self) -> None:
         """Rank 0 under the symmetric-memory all-reduce: wait for this step's kernels by polling an event, raising

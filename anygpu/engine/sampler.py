@@ -37,6 +37,7 @@ import torch
 from .sequence import Sequence
 
 SAMPLING_EPS = 1e-5  # temperatures below this are greedy
+PROMPT_ROWS_AT_ONCE = 256
 SEED_MASK = 2**64 - 1  # torch seeds are 64-bit: a negative seed becomes its two's complement, as torch reads it
 
 
@@ -101,6 +102,17 @@ def _logprobs(raw: torch.Tensor, tokens: torch.Tensor, rows: list[int], ks: list
     top_lp, top_ids = lp.topk(max(ks), dim=-1) if max(ks) else (lp[:, :0], lp[:, :0].long())
     chosen, ranks, top_lp, top_ids = chosen[:, 0].tolist(), ranks.tolist(), top_lp.tolist(), top_ids.tolist()
     return [(chosen[j], ranks[j], list(zip(top_ids[j][:k], top_lp[j][:k]))) for j, k in enumerate(ks)]
+
+
+def prompt_logprobs(logits: torch.Tensor, targets: list[int], k: int) -> list[tuple]:
+    """Prompt positions' entries, as ``_logprobs``'s: row i of ``logits`` (the raw logits of one position) scored
+    against ``targets[i]`` (the prompt token that follows it)."""
+    entries = []
+    for start in range(0, len(targets), PROMPT_ROWS_AT_ONCE):  # a bounded number of [rows, vocab] copies at once
+        rows = logits[start:start + PROMPT_ROWS_AT_ONCE].float()
+        tokens = torch.tensor(targets[start:start + PROMPT_ROWS_AT_ONCE], device=logits.device)
+        entries += _logprobs(rows, tokens, list(range(rows.shape[0])), [k] * rows.shape[0])
+    return entries
 
 
 class Sampler:

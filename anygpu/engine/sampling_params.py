@@ -18,6 +18,8 @@ Limits, so that no one request can overflow the sampler or slow the steps of the
 - ``stop``: at most ``MAX_STOP_STRINGS`` strings of 1 to ``MAX_STOP_STRING_CHARS`` characters (OpenAI allows 4,
   TGI 4 by default): every stop string is searched at every token, and the longest one sets how much text a
   stream holds back.  ``stop_token_ids``: at most ``MAX_STOP_TOKEN_IDS`` ids (each is compared at every token).
+- ``n``: at most ``MAX_N`` completions per request (each is a sequence of its own, see ``parallel_sampling.py``).
+  ``logprobs`` and ``prompt_logprobs``: at most ``MAX_LOGPROBS`` most likely tokens per position.
 - The other numbers have OpenAI's / vLLM's ranges: temperature >= 0 and finite, top_p in (0, 1], min_p in [0, 1],
   presence and frequency penalties in [-2, 2], repetition_penalty > 0 and finite, max_tokens >= 1 (bounded by
   the context by the engine's scheduler and the server).
@@ -36,6 +38,7 @@ MAX_STOP_STRINGS = 64
 MAX_STOP_STRING_CHARS = 256
 MAX_STOP_TOKEN_IDS = 256
 MAX_LOGPROBS = 20  # OpenAI's top_logprobs bound; each is a top-k over the vocabulary at every token
+MAX_N = 16  # completions per request: each one is a sequence, so n multiplies what one request holds
 
 
 def _is_int(x) -> bool:
@@ -76,6 +79,8 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     logprobs: int | None = None          # None: none; k: each token's log-probability and the k most likely
+    n: int = 1                           # completions of the prompt (parallel sampling)
+    prompt_logprobs: int | None = None   # as logprobs, for the prompt's tokens (the first has none)
 
     def __post_init__(self) -> None:
         self.validate()
@@ -127,10 +132,15 @@ class SamplingParams:
             bad = [t for t in self.stop_token_ids if not 0 <= t < vocab_size]
             if bad:
                 raise ValueError(f"stop_token_ids: expected ids in [0, {vocab_size}) (the vocabulary), got {bad[:8]}")
-        if self.logprobs is not None:
-            if not _is_int(self.logprobs) or not 0 <= self.logprobs <= MAX_LOGPROBS:
-                raise ValueError(f"logprobs: expected None or an int in [0, {MAX_LOGPROBS}], got {self.logprobs!r}")
-            self.logprobs = int(self.logprobs)
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is not None:
+                if not _is_int(value) or not 0 <= value <= MAX_LOGPROBS:
+                    raise ValueError(f"{name}: expected None or an int in [0, {MAX_LOGPROBS}], got {value!r}")
+                setattr(self, name, int(value))
+        if not _is_int(self.n) or not 1 <= self.n <= MAX_N:
+            raise ValueError(f"n: expected an int in [1, {MAX_N}] (completions per request), got {self.n!r}")
+        self.n = int(self.n)
         for name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name}: expected True or False, got {getattr(self, name)!r}")

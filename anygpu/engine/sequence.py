@@ -41,6 +41,9 @@ class Sequence:
         self.output_token_ids: list[int] = []
         # Sampler's, when params.logprobs is set: per output token (logprob, rank, [(id, logprob)] top-k).
         self.output_logprobs: list[tuple[float, int, list[tuple[int, float]]]] = []
+        # The runner's, when params.prompt_logprobs is set: entry j is position j's prediction of prompt token j + 1,
+        # in the same form; complete once it has num_prompt_tokens - 1 entries.
+        self.prompt_logprobs: list[tuple[float, int, list[tuple[int, float]]]] = []
         self.status = SequenceStatus.WAITING
         self.finish_reason: str | None = None     # "stop" (EOS / id / string), "length", "abort", "error"
         self.num_computed_tokens = 0               # tokens whose K/V are in the cache
@@ -81,6 +84,11 @@ class Sequence:
     @property
     def last_token(self) -> int:
         return self.output_token_ids[-1] if self.output_token_ids else self.prompt_token_ids[-1]
+
+    @property
+    def needs_prompt_logprobs(self) -> bool:
+        """Prompt log-probabilities asked for and not all computed yet (they need every prompt position run)."""
+        return self.params.prompt_logprobs is not None and len(self.prompt_logprobs) < self.num_prompt_tokens - 1
 
     @property
     def is_finished(self) -> bool:

@@ -3,8 +3,7 @@
 Parsed with pydantic in strict JSON mode: a number sent as a string, a bool where an int is expected or a
 float where an int is expected is an error naming the field (lax coercion would run a request the client
 did not write).  Unknown fields are ignored, as OpenAI's own API does; fields we know but do not implement
-(``tools``, ``logit_bias``, ``n`` > 1, ``echo``, ...) are refused with a 400 naming them rather than
-silently dropped.
+(``tools``, ``logit_bias``, ``best_of``, ...) are refused with a 400 naming them rather than silently dropped.
 
 Every number is bounded here, so the OpenAPI schema shows the ranges and nothing out of range reaches the
 engine (the engine's ``SamplingParams`` checks the same bounds again, and ``top_k`` against the vocabulary):
@@ -12,8 +11,10 @@ engine (the engine's ``SamplingParams`` checks the same bounds again, and ``top_
 - OpenAI's ranges: temperature 0-2, top_p in (0, 1], presence/frequency penalties in [-2, 2], logit_bias values
   in [-100, 100], top_logprobs 0-20; TGI's: temperature > 0, top_p in (0, 1), typical_p in (0, 1).
 - Floats are finite: JSON's ``NaN`` and ``Infinity`` (which pydantic reads by default) are refused.
-- Counts of tokens (``max_tokens``, ``max_new_tokens``, ``truncate``, ``n``, ``best_of``) and ``top_k`` are at
+- Counts of tokens (``max_tokens``, ``max_new_tokens``, ``truncate``, ``best_of``) and ``top_k`` are at
   most 2**31 - 1 (TGI's i32); the model's context bounds the token counts further (``Server.limit_tokens``).
+  ``max_tokens`` may be 0 on ``/v1/completions`` with ``echo`` (the prompt scored, nothing generated).
+- ``n``: 1 to ``MAX_N`` (16) completions per request (each is a sequence in the engine).
 - ``seed``: 64-bit: [-2**63, 2**64 - 1] on the OpenAI routes (vLLM's signed and TGI's unsigned range), TGI's
   u64 [0, 2**64 - 1] on ``/generate``.
 - ``stop``: at most 64 strings of 1 to 256 characters; ``stop_token_ids``: at most 256 ids
@@ -31,8 +32,8 @@ from typing import Annotated, Any, Literal, Union
 from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag
 
 from ..engine import SamplingParams
-from ..engine.sampling_params import (MAX_LOGPROBS, MAX_STOP_STRING_CHARS, MAX_STOP_STRINGS, MAX_STOP_TOKEN_IDS,
-                                      MAX_TOP_K, SEED_MAX, SEED_MIN)
+from ..engine.sampling_params import (MAX_LOGPROBS, MAX_N, MAX_STOP_STRING_CHARS, MAX_STOP_STRINGS,
+                                      MAX_STOP_TOKEN_IDS, MAX_TOP_K, SEED_MAX, SEED_MIN)
 from .errors import APIError
 
 MAX_COUNT = 2**31 - 1  # token counts: TGI's i32; the context bounds them further
@@ -63,7 +64,7 @@ class _OpenAISampling(_Body):
     max_tokens: Count | None = None
     temperature: Annotated[float, Field(ge=0.0, le=2.0)] | None = None
     top_p: Annotated[float, Field(gt=0.0, le=1.0)] | None = None
-    n: Count | None = None
+    n: Annotated[int, Field(ge=1, le=MAX_N)] | None = None
     stop: Stop | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
@@ -82,8 +83,6 @@ class _OpenAISampling(_Body):
     include_stop_str_in_output: bool = False
 
     def check_supported(self) -> None:
-        if self.n not in (None, 1):
-            raise APIError(400, "n: only 1 choice per request is supported; send n requests", "n")
         if self.logit_bias:
             raise APIError(400, "logit_bias: not supported by this server", "logit_bias")
         if self.stream_options is not None and not self.stream:
@@ -100,12 +99,18 @@ class _OpenAISampling(_Body):
                 values[name] = getattr(self, name)
         if self.stop is not None:
             values["stop"] = [self.stop] if isinstance(self.stop, str) else self.stop
-        return SamplingParams(**values, logprobs=self.logprob_count)
+        return SamplingParams(**values, logprobs=self.logprob_count, prompt_logprobs=self.prompt_logprob_count,
+                              n=self.n or 1)
 
     @property
     def logprob_count(self) -> int | None:
         """SamplingParams.logprobs: None for none, else how many most likely tokens to list per token."""
         raise NotImplementedError
+
+    @property
+    def prompt_logprob_count(self) -> int | None:
+        """SamplingParams.prompt_logprobs: the same for the prompt's tokens (computed only when asked for)."""
+        return None
 
     @property
     def include_usage(self) -> bool:
@@ -114,23 +119,34 @@ class _OpenAISampling(_Body):
 
 class CompletionRequest(_OpenAISampling):
     prompt: str | list[int] | list[str] | list[list[int]]
+    max_tokens: Annotated[int, Field(ge=0, le=MAX_COUNT)] | None = None  # 0: with echo, score the prompt only
     logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = None  # the legacy API's: how many top tokens
-    echo: bool = False
+    echo: bool = False  # the prompt before the completion; with logprobs, the prompt's too (the first is null)
     best_of: Count | None = None
     suffix: str | None = None
 
     def check_supported(self) -> None:
         super().check_supported()
-        if self.echo:  # the prompt's own log-probabilities would need logits at every prompt position
-            raise APIError(400, "echo: not supported by this server (prompt log-probabilities are not computed)",
-                           "echo")
+        if self.max_tokens == 0 and not self.echo:
+            raise APIError(400, "max_tokens: 0 is only allowed with echo=true (the prompt and its log-probabilities "
+                                "without a completion); expected at least 1", "max_tokens")
         for name, off in (("best_of", 1), ("suffix", None)):
             if getattr(self, name) not in (off, None):
                 raise APIError(400, f"{name}: not supported by this server", name)
 
     @property
+    def echo_only(self) -> bool:
+        """echo with max_tokens 0: the engine generates one token (it always samples after the prompt), which
+        the response leaves out, as vLLM does."""
+        return self.echo and self.max_tokens == 0
+
+    @property
     def logprob_count(self) -> int | None:
         return self.logprobs
+
+    @property
+    def prompt_logprob_count(self) -> int | None:
+        return self.logprobs if self.echo else None
 
     def single_prompt(self) -> str | list[int]:
         """The one prompt (a string or token ids); a batch of several is refused."""

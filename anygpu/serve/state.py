@@ -198,7 +198,7 @@ class Server:
         async def outputs() -> AsyncIterator[RequestOutput]:
             nonlocal reason
             async for out in gen:
-                timer.tokens_out(time.monotonic(), len(out.outputs[0].delta_token_ids))
+                timer.tokens_out(time.monotonic(), sum(len(c.delta_token_ids) for c in out.outputs))
                 reason = out.outputs[0].finish_reason
                 yield out
 
