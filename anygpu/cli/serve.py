@@ -18,7 +18,7 @@ import click
 
 from ..serve.limits import EdgeLimits
 
-from .generate import ENGINE_OPTIONS, _options
+from .generate import ENGINE_OPTIONS, _options, model_spec
 
 
 @click.command()
@@ -65,7 +65,7 @@ from .generate import ENGINE_OPTIONS, _options
               help="Run the engine in a thread of the server's process instead of its own process (they then "
                    "share the GIL: slower under load, but one process).")
 @click.option("--log-level", type=click.Choice(["critical", "error", "warning", "info", "debug"]), default="info")
-def serve(model, quantize, dtype, tune, max_model_len, eager, random_config, host, port, api_key, tp,
+def serve(model, gguf_file, quantize, dtype, tune, max_model_len, eager, random_config, host, port, api_key, tp,
           served_model_name, strict_model_name, max_num_seqs, max_concurrent_requests, max_body_bytes,
           max_request_line, max_header_bytes, max_headers, header_timeout, body_timeout, keep_alive_timeout,
           max_connections, access_log, gpu_memory_utilization, engine_in_thread, log_level):
@@ -79,6 +79,7 @@ def serve(model, quantize, dtype, tune, max_model_len, eager, random_config, hos
 
     if model and random_config:
         raise click.UsageError("give --model or --random-config, not both")
+    model = model_spec(model, gguf_file)
     try:
         names = parse_names(served_model_name) if served_model_name else None
     except ValueError as e:
