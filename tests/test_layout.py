@@ -81,3 +81,38 @@ def test_readme_lists_every_target_and_the_two_commands():
         assert re.search(rf"^\| {arch} \|", readme, re.M), arch
     assert "make run" in readme and "make test" in readme
     assert "make test" in (ROOT / ".ci" / "run").read_text()
+
+
+def _imported_modules(path: pathlib.Path):
+    """(line, dotted module path) of every anygpu module ``path`` imports, relative imports resolved; for
+    ``from X import name`` also ``X.name`` when that names a module (``from ..ops import _x``)."""
+    package = list(path.relative_to(ROOT).with_suffix("").parts[:-1])
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom):
+            base = package[:len(package) - node.level + 1] if node.level else []
+            module = base + (node.module.split(".") if node.module else [])
+            if module[:1] != ["anygpu"]:
+                continue
+            yield node.lineno, module
+            for alias in node.names:
+                candidate = ROOT.joinpath(*module, alias.name)
+                if candidate.with_suffix(".py").exists() or (candidate / "__init__.py").exists():
+                    yield node.lineno, module + [alias.name]
+        elif isinstance(node, ast.Import):
+            for alias in node.names:
+                if alias.name.startswith("anygpu."):
+                    yield node.lineno, alias.name.split(".")
+
+
+def test_private_modules_stay_in_their_package():
+    """A ``_name`` module below anygpu/<package>/ is that package's own: another package imports a public
+    module instead (one that says it is shared), so a private module can change without a search of the tree."""
+    bad = []
+    for path in PKG.rglob("*.py"):
+        layer = _layer_of(path)
+        for line, module in _imported_modules(path):
+            if len(module) < 3 or module[1] == layer:
+                continue
+            if any(part.startswith("_") and not part.startswith("__") for part in module[2:]):
+                bad.append(f"{path.relative_to(ROOT)}:{line} ({layer}) imports {'.'.join(module)}")
+    assert not bad, "\n".join(bad)

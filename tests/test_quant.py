@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from anygpu import ops
-from anygpu.ops._quant_common import sorted_4bit
+from anygpu.ops.quant_common import sorted_4bit
 from anygpu.ops.dequantize_4bit import reference as dequantize_4bit_reference
 from anygpu.ops.dequantize_blockwise import reference as dequantize_blockwise_reference
 from anygpu.ops.quantize_4bit import reference as quantize_4bit_reference

@@ -15,7 +15,7 @@ HAS_TRITON = importlib.util.find_spec("triton") is not None
 
 # Every kernel module (each file here but the infrastructure); load_all() imports them so their specs
 # are registered.  Found by listing the folder, so adding a kernel is adding a file.
-_INFRASTRUCTURE = {"__init__", "config", "aot"}
+_INFRASTRUCTURE = {"__init__", "config", "aot", "quant_tables"}
 KERNEL_MODULES = tuple(sorted(p.stem for p in pathlib.Path(__file__).parent.glob("*.py")
                               if p.stem not in _INFRASTRUCTURE and not p.stem.startswith("_")))
 

@@ -18,11 +18,11 @@ import torch
 import triton
 import triton.language as tl
 
-from ._quant_tables import code_4bit
+from .quant_tables import code_4bit
 from .config import TRITON_DTYPE, KernelSpec, LaunchConfig, on_device, register
 from .quant_blockwise import _scaled_blocks, position16, tile_for, to_output
 
-# The fp32 midpoints between neighbouring sorted table values (``ops._quant_common.sorted_4bit``), exactly.
+# The fp32 midpoints between neighbouring sorted table values (``ops.quant_common.sorted_4bit``), exactly.
 NF4_MIDPOINTS = (-0.8480963706970215, -0.6106328964233398, -0.4599952697753906, -0.33967941999435425,
                  -0.23460739850997925, -0.13791173696517944, -0.045525018125772476, 0.03979014977812767,
                  0.120255246758461, 0.2035212516784668, 0.2920137643814087, 0.3893125355243683,

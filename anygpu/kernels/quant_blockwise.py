@@ -40,7 +40,7 @@ def _max_keep_nan(a, b):
 def _scaled_blocks(a_ptr, absmax_ptr, n, n_full_blocks, BS: tl.constexpr, BLOCKS: tl.constexpr):
     """Load this program's BLOCKS blocks, store their absmax, return (scaled fp32 [BLOCKS, BS], mask of
     the elements that exist, first element, offsets within the tile).  Everything as the reference (see
-    ``ops/_quant_common.py``); elements past the end scale to 0."""
+    ``ops/quant_common.py``); elements past the end scale to 0."""
     first = tl.program_id(0).to(tl.int64) * BLOCKS  # int64: tensors can pass 2**31 elements
     base = first * BS
     rows = tl.arange(0, BLOCKS)

@@ -1,7 +1,8 @@
 """The 4-bit code tables (bitsandbytes' NF4 and FP4), for the quantization ops and their kernels.
 
 Here, below both, so the kernels and the op references read one table.  No Triton: the ops import this
-on machines without it.  Not a kernel module (the leading underscore keeps it off ``KERNEL_MODULES``).
+on machines without it.  Not a kernel module: ``kernels/__init__.py`` counts it as infrastructure, off
+``KERNEL_MODULES``.  ``QUANT_TYPES_4BIT``: bitsandbytes' 4-bit ``quant_type`` values.
 """
 
 from __future__ import annotations
@@ -10,7 +11,7 @@ import functools
 
 import torch
 
-QUANT_TYPES = ("nf4", "fp4")
+QUANT_TYPES_4BIT = ("nf4", "fp4")
 
 # The canonical tables, literally (bitsandbytes' get_4bit_type).  Never recompute NF4 from the normal
 # distribution: scipy's quantiles differ from these in the last bits.  Index = the 4-bit code.
@@ -45,7 +46,7 @@ def _code_4bit_on(quant_type: str, device: torch.device) -> torch.Tensor:
 
 def code_4bit(quant_type: str, device=None) -> torch.Tensor:
     """The fp32 16-entry table of ``quant_type`` on ``device``, cached: shared, so never modify it."""
-    if quant_type not in QUANT_TYPES:
+    if quant_type not in QUANT_TYPES_4BIT:
         raise ValueError(f"quant_type: expected 'nf4' or 'fp4', got {quant_type!r}")
     return _code_4bit_on(quant_type, _device_key(device))
 

@@ -25,7 +25,7 @@ from typing import Any
 
 import torch
 
-from ..ops._quant_common import QUANT_STORAGES, QUANT_TYPES, check_blocksize
+from ..ops.quant_common import QUANT_STORAGES, QUANT_TYPES_4BIT, check_blocksize
 from ..quant import QuantState, quantize_4bit
 
 DEFAULT_BLOCKSIZE = 64
@@ -35,7 +35,7 @@ _ATTRIBUTES = ("blocksize", "compress_statistics", "quant_type", "quant_state", 
 
 
 def check_4bit_options(quant_type, blocksize, quant_storage) -> None:
-    if quant_type not in QUANT_TYPES:
+    if quant_type not in QUANT_TYPES_4BIT:
         raise ValueError(f"quant_type: expected 'nf4' or 'fp4', got {quant_type!r}")
     check_blocksize(blocksize)
     if quant_storage not in QUANT_STORAGES:

@@ -1,8 +1,9 @@
 """Public ops.  Each op is one file: argument check, pure-PyTorch reference, fake, and the name of its
 Triton kernel in ``anygpu.kernels``; ``define.define_op`` registers it as ``torch.ops.anygpu.<name>``.
 
-Every module here but ``define`` is an op file; each is imported, and every ``Op`` it defines is
-exported under its name (``from anygpu.ops import silu_and_mul``).  Adding an op is adding a file.
+Every module here but ``define`` and ``quant_common`` (what the quantization ops share) is an op file; each
+is imported, and every ``Op`` it defines is exported under its name (``from anygpu.ops import silu_and_mul``).
+Adding an op is adding a file.
 """
 
 import importlib as _importlib
@@ -11,7 +12,7 @@ import pathlib as _pathlib
 from .define import Op, define_op
 
 OP_MODULES = tuple(sorted(p.stem for p in _pathlib.Path(__file__).parent.glob("*.py")
-                          if p.stem not in ("__init__", "define") and not p.stem.startswith("_")))
+                          if p.stem not in ("__init__", "define", "quant_common") and not p.stem.startswith("_")))
 
 # Every op, by name: the tests run opcheck and the reference comparison over this list.
 ALL_OPS: dict[str, Op] = {}

@@ -11,7 +11,7 @@ import math
 
 import torch
 
-from ._quant_common import (QUANT_STORAGES, check_absmax, check_blocksize, check_dtype, check_quant_type, code_4bit,
+from .quant_common import (QUANT_STORAGES, check_absmax, check_blocksize, check_dtype, check_quant_type, code_4bit,
                             times_block_absmax)
 from .define import define_op
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import torch
 
-from ._quant_common import check_absmax, check_blocksize, check_code_8bit, check_dtype, times_block_absmax
+from .quant_common import check_absmax, check_blocksize, check_code_8bit, check_dtype, times_block_absmax
 from .define import define_op
 
 

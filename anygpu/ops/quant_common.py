@@ -8,14 +8,15 @@ clamped absmax.  Both quirks are bitsandbytes' and kept: they decide the last bi
 A code is then the number of midpoints (fp32, between neighbouring sorted code values) strictly below
 the scaled value (``torch.bucketize(right=False)``: a tie goes to the lower code); NaN takes the top one.
 
-Not an op module (the leading underscore keeps it out of ``ops.ALL_OPS``).
+Not an op module: ``ops/__init__.py`` leaves it out of ``OP_MODULES`` (and so of ``ops.ALL_OPS``).  Public, as
+quant/ and nn/ read the same checks and tables.
 """
 
 from __future__ import annotations
 
 import torch
 
-from ..kernels._quant_tables import QUANT_TYPES, code_4bit, sorted_4bit  # noqa: F401 - re-exported for the ops
+from ..kernels.quant_tables import QUANT_TYPES_4BIT, code_4bit, sorted_4bit  # noqa: F401 - re-exported for the ops
 
 DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 BLOCKSIZES = (32, 64, 128, 256, 512, 1024, 2048, 4096)
@@ -48,7 +49,7 @@ def check_dtype(dtype, name: str = "dtype") -> None:
 
 
 def check_quant_type(quant_type, name: str = "quant_type") -> None:
-    if quant_type not in QUANT_TYPES:
+    if quant_type not in QUANT_TYPES_4BIT:
         raise ValueError(f"{name}: expected 'nf4' or 'fp4', got {quant_type!r}")
 
 

@@ -1,6 +1,6 @@
 """``quantize_4bit(A, blocksize, quant_type, quant_storage) -> (packed, absmax)``: bitsandbytes' NF4 / FP4.
 
-Blocks and scaling as ``quantize_blockwise`` (rule in ``_quant_common``); each scaled value becomes the
+Blocks and scaling as ``quantize_blockwise`` (rule in ``quant_common``); each scaled value becomes the
 4-bit code of the nearest value of the NF4 or FP4 table (ties to the lower value; FP4's two zeros as
 the reference orders them: code 0 before code 8).  Element 2i goes to the high nibble of byte i, 2i+1 to the
 low one; an odd count pads with the code of 0.  Returns the bytes viewed as ``quant_storage`` with
@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from ._quant_common import (QUANT_STORAGES, bucket, check_blocksize, check_input, check_quant_type, num_blocks,
+from .quant_common import (QUANT_STORAGES, bucket, check_blocksize, check_input, check_quant_type, num_blocks,
                             scale_blocks, sorted_4bit)
 from .define import define_op
 

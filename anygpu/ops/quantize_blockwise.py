@@ -4,14 +4,14 @@ A (fp16/bf16/fp32, any shape and strides, flattened row-major) is cut into block
 elements (the last may be partial); each element becomes the uint8 index of the nearest entry of
 ``code`` (256 fp32 values sorted ascending, e.g. the dynamic map) after scaling by its block's absmax.
 Returns codes shaped like A and absmax fp32 [ceil(n / blocksize)].  The exact rule (reciprocal, ties,
-NaN) is in ``_quant_common``; kernel: ``anygpu/kernels/quant_blockwise.py``, bit-identical to this.
+NaN) is in ``quant_common``; kernel: ``anygpu/kernels/quant_blockwise.py``, bit-identical to this.
 """
 
 from __future__ import annotations
 
 import torch
 
-from ._quant_common import bucket, check_blocksize, check_code_8bit, check_input, num_blocks, scale_blocks
+from .quant_common import bucket, check_blocksize, check_code_8bit, check_input, num_blocks, scale_blocks
 from .define import define_op
 
 

@@ -9,7 +9,7 @@ from collections.abc import Mapping
 
 import torch
 
-from ..ops._quant_common import BLOCKSIZES, QUANT_TYPES
+from ..ops.quant_common import BLOCKSIZES, QUANT_TYPES_4BIT
 from .state import DTYPE_NAMES, PACKED_PREFIX, QuantState, unpack_tensor_to_dict
 
 REQUIRED_KEYS = ("quant_type", "absmax", "blocksize", "quant_map", "dtype", "shape")
@@ -44,7 +44,7 @@ def _unpack_blob(items: dict, blobs: list) -> None:
         raise ValueError(f"qs_dict: expected one packed quant_state item, got {[k for k, _ in blobs]}")
     key, blob = blobs[0]
     quant_type = key.split(".")[-1].removeprefix(PACKED_PREFIX)
-    if quant_type not in QUANT_TYPES:
+    if quant_type not in QUANT_TYPES_4BIT:
         raise ValueError(f"{key}: expected a key ending in one of "
                          f"{', '.join('quant_state.' + k for k in QuantState.valid_qs_type_keys)}")
     for name, value in unpack_tensor_to_dict(blob, key).items():
@@ -98,7 +98,7 @@ def parse_quant_state_dict(qs_dict) -> dict:
                          f"needs all of {list(NESTED_KEYS)}")
 
     quant_type = items["quant_type"]
-    if quant_type is not None and quant_type not in QUANT_TYPES:
+    if quant_type is not None and quant_type not in QUANT_TYPES_4BIT:
         raise ValueError(f"quant_type: expected 'nf4' or 'fp4' (or None for an 8-bit state), "
                          f"got {_describe(quant_type)}")
     _check_int_in(items, "blocksize", BLOCKSIZES)

@@ -1,7 +1,7 @@
 """bitsandbytes' quantization functions, same signatures and results: 8-bit blockwise and 4-bit NF4 / FP4.
 
 Codes and absmax are bit-identical to bitsandbytes' reference backend (the rule is in
-``anygpu/ops/_quant_common.py``); dequantized values are bit-identical everywhere (fp32 multiply, one
+``anygpu/ops/quant_common.py``); dequantized values are bit-identical everywhere (fp32 multiply, one
 rounding).  The work is done by the ops ``torch.ops.anygpu.{quantize,dequantize}_{blockwise,4bit}``:
 the PyTorch reference on the CPU, Triton kernels on CUDA and ROCm GPUs.
 
@@ -32,7 +32,7 @@ from __future__ import annotations
 import torch
 
 from .. import ops
-from ..ops._quant_common import QUANT_TYPES, check_blocksize, check_code_8bit, check_dtype, check_input, num_blocks
+from ..ops.quant_common import QUANT_TYPES_4BIT, check_blocksize, check_code_8bit, check_dtype, check_input, num_blocks
 from ..ops.quantize_4bit import check as check_quantize_4bit
 from ..ops.quantize_4bit import packed_rows
 from .int8 import int8_linear_matmul, int8_mm_dequant, int8_vectorwise_dequant, int8_vectorwise_quant  # noqa: F401
@@ -192,7 +192,7 @@ def dequantize_4bit(A: torch.Tensor, quant_state: QuantState | None = None, absm
                                  quant_type=quant_type)
     _check_state(quant_state)
     check_blocksize(quant_state.blocksize, "quant_state.blocksize")
-    if quant_state.quant_type not in QUANT_TYPES:
+    if quant_state.quant_type not in QUANT_TYPES_4BIT:
         raise ValueError(f"quant_state.quant_type: expected 'nf4' or 'fp4', got {quant_state.quant_type!r}")
     check_dtype(quant_state.dtype, "quant_state.dtype")
     if quant_state.shape is None:

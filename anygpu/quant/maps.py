@@ -3,7 +3,7 @@
 ``create_dynamic_map`` implements the published "dynamic" data type (Dettmers, 8-Bit Approximations for
 Parallelism in Deep Learning) in fp32 torch, step for step as bitsandbytes computes it, so the 256 values
 are bit-identical (the compatibility tests compare them).  The 4-bit tables are the literal constants
-(``ops._quant_common``), never recomputed from the normal distribution.
+(``ops.quant_common``), never recomputed from the normal distribution.
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import functools
 
 import torch
 
-from ..ops._quant_common import QUANT_TYPES, code_4bit
+from ..ops.quant_common import QUANT_TYPES_4BIT, code_4bit
 
 
 def _check_int(name: str, value, low: int, high: int) -> None:
@@ -77,6 +77,6 @@ def get_4bit_type(typename: str, device=None) -> torch.Tensor:
     """The fp32 [16] table of ``"nf4"`` or ``"fp4"`` (index = 4-bit code), a new tensor on ``device``
     (the CPU if None; bitsandbytes defaults to "cuda").  NF4 is sorted ascending, code 7 = 0 and 15 = 1;
     FP4 is in bit order (sign bit 3), divided by 12."""
-    if typename not in QUANT_TYPES:
+    if typename not in QUANT_TYPES_4BIT:
         raise ValueError(f"typename: expected 'nf4' or 'fp4', got {typename!r}")
     return code_4bit(typename, device).clone()

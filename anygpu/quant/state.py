@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from ..ops._quant_common import QUANT_TYPES
+from ..ops.quant_common import QUANT_TYPES_4BIT
 
 DTYPE_NAMES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
 PACKED_PREFIX = "bitsandbytes__"  # the blob's key: "quant_state.bitsandbytes__nf4"
@@ -52,8 +52,8 @@ class QuantState:
     absmax.  8-bit blockwise states have shape and quant_type None and code = the 256-entry map.
     """
 
-    valid_quant_types = QUANT_TYPES
-    valid_qs_type_keys = [f"{PACKED_PREFIX}{t}" for t in QUANT_TYPES]
+    valid_quant_types = QUANT_TYPES_4BIT
+    valid_qs_type_keys = [f"{PACKED_PREFIX}{t}" for t in QUANT_TYPES_4BIT]
     valid_qs_keys = ["absmax", "quant_map", "nested_absmax", "nested_quant_map", "quant_state", "quant_type",
                      "blocksize", "dtype", "shape", "nested_blocksize", "nested_dtype", "nested_offset"]
 
@@ -71,7 +71,7 @@ class QuantState:
 
     def __getattr__(self, name: str):
         # FSDP resolves the state-dict key "...weight.quant_state.bitsandbytes__nf4" attribute by attribute.
-        if name.startswith(PACKED_PREFIX) and name.removeprefix(PACKED_PREFIX) in QUANT_TYPES:
+        if name.startswith(PACKED_PREFIX) and name.removeprefix(PACKED_PREFIX) in QUANT_TYPES_4BIT:
             packed = self.as_dict(packed=True)
             if f"quant_state.{name}" in packed:
                 return packed[f"quant_state.{name}"]
