@@ -66,7 +66,7 @@ def hf_logits(model, ids=IDS):
 def dequantized_twin(hf, float_folder):
     """transformers' model in fp32 with bitsandbytes' own dequantization of every quantized weight: the oracle for
     our logits (bitsandbytes' CPU matmuls round activations to 16 bits, ours compute in fp32)."""
-    twin = transformers.LlamaForCausalLM.from_pretrained(float_folder, dtype=torch.float32).eval()
+    twin = transformers.AutoModelForCausalLM.from_pretrained(float_folder, dtype=torch.float32).eval()
     linears = dict(twin.named_modules())
     for name, module in hf.named_modules():
         if isinstance(module, bnb.nn.Linear4bit):
@@ -179,3 +179,52 @@ def test_errors_name_the_field(float_folder, tmp_path):
         save_quantized(transformers.LlamaForCausalLM(tiny_config()), tmp_path / "plain")
     with pytest.raises(ValueError, match="expected a transformers model"):
         save_quantized(ours(float_folder), tmp_path / "engine")
+
+
+def _rewrite(folder, change):
+    from safetensors.torch import load_file, save_file
+
+    tensors = load_file(folder / "model.safetensors")
+    change(tensors)
+    save_file(tensors, str(folder / "model.safetensors"), metadata={"format": "pt"})
+
+
+def test_bad_files_are_named(float_folder, tmp_path):
+    from anygpu.models.parallel import TensorParallel
+
+    four, eight = tmp_path / "four", tmp_path / "eight"
+    save_quantized(anygpu_quantized(float_folder, "nf4"), four)
+    save_quantized(anygpu_quantized(float_folder, "int8"), eight)
+    ckpt = HFCheckpoint(four)
+    with pytest.raises(ValueError, match="tp: bitsandbytes checkpoints run on one device"):
+        build_model(ckpt.config, ckpt.weights(progress=False), tp=TensorParallel(0, 2), progress=False)
+    _rewrite(four, lambda t: t.pop("model.layers.1.mlp.up_proj.weight.absmax"))
+    with pytest.raises(ValueError, match=rf"{four}: 1 layer\(s\) incomplete, e.g. layers\.1\.mlp\.gate_up_proj: "
+                                         r"missing up_proj\.weight\.absmax"):
+        ours(four)
+    _rewrite(eight, lambda t: t.update({"model.layers.0.mlp.down_proj.weight_format": torch.tensor(1, dtype=torch.uint8)}))
+    with pytest.raises(ValueError, match=rf"{eight}: model\.layers\.0\.mlp\.down_proj\.weight_format: expected "
+                                         r"weight_format 0"):
+        ours(eight)
+    config = json.loads((four / "config.json").read_text())
+    config["intermediate_size"] = 96
+    (four / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match=r"holds 4096 bytes of packed 4-bit weights, but config\.json gives it shape "
+                                         r"\((96, 64|64, 96)\)"):
+        HFCheckpoint(four)
+
+
+def test_qwen2_biases_and_tied_embeddings(tmp_path):
+    """q/k/v biases land in the fused layer's bias; a tied head is the (full-precision) embedding."""
+    cfg = transformers.Qwen2Config(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                                   tie_word_embeddings=True, bos_token_id=1, eos_token_id=2)
+    torch.manual_seed(2)
+    transformers.Qwen2ForCausalLM(cfg).eval().save_pretrained(tmp_path / "fp")
+    hf = hf_quantized(tmp_path / "fp", "nf4-double")
+    hf.save_pretrained(tmp_path / "q")
+    model = ours(tmp_path / "q")
+    assert model.lm_head.weight is model.embed_tokens.weight
+    assert type(model.layers[0].self_attn.qkv_proj) is Linear4bit and model.layers[0].self_attn.qkv_proj.bias is not None
+    twin = dequantized_twin(hf, tmp_path / "fp")
+    torch.testing.assert_close(full_logits(model, IDS), hf_logits(twin), atol=2e-4, rtol=1e-4)

@@ -198,12 +198,13 @@ def _blob_fields(blob: torch.Tensor, where: str) -> dict:
 
 def unpacked_shapes(shapes: dict[str, tuple[int, ...]], nbytes: dict[str, int], expected: dict[str, tuple],
                     where: str) -> dict[str, tuple[int, ...]]:
-    """The checkpoint's tensor shapes with each packed 4-bit weight (one with a ``.absmax`` next to it) given as the
-    [out, in] it packs, once its byte count (``nbytes``) is checked against that shape: so the checks of
-    ``shape_check`` apply to quantized checkpoints too.  ``expected``: ``shape_check.expected_shapes``."""
+    """The checkpoint's tensor shapes with each packed 4-bit weight (one with quant-state items ``<name>.*`` next to
+    it) given as the [out, in] it packs, once its byte count (``nbytes``) is checked against that shape: so the
+    checks of ``shape_check`` apply to quantized checkpoints too.  ``expected``: ``shape_check.expected_shapes``."""
     out = dict(shapes)
+    packed = {name[: name.index(".weight.") + len(".weight")] for name in shapes if ".weight." in name}
     for name in shapes:
-        if not name.endswith(".weight") or f"{name}.absmax" not in shapes or name not in expected:
+        if name not in packed or name not in expected:
             continue
         full = expected[name][0]
         want = (full[0] * full[1] + 1) // 2

@@ -93,7 +93,11 @@ class HFCheckpoint:
         raise FileNotFoundError(f"{self.path}: no *.safetensors weight files")
 
     def weights(self, progress: bool = True) -> Iterator[tuple[str, torch.Tensor]]:
-        """(name as stored, CPU tensor in its stored dtype) for every tensor of every file."""
+        """(name as stored, CPU tensor in its stored dtype) for every tensor of every file; the iterator's
+        ``where`` is the folder, for a loader's errors."""
+        return NamedWeights(self._weights(progress), str(self.path))
+
+    def _weights(self, progress: bool) -> Iterator[tuple[str, torch.Tensor]]:
         from safetensors import SafetensorError, safe_open
         from tqdm.auto import tqdm
 
@@ -109,3 +113,17 @@ class HFCheckpoint:
                             yield key, sf.get_tensor(key)
                 except (SafetensorError, OSError) as e:
                     raise ValueError(f"{f}: not a readable safetensors file ({type(e).__name__}: {e})") from e
+
+
+class NamedWeights:
+    """An iterator of (name, tensor) that says where it reads from (``where``): errors about a tensor met while
+    loading (``bnb_load``) name the checkpoint, though the loader only sees the stream."""
+
+    def __init__(self, items: Iterator[tuple[str, torch.Tensor]], where: str):
+        self._items, self.where = items, where
+
+    def __iter__(self):
+        return self
+
+    def __next__(self) -> tuple[str, torch.Tensor]:
+        return next(self._items)

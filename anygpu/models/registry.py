@@ -73,7 +73,8 @@ def build_model(config: ModelConfig, weights: Iterable[tuple[str, torch.Tensor]]
         if quantize is not None:
             raise ValueError(f"quantize: the checkpoint is already quantized by bitsandbytes "
                              f"({config.quantization.bits}-bit); load it without quantize={quantize!r}")
-        return build_prequantized(model_class(config), config, weights, dtype, device, tp, max_position)
+        where = getattr(weights, "where", "the checkpoint")  # HFCheckpoint.weights() says which folder
+        return build_prequantized(model_class(config), config, weights, dtype, device, tp, max_position, where)
     model = model_class(config)(config, dtype=dtype, device=device, tp=tp, max_position=max_position)
     model.load_weights(weights)
     if quantize is not None:
