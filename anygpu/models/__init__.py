@@ -9,7 +9,8 @@
 Supported: Llama-family decoders (Llama 2/3, Mistral, Qwen2, SmolLM2) from a Hugging Face folder (safetensors), a
 GGUF file (F32, F16, BF16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q2_K..Q6_K, IQ4_NL, IQ4_XS tensors, dequantized at load;
 byte-level BPE tokenizer), or a Hugging Face hub id (``org/name``, ``org/name:Q4_K_M``) through the local cache
-(``models/resolve.py``).
+(``models/resolve.py``).  A folder saved with a bitsandbytes ``quantization_config`` loads its 4-bit / 8-bit linears
+as stored (``bnb_load.py``); ``anygpu.nn.save_quantized`` writes such folders.
 """
 
 from .checkpoint import default_model_path, open_checkpoint
