@@ -38,9 +38,10 @@ QUANT = {
 
 
 def tiny_config(**extra):
-    return transformers.LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                                    num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
-                                    tie_word_embeddings=False, bos_token_id=1, eos_token_id=2, **extra)
+    fields = dict(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, max_position_embeddings=64, tie_word_embeddings=False, bos_token_id=1,
+                  eos_token_id=2)
+    return transformers.LlamaConfig(**(fields | extra))
 
 
 @pytest.fixture(scope="module")
@@ -228,3 +229,19 @@ def test_qwen2_biases_and_tied_embeddings(tmp_path):
     assert type(model.layers[0].self_attn.qkv_proj) is Linear4bit and model.layers[0].self_attn.qkv_proj.bias is not None
     twin = dequantized_twin(hf, tmp_path / "fp")
     torch.testing.assert_close(full_logits(model, IDS), hf_logits(twin), atol=2e-4, rtol=1e-4)
+
+
+def test_save_quantized_tied_embeddings(tmp_path):
+    """A tied head is stored once (as the embedding), and both loaders tie it back."""
+    torch.manual_seed(3)
+    model = transformers.LlamaForCausalLM(tiny_config(tie_word_embeddings=True)).eval()
+    quantize_model(model, "nf4", progress=False)
+    save_quantized(model, tmp_path)
+    with safe_open(tmp_path / "model.safetensors", "pt") as f:
+        assert "lm_head.weight" not in f.keys() and "model.embed_tokens.weight" in f.keys()
+    ref = hf_logits(model)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, device_map="cpu").eval()
+    torch.testing.assert_close(hf_logits(hf), ref, atol=5e-3, rtol=0)
+    engine_model = ours(tmp_path)
+    assert engine_model.lm_head.weight is engine_model.embed_tokens.weight
+    torch.testing.assert_close(full_logits(engine_model, IDS), ref, atol=1e-5, rtol=1e-5)

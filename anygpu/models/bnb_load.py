@@ -19,6 +19,7 @@ from torch import nn
 from ..ops.rotary_embedding import rotary_cos_sin_cache
 from .bnb_weights import FusedPieces, check_weight_format
 from .config import ModelConfig
+from .memory_check import check_model_fits
 from .parallel import TensorParallel
 
 # "<prefix>.<projection>.<item>": a linear's weight, one of its quant-state items, or an 8-bit SCB/weight_format.
@@ -35,6 +36,8 @@ def build_prequantized(model_cls, config: ModelConfig, weights: Iterable[tuple[s
     model = model_cls(config, dtype=dtype, device="meta", max_position=max_position)
     placements = model._placements()  # HF projection -> (our Linear, its first row)
     groups = _linear_groups(model, placements, config, where)
+    # Made on meta, the model skipped its memory check: check here what it will hold, quantized.
+    check_model_fits(config, _quantized_bytes(model, groups, config), model.rotary.shape[0], device)
     _materialize(model, device, {id(model.get_submodule(m).weight) for m in groups})
     _rotary(model, config, device)
 
@@ -109,6 +112,17 @@ def _linear_groups(model, placements, config: ModelConfig, where: str) -> dict[s
             rows = [module.out_features if r is None else r for _, r in projs]
             groups[name] = FusedPieces(name, [p for p, _ in projs], rows, module.in_features, where)
     return groups
+
+
+def _quantized_bytes(model: nn.Module, groups: dict[str, FusedPieces], config: ModelConfig) -> int:
+    """Bytes the loaded model will hold: its full-precision parameters, and its Linears at 4 bits a weight plus an
+    fp32 absmax per 64 (bitsandbytes' default block), or 8 bits plus a scale per row."""
+    linear = {id(model.get_submodule(m).weight): model.get_submodule(m).weight for m in groups}
+    dense = {id(p): p for p in model.parameters() if id(p) not in linear}
+    total = sum(p.numel() * p.element_size() for p in dense.values())
+    for w in linear.values():
+        total += w.numel() // 2 + w.numel() // 64 * 4 if config.quantization.bits == 4 else w.numel() + w.shape[0] * 4
+    return total
 
 
 def _materialize(model: nn.Module, device: torch.device, keep_meta: set[int]) -> None:
