@@ -1,7 +1,6 @@
-"""The LLM.int8() matmul kernels (anygpu/kernels/int8_matmul.py, int8_quantize.py, int8_outlier_epilogue.py)
-against the op's PyTorch reference
-(anygpu/ops/int8_matmul.py, which tests/test_int8.py holds to bitsandbytes): in Triton's interpreter on
-the CPU, or on a GPU.
+"""The LLM.int8() matmul kernels (anygpu/kernels/int8_matmul.py, int8_matmul_tma.py, int8_quantize.py,
+int8_outlier_epilogue.py) against the op's PyTorch reference (anygpu/ops/int8_matmul.py, which
+tests/test_int8.py holds to bitsandbytes): in Triton's interpreter on the CPU, or on a GPU.
 
 The contract: without outlier columns the output is bit-identical to the reference (exact int32
 accumulation, the reference's fp32 operations in its order); with them, the outlier columns' fp32 sum
@@ -23,6 +22,7 @@ from anygpu.kernels import int8_outlier_epilogue as E  # noqa: E402
 from anygpu.kernels import int8_quantize as Q  # noqa: E402
 from anygpu.kernels.int8_quantize import fp16_threshold  # noqa: E402
 from anygpu.kernels.int8_matmul import PATHS, Plan, plan, plan_for  # noqa: E402
+from anygpu.kernels.int8_matmul_tma import GEMM_TMA_CONFIGS  # noqa: E402
 from anygpu.kernels.int8_outlier_epilogue import OUTLIER_EPILOGUE_SPEC  # noqa: E402
 from anygpu.kernels.config import LaunchConfig  # noqa: E402
 
@@ -265,7 +265,7 @@ def test_plan_picks_paths_by_rows():
 
     hopper = TARGETS["sm_90"]
     assert K._plan(4096, 8192, hopper).path == "gemm_tma"
-    assert K._plan(65, 8192, hopper).config is K.GEMM_TMA_CONFIGS["hopper"][0]
+    assert K._plan(65, 8192, hopper).config is GEMM_TMA_CONFIGS["hopper"][0]
     assert K._plan(64, 8192, hopper).config is K.GEMM_SMALL_CONFIGS["nvidia"][0]
     for m, k, arch in ((4096, 8200, "sm_90"), (4096, 8192, "sm_80"), (4096, 8192, "gfx942"), (4096, 8192, "gfx950")):
         assert K._plan(m, k, TARGETS[arch]).path == "gemm", (k, arch)

@@ -4,7 +4,7 @@ x's own precision.  The arithmetic is the reference's (``anygpu/ops/int8_matmul.
 
 ``quantize_rows`` (``int8_quantize.py``) writes the int8 A operand (the codes), the row stats and the outlier
 columns (a program per row); the matmul's main loop is a plain int8 x int8 -> int32 ``tl.dot`` GEMM
-(``_int8_matmul_kernel``).  For many rows on NVIDIA sm_90, ``_int8_matmul_tma_kernel`` does the same with the
+(``_int8_matmul_kernel``).  For many rows on NVIDIA sm_90, ``int8_matmul_tma.py`` does the same with the
 codes and CB brought by tensor descriptors (TMA), in persistent programs.
 
 The codes of an outlier column's entries that are not outliers themselves are either zeroed by the list
@@ -55,14 +55,9 @@ import triton.language as tl
 from ._int8_epilogue import LIST_HEAD, _dequantize_store, _gathered, _list_head, _without_outlier_codes
 from ._program_order import grouped_tile
 from .config import TRITON_DTYPE, KernelSpec, LaunchConfig, device_target, on_device, register, select
+from .int8_matmul_tma import GEMM_TMA_CONFIGS, gemm_tma, tma_applies
 from .int8_outlier_epilogue import outlier_epilogue
 from .int8_quantize import fp16_threshold, fp_exact_options, hopper_pdl, quantize_rows
-
-try:  # host-side tensor descriptors (TMA on NVIDIA): triton >= 3.3
-    from triton.tools.tensor_descriptor import TensorDescriptor
-except ImportError:
-    TensorDescriptor = None
-
 
 @triton.jit
 def _prefetch_l2(w_rows, n_mask, K, PREFETCH_K: tl.constexpr):
@@ -133,38 +128,6 @@ def _int8_matmul_kernel(x_ptr, a_ptr, w_ptr, row_stats_ptr, scb_ptr, bias_ptr, c
                       cols_ptr, n_out, out_ptr, stride_om, HAS_BIAS, HAS_THRESHOLD, LIST_HEAD)
 
 
-@triton.jit
-def _int8_matmul_tma_kernel(a_desc, w_desc, x_ptr, w_ptr, row_stats_ptr, scb_ptr, bias_ptr, cols_ptr, count_ptr,
-                            out_ptr, M, N, K, stride_xm, stride_om, programs, BLOCK_M: tl.constexpr,
-                            BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-                            HAS_BIAS: tl.constexpr, HAS_THRESHOLD: tl.constexpr):
-    """The GEMM for many rows on NVIDIA sm_90: the codes and CB [N, K] come through tensor descriptors (TMA
-    copies into shared memory: no address arithmetic or registers per element, which let a 128 x 256 tile fit
-    where the pointer kernel's spills), and ``programs`` persistent programs walk the tiles in grouped order.
-    The outlier columns' codes were zeroed by the list launch (``quantize_rows(zero_columns=True)``)."""
-    tiles = tl.cdiv(M, BLOCK_M) * tl.cdiv(N, BLOCK_N)
-    n_out = 0  # the outlier list's length, the same for every tile
-    if HAS_THRESHOLD:
-        n_out = tl.load(count_ptr)
-    for tile in range(tl.program_id(0), tiles, programs):
-        pid_m, pid_n = grouped_tile(tile, M, N, BLOCK_M, BLOCK_N, GROUP_M)
-        acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.int32)
-        for k0 in range(0, K, BLOCK_K):  # past K (and M, N) the descriptors read zeros
-            a = a_desc.load([pid_m * BLOCK_M, k0])
-            w = w_desc.load([pid_n * BLOCK_N, k0])
-            acc = tl.dot(a, w.T, acc, out_dtype=tl.int32)
-        rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-        rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-        m_mask = rm < M
-        n_mask = rn < N
-        rm64 = rm.to(tl.int64)
-        row_stat = tl.load(row_stats_ptr + rm, mask=m_mask, other=0.0)
-        scb = tl.load(scb_ptr + rn, mask=n_mask, other=0.0)
-        _dequantize_store(acc, 0.0, 0.0, row_stat, scb, rm64, rn, m_mask, n_mask,
-                          x_ptr + rm64[:, None] * stride_xm, w_ptr + rn.to(tl.int64)[:, None] * K, x_ptr, bias_ptr,
-                          cols_ptr, n_out, out_ptr, stride_om, HAS_BIAS, HAS_THRESHOLD, 0)
-
-
 # ---- configs: per target, per path ---------------------------------------------------------------
 # Registers and shared memory from the cross-compile reports; the NVIDIA tables swept on the H200
 # (docs/perf/2026-11-30-int8-h200.md).  16-row tiles for a few dozen rows (CB is read once per row tile),
@@ -190,13 +153,6 @@ GEMM_LARGE_CONFIGS = {
     "hopper": (_cfg(128, 128, 128, warps=8, stages=4),),
     "amd": (_cfg(128, 128, 64, warps=8, stages=2, matrix_instr_nonkdim=16),),
     "rdna3": (_cfg(64, 64, 64, warps=4, stages=2),),
-}
-# Many rows on NVIDIA sm_90 (the TMA kernel; no other target has the config): TMA copies let a 128 x 256 tile
-# fit where the pointer kernel's spills.  At 16 rows its tiles lost to the pointer kernel's, so it starts
-# past PATH_LIMITS["small"].
-GEMM_TMA_CONFIGS = {
-    "default": (),
-    "hopper": (_cfg(128, 256, 128, warps=8, stages=4),),
 }
 # ``small``: the most rows the gemm path runs with GEMM_SMALL_CONFIGS.
 PATH_LIMITS = {
@@ -239,7 +195,7 @@ def plan(m: int, n: int, k: int, dtype: torch.dtype, device: torch.device, overr
 def _plan(m: int, k: int, target) -> Plan:
     if m <= select(PATH_LIMITS, target)["small"]:
         return Plan("gemm", select(GEMM_SMALL_CONFIGS, target)[0])
-    if _tma_applies(k, target):
+    if tma_applies(k, target):
         return Plan("gemm_tma", select(GEMM_TMA_CONFIGS, target)[0])
     return Plan("gemm", select(GEMM_LARGE_CONFIGS, target)[0])
 
@@ -250,18 +206,11 @@ def plan_for(path: str, m: int, n: int, k: int, device: torch.device) -> Plan:
         raise ValueError(f"path: expected one of {PATHS}, got {path!r}")
     target = device_target(device)
     if path == "gemm_tma":
-        if not _tma_applies(k, target):
+        if not tma_applies(k, target):
             raise ValueError(f"path: 'gemm_tma' runs on NVIDIA sm_90 with K a multiple of 16, not K={k} on {device}")
         return Plan(path, select(GEMM_TMA_CONFIGS, target)[0])
     small = m <= select(PATH_LIMITS, target)["small"]
     return Plan(path, select(GEMM_SMALL_CONFIGS if small else GEMM_LARGE_CONFIGS, target)[0])
-
-
-def _tma_applies(k: int, target) -> bool:
-    """Whether the TMA kernel takes [., k] codes on ``target``: a config for it, host tensor descriptors in this
-    Triton, and rows of k int8 codes a multiple of 16 bytes apart.  (The interpreter runs it too, with the
-    config a test gives it.)"""
-    return TensorDescriptor is not None and k % 16 == 0 and len(select(GEMM_TMA_CONFIGS, target)) > 0
 
 
 # Programmatic dependent launch (NVIDIA sm_90+): the small-M matmul launches while the quantize (or list)
@@ -339,7 +288,7 @@ def int8_matmul(x: torch.Tensor, CB: torch.Tensor, SCB: torch.Tensor, threshold:
         codes, stats, outliers = quantize_rows(x2, thr, zero_columns=True)
         if has_threshold:
             cols, count = outliers
-        _gemm_tma(x2, codes, CB, stats, SCB, bias if bias is not None else dummy, cols, count, out2, cfg,
+        gemm_tma(x2, codes, CB, stats, SCB, bias if bias is not None else dummy, cols, count, out2, cfg,
                   has_bias=bias is not None, has_threshold=has_threshold)
         return out
     kept = c["BLOCK_M"] <= KEPT_CODES_UP_TO_BLOCK_M  # else zero the columns' codes
@@ -361,29 +310,6 @@ def int8_matmul(x: torch.Tensor, CB: torch.Tensor, SCB: torch.Tensor, threshold:
     if split:
         outlier_epilogue(x2, codes, CB, stats, SCB, bias, outliers, acc, out2, pdl)
     return out
-
-
-def _gemm_tma(x2, codes, CB, stats, SCB, bias, cols, count, out2, cfg: LaunchConfig, has_bias: bool,
-              has_threshold: bool) -> None:
-    m, k = codes.shape
-    n = CB.shape[0]
-    c = cfg.constexprs
-    tiles = triton.cdiv(m, c["BLOCK_M"]) * triton.cdiv(n, c["BLOCK_N"])
-    device = x2.device
-    sms = 4  # the interpreter: a few programs, each walking several tiles as on a GPU
-    if device.type == "cuda":
-        from .. import backend
-
-        sms = backend.describe_gpu(device.index if device.index is not None
-                                   else torch.cuda.current_device()).multiprocessor_count
-    programs = min(tiles, sms * c.get("PER_SM", 1))  # persistent: PER_SM programs an SM
-    a_desc = TensorDescriptor(codes, [m, k], [k, 1], [c["BLOCK_M"], c["BLOCK_K"]])
-    w_desc = TensorDescriptor(CB, [n, k], [k, 1], [c["BLOCK_N"], c["BLOCK_K"]])
-    with on_device(device):
-        _int8_matmul_tma_kernel[(programs,)](
-            a_desc, w_desc, x2, CB, stats, SCB, bias, cols, count, out2, m, n, k, x2.stride(0), out2.stride(0),
-            programs, BLOCK_M=c["BLOCK_M"], BLOCK_N=c["BLOCK_N"], BLOCK_K=c["BLOCK_K"], GROUP_M=c["GROUP_M"],
-            HAS_BIAS=has_bias, HAS_THRESHOLD=has_threshold, **fp_exact_options(cfg, device))
 
 
 # ---- cross-compilation specs ---------------------------------------------------------------------------
@@ -420,18 +346,3 @@ GEMM_SMALL_SPEC = register(KernelSpec(
 GEMM_SPEC = register(KernelSpec(
     "int8_matmul_gemm", _int8_matmul_kernel, _matmul_signature, DTYPES,
     _with(GEMM_LARGE_CONFIGS, KEPT=False)))
-
-
-def _tma_signature(dtype: torch.dtype) -> dict:
-    t = TRITON_DTYPE[dtype]
-    sig = {"a_desc": "tensordesc<i8[{BLOCK_M}, {BLOCK_K}]>", "w_desc": "tensordesc<i8[{BLOCK_N}, {BLOCK_K}]>",
-           "x_ptr": f"*{t}", "w_ptr": "*i8", "row_stats_ptr": "*fp32", "scb_ptr": "*fp32", "bias_ptr": f"*{t}",
-           "cols_ptr": "*i32", "count_ptr": "*i32", "out_ptr": f"*{t}", "M": "i32", "N": "i32", "K": "i32",
-           "stride_xm": "i32", "stride_om": "i32", "programs": "i32"}
-    sig.update(dict.fromkeys(("BLOCK_M", "BLOCK_N", "BLOCK_K", "GROUP_M", "HAS_BIAS", "HAS_THRESHOLD"), "constexpr"))
-    return sig
-
-
-GEMM_TMA_SPEC = register(KernelSpec(
-    "int8_matmul_gemm_tma", _int8_matmul_tma_kernel, _tma_signature, DTYPES,
-    _with(GEMM_TMA_CONFIGS)))

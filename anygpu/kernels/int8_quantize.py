@@ -222,28 +222,26 @@ def _quantize_rows(x_ptr, codes_ptr, stats_ptr, flags_ptr, M, K, stride_xm, thre
 
 @triton.jit
 def _outlier_list_kernel(flags_ptr, codes_ptr, cols_ptr, count_ptr, M, K, BLOCK_K: tl.constexpr,
-                         ZERO_ROWS: tl.constexpr, ZERO: tl.constexpr, WORDS: tl.constexpr = False,
-                         PDL: tl.constexpr = False, WAIT: tl.constexpr = False, POPC: tl.constexpr = False):
-    """Program 0 lists the marked columns, in increasing order, in cols[:count]: flags (one int8 a column) or,
-    WORDS, each row's bit words (ORed here, ROW_STEP rows a load).  ZERO (flags): every program also zeroes
-    the codes of the flagged columns in its ZERO_ROWS rows (then the matmul need not take their products
-    back out, which costs each of its programs a gather of the columns).  WAIT: launched as a programmatic
-    dependent of the quantize launch (NVIDIA sm_90+), so it waits for that launch's writes."""
-    tl.static_assert(not (WORDS and ZERO))
+                         ZERO_ROWS: tl.constexpr, ZERO: tl.constexpr, PDL: tl.constexpr = False,
+                         POPC: tl.constexpr = False):
+    """Program 0 lists the marked columns, in increasing order, in cols[:count]: with ZERO, flags (one int8 a
+    column), and every program also zeroes the codes of the flagged columns in its ZERO_ROWS rows (then the
+    matmul need not take their products back out, which costs each of its programs a gather of the columns);
+    else each row's bit words (ORed here, 16 rows a load).  PDL: launched as a programmatic dependent of the
+    quantize launch (NVIDIA sm_90+): it lets the matmul launch, then waits for the quantize launch's writes."""
     if PDL:
         tl.extra.cuda.gdc_launch_dependents()
-    if WAIT:
         tl.extra.cuda.gdc_wait()
     first = tl.program_id(0) * ZERO_ROWS
     last = tl.minimum(first + ZERO_ROWS, M)
     base = tl.zeros([], tl.int32)
     for k0 in range(0, K, BLOCK_K):
         k = k0 + tl.arange(0, BLOCK_K)
-        if WORDS:
-            word = _rows_words(flags_ptr, M, K, k0, BLOCK_K, 16)
-        else:
+        if ZERO:
             flag = tl.load(flags_ptr + k, mask=k < K, other=0) != 0
             word = _pack(flag, BLOCK_K // 32)
+        else:
+            word = _rows_words(flags_ptr, M, K, k0, BLOCK_K, 16)
         if tl.program_id(0) == 0:
             base = _list_columns(word, k0 // 32, cols_ptr, base, BLOCK_K // 32, POPC)
         if ZERO:
@@ -336,9 +334,8 @@ def quantize_rows(x2: torch.Tensor, threshold: float, zero_columns: bool = False
             c = list_cfg.constexprs
             grid = triton.cdiv(m, c["ZERO_ROWS"]) if zero_columns else 1
             _outlier_list_kernel[(grid,)](flags, out_codes, cols, count, m, k, BLOCK_K=c["BLOCK_K"],
-                                          ZERO_ROWS=c["ZERO_ROWS"], ZERO=zero_columns, WORDS=words, PDL=signal,
-                                          WAIT=signal, POPC=c.get("POPC", False),
-                                          **fp_exact_options(list_cfg, device, pdl=signal))
+                                          ZERO_ROWS=c["ZERO_ROWS"], ZERO=zero_columns, PDL=signal,
+                                          POPC=c.get("POPC", False), **fp_exact_options(list_cfg, device, pdl=signal))
     if marked:
         return out_codes, stats, flags
     return out_codes, stats, (cols, count) if has_threshold else None
@@ -380,11 +377,10 @@ QUANTIZE_SPEC = register(KernelSpec(
 def _list_forms(table: dict) -> dict:
     """The forms the launcher uses: zeroing the flagged columns (many rows), listing the rows' bit words (a
     few rows), and on sm_90 that one as a programmatic dependent too."""
-    forms = {key: tuple(LaunchConfig({**cfg.constexprs, "ZERO": zero, "WORDS": not zero}, cfg.num_warps)
+    forms = {key: tuple(LaunchConfig({**cfg.constexprs, "ZERO": zero}, cfg.num_warps)
                         for cfg in cfgs for zero in (True, False)) for key, cfgs in table.items()}
     nvidia = table["nvidia" if "nvidia" in table else "default"]
-    pdl = tuple(LaunchConfig({**cfg.constexprs, "ZERO": False, "WORDS": True, "PDL": True, "WAIT": True},
-                             cfg.num_warps) for cfg in nvidia)
+    pdl = tuple(LaunchConfig({**cfg.constexprs, "ZERO": False, "PDL": True}, cfg.num_warps) for cfg in nvidia)
     return {**forms, "hopper": forms["nvidia" if "nvidia" in forms else "default"] + pdl}
 
 
@@ -392,6 +388,6 @@ OUTLIER_LIST_SPEC = register(KernelSpec(
     "int8_outlier_list", _outlier_list_kernel,
     lambda dtype: {"flags_ptr": "*i8", "codes_ptr": "*i8", "cols_ptr": "*i32", "count_ptr": "*i32", "M": "i32",
                    "K": "i32", "BLOCK_K": "constexpr", "ZERO_ROWS": "constexpr", "ZERO": "constexpr",
-                   "WORDS": "constexpr", "PDL": "constexpr", "WAIT": "constexpr", "POPC": "constexpr"},
+                   "PDL": "constexpr", "POPC": "constexpr"},
     (torch.int8,),
     _list_forms(OUTLIER_LIST_CONFIGS)))
