@@ -66,7 +66,8 @@ def hf_logits(model, ids=IDS):
 
 def dequantized_twin(hf, float_folder):
     """transformers' model in fp32 with bitsandbytes' own dequantization of every quantized weight: the oracle for
-    our logits (bitsandbytes' CPU matmuls round activations to 16 bits, ours compute in fp32)."""
+    our logits (bitsandbytes' CPU matmuls compute in 16 bits, ours in fp32).  Built before the model's first forward:
+    on a CPU with AVX512-BF16, bitsandbytes repacks a 4-bit weight for its bf16 kernel on the first call."""
     twin = transformers.AutoModelForCausalLM.from_pretrained(float_folder, dtype=torch.float32).eval()
     linears = dict(twin.named_modules())
     for name, module in hf.named_modules():
@@ -110,7 +111,7 @@ def test_transformers_checkpoint_loads_as_stored(float_folder, tmp_path, kind):
     got = full_logits(model, IDS)
     if kind != "int8":  # LLM.int8() quantizes the activations too: no fp32 twin computes what it does
         torch.testing.assert_close(got, hf_logits(dequantized_twin(hf, float_folder)), atol=2e-4, rtol=1e-4)
-    # bitsandbytes' own CPU forward rounds activations to bf16 (4-bit) or fp16 (int8): within that rounding
+    # bitsandbytes' own CPU forward computes in bf16 (4-bit, AVX512-BF16 CPUs) or casts activations to fp16 (int8)
     ref = hf_logits(hf)
     torch.testing.assert_close(got, ref, atol=5e-3, rtol=0)  # logits up to 0.5
 
@@ -151,7 +152,7 @@ def test_save_quantized_loads_in_transformers_and_anygpu(float_folder, tmp_path,
     hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, device_map="cpu").eval()
     layer_cls = bnb.nn.Linear8bitLt if kind == "int8" else bnb.nn.Linear4bit
     assert type(hf.model.layers[0].mlp.down_proj) is layer_cls
-    torch.testing.assert_close(hf_logits(hf), ref, atol=5e-3, rtol=0)  # bitsandbytes' 16-bit activations
+    torch.testing.assert_close(hf_logits(hf), ref, atol=5e-3, rtol=0)  # bitsandbytes' 16-bit CPU math
     engine_model = ours(tmp_path)
     torch.testing.assert_close(full_logits(engine_model, IDS), ref, atol=1e-5, rtol=1e-5)
 
