@@ -63,6 +63,11 @@ def test_kernel_paths_match_reference(kdevice, dtype, m, n, k, bs, nested, bias)
     small_steps = LaunchConfig({**gemv.constexprs, "CHUNK": 32, "PREFETCH": False}, gemv.num_warps)
     plans = [Plan("gemv", gemv, s) for s in (1, 3)] + [Plan("gemv", small_steps, 2)] if m <= 3 else []
     plans += [Plan("gemm", cfg, s) for cfg in select(GEMM_CONFIGS, target) for s in (1, 2)] + [Plan("dequant")]
+    # Steps of several 4-bit blocks with the scales folded into the decoded values (the NVIDIA tables' choice),
+    # wherever K allows (else the launcher keeps one block per step).
+    first = select(GEMM_CONFIGS, target)[0]
+    plans.append(Plan("gemm", LaunchConfig({**first.constexprs, "BLOCK_K": 256, "FOLD_SCALE": True},
+                                           first.num_warps, first.num_stages), 2))
     for plan in plans:
         y = kernel(x, w, absmax, code, bs, n, k, b, *nest, plan_=plan)
         assert y.shape == (m, n) and y.dtype == dtype

@@ -42,11 +42,12 @@ def plans(m):
                                               num_warps=4), split)
     else:
         bms = (16,) if m <= 16 else (32,) if m <= 32 else (64,) if m <= 64 else (64, 128)
-        for bm, bn, warps, split in itertools.product(bms, (32, 64, 128), (2, 4, 8), (2, 4, 8)):
+        for bm, bn, bk, warps, split in itertools.product(bms, (32, 64, 128), (64, 128, 256), (2, 4, 8), (2, 4, 8)):
             if (bm >= 128 and bn >= 128 and warps < 8) or (bn == 32 and warps == 8) or (bn == 128 and warps == 2):
                 continue
-            yield K.Plan("gemm", LaunchConfig({"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": 64, "LUT_GATHER": True,
-                                               "DECODE_PTX": True}, num_warps=warps, num_stages=3), split)
+            yield K.Plan("gemm", LaunchConfig({"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "LUT_GATHER": True,
+                                               "DECODE_PTX": True, "FOLD_SCALE": bk > 64}, num_warps=warps,
+                                              num_stages=3), split)
 
 
 def rotating(make, copies):

@@ -239,18 +239,18 @@ GEMV_CONFIGS = {
 }
 # GEMM: one config per bucket of rows (MAX_M: the most rows it takes), tried in order.  A weight tile is
 # decoded once per BLOCK_M rows, so BLOCK_M grows with M; split K keeps enough programs in flight when
-# N / BLOCK_N tiles alone do not fill the GPU.  NVIDIA: the PTX pair decoder; the decoded tile is the dot's B
-# operand (through shared memory), which tools/sweep_matmul_4bit.py found at least as fast as feeding it
-# to wgmma from registers (W x^T, dropped) at every M it tried, and faster with double quantization.  RDNA3: wave32
-# WMMA and 64 KiB of LDS.
+# N / BLOCK_N tiles alone do not fill the GPU.  FOLD_SCALE: steps of BLOCK_K columns span several 4-bit blocks,
+# each block's scale multiplied into its decoded values, instead of one block per step with the scale applied
+# after the dot: fewer, fuller steps (each step's tile moves through shared memory into the MMA operand
+# layout, which ncu shows as the busiest unit).  NVIDIA: the PTX pair decoder; the decoded tile is the dot's
+# B operand, which tools/sweep_matmul_4bit.py found at least as fast as feeding it to wgmma from registers
+# (W x^T, dropped).  RDNA3: wave32 WMMA and 64 KiB of LDS.
 _NV = {"LUT_GATHER": True, "DECODE_PTX": True}
 GEMM_CONFIGS = {
     "default": (LaunchConfig({"MAX_M": 64, "BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 64, "LUT_GATHER": True,
                               "SPLIT_K": 2}, num_warps=4),),
-    "nvidia": (LaunchConfig({"MAX_M": 16, "BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 64, "SPLIT_K": 4, **_NV},
-                            num_warps=2, num_stages=3),
-               LaunchConfig({"MAX_M": 64, "BLOCK_M": 64, "BLOCK_N": 128, "BLOCK_K": 64, "SPLIT_K": 4, **_NV},
-                            num_warps=4, num_stages=3)),
+    "nvidia": tuple(LaunchConfig({"MAX_M": rows, "BLOCK_M": rows, "BLOCK_N": 64, "BLOCK_K": 128, "SPLIT_K": 4,
+                                  "FOLD_SCALE": True, **_NV}, num_warps=4, num_stages=3) for rows in (16, 32, 64)),
     "cdna3": (LaunchConfig({"MAX_M": 32, "BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 64, "LUT_GATHER": True,
                             "SPLIT_K": 4}, num_warps=4, num_stages=2, matrix_instr_nonkdim=16),
               LaunchConfig({"MAX_M": 64, "BLOCK_M": 64, "BLOCK_N": 128, "BLOCK_K": 64, "LUT_GATHER": True,
@@ -467,4 +467,5 @@ GEMM_SPEC = register(KernelSpec(
     "gemm_4bit", _gemm_4bit_kernel, _signature("gemm"), DTYPES,
     _with_defaults(GEMM_CONFIGS, lambda c: {"BLOCKSIZE": 64, "NESTED": True, "HAS_BIAS": False,
                                             "GROUP_M": 8, "DOT_IN_FP32": False, "SPLIT_K": 1,
-                                            "DECODE_PTX": c.constexprs.get("DECODE_PTX", False)}, drop=("MAX_M",))))
+                                            "DECODE_PTX": c.constexprs.get("DECODE_PTX", False)},
+                   drop=("MAX_M", "FOLD_SCALE"))))
