@@ -74,7 +74,7 @@ def dequantized_twin(hf, float_folder):
         if isinstance(module, bnb.nn.Linear4bit):
             w = bnb.functional.dequantize_4bit(module.weight.data, module.weight.quant_state)
         elif isinstance(module, bnb.nn.Linear8bitLt):
-            w = module.weight.data.float() * module.weight.SCB.float()[:, None] / 127
+            w = bnb.functional.int8_vectorwise_dequant(module.weight.data, module.weight.SCB)
         else:
             continue
         linears[name].weight.data.copy_(w)
@@ -246,3 +246,24 @@ def test_save_quantized_tied_embeddings(tmp_path):
     engine_model = ours(tmp_path)
     assert engine_model.lm_head.weight is engine_model.embed_tokens.weight
     torch.testing.assert_close(full_logits(engine_model, IDS), ref, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("kind", ["nf4-double", "int8"])
+def test_projection_kept_in_full_precision(float_folder, tmp_path, kind):
+    """llm_int8_skip_modules naming v_proj: q and k are quantized, v is not, and they run as one fused layer,
+    which then runs in full precision (q and k dequantized as bitsandbytes does); the MLP stays quantized."""
+    q = transformers.BitsAndBytesConfig(**QUANT[kind], llm_int8_skip_modules=["lm_head", "v_proj"])
+    hf = transformers.AutoModelForCausalLM.from_pretrained(float_folder, quantization_config=q, device_map="cpu",
+                                                           dtype=torch.float32).eval()
+    assert type(hf.model.layers[0].self_attn.v_proj) is torch.nn.Linear
+    hf.save_pretrained(tmp_path)
+    model = ours(tmp_path)
+    assert type(model.layers[0].self_attn.qkv_proj) is torch.nn.Linear
+    assert type(model.layers[0].mlp.gate_up_proj) is (Linear8bitLt if kind == "int8" else Linear4bit)
+    twin = dequantized_twin(hf, float_folder)
+    torch.testing.assert_close(model.layers[0].self_attn.qkv_proj.weight.data,
+                               torch.cat([twin.model.layers[0].self_attn.q_proj.weight.data,
+                                          twin.model.layers[0].self_attn.k_proj.weight.data,
+                                          twin.model.layers[0].self_attn.v_proj.weight.data]), atol=0, rtol=0)
+    if kind != "int8":
+        torch.testing.assert_close(full_logits(model, IDS), hf_logits(twin), atol=2e-4, rtol=1e-4)

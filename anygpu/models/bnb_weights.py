@@ -13,7 +13,9 @@ and ``build`` makes the layer:
   every matmul), because each piece has its own offset and one state holds one: the scales are the ones
   bitsandbytes computes with, the fused layer's statistics just take 32 bits each instead of 8.
 - 8-bit (int8 ``weight`` and its ``SCB`` row scales; ``weight_format`` checked): rows and scales stack exactly.
-- full precision (a module kept out of quantization, ``llm_int8_skip_modules``): copied in the model's dtype.
+- full precision (a module kept out of quantization, ``llm_int8_skip_modules``): copied in the model's dtype.  A
+  fused Linear whose projections are stored in different formats (v_proj skipped, q and k not) runs in full
+  precision, its quantized pieces dequantized (bitsandbytes' dequantization, exact; nothing re-quantized).
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ import torch
 from torch import nn
 
 from ..nn import Linear4bit, Linear8bitLt
-from ..quant import QuantState, dequantize_blockwise
+from ..quant import QuantState, dequantize_4bit, dequantize_blockwise, int8_vectorwise_dequant
 
 BLOB = "weight.quant_state.bitsandbytes__"
 ITEMS_4BIT = ("weight", "weight.absmax", "weight.quant_map")
@@ -85,33 +87,41 @@ class FusedPieces:
     def build(self, old: nn.Linear, dtype: torch.dtype, device: torch.device, threshold: float) -> nn.Module:
         """The layer standing in for ``old`` (the model's meta nn.Linear; its bias, already loaded, is kept)."""
         kinds = {p: self._kind(p) for p in self.pieces}
-        if len(set(kinds.values())) > 1:
-            raise ValueError(f"{self.where}: {self.module}: its projections are stored in different formats "
-                             f"({', '.join(f'{p}: {k}' for p, k in kinds.items())}); they run as one fused layer, "
-                             "so they must all be 4-bit, all 8-bit or all full precision")
         kind = kinds[self.pieces[0]]
+        if len(set(kinds.values())) > 1:
+            # Some projections kept in full precision (llm_int8_skip_modules naming v_proj, say): the fused layer
+            # runs in full precision, the quantized pieces dequantized exactly as bitsandbytes would.
+            kind = "float"
         if kind == "4bit":
             layer = self._linear4bit(dtype, device)
         elif kind == "8bit":
             layer = self._linear8bit(device, threshold)
         else:
-            weight = torch.cat([self._float_weight(p) for p in self.pieces]).to(device=device, dtype=dtype)
+            weight = torch.cat([self._float_weight(p, kinds[p]).to(dtype) for p in self.pieces]).to(device)
             layer = nn.Linear(self.in_features, sum(self.rows), bias=False, device="meta", dtype=dtype)
             layer.weight = nn.Parameter(weight, requires_grad=False)
         if old.bias is not None:
             layer.bias = old.bias
         return layer
 
-    def _float_weight(self, piece: str) -> torch.Tensor:
+    def _float_weight(self, piece: str, kind: str) -> torch.Tensor:
         weight, rows = self.items[piece]["weight"], self.rows[self.pieces.index(piece)]
+        if kind == "4bit":
+            state = self._states([piece])[0]
+            return dequantize_4bit(weight, state).float()
+        if kind == "8bit":
+            self._check_int8(piece)
+            return int8_vectorwise_dequant(weight, self.items[piece]["SCB"].reshape(-1).float())
         if tuple(weight.shape) != (rows, self.in_features):
             raise ValueError(f"{self.where}: {self.names[piece]}: shape {tuple(weight.shape)}, expected "
                              f"{(rows, self.in_features)}")
         return weight
 
-    def _states(self) -> list[QuantState]:
+    def _states(self, pieces: list[str] | None = None) -> list[QuantState]:
+        pieces = pieces or self.pieces
         states = []
-        for piece, rows in zip(self.pieces, self.rows):
+        for piece in pieces:
+            rows = self.rows[self.pieces.index(piece)]
             name = self.names[piece]
             stats = {k.removeprefix("weight."): v for k, v in self.items[piece].items() if k != "weight"}
             try:
@@ -123,11 +133,11 @@ class FusedPieces:
                                  f"{(rows, self.in_features)} from config.json")
             states.append(state)
         first = states[0]
-        for piece, state in zip(self.pieces[1:], states[1:]):
+        for piece, state in zip(pieces[1:], states[1:]):
             for field in ("quant_type", "blocksize", "dtype"):
                 if getattr(state, field) != getattr(first, field):
                     raise ValueError(f"{self.where}: {self.names[piece]}: {field} {getattr(state, field)} differs "
-                                     f"from {self.names[self.pieces[0]]}'s {getattr(first, field)}; the two run "
+                                     f"from {self.names[pieces[0]]}'s {getattr(first, field)}; the two run "
                                      f"as one fused layer ({self.module})")
         return states
 
@@ -158,15 +168,18 @@ class FusedPieces:
         layer.load_state_dict({"weight": weight.to(device), **stats}, assign=True)
         return layer
 
+    def _check_int8(self, piece: str) -> None:
+        weight, scb, rows = self.items[piece]["weight"], self.items[piece]["SCB"], self.rows[self.pieces.index(piece)]
+        if tuple(weight.shape) != (rows, self.in_features) or scb.numel() != rows:
+            raise ValueError(f"{self.where}: {self.names[piece]}: int8 weight {tuple(weight.shape)} with "
+                             f"{scb.numel()} SCB scales, expected {(rows, self.in_features)} and {rows}")
+
     def _linear8bit(self, device: torch.device, threshold: float) -> Linear8bitLt:
         weights, scales = [], []
-        for piece, rows in zip(self.pieces, self.rows):
-            weight, scb = self.items[piece]["weight"], self.items[piece]["SCB"]
-            if tuple(weight.shape) != (rows, self.in_features) or scb.numel() != rows:
-                raise ValueError(f"{self.where}: {self.names[piece]}: int8 weight {tuple(weight.shape)} with "
-                                 f"{scb.numel()} SCB scales, expected {(rows, self.in_features)} and {rows}")
-            weights.append(weight)
-            scales.append(scb.reshape(-1).float())
+        for piece in self.pieces:
+            self._check_int8(piece)
+            weights.append(self.items[piece]["weight"])
+            scales.append(self.items[piece]["SCB"].reshape(-1).float())
         layer = Linear8bitLt(self.in_features, sum(self.rows), bias=False, has_fp16_weights=False,
                              threshold=threshold, device="meta")
         layer.load_state_dict({"weight": torch.cat(weights).to(device), "SCB": torch.cat(scales).to(device)},
