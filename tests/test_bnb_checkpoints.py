@@ -116,7 +116,8 @@ def test_transformers_checkpoint_loads_as_stored(float_folder, tmp_path, kind):
     torch.testing.assert_close(got, ref, atol=5e-3, rtol=0)  # logits up to 0.5
 
 
-SAVE = {"nf4": ("nf4", {}), "fp4-plain": ("fp4", dict(compress_statistics=False)), "int8": ("int8", dict(threshold=6.0))}
+SAVE = {"nf4": ("nf4", {}), "fp4-plain": ("fp4", dict(compress_statistics=False)),
+        "int8": ("int8", dict(threshold=6.0))}
 
 
 def anygpu_quantized(float_folder, kind):
@@ -204,7 +205,8 @@ def test_bad_files_are_named(float_folder, tmp_path):
     with pytest.raises(ValueError, match=rf"{four}: 1 layer\(s\) incomplete, e.g. layers\.1\.mlp\.gate_up_proj: "
                                          r"missing up_proj\.weight\.absmax"):
         ours(four)
-    _rewrite(eight, lambda t: t.update({"model.layers.0.mlp.down_proj.weight_format": torch.tensor(1, dtype=torch.uint8)}))
+    bad_format = {"model.layers.0.mlp.down_proj.weight_format": torch.tensor(1, dtype=torch.uint8)}
+    _rewrite(eight, lambda t: t.update(bad_format))
     with pytest.raises(ValueError, match=rf"{eight}: model\.layers\.0\.mlp\.down_proj\.weight_format: expected "
                                          r"weight_format 0"):
         ours(eight)
@@ -227,7 +229,8 @@ def test_qwen2_biases_and_tied_embeddings(tmp_path):
     hf.save_pretrained(tmp_path / "q")
     model = ours(tmp_path / "q")
     assert model.lm_head.weight is model.embed_tokens.weight
-    assert type(model.layers[0].self_attn.qkv_proj) is Linear4bit and model.layers[0].self_attn.qkv_proj.bias is not None
+    qkv = model.layers[0].self_attn.qkv_proj
+    assert type(qkv) is Linear4bit and qkv.bias is not None
     twin = dequantized_twin(hf, tmp_path / "fp")
     torch.testing.assert_close(full_logits(model, IDS), hf_logits(twin), atol=2e-4, rtol=1e-4)
 

@@ -45,7 +45,8 @@ def doctor(as_json, targets, no_probe):
 @click.option("--png", "png_path", default=None, metavar="PATH", help="Where to write a chart (needs matplotlib).")
 @click.option("--model", default=None, metavar="PATH|ORG/NAME[:TAG]",
               help="model and serve suites: a GGUF file, an HF folder or a Hub id in the HF cache (default model).")
-@click.option("--gguf-file", default=None, metavar="FILE", help="The .gguf file to run inside --model (folder or repo).")
+@click.option("--gguf-file", default=None, metavar="FILE",
+              help="The .gguf file to run inside --model (a folder or a Hub repo).")
 @click.option("--random-config", default=None, metavar="NAME",
               help="model suite: random weights in these shapes instead of --model (llama3-8b, tiny).")
 @click.option("--quantize", default=None, metavar="LIST",

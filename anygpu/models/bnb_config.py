@@ -4,8 +4,9 @@
     # BnbQuantization(bits=4, quant_type="nf4", double_quant=True, compute_dtype=torch.bfloat16, ...)
 
 transformers writes this object next to a model saved with ``BitsAndBytesConfig`` (``load_in_4bit`` /
-``load_in_8bit``, ``bnb_4bit_*``, ``llm_int8_*``); ``anygpu.nn.save_quantized`` writes it the same way.  Only what decides how the stored weights are read is kept: the packed tensors and
-their quant states carry the rest (blocksize, shapes, the tables), and are read as stored.  Other quantization
+``load_in_8bit``, ``bnb_4bit_*``, ``llm_int8_*``); ``anygpu.nn.save_quantized`` writes it the same way.  Only what
+decides how the stored weights are read is kept: the packed tensors and their quant states carry the rest
+(blocksize, shapes, the tables), and are read as stored.  Other quantization
 methods (GPTQ, AWQ, FP8...) are refused here, naming the method, before a weight is read.
 """
 
