@@ -75,7 +75,7 @@ def _int8_matmul_kernel(x_ptr, a_ptr, w_ptr, row_stats_ptr, scb_ptr, bias_ptr, c
                         M, N, K, stride_xm, stride_om, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                         BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, HAS_BIAS: tl.constexpr,
                         HAS_THRESHOLD: tl.constexpr, KEPT: tl.constexpr, PDL: tl.constexpr = False,
-                        PREFETCH_K: tl.constexpr = 0, INT32_OUT: tl.constexpr = False):
+                        INT32_OUT: tl.constexpr = False):
     # x [M, K] (x's dtype, unit stride in K); a: the int8 codes [M, K]; w: CB int8 [N, K]; cols / count: the
     # outlier columns.  INT32_OUT (HAS_THRESHOLD off): the int32 sums go to acc [M, N], and
     # ``_outlier_epilogue_kernel`` (launched next) does the rest: a few rows with a threshold, see
@@ -91,8 +91,7 @@ def _int8_matmul_kernel(x_ptr, a_ptr, w_ptr, row_stats_ptr, scb_ptr, bias_ptr, c
     a_rows = a_ptr + rm64[:, None] * K
     w_rows = w_ptr + rn.to(tl.int64)[:, None] * K
     if PDL:  # launched as a programmatic dependent of the launch that writes the codes (see int8_matmul)
-        if PREFETCH_K > 0:  # the weights do not depend on it: start fetching them meanwhile
-            _prefetch_l2(w_rows, n_mask, K, PREFETCH_K)
+        _prefetch_l2(w_rows, n_mask, K, PDL_PREFETCH_K)  # the weights do not depend on it: fetch them meanwhile
         tl.extra.cuda.gdc_wait()  # that launch's writes are visible past this point
         if INT32_OUT:  # the epilogue launch may start now: it gathers its operands during our main loop
             tl.extra.cuda.gdc_launch_dependents()
@@ -220,7 +219,7 @@ def plan_for(path: str, m: int, n: int, k: int, device: torch.device) -> Plan:
 # programmatic dependent of whatever ran before (it waits before touching memory), and the matmul lets the
 # next launch start after its main loop, which hides the launch latency between two int8 matmuls.
 # ANYGPU_INT8_PDL=0 turns it all off.  512 bytes: more of it delays the start of the main loop.
-PDL_PREFETCH_K = 512
+PDL_PREFETCH_K = tl.constexpr(512)
 # 2..OUTLIER_EPILOGUE_ROWS rows (one row tile) with a threshold: no list launch before the matmul and no gathers
 # in its tail; the matmul stores its int32 sums (INT32_OUT) and ``outlier_epilogue``, a launch after it, lists
 # the outlier columns and gathers their operands while the matmul streams its weights (with PDL), then finishes
@@ -306,7 +305,7 @@ def int8_matmul(x: torch.Tensor, CB: torch.Tensor, SCB: torch.Tensor, threshold:
             m, n, k, x2.stride(0), out2.stride(0), BLOCK_M=c["BLOCK_M"], BLOCK_N=c["BLOCK_N"],
             BLOCK_K=c["BLOCK_K"], GROUP_M=c["GROUP_M"], HAS_BIAS=bias is not None,
             HAS_THRESHOLD=has_threshold and not split, KEPT=kept and not split, PDL=pdl,
-            PREFETCH_K=PDL_PREFETCH_K if pdl else 0, INT32_OUT=split, **fp_exact_options(cfg, x.device, pdl=pdl))
+            INT32_OUT=split, **fp_exact_options(cfg, x.device, pdl=pdl))
     if split:
         outlier_epilogue(x2, codes, CB, stats, SCB, bias, outliers, acc, out2, pdl)
     return out
@@ -322,7 +321,7 @@ def _matmul_signature(dtype: torch.dtype) -> dict:
            "bias_ptr": f"*{t}", "cols_ptr": "*i32", "count_ptr": "*i32", "acc_ptr": "*i32", "out_ptr": f"*{t}",
            "M": "i32", "N": "i32", "K": "i32", "stride_xm": "i32", "stride_om": "i32"}
     sig.update(dict.fromkeys(("BLOCK_M", "BLOCK_N", "BLOCK_K", "GROUP_M", "HAS_BIAS", "HAS_THRESHOLD", "KEPT", "PDL",
-                              "PREFETCH_K", "INT32_OUT"), "constexpr"))
+                              "INT32_OUT"), "constexpr"))
     return sig
 
 
@@ -342,7 +341,7 @@ def _and_int32_out(table: dict) -> dict:
 
 GEMM_SMALL_SPEC = register(KernelSpec(
     "int8_matmul_gemm_small", _int8_matmul_kernel, _matmul_signature, DTYPES,
-    _and_int32_out(hopper_pdl(_with(GEMM_SMALL_CONFIGS, KEPT=True), PDL=True, PREFETCH_K=PDL_PREFETCH_K))))
+    _and_int32_out(hopper_pdl(_with(GEMM_SMALL_CONFIGS, KEPT=True), PDL=True))))
 GEMM_SPEC = register(KernelSpec(
     "int8_matmul_gemm", _int8_matmul_kernel, _matmul_signature, DTYPES,
     _with(GEMM_LARGE_CONFIGS, KEPT=False)))

@@ -141,10 +141,10 @@ def _list_row_outliers(x_ptr, cols_ptr, count_ptr, K, threshold, BLOCK_K: tl.con
 
 @triton.jit
 def _int8_quantize_kernel(x_ptr, codes_ptr, stats_ptr, flags_ptr, cols_ptr, count_ptr, M, K, stride_xm,
-                          threshold, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, ONE_TILE: tl.constexpr,
+                          threshold, BLOCK_K: tl.constexpr, ONE_TILE: tl.constexpr,
                           HAS_THRESHOLD: tl.constexpr, LIST: tl.constexpr, MARK: tl.constexpr,
                           PDL: tl.constexpr = False, POPC: tl.constexpr = False):
-    """Row stats and codes of BLOCK_R rows (0 for outlier entries; the rest of an outlier column is dealt
+    """A row's stats and codes (0 for outlier entries; the rest of an outlier column is dealt
     with later, see the module doc) and their outlier columns, marked (MARK 1: a flag per column, into zeros;
     2: each row's own bit words) for ``_outlier_list_kernel``.  LIST (a single row): an extra program (program
     M) lists the row's outlier columns instead, beside the row's program rather than after it.  PDL: launched
@@ -158,15 +158,13 @@ def _int8_quantize_kernel(x_ptr, codes_ptr, stats_ptr, flags_ptr, cols_ptr, coun
             tl.extra.cuda.gdc_launch_dependents()  # the next launch may start now: it waits for our writes itself
         _list_row_outliers(x_ptr, cols_ptr, count_ptr, K, threshold, LIST_CHUNK, POPC)
     else:
-        _quantize_rows(x_ptr, codes_ptr, stats_ptr, flags_ptr, M, K, stride_xm, threshold, BLOCK_R, BLOCK_K,
-                       ONE_TILE, HAS_THRESHOLD, MARK if HAS_THRESHOLD else 0, PDL)
+        _quantize_rows(x_ptr, codes_ptr, stats_ptr, flags_ptr, M, K, stride_xm, threshold, BLOCK_K, ONE_TILE, HAS_THRESHOLD, MARK if HAS_THRESHOLD else 0, PDL)
 
 
 @triton.jit
-def _quantize_rows(x_ptr, codes_ptr, stats_ptr, flags_ptr, M, K, stride_xm, threshold, BLOCK_R: tl.constexpr,
-                   BLOCK_K: tl.constexpr, ONE_TILE: tl.constexpr, HAS_THRESHOLD: tl.constexpr, MARK: tl.constexpr,
-                   PDL: tl.constexpr = False):
-    tl.static_assert(MARK != 2 or BLOCK_R == 1)  # bit words: a row per program
+def _quantize_rows(x_ptr, codes_ptr, stats_ptr, flags_ptr, M, K, stride_xm, threshold, BLOCK_K: tl.constexpr,
+                   ONE_TILE: tl.constexpr, HAS_THRESHOLD: tl.constexpr, MARK: tl.constexpr, PDL: tl.constexpr = False):
+    BLOCK_R: tl.constexpr = 1  # a row per program: the bit words (MARK 2) are each row's own
     r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     r_mask = r < M
     r64 = r.to(tl.int64)
@@ -325,7 +323,7 @@ def quantize_rows(x2: torch.Tensor, threshold: float, zero_columns: bool = False
         count = torch.empty(1, dtype=torch.int32, device=device)
     with on_device(device):
         _int8_quantize_kernel[(m + listed,)](
-            x2, out_codes, stats, flags, cols, count, m, k, x2.stride(0), threshold, BLOCK_R=1,
+            x2, out_codes, stats, flags, cols, count, m, k, x2.stride(0), threshold,
             BLOCK_K=block_k, ONE_TILE=block_k >= k, HAS_THRESHOLD=has_threshold, LIST=listed,
             MARK=(2 if words else 1) if list_launch or marked else 0, PDL=signal,
             POPC=cfg.constexprs.get("POPC", False), **fp_exact_options(cfg, device, pdl=signal))
@@ -354,7 +352,7 @@ def hopper_pdl(table: dict, **pdl) -> dict:
 def _quantize_signature(dtype: torch.dtype) -> dict:
     return {"x_ptr": f"*{TRITON_DTYPE[dtype]}", "codes_ptr": "*i8", "stats_ptr": "*fp32", "flags_ptr": "*i8",
             "cols_ptr": "*i32", "count_ptr": "*i32", "M": "i32", "K": "i32", "stride_xm": "i32",
-            "threshold": "fp32", "BLOCK_R": "constexpr", "BLOCK_K": "constexpr", "ONE_TILE": "constexpr",
+            "threshold": "fp32", "BLOCK_K": "constexpr", "ONE_TILE": "constexpr",
             "HAS_THRESHOLD": "constexpr", "LIST": "constexpr", "MARK": "constexpr", "PDL": "constexpr",
             "POPC": "constexpr"}
 
@@ -364,7 +362,7 @@ def _quantize_forms(cfg: LaunchConfig) -> tuple:
     the row's bit words (a few rows), and two passes over K flagging the columns (many rows, longer than
     MAX_BLOCK_K), or writing the bit words in two (a few long rows, ``mark_only``)."""
     block = cfg.constexprs["MAX_BLOCK_K"]
-    return tuple(LaunchConfig({"BLOCK_R": 1, "BLOCK_K": block, "ONE_TILE": one, "LIST": listed, "MARK": mark,
+    return tuple(LaunchConfig({"BLOCK_K": block, "ONE_TILE": one, "LIST": listed, "MARK": mark,
                                "HAS_THRESHOLD": True, "POPC": cfg.constexprs.get("POPC", False)}, cfg.num_warps)
                  for one, listed, mark in ((True, True, 0), (True, False, 2), (False, False, 1), (False, False, 2)))
 
