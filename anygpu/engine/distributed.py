@@ -52,7 +52,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from ..models import open_checkpoint
+from ..models import GGUFCheckpoint, gguf_packed, open_checkpoint
 from ..models.config import ModelConfig
 from ..models.parallel import TensorParallel
 from ..models.registry import build_model
@@ -90,9 +90,13 @@ class RankSpec:
         """This rank's model; ``weights``: an already opened checkpoint's iterator (rank 0), else read here."""
         if weights is None:
             weights = open_checkpoint(self.model_path).weights(progress=progress) if self.model_path else "random"
-        return build_model(self.config, weights, dtype=self.dtype, device=self.device_of(rank),
-                           quantize=self.quantize, progress=progress, tp=TensorParallel(rank, self.world_size),
-                           max_position=self.runner_args.get("max_model_len"))
+        model = build_model(self.config, weights, dtype=self.dtype, device=self.device_of(rank),
+                            quantize=self.quantize, progress=progress, tp=TensorParallel(rank, self.world_size),
+                            max_position=self.runner_args.get("max_model_len"))
+        if (self.quantize is None and self.model_path and str(self.model_path).endswith(".gguf")
+                and gguf_packed.enabled(self.device, self.world_size)):
+            gguf_packed.pack_linears(model, GGUFCheckpoint(self.model_path))  # the file's blocks, kept packed
+        return model
 
     def build_runner(self, model, exit_stack: contextlib.ExitStack, workers: TPWorkers | None = None) -> ModelRunner:
         if self.tune:
