@@ -180,7 +180,7 @@ def tune(shapes, dtype, bias, model_config, batch_sizes, untuned_path, devices, 
     import torch
 
     from .. import backend, tunable
-    from ..tunable import parallel, warmup
+    from ..tunable import multi_device, warmup
 
     if not shapes and not untuned_path and not model_config:
         raise click.UsageError("give at least one --shape M,N,K, --model-config PATH or --untuned FILE")
@@ -191,11 +191,11 @@ def tune(shapes, dtype, bias, model_config, batch_sizes, untuned_path, devices, 
     backend_name = backend.name()
     if devices is None:
         device = backend.device()
-        workers = [parallel.Worker(str(device), str(device))]
+        workers = [multi_device.Worker(str(device), str(device))]
     else:
         count = backend.module().device_count() if backend_name != "cpu" else 1
         try:
-            workers = parallel.parse_devices(devices, backend_name, count)
+            workers = multi_device.parse_devices(devices, backend_name, count)
         except ValueError as e:
             raise click.BadParameter(str(e), param_hint="--devices") from e
     default_dtype = getattr(torch, DTYPES[dtype] if dtype else ("bfloat16" if backend_name != "cpu" else "float32"))
@@ -203,7 +203,7 @@ def tune(shapes, dtype, bias, model_config, batch_sizes, untuned_path, devices, 
     work = []
     for m, n, k in parsed:
         p = warmup.shape_problem(m, n, k, default_dtype, bias)
-        work.append(parallel.Work(p.op_signature(), p.params_signature(), f"--shape {m},{n},{k}"))
+        work.append(multi_device.Work(p.op_signature(), p.params_signature(), f"--shape {m},{n},{k}"))
     if model_config:
         try:
             config = warmup.read_model_config(model_config)
@@ -214,13 +214,13 @@ def tune(shapes, dtype, bias, model_config, batch_sizes, untuned_path, devices, 
         for name, n, k, has_bias in linears:
             for m in sizes:
                 p = warmup.shape_problem(m, n, k, model_dtype, has_bias)
-                work.append(parallel.Work(p.op_signature(), p.params_signature(), f"{name} M={m}"))
+                work.append(multi_device.Work(p.op_signature(), p.params_signature(), f"{name} M={m}"))
     if untuned_path:
         try:
             problems = warmup.untuned_problems(untuned_path)
         except ValueError as e:
             raise click.BadParameter(str(e), param_hint="--untuned") from e
-        work += [parallel.Work(p.op_signature(), p.params_signature(), "untuned") for p in problems]
+        work += [multi_device.Work(p.op_signature(), p.params_signature(), "untuned") for p in problems]
     unique: dict = {}
     for w in work:  # a GEMM asked for twice is tuned once, under the first label
         unique.setdefault((w.op_signature, w.params_signature), w)
@@ -234,7 +234,7 @@ def tune(shapes, dtype, bias, model_config, batch_sizes, untuned_path, devices, 
     if max_duration_ms is not None:
         values["max_tuning_duration_ms"] = max_duration_ms
     with tunable.settings(**values) as s:
-        report = parallel.run(work, workers, dataclasses.asdict(s))
+        report = multi_device.run(work, workers, dataclasses.asdict(s))
     from tabulate import tabulate
 
     head = ["device"] if len(workers) > 1 else []

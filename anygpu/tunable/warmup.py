@@ -9,7 +9,7 @@ capture: nothing is tuned while a stream is capturing.
 Without the model in memory, ``decoder_linears(read_model_config(path))`` lists the linears of a
 Llama-family decoder from its Hugging Face ``config.json``, as our engine runs them (fused projections).
 Work for ``anygpu tune`` is a list of ``Problem`` s (``shape_problem``, ``untuned_problems``), each tuned
-by ``tune_problem``; ``tunable/parallel.py`` spreads such a list over several devices.
+by ``tune_problem``; ``tunable/multi_device.py`` spreads such a list over several devices.
 """
 
 from __future__ import annotations

@@ -8,7 +8,7 @@ import torch
 from click.testing import CliRunner
 
 from anygpu.cli import cli
-from anygpu.tunable import parallel, results, warmup
+from anygpu.tunable import multi_device, results, warmup
 from anygpu.tunable.signatures import parse_signatures
 
 from .test_tunable import tun  # noqa: F401 - the fixture: CPU backend, tmp_path files, short budgets
@@ -39,22 +39,22 @@ def _result_lines(path) -> list[str]:
 
 
 def test_devices_pick_gpus_by_count_all_or_ordinals():
-    ordinals = lambda text: [w.device for w in parallel.parse_devices(text, "rocm", 4)]  # noqa: E731
+    ordinals = lambda text: [w.device for w in multi_device.parse_devices(text, "rocm", 4)]  # noqa: E731
     assert ordinals("2") == ["cuda:0", "cuda:1"]
     assert ordinals("all") == ["cuda:0", "cuda:1", "cuda:2", "cuda:3"]
     assert ordinals("0,2,3") == ["cuda:0", "cuda:2", "cuda:3"] and ordinals(" 3, ") == ["cuda:3"]
     for bad, why in [("5", "1 to 4"), ("0", "1 to 4"), ("0,4", "device 4 does not exist"), ("1,1", "twice"),
                      ("a", "expected N"), ("0,x", "'x'"), ("-1,0", "'-1'"), ("", "expected N")]:
         with pytest.raises(ValueError, match=why):
-            parallel.parse_devices(bad, "cuda", 4)
-    cpu = parallel.parse_devices("2", "cpu", 1, cpu_limit=4)
+            multi_device.parse_devices(bad, "cuda", 4)
+    cpu = multi_device.parse_devices("2", "cpu", 1, cpu_limit=4)
     assert [w.device for w in cpu] == ["cpu", "cpu"] and [w.name for w in cpu] == ["cpu#0", "cpu#1"]
-    assert len(parallel.parse_devices("all", "cpu", 1)) == 1
+    assert len(multi_device.parse_devices("all", "cpu", 1)) == 1
     with pytest.raises(ValueError, match="no device ordinals"):
-        parallel.parse_devices("0,1", "cpu", 1)
+        multi_device.parse_devices("0,1", "cpu", 1)
     with pytest.raises(ValueError, match="1 to 4"):
-        parallel.parse_devices("5", "cpu", 1, cpu_limit=4)
-    assert parallel.split(list(range(7)), 3) == [[0, 3, 6], [1, 4], [2, 5]]
+        multi_device.parse_devices("5", "cpu", 1, cpu_limit=4)
+    assert multi_device.split(list(range(7)), 3) == [[0, 3, 6], [1, 4], [2, 5]]
 
 
 @pytest.mark.parametrize("value", ["0", "1,1", "two", "0,1"])
@@ -82,17 +82,17 @@ def test_two_worker_processes_tune_each_recorded_gemm_into_the_file_once(tun):
 def _flaky_worker(number, worker, backend_name, settings, threads, items, messages):
     """Worker 1 tunes its first item, then dies as a crash would (exit code 3); worker 0 is the real one."""
     if number == 1:
-        parallel._worker_main(number, worker, backend_name, settings, threads, items[:1], messages)
+        multi_device._worker_main(number, worker, backend_name, settings, threads, items[:1], messages)
         os._exit(3)
-    parallel._worker_main(number, worker, backend_name, settings, threads, items, messages)
+    multi_device._worker_main(number, worker, backend_name, settings, threads, items, messages)
 
 
 def test_a_failing_gemm_and_a_dying_worker_are_reported_and_the_rest_is_kept(tun):
     lines = [*UNTUNED[:2], HUGE, *UNTUNED[2:5]]  # worker 0: items 0, 2 (HUGE), 4; worker 1: items 1, 3, 5
-    work = [parallel.Work(*line.split(","), label="untuned") for line in lines]
+    work = [multi_device.Work(*line.split(","), label="untuned") for line in lines]
     settings = {"filename": str(tun / "res%d.csv"), "max_tuning_iterations": 2, "max_tuning_duration_ms": 1.0,
                 "rotating_buffer_size_mb": 0}
-    report = parallel.run(work, parallel.parse_devices("2", "cpu", 1, cpu_limit=2), settings, progress=False,
+    report = multi_device.run(work, multi_device.parse_devices("2", "cpu", 1, cpu_limit=2), settings, progress=False,
                           target=_flaky_worker)
     assert not report.ok
     text = "\n".join(report.failures)
@@ -119,11 +119,11 @@ def test_sharing_merges_entries_between_devices_with_the_same_validators(tmp_pat
     same = {"ANYGPU_VERSION": "t", "ARCH": "gfx942"}
     other = {"ANYGPU_VERSION": "t", "ARCH": "gfx1100"}
     paths = [str(tmp_path / f"r{i}.csv") for i in range(3)]
-    workers = parallel.parse_devices("3", "cuda", 3)
-    rows = [parallel.Row(parallel.Work("GemmTunableOp_Half_TN", f"tn_8_{i + 1}_16_ld_16_16_8"), w.name, "Default", 0.5)
-            for i, w in enumerate(workers)]
+    workers = multi_device.parse_devices("3", "cuda", 3)
+    rows = [multi_device.Row(multi_device.Work("GemmTunableOp_Half_TN", f"tn_8_{i + 1}_16_ld_16_16_8"), w.name,
+                             "Default", 0.5) for i, w in enumerate(workers)]
     results.merge_write(paths[1], same, [results.Entry("GemmTunableOp_Half_TN", "tn_8_1_16_ld_16_16_8", "Mine", 1.0)])
-    parallel._share(rows, workers, {0: (same, paths[0]), 1: (same, paths[1]), 2: (other, paths[2])})
+    multi_device._share(rows, workers, {0: (same, paths[0]), 1: (same, paths[1]), 2: (other, paths[2])})
     first = results.read(paths[0], same).entries
     second = results.read(paths[1], same).entries
     assert set(first) == set(second) == {("GemmTunableOp_Half_TN", "tn_8_1_16_ld_16_16_8"),
