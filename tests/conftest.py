@@ -15,6 +15,9 @@ import torch
 warnings.filterwarnings("ignore", message="TRITON_DEFAULT_FP_FUSION is unset")
 
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+# Tests compare the default GGUF model with transformers' fp32 logits, so the engine keeps its projections
+# dequantized to fp32 here; tests/test_gguf_int4pack.py runs the packed CPU path (the product's default).
+os.environ.setdefault("ANYGPU_CPU_GGUF_PACKED", "0")
 
 
 def pytest_collection_modifyitems(config, items):
