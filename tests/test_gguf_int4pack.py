@@ -1,0 +1,73 @@
+"""GGUF Q4_0 / Q4_1 / Q8_0 kept packed on the CPU (``anygpu.quant.gguf_int4pack``, ``anygpu.nn.GGUFLinear``):
+products against ``gguf.quants``' dequantized weights under the accuracy rule (bf16 compute), stacking and
+row orders, errors, and the engine's default model running on packed layers."""
+
+import numpy as np
+import pytest
+import torch
+
+gguf = pytest.importorskip("gguf")
+from gguf import GGMLQuantizationType as QT  # noqa: E402
+
+from anygpu.quant import gguf_int4pack as P  # noqa: E402
+from anygpu.testing import assert_accurate  # noqa: E402
+
+from ._models_fixtures import smollm_path  # noqa: E402, F401 - fixture
+
+pytestmark = pytest.mark.skipif(not P.supported(), reason="this torch has no CPU int4 matmul")
+
+
+def _weight(name, n, k, rng):
+    w = (rng.standard_normal((n, k)) * rng.uniform(0.01, 0.2, (n, 1))).astype(np.float32)
+    w[:, :32] += 0.05  # a group with an offset: Q4_1's zero point at work
+    blocks = gguf.quants.quantize(w, QT[name])
+    dq = torch.from_numpy(gguf.quants.dequantize(blocks, QT[name]).reshape(n, k).copy())
+    return torch.from_numpy(blocks.reshape(-1).copy()), dq
+
+
+@pytest.mark.parametrize("name", P.TYPES)
+@pytest.mark.parametrize("m,k", [(1, 576), (3, 1536), (17, 96)])
+def test_stacked_product_matches_gguf_dequantized(name, m, k):
+    rng = np.random.default_rng(m * k + len(name))
+    raws, refs = zip(*(_weight(name, n, k, rng) for n in (128, 64, 48)))
+    order = torch.randperm(64, generator=torch.Generator().manual_seed(0))  # a row order, as for q/k heads
+    parts = [P.decode(raws[0], name, 128, k), P.decode(raws[1], name, 64, k, order), P.decode(raws[2], name, 48, k)]
+    w = torch.cat([refs[0], refs[1][order], refs[2]])
+    x = torch.randn(m, k).bfloat16()
+    ours = P.matmul(x, P.pack(parts), w.shape[0])
+    assert ours.dtype == torch.bfloat16 and ours.shape == (m, 240)
+    assert_accurate(ours, x @ w.bfloat16().T, x.double() @ w.double().T, what=f"{name} m={m} k={k}")
+    y32 = P.matmul(x.float(), P.pack(parts), w.shape[0])  # fp32 in, fp32 out (computed in bf16)
+    assert y32.dtype == torch.float32 and torch.equal(y32.bfloat16(), ours)
+
+
+def test_errors_name_the_argument():
+    raw, _ = _weight("Q4_0", 16, 64, np.random.default_rng(0))
+    with pytest.raises(ValueError, match="type_name"):
+        P.decode(raw, "Q5_0", 16, 64)
+    with pytest.raises(ValueError, match="in_features"):
+        P.decode(raw, "Q4_0", 16, 48)
+    with pytest.raises(ValueError, match="out_features"):
+        P.pack([P.decode(raw[: 8 * 2 * 18], "Q4_0", 8, 64)])
+    q8, _ = _weight("Q8_0", 16, 64, np.random.default_rng(1))
+    with pytest.raises(ValueError, match="sources"):
+        P.pack([P.decode(raw, "Q4_0", 16, 64), P.decode(q8, "Q8_0", 16, 64)])
+
+
+def test_default_model_runs_packed(smollm_path, monkeypatch):  # noqa: F811
+    from anygpu import LLM
+    from anygpu.engine import SamplingParams
+    from anygpu.nn.linear_gguf import GGUFLinear
+
+    monkeypatch.setenv("ANYGPU_CPU_GGUF_PACKED", "1")
+    llm = LLM(str(smollm_path), progress=False, max_model_len=128)
+    model = llm.engine.model if hasattr(llm, "engine") else llm.model
+    packed = [m for m in model.modules() if isinstance(m, GGUFLinear)]
+    cfg = model.config
+    assert len(packed) == 4 * cfg.num_layers + 1  # qkv, o, gate_up, down per layer, and the (tied Q8_0) head
+    assert not any(isinstance(m, torch.nn.Linear) for m in model.modules())
+    packed_bytes = sum(b.numel() * b.element_size() for m in packed for b in m.buffers())
+    weights = sum(m.in_features * m.out_features for m in packed)
+    assert packed_bytes < 1.3 * weights  # about 0.6 bytes a weight (1.2 for the two-part Q8_0 head), not 4
+    text = llm.generate(["The capital of France is"], SamplingParams(temperature=0, max_tokens=6))
+    assert "Paris" in text[0].outputs[0].text
