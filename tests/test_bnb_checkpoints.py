@@ -270,3 +270,17 @@ def test_projection_kept_in_full_precision(float_folder, tmp_path, kind):
                                           twin.model.layers[0].self_attn.v_proj.weight.data]), atol=0, rtol=0)
     if kind != "int8":
         torch.testing.assert_close(full_logits(model, IDS), hf_logits(twin), atol=2e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("kind", ["nf4", "int8"])
+def test_save_pretrained_without_quantization_config(float_folder, tmp_path, kind):
+    """quantize_model then transformers' own save_pretrained writes the bitsandbytes tensors but no
+    quantization_config: the engine still sees what they are and loads them as stored."""
+    model = anygpu_quantized(float_folder, kind)
+    model.save_pretrained(tmp_path)
+    assert "quantization_config" not in json.loads((tmp_path / "config.json").read_text())
+    ckpt = HFCheckpoint(tmp_path)
+    assert ckpt.config.quantization.bits == (8 if kind == "int8" else 4)
+    engine_model = ours(tmp_path)
+    assert type(engine_model.layers[0].mlp.down_proj) is (Linear8bitLt if kind == "int8" else Linear4bit)
+    torch.testing.assert_close(full_logits(engine_model, IDS), hf_logits(model), atol=1e-5, rtol=1e-5)

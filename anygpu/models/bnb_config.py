@@ -69,3 +69,18 @@ def _dtype(value, table: dict, default: torch.dtype, where: str) -> torch.dtype:
     if isinstance(value, str) and value.removeprefix("torch.") in table:
         return table[value.removeprefix("torch.")]
     raise ValueError(f"{where}: expected one of {', '.join(table)}, got {value!r}")
+
+
+def infer_from_tensors(names) -> BnbQuantization | None:
+    """The quantization a folder's tensor names show when config.json has no ``quantization_config`` (a model
+    quantized by ``quantize_model`` and saved with ``save_pretrained``, which writes none): 4-bit when a
+    ``...weight.quant_state.bitsandbytes__<type>`` blob is there, 8-bit when an ``...SCB`` is; None otherwise.
+    What the loader needs beyond that, each layer's quant state holds."""
+    blob = next((n for n in names if ".weight.quant_state.bitsandbytes__" in n), None)
+    if blob is not None:
+        quant_type = blob.rsplit("__", 1)[1]
+        return BnbQuantization(bits=4, quant_type=quant_type if quant_type in ("nf4", "fp4") else "nf4",
+                               double_quant=any(n.endswith(".weight.nested_absmax") for n in names))
+    if any(n.endswith(".SCB") for n in names):
+        return BnbQuantization(bits=8)
+    return None

@@ -6,7 +6,8 @@ weights.
 
 Only safetensors are read: ``pytorch_model.bin`` files are pickles, which can run code when loaded, so they are
 refused (convert them with transformers' ``save_pretrained(..., safe_serialization=True)``).  A bitsandbytes
-checkpoint (``quantization_config`` in config.json) yields its packed weights and quant-state items as stored.  The eos ids of
+checkpoint (``quantization_config`` in config.json, or bitsandbytes tensors saved by a plain ``save_pretrained``,
+which writes none) yields its packed weights and quant-state items as stored.  The eos ids of
 config.json, generation_config.json (instruct models often list several there) and the tokenizer are merged, so
 generation stops on any of them.
 """
@@ -19,6 +20,7 @@ from typing import Iterator
 
 import torch
 
+from .bnb_config import infer_from_tensors
 from .bnb_weights import unpacked_shapes
 from .config import HF_KEYS, ModelConfig
 from .config_checks import check_eos_ids
@@ -51,6 +53,8 @@ class HFCheckpoint:
                 if name in shapes:
                     raise ValueError(f"{f}: tensor {name!r} is also in another file of {self.path}")
                 shapes[name] = entry.shape
+        if config.quantization is None:  # bitsandbytes tensors saved without their quantization_config
+            config = dataclasses.replace(config, quantization=infer_from_tensors(shapes))
         if config.quantization is not None:  # packed 4-bit weights: checked by byte count, then as [out, in]
             nbytes = {n: e.end - e.begin for tensors in self.headers.values() for n, e in tensors.items()}
             shapes = unpacked_shapes(shapes, nbytes, expected_shapes(config), str(self.path))
