@@ -18,8 +18,9 @@ import pytest
 import torch
 
 from anygpu import LLM
-from anygpu.engine import AsyncLLMEngine, LLMEngine, SamplingParams
+from anygpu.engine import AsyncLLMEngine, BlockManager, LLMEngine, SamplingParams, Scheduler, Sequence
 from anygpu.engine.engine_process import EngineClient
+from anygpu.engine.scheduler import PROMPT_LOGPROBS_CHUNK
 from anygpu.serve import ServerThread, build_app
 
 from ._models_fixtures import smollm_path  # noqa: F401 - fixture
@@ -74,6 +75,17 @@ def test_engine_prompt_logprobs_equal_transformers(tiny, chunk):
     (both,) = llm.generate(PROMPT, SamplingParams(max_tokens=2, temperature=1.0, seed=3, n=3, prompt_logprobs=0))
     assert len(both.outputs) == 3
     assert [list(e) for e in both.prompt_logprobs[1:]] == [[t] for t in PROMPT[1:]]
+
+
+def test_prompt_logprobs_prefill_in_bounded_chunks():
+    """Their positions' logits are materialised, so such a prompt computes at most PROMPT_LOGPROBS_CHUNK tokens a
+    step; other prompts take the whole budget."""
+    scheduler = Scheduler(BlockManager(200, 16), max_num_seqs=4, max_num_batched_tokens=2048, max_model_len=2048)
+    wants, plain = (Sequence(range(3, 1203), SamplingParams(prompt_logprobs=p)) for p in (1, None))
+    for seq in (wants, plain):
+        scheduler.add(seq)
+    batch = scheduler.schedule()
+    assert batch.num_tokens == [PROMPT_LOGPROBS_CHUNK, 1200]
 
 
 def test_prompt_logprobs_cross_the_engine_process(tiny):

@@ -6,6 +6,8 @@ answer); one failing choice fails its request alone and the engine serves on."""
 
 from __future__ import annotations
 
+import asyncio
+
 import httpx
 import pytest
 
@@ -153,3 +155,26 @@ def test_offline_generate_returns_n_outputs():
         SamplingParams(n=MAX_N + 1)
     with pytest.raises(ValueError, match="^n: an engine request runs one completion"):
         llm.engine.add_request("direct", [5, 6, 7], SamplingParams(n=2))
+
+
+LONG = list(range(10, 80))  # several full KV blocks
+
+
+def test_choices_share_the_prompt_blocks_offline_and_served():
+    """Choices after the first start once its prompt is in the prefix cache, so they find it there."""
+    llm = LLM("tiny", config=random_config("tiny"), progress=False, block_size=16)
+    (out,) = llm.generate([LONG], SamplingParams(n=3, max_tokens=3, temperature=1.0, seed=1, ignore_eos=True))
+    assert out.num_cached_tokens == 64 and len(out.outputs) == 3  # 4 of the prompt's 4 full blocks (70 tokens)
+    engine = AsyncLLMEngine(random_engine("tiny", block_size=16, progress=False))
+
+    async def run():
+        return [o async for o in engine.generate("r", LONG, SamplingParams(n=3, max_tokens=3, seed=1,
+                                                                          ignore_eos=True))]
+    try:
+        outs = asyncio.run(run())
+    finally:
+        engine.shutdown()
+    assert outs[-1].finished and outs[-1].num_cached_tokens == 64
+    assert [len(c.token_ids) for c in outs[-1].outputs] == [3, 3, 3]
+    streamed = [[t for o in outs for t in o.outputs[i].delta_token_ids] for i in range(3)]
+    assert streamed == [c.token_ids for c in outs[-1].outputs]  # the deltas add up to each choice

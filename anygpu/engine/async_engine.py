@@ -76,8 +76,10 @@ class AsyncLLMEngine:
             except Exception as error:  # the child has ended (aborted if it still ran): the request fails
                 queue.put_nowait((index, error))
 
-        tasks = [asyncio.ensure_future(pump(i, self._generate_one(child_id(request_id, i), prompt, p)))
-                 for i, p in enumerate(children)]
+        def start(i: int) -> asyncio.Future:
+            return asyncio.ensure_future(pump(i, self._generate_one(child_id(request_id, i), prompt, children[i])))
+
+        tasks = [start(0)]  # the others once child 0's prompt is in the prefix cache (parallel_sampling.py)
         try:
             while not parent.finished:
                 items = [await queue.get()]
@@ -87,6 +89,8 @@ class AsyncLLMEngine:
                     if isinstance(item, BaseException):
                         raise item
                     parent.add(index, item)
+                if len(tasks) == 1 and parent.rest_may_start:
+                    tasks += [start(i) for i in range(1, len(children))]
                 if params.prompt_logprobs is not None and parent.latest[0] is None:
                     continue  # the prompt's log-probabilities come with child 0: the first item carries them
                 yield parent.output()

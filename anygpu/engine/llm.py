@@ -51,11 +51,10 @@ class LLM:
             for request_id, prompt, p in zip(ids, prompts, params):
                 if not isinstance(p, SamplingParams):
                     raise ValueError(f"sampling_params: expected SamplingParams, got {type(p).__name__}")
-                children = [child_id(request_id, i) for i in range(p.n)]
-                families[request_id] = children
-                for child, cp in zip(children, child_params(p)):
-                    self.engine.add_request(child, prompt, cp)
-                    added.append(child)
+                # Child 0 now, the others once its prompt is in the prefix cache (parallel_sampling.py).
+                families[request_id] = (prompt, child_params(p))
+                self.engine.add_request(child_id(request_id, 0), prompt, families[request_id][1][0])
+                added.append(child_id(request_id, 0))
         except Exception:
             for request_id in added:  # all or nothing: a bad prompt leaves no orphan running
                 self.engine.abort(request_id)
@@ -82,9 +81,11 @@ class LLM:
         """Release the engine (with ``tp > 1``: stop its worker processes; garbage collection does it too)."""
         self.engine.close()
 
-    def _run(self, ids: list[str], families: dict[str, list[str]], use_tqdm: bool) -> list[RequestOutput]:
-        parent_of = {c: (request_id, i) for request_id, children in families.items() for i, c in enumerate(children)}
-        parents = {request_id: ParentRequest(request_id, len(children)) for request_id, children in families.items()}
+    def _run(self, ids: list[str], families: dict[str, tuple], use_tqdm: bool) -> list[RequestOutput]:
+        parent_of = {child_id(request_id, i): (request_id, i)
+                     for request_id, (_, children) in families.items() for i in range(len(children))}
+        parents = {request_id: ParentRequest(request_id, len(children))
+                   for request_id, (_, children) in families.items()}
         bar = tqdm(total=len(ids), desc="generating", disable=not use_tqdm)
         left = set(ids)
         while left:
@@ -93,9 +94,14 @@ class LLM:
                     continue
                 request_id, i = parent_of[out.request_id]
                 parent = parents[request_id]
+                first = parent.latest[0] is None
                 parent.add(i, out)
+                prompt, children = families[request_id]
+                if i == 0 and first and parent.rest_may_start:
+                    for j in range(1, len(children)):
+                        self.engine.add_request(child_id(request_id, j), prompt, children[j])
                 if out.finished and out.error is not None:
-                    self._abort_siblings(parent, families[request_id])
+                    self._abort_siblings(parent, [child_id(request_id, j) for j in range(len(children))])
                 if request_id in left and parent.finished:
                     left.discard(request_id)
                     bar.update(1)

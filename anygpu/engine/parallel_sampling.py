@@ -3,7 +3,9 @@ requests of one completion each, and their outputs are merged into one ``Request
 is child i's completion (``index`` i).  ``LLM.generate`` and ``AsyncLLMEngine.generate`` fan out; ``LLMEngine``
 itself runs one completion per request (it refuses n > 1, so a caller cannot silently get one).
 
-The children share the prompt's KV blocks through the prefix cache once the first of them has committed them.
+Child 0 starts first and the others once it has its first token: its prompt's full blocks are then computed
+and in the prefix cache, so the others share them instead of computing and holding the prompt n times (they
+start one step later).  ``RequestOutput.num_cached_tokens`` is then the largest of the children's.
 
 Seeds: with ``seed`` set, child i samples with ``seed + i`` (vLLM's rule, wrapped to 64 bits): the choices
 differ, the request is reproducible, and choice 0 is what n = 1 gives with the same seed.  Without a seed
@@ -76,4 +78,10 @@ class ParentRequest:
             error=failed.error if failed else None, error_type=failed.error_type if failed else None,
             arrival_time=min(o.arrival_time for o in seen), first_token_time=min(started) if started else None,
             finish_time=max(o.finish_time or 0.0 for o in seen) if self.finished else None,
-            num_cached_tokens=first.num_cached_tokens)
+            num_cached_tokens=max(o.num_cached_tokens for o in seen))
+
+    @property
+    def rest_may_start(self) -> bool:
+        """Child 0 has its first output (so its prompt blocks are cached) and did not fail."""
+        first = self.latest[0]
+        return first is not None and first.error is None

@@ -9,7 +9,9 @@ with ``num_tokens``.  Per step, within ``max_num_batched_tokens`` tokens and ``m
    (prefix-cache hits included); the one that does not fit the remaining budget is chunked.  No admission in
    a step that preempted (vLLM's rule; a guard: the victim, now first in line, could not fit anyway).
 
-Decodes first keeps inter-token latency steady while long prompts stream in by chunks.
+Decodes first keeps inter-token latency steady while long prompts stream in by chunks.  A sequence that wants
+prompt log-probabilities computes at most ``PROMPT_LOGPROBS_CHUNK`` tokens a step: the runner materialises the
+logits of each of them (a [tokens, vocab] fp32 tensor, which the KV-cache sizing did not set memory aside for).
 
 Preemption by recomputation: when a running sequence needs a block and none is free, the most recently
 arrived running sequence not already in this step's batch loses its blocks, goes back to the front of the
@@ -37,6 +39,14 @@ from dataclasses import dataclass, field
 
 from .block_manager import BlockManager
 from .sequence import Sequence, SequenceStatus
+
+
+PROMPT_LOGPROBS_CHUNK = 512  # tokens a step for a sequence whose prompt positions all need logits
+
+
+def _chunk(seq: Sequence, left: int, budget: int) -> int:
+    n = min(left, budget)
+    return min(n, PROMPT_LOGPROBS_CHUNK) if seq.needs_prompt_logprobs else n
 
 
 @dataclass
@@ -151,7 +161,7 @@ class Scheduler:
                 left = seq.num_tokens - seq.num_computed_tokens
                 if (left == 1) != decodes or seq.status is not SequenceStatus.RUNNING:
                     continue  # the other pass's, or preempted / finished earlier in this loop
-                n = min(left, budget)
+                n = _chunk(seq, left, budget)
                 if self._reserve(seq, n, batch, scheduled):
                     scheduled.add(seq.seq_id)
                     self._add(batch, seq, n)
@@ -168,7 +178,7 @@ class Scheduler:
             self.waiting.popleft()
             seq.status = SequenceStatus.RUNNING
             bisect.insort(self.running, seq, key=lambda s: self._order[s.seq_id])
-            n = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            n = _chunk(seq, seq.num_tokens - seq.num_computed_tokens, budget)
             scheduled.add(seq.seq_id)
             self._add(batch, seq, n)
             budget -= n
