@@ -172,6 +172,12 @@ class LlamaForCausalLM(nn.Module):
         if shard.vocab_real < shard.vocab_rows:
             self.lm_head.weight.data[shard.vocab_real:].zero_()  # padding rows: their logits are cut off anyway
         # Made after to_empty (which would leave it uninitialised) and kept fp32 whatever the model's dtype.
+        self.build_rotary(max_position, device)
+
+    def build_rotary(self, max_position: int, device: torch.device) -> None:
+        """The rotary table every layer shares, on ``device`` (a model built on meta, as bnb_load does, calls this
+        again for the real device)."""
+        cfg = self.config
         self.rotary = rotary_cos_sin_cache(cfg.head_dim, max_position, cfg.rope_theta, cfg.rope_scaling,
                                            device=device)
         for layer in self.layers:
