@@ -16,7 +16,6 @@ from collections.abc import Iterable
 import torch
 from torch import nn
 
-from ..ops.rotary_embedding import rotary_cos_sin_cache
 from .bnb_weights import FusedPieces, check_weight_format
 from .config import ModelConfig
 from .memory_check import check_model_fits
@@ -39,7 +38,7 @@ def build_prequantized(model_cls, config: ModelConfig, weights: Iterable[tuple[s
     # Made on meta, the model skipped its memory check: check here what it will hold, quantized.
     check_model_fits(config, _quantized_bytes(model, groups, config), model.rotary.shape[0], device)
     _materialize(model, device, {id(model.get_submodule(m).weight) for m in groups})
-    _rotary(model, config, device)
+    model.build_rotary(model.rotary.shape[0], device)  # made on meta with the model
 
     params = dict(model.named_parameters())
     fused_starts: dict[str, set[int]] = {}
@@ -135,14 +134,3 @@ def _materialize(model: nn.Module, device: torch.device, keep_meta: set[int]) ->
             if id(p) not in made:
                 made[id(p)] = nn.Parameter(torch.empty_like(p, device=device), requires_grad=p.requires_grad)
             module._parameters[key] = made[id(p)]
-
-
-def _rotary(model: nn.Module, config: ModelConfig, device: torch.device) -> None:
-    """The rotary table, made on meta with the model: built here as the model builds it, on the real device."""
-    rows = model.rotary.shape[0]
-    table = rotary_cos_sin_cache(config.head_dim, rows, config.rope_theta, config.rope_scaling, device=device)
-    if table.shape != model.rotary.shape:  # the model code builds its table another way now: follow it here
-        raise RuntimeError(f"rotary table {tuple(table.shape)} differs from the model's {tuple(model.rotary.shape)}")
-    model.rotary = table
-    for layer in model.layers:
-        layer.self_attn.rotary = table
