@@ -2,15 +2,14 @@
 ``data: [DONE]``) and not.
 
 Defaults, as vLLM's: completions generate at most 16 tokens unless ``max_tokens`` says otherwise (OpenAI's
-default); chat generates until EOS or the end of the context.  A stream sends the assistant role first,
-then one chunk per new piece of text, then a chunk with ``finish_reason``, then (with
-``stream_options.include_usage``) a chunk with ``choices: []`` and the usage; every earlier chunk then carries
-``usage: null``.  With ``n`` > 1 the choices' chunks interleave, each naming its ``index``; usage counts the
-tokens of all choices.  With ``echo`` (completions), each choice's first chunk is the prompt (with its
-log-probabilities when asked for: ``echo.py``).  With log-probabilities asked for, a chunk goes out for every step that brought tokens (its
-text may be empty while a stop string is held back) and carries those tokens' log-probabilities
-(``logprobs.py``).  An error after the stream has started is sent as ``data: {"error": {...}}``, which
-OpenAI's client raises as an APIError.
+default); chat generates until EOS or the end of the context. A stream sends the assistant role first, then one
+chunk per new piece of text, then a chunk with ``finish_reason``, then (with ``stream_options.include_usage``) a
+chunk with ``choices: []`` and the usage; every earlier chunk then carries ``usage: null``. With ``n`` > 1 the
+choices' chunks interleave, each naming its ``index``; usage counts the tokens of all choices. With ``echo``
+(completions), each choice's first chunk is the prompt (with its log-probabilities when asked for: ``echo.py``).
+With log-probabilities asked for, a chunk goes out for every step that brought tokens (its text may be empty
+while a stop string is held back) and carries those tokens' log-probabilities (``logprobs.py``). An error after
+the stream has started is sent as ``data: {"error": {...}}``, which OpenAI's client raises as an APIError.
 """
 
 from __future__ import annotations
