@@ -88,21 +88,20 @@ def test_prompt_logprobs_prefill_in_bounded_chunks():
     assert batch.num_tokens == [PROMPT_LOGPROBS_CHUNK, 1200]
 
 
-def test_prompt_logprobs_cross_the_engine_process(tiny):
+def test_prompt_logprobs_and_n_cross_the_engine_process(tiny):
     folder, ref = tiny
     engine = AsyncLLMEngine(EngineClient(functools.partial(LLMEngine, str(folder), progress=False, block_size=4)))
 
     async def run():
-        outs = [o async for o in engine.generate("r", PROMPT, SamplingParams(max_tokens=3, temperature=0,
-                                                                              prompt_logprobs=K))]
-        return outs
+        params = SamplingParams(max_tokens=3, temperature=1.0, seed=3, n=2, prompt_logprobs=K)
+        return [o async for o in engine.generate("r", PROMPT, params)]
 
     try:
         outs = asyncio.run(run())
     finally:
         engine.shutdown()
         engine.engine.close()
-    assert outs[-1].finished
+    assert outs[-1].finished and [len(c.token_ids) for c in outs[-1].outputs] == [3, 3]  # n = 2 over the pipe
     for out in outs:
         check_prompt_logprobs(out.prompt_logprobs, ref, K)
 
