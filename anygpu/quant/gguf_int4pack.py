@@ -10,8 +10,8 @@ the rounding of s and z to x's 16-bit dtype):
   int4 weights: (h - 8) * 16 d and (l - 8) * d + 8 d.
 
 Why: on the CPU the weights then stay packed (0.625 bytes a weight with the scales, against 4 for fp32) and
-the GEMV reads a quarter of the bytes; the op needs bf16 (or fp16) activations for its fast path, so the
-layer computes in bf16 and returns x's dtype.
+the GEMV reads a quarter of the bytes.  The op's fast path takes bf16 activations (its fp16 and fp32 paths
+are scalar loops); fp32 x goes in as two bf16 halves (``matmul``), and the result comes back in x's dtype.
 """
 
 from __future__ import annotations
@@ -85,9 +85,20 @@ def pack(sources: list[list], dtype: torch.dtype = torch.bfloat16) -> list[tuple
 def matmul(x: torch.Tensor, parts: list[tuple[torch.Tensor, torch.Tensor]], n: int) -> torch.Tensor:
     """``x @ W.T`` for W given as ``from_blocks`` parts; x [..., k] in any float dtype, the result in x's."""
     compute = parts[0][1].dtype
-    x2 = x.reshape(-1, x.shape[-1]).to(compute)
+    x2 = x.reshape(-1, x.shape[-1])
+    rows = x2.shape[0]
+    if x.dtype == torch.float32:
+        # x as the sum of two bf16 halves (hi, and the rounding error lo), stacked as rows of one call: the
+        # weights are read once and x loses 16 bits instead of 8.  SmolLM2's chat answer goes wrong with x
+        # rounded to bf16 once; fp16 keeps it right but the op has no fast fp16 path.
+        hi = x2.to(compute)
+        x2 = torch.cat([hi, (x2 - hi.float()).to(compute)])
+    else:
+        x2 = x2.to(compute)
     y = None
     for packed, sz in parts:
-        part = torch.ops.aten._weight_int4pack_mm_for_cpu(x2, packed, GROUP, sz)
+        part = torch.ops.aten._weight_int4pack_mm_for_cpu(x2, packed, GROUP, sz).float()
         y = part if y is None else y.add_(part)
+    if x.dtype == torch.float32:
+        y = y[:rows] + y[rows:]
     return y.to(x.dtype).reshape(*x.shape[:-1], n)
