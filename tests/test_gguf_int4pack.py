@@ -57,9 +57,28 @@ def test_errors_name_the_argument():
         P.pack([P.decode(raw, "Q4_0", 16, 64), P.decode(q8, "Q8_0", 16, 64)])
 
 
+@pytest.mark.parametrize("name", ["Q8_0", "Q4_K", "Q6_K"])
+def test_embedding_rows_are_the_gguf_values(name):
+    from anygpu.nn.embedding_gguf import GGUFEmbedding
+    from anygpu.quant.gguf_blocks import dequantize_blocks
+
+    from .test_gguf_types import _random_blocks
+
+    raw = torch.from_numpy(_random_blocks(name, 40 * 256 // gguf.constants.GGML_QUANT_SIZES[QT[name]][0],
+                                          np.random.default_rng(3)).reshape(-1).copy())
+    table = torch.from_numpy(gguf.quants.dequantize(raw.numpy().reshape(40, -1), QT[name]).reshape(40, 256))
+    emb = GGUFEmbedding(raw, name, 40, 256)
+    ids = torch.tensor([[3, 0, 39], [3, 7, 7]])
+    assert torch.equal(emb(ids), table[ids])
+    assert torch.equal(dequantize_blocks(raw, name).view(40, 256), table)
+    with pytest.raises(ValueError, match="blocks"):
+        GGUFEmbedding(raw, name, 41, 256)
+
+
 def test_default_model_runs_packed(smollm_path, monkeypatch):  # noqa: F811
     from anygpu import LLM
     from anygpu.engine import SamplingParams
+    from anygpu.nn.embedding_gguf import GGUFEmbedding
     from anygpu.nn.linear_gguf import GGUFLinear
 
     monkeypatch.setenv("ANYGPU_CPU_GGUF_PACKED", "1")
@@ -68,7 +87,8 @@ def test_default_model_runs_packed(smollm_path, monkeypatch):  # noqa: F811
     packed = [m for m in model.modules() if isinstance(m, GGUFLinear)]
     cfg = model.config
     assert len(packed) == 4 * cfg.num_layers + 1  # qkv, o, gate_up, down per layer, and the (tied Q8_0) head
-    assert not any(isinstance(m, torch.nn.Linear) for m in model.modules())
+    assert not any(isinstance(m, (torch.nn.Linear, torch.nn.Embedding)) for m in model.modules())
+    assert isinstance(model.embed_tokens, GGUFEmbedding)  # the Q8_0 table, as stored
     packed_bytes = sum(b.numel() * b.element_size() for m in packed for b in m.buffers())
     weights = sum(m.in_features * m.out_features for m in packed)
     assert packed_bytes < 1.3 * weights  # about 0.6 bytes a weight (1.2 for the two-part Q8_0 head), not 4

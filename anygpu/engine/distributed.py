@@ -38,6 +38,7 @@ Then each worker exits with ``os._exit``, and rank 0 joins it for JOIN_TIMEOUT_S
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import multiprocessing
 import multiprocessing.connection
@@ -88,15 +89,19 @@ class RankSpec:
 
     def build_model(self, rank: int, weights=None, progress: bool = False):
         """This rank's model; ``weights``: an already opened checkpoint's iterator (rank 0), else read here."""
-        if weights is None:
-            weights = open_checkpoint(self.model_path).weights(progress=progress) if self.model_path else "random"
-        model = build_model(self.config, weights, dtype=self.dtype, device=self.device_of(rank),
-                            quantize=self.quantize, progress=progress, tp=TensorParallel(rank, self.world_size),
-                            max_position=self.runner_args.get("max_model_len"))
+        prepare = None
         if (self.quantize is None and self.model_path and str(self.model_path).endswith(".gguf")
                 and gguf_packed.enabled(self.device, self.world_size)):
-            gguf_packed.pack_linears(model, GGUFCheckpoint(self.model_path))  # the file's blocks, kept packed
-        return model
+            # The projections stay in the file's packed blocks: swapped in before the rest is loaded, and the
+            # weights iterator skips their tensors, so their dequantized copies are never made.
+            ckpt = GGUFCheckpoint(self.model_path)
+            weights = ckpt.weights(progress=progress, skip=gguf_packed.packed_tensors(ckpt))
+            prepare = functools.partial(gguf_packed.pack_linears, checkpoint=ckpt)
+        if weights is None:
+            weights = open_checkpoint(self.model_path).weights(progress=progress) if self.model_path else "random"
+        return build_model(self.config, weights, dtype=self.dtype, device=self.device_of(rank),
+                           quantize=self.quantize, progress=progress, tp=TensorParallel(rank, self.world_size),
+                           max_position=self.runner_args.get("max_model_len"), prepare=prepare)
 
     def build_runner(self, model, exit_stack: contextlib.ExitStack, workers: TPWorkers | None = None) -> ModelRunner:
         if self.tune:

@@ -66,7 +66,7 @@ class ModelRunner:
         self.workers = workers
         self.num_kv_heads = model.shard.num_kv_heads
         self.device = next(model.parameters()).device
-        self.dtype = model.embed_tokens.weight.dtype
+        self.dtype = model.norm.weight.dtype  # the model's dtype (the embedding may be kept as GGUF blocks)
         self.block_size = block_size
         self.max_num_seqs = max_num_seqs
         self.max_model_len = max_model_len

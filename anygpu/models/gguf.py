@@ -88,14 +88,18 @@ class GGUFCheckpoint:
         self.config = config
         self.tokenizer = Tokenizer.from_gguf(self.metadata)
 
-    def weights(self, progress: bool = True, dtype: torch.dtype = torch.float32) -> Iterator[tuple[str, torch.Tensor]]:
-        """(HF name, ``dtype`` CPU tensor) for every tensor of the file, in file order, one at a time."""
+    def weights(self, progress: bool = True, dtype: torch.dtype = torch.float32,
+                skip: frozenset[str] = frozenset()) -> Iterator[tuple[str, torch.Tensor]]:
+        """(HF name, ``dtype`` CPU tensor) for every tensor of the file but those named (GGUF names) in ``skip``,
+        in file order, one at a time."""
         from tqdm.auto import tqdm
 
         cfg = self.config
         with open(self.path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY) as mm:
             # ACCESS_COPY: writable for torch.frombuffer (no read-only warning); nothing ever reaches the file.
             for t in tqdm(self.tensors, desc=f"Loading {self.name}", unit="tensor", disable=not progress):
+                if t.name in skip:
+                    continue
                 raw = torch.frombuffer(mm, dtype=torch.uint8, count=t.nbytes, offset=t.offset)
                 w = dequantize(raw, t.type_name, t.shape, dtype)
                 del raw  # the mapping cannot close while a view exports it

@@ -1,10 +1,12 @@
-"""Keep a GGUF model's projections packed on the CPU: ``pack_linears(model, checkpoint)`` swaps each
-``nn.Linear`` whose source tensors are Q4_0, Q4_1 or Q8_0 for an ``anygpu.nn.GGUFLinear`` built from the
-file's own blocks (not from the dequantized weight, so nothing is re-quantized).
+"""Keep a GGUF model's projections packed on the CPU: each ``nn.Linear`` whose source tensors are Q4_0, Q4_1 or
+Q8_0 becomes an ``anygpu.nn.GGUFLinear`` built from the file's own blocks (nothing is re-quantized), and the
+embedding table keeps its blocks too (``GGUFEmbedding``) where no tied head needs its dequantized weight.
 
 Why: a decode step on the CPU is bound by reading the weights; the packed layer reads 0.625 bytes a weight
-against fp32's 4.  ``ANYGPU_CPU_GGUF_PACKED=0`` keeps the dequantized fp32 layers (bit-for-bit the GGUF's
-values, computed in fp32: what tests against transformers' fp32 logits want).
+against fp32's 4, and the dequantized copy is never made (``packed_tensors`` names the tensors the weights
+iterator skips; ``pack_linears`` swaps the layers before the rest is loaded, while the model's own weights are
+still unwritten, so never resident).  ``ANYGPU_CPU_GGUF_PACKED=0`` keeps the dequantized fp32 layers
+(bit-for-bit the GGUF's values, computed in fp32: what tests against transformers' fp32 logits want).
 """
 
 from __future__ import annotations
@@ -14,9 +16,12 @@ import os
 
 import torch
 
+from ..nn.embedding_gguf import GGUFEmbedding
 from ..nn.linear_gguf import GGUFLinear
 from ..quant import gguf_int4pack
-from .gguf import GGUFCheckpoint, unpermute_qk
+from .gguf import GGUFCheckpoint, _release, unpermute_qk
+
+_CHUNK_ROWS = 4096  # a multiple of the CPU layout's 64-row tile
 
 _SOURCES = {  # the model's fused projection <- the GGUF tensors stacked into it, in order
     "self_attn.qkv_proj": ("attn_q", "attn_k", "attn_v"),
@@ -32,37 +37,87 @@ def enabled(device: torch.device, tp_world_size: int = 1) -> bool:
             and os.environ.get("ANYGPU_CPU_GGUF_PACKED", "1") != "0")
 
 
+def _plan(checkpoint: GGUFCheckpoint) -> dict[tuple[int | None, str], list[str]]:
+    """(layer index or None for the head, module path) -> its GGUF tensors, for every projection that can stay
+    packed: all its tensors of one kind (4-bit, or Q8_0), rows in multiples of 16."""
+    tensors = {t.name: t for t in checkpoint.tensors}
+
+    def packable(names: list[str]) -> bool:
+        if any(n not in tensors or tensors[n].type_name not in gguf_int4pack.TYPES for n in names):
+            return False
+        kinds = {tensors[n].type_name == "Q8_0" for n in names}
+        rows = sum(tensors[n].shape[0] for n in names)
+        return len(kinds) == 1 and rows % 16 == 0 and tensors[names[0]].shape[1] % gguf_int4pack.GROUP == 0
+
+    plan: dict = {}
+    for i in range(checkpoint.config.num_layers):
+        for path, sources in _SOURCES.items():
+            names = [f"blk.{i}.{s}.weight" for s in sources]
+            if packable(names):
+                plan[(i, path)] = names
+    head = ["output.weight" if "output.weight" in tensors else "token_embd.weight"]
+    if packable(head):
+        plan[(None, "lm_head")] = head
+    embed = tensors.get("token_embd.weight")
+    # The embedding keeps its blocks unless a tied head still reads its dequantized weight.
+    if embed is not None and embed.type_name not in ("F32", "F16", "BF16") and (
+            "output.weight" in tensors or (None, "lm_head") in plan):
+        plan[(None, "embed_tokens")] = ["token_embd.weight"]
+    return plan
+
+
+def packed_tensors(checkpoint: GGUFCheckpoint) -> frozenset[str]:
+    """The GGUF tensors ``pack_linears`` reads itself (the weights iterator skips them)."""
+    return frozenset(n for names in _plan(checkpoint).values() for n in names)
+
+
 def pack_linears(model: torch.nn.Module, checkpoint: GGUFCheckpoint) -> int:
-    """Swap the projections whose GGUF tensors can stay packed; returns how many were swapped.  The rest
-    (other types, row counts the layout cannot take) keep their dequantized weights."""
+    """Swap every projection ``_plan`` allows for a GGUFLinear; returns how many.  Call it before the other
+    weights are loaded (``build_model(prepare=...)``) or after; a bias stays the model's parameter."""
     cfg = checkpoint.config
     tensors = {t.name: t for t in checkpoint.tensors}
-    swapped = 0
+    plan = _plan(checkpoint)
     with open(checkpoint.path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY) as mm:
-        def parts_of(name: str):
+        def parts_of(name: str, rows: tuple[int, int] | None = None):
             t = tensors[name]
             n, k = t.shape
             order = None
             if cfg.architecture == "llama" and (".attn_q." in name or ".attn_k." in name):
                 order = unpermute_qk(torch.arange(n), cfg.num_heads if ".attn_q." in name else cfg.num_kv_heads)
-            raw = torch.frombuffer(mm, dtype=torch.uint8, count=t.nbytes, offset=t.offset)
-            return gguf_int4pack.decode(raw, t.type_name, n, k, order)
+            row_bytes = t.nbytes // n
+            first, last = rows or (0, n)
+            raw = torch.frombuffer(mm, dtype=torch.uint8, count=(last - first) * row_bytes,
+                                   offset=t.offset + first * row_bytes)
+            parts = gguf_int4pack.decode(raw, t.type_name, last - first, k, order)
+            del raw
+            _release(mm, t.offset + first * row_bytes, (last - first) * row_bytes)
+            return parts
 
-        def swap(parent: torch.nn.Module, attr: str, names: list[str]) -> int:
+        def packed(names: list[str]):
+            n = tensors[names[0]].shape[0]
+            if len(names) > 1 or n <= _CHUNK_ROWS:
+                return gguf_int4pack.pack([parts_of(name) for name in names])
+            # A large single tensor (the head) in slices of rows: the layout's 64-row tiles are independent,
+            # and the decoded codes of a slice are all that is ever held.
+            slices = [gguf_int4pack.pack([parts_of(names[0], (i, min(i + _CHUNK_ROWS, n)))])
+                      for i in range(0, n, _CHUNK_ROWS)]
+            return [(torch.cat([s[j][0] for s in slices]), torch.cat([s[j][1] for s in slices], dim=1))
+                    for j in range(len(slices[0]))]
+
+        for (layer, path), names in plan.items():
+            if path == "embed_tokens":
+                t = tensors[names[0]]
+                blocks = torch.frombuffer(mm, dtype=torch.uint8, count=t.nbytes, offset=t.offset).clone()
+                _release(mm, t.offset, t.nbytes)
+                old = model.embed_tokens
+                model.embed_tokens = GGUFEmbedding(blocks, t.type_name, old.num_embeddings, old.embedding_dim,
+                                                   old.weight.dtype)
+                continue
+            parent = model if layer is None else model.layers[layer]
+            *owner, attr = path.split(".")
+            for o in owner:
+                parent = getattr(parent, o)
             old = getattr(parent, attr)
-            if any(n not in tensors or tensors[n].type_name not in gguf_int4pack.TYPES for n in names):
-                return 0
-            try:
-                parts = gguf_int4pack.pack([parts_of(n) for n in names])
-            except ValueError:  # mixed kinds, or a row count the layout cannot take: stay dequantized
-                return 0
+            parts = packed(names)
             setattr(parent, attr, GGUFLinear(parts, old.in_features, old.out_features, old.bias))
-            return 1
-
-        for i, layer in enumerate(model.layers):
-            for path, sources in _SOURCES.items():
-                owner, attr = path.split(".")
-                swapped += swap(getattr(layer, owner), attr, [f"blk.{i}.{s}.weight" for s in sources])
-        head = "output.weight" if "output.weight" in tensors else "token_embd.weight"
-        swapped += swap(model, "lm_head", [head])
-    return swapped
+    return len(plan)

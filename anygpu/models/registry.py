@@ -17,7 +17,7 @@ TP=2 can be checked against TP=1 on a random model).  Quantizing after sharding 
 from __future__ import annotations
 
 import zlib
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 
 import torch
 
@@ -61,8 +61,11 @@ def random_weights(config: ModelConfig, dtype: torch.dtype = torch.float32, devi
 def build_model(config: ModelConfig, weights: Iterable[tuple[str, torch.Tensor]] | str,
                 dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu",
                 quantize: str | None = None, progress: bool = True,
-                tp: TensorParallel | None = None, max_position: int | None = None) -> LlamaForCausalLM:
-    """``max_position``: the longest context to run (sizes the rotary table; None: the config's)."""
+                tp: TensorParallel | None = None, max_position: int | None = None,
+                prepare: Callable[[torch.nn.Module], object] | None = None) -> LlamaForCausalLM:
+    """``max_position``: the longest context to run (sizes the rotary table; None: the config's).  ``prepare``:
+    called with the model before the weights are copied in (its weights are not yet written, so not yet in
+    memory): swapping layers there means ``weights`` need not hold theirs (``models/gguf_packed.py``)."""
     if quantize is not None and quantize not in QUANT_TYPES:
         raise ValueError(f"quantize: expected one of {QUANT_TYPES} or None, got {quantize!r}")
     if isinstance(weights, str):
@@ -76,6 +79,8 @@ def build_model(config: ModelConfig, weights: Iterable[tuple[str, torch.Tensor]]
         where = getattr(weights, "where", "the checkpoint")  # HFCheckpoint.weights() says which folder
         return build_prequantized(model_class(config), config, weights, dtype, device, tp, max_position, where)
     model = model_class(config)(config, dtype=dtype, device=device, tp=tp, max_position=max_position)
+    if prepare is not None:
+        prepare(model)
     model.load_weights(weights)
     if quantize is not None:
         # int8 is LLM.int8() with transformers' outlier threshold: activations' outlier columns stay in 16 bits.
