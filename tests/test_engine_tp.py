@@ -110,9 +110,9 @@ def test_tp2_random_model_equals_tp1():
     pack = engine.runner.pack
 
     def recording_pack(batch):
-        message, rows = pack(batch)
+        message, *rest = pack(batch)
         modes.add(int(message[0]))
-        return message, rows
+        return (message, *rest)
 
     engine.runner.pack = recording_pack
     try:
