@@ -8,7 +8,8 @@ softcap=0.0)``: decode attention (one query token per sequence) over a paged KV 
 - seqlens: int32 [B], the context length including the current token (already written to the cache).
   A sequence of length 0 gets a zero output.
 - max_seqlen: an upper bound of seqlens the caller knows (no device value is read on the host, so the op is
-  CUDA-graph safe); it sizes the split-KV work, and must not exceed max_blocks_per_seq * block_size.
+  CUDA-graph safe); it sizes the split-KV work, and must not exceed max_blocks_per_seq * block_size.  The
+  kernel stays right with too low a bound (only slower); the reference reads positions up to the bound only.
 - scale: softmax scale (default D ** -0.5); window_left >= 0 keeps only keys at positions
   >= seqlen - 1 - window_left (-1: no window); softcap > 0 caps logits to softcap * tanh(logit / softcap).
 
@@ -66,14 +67,22 @@ def check(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, b
 
 def gather_attention(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, block_tables: torch.Tensor,
                      seqlens: torch.Tensor, scale: float | None, window_left: int, softcap: float,
-                     dtype: torch.dtype) -> torch.Tensor:
+                     dtype: torch.dtype, max_seqlen: int | None = None) -> torch.Tensor:
     """Decode attention computed in ``dtype`` (the reference uses fp32; tests also run it in q's dtype, as
-    PyTorch's same-dtype answer, and in fp64 as the oracle for fp32).  Returns [B, Hq, D] in ``dtype``."""
+    PyTorch's same-dtype answer, and in fp64 as the oracle for fp32).  Returns [B, Hq, D] in ``dtype``.
+    ``max_seqlen``: the caller's bound on seqlens; only the table's blocks up to it are read (None: all)."""
     batch, q_heads, head_dim = q.shape
     num_blocks, block_size, kv_heads, _ = key_cache.shape
     group = q_heads // kv_heads
     scale = head_dim ** -0.5 if scale is None else scale
-    width = block_tables.shape[1] * block_size  # every position a table can name: no host read of seqlens
+    # The positions read: the blocks up to the caller's bound (a host int: no read of seqlens, so no wait
+    # for the GPU).  Reading every position a table can name made a GPU decode step on the references
+    # gather the whole context window of every layer.
+    table_blocks = block_tables.shape[1]
+    if max_seqlen is not None:
+        table_blocks = min(table_blocks, -(-max_seqlen // block_size))
+        block_tables = block_tables[:, :table_blocks]
+    width = table_blocks * block_size
     pos = torch.arange(width, device=q.device)
     # Table entries past a sequence's end may hold anything: clamp them to a real block, then mask.
     blocks = block_tables.long().clamp(0, max(num_blocks - 1, 0))
@@ -109,7 +118,7 @@ def reference(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tenso
               seqlens: torch.Tensor, max_seqlen: int, scale: float | None = None, window_left: int = -1,
               softcap: float = 0.0) -> torch.Tensor:
     return gather_attention(q, key_cache, value_cache, block_tables, seqlens, scale, window_left, softcap,
-                            torch.float32).to(q.dtype)
+                            torch.float32, max_seqlen).to(q.dtype)
 
 
 def fake(q, key_cache, value_cache, block_tables, seqlens, max_seqlen, scale=None, window_left=-1, softcap=0.0):
