@@ -15,7 +15,7 @@ LAYERS = ["backend", "kernels", "ops", "testing", "quant", "models", "engine", "
 RANK = {name: i for i, name in enumerate(LAYERS)}
 RANK.update({"nn": RANK["quant"], "optim": RANK["quant"], "tunable": RANK["quant"], "diagnostics": RANK["bench"],
              "integrations": RANK["models"],  # bridges to peft / bitsandbytes: above nn, optim and ops
-             "_version": -1, "__init__": len(LAYERS), "__main__": len(LAYERS)})
+             "_version": -1, "_progress": -1, "__init__": len(LAYERS), "__main__": len(LAYERS)})
 
 
 def _layer_of(path: pathlib.Path) -> str:

@@ -19,6 +19,7 @@ import torch
 from tqdm import tqdm
 
 from .. import backend
+from .._progress import disabled
 from . import ceilings
 from .report import Report
 from .timing import measure, measure_graph
@@ -116,7 +117,7 @@ def run(name: str, *, quick: bool = False, device: torch.device | None = None, p
     timing = {"device": device, "warmup_ms": warmup_ms, "rep_ms": rep_ms}
 
     rows = []
-    with tqdm(total=len(cases), desc=f"bench {name}", unit="case", file=sys.stderr, disable=not progress) as bar:
+    with tqdm(total=len(cases), desc=f"bench {name}", unit="case", file=sys.stderr, disable=disabled(progress)) as bar:
         while cases:
             # Pop, so each case's tensors are freed once it is done and trim_cache can give them back.
             case = cases.pop(0)

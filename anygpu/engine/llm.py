@@ -22,6 +22,7 @@ import itertools
 
 from tqdm.auto import tqdm
 
+from .._progress import disabled
 from .llm_engine import LLMEngine, RequestOutput
 from .parallel_sampling import ParentRequest, child_id, child_params
 from .sampling_params import SamplingParams
@@ -86,7 +87,7 @@ class LLM:
                      for request_id, (_, children) in families.items() for i in range(len(children))}
         parents = {request_id: ParentRequest(request_id, len(children))
                    for request_id, (_, children) in families.items()}
-        bar = tqdm(total=len(ids), desc="generating", disable=not use_tqdm)
+        bar = tqdm(total=len(ids), desc="generating", disable=disabled(use_tqdm))
         left = set(ids)
         while left:
             for out in self.engine.step():

@@ -22,6 +22,7 @@ from typing import Iterator
 
 import torch
 
+from .._progress import disabled
 from ..quant.gguf_blocks import SUPPORTED_TYPES, dequantize_blocks
 from .config import GGUF_KEYS, ModelConfig
 from .gguf_file import TensorInfo, read_gguf
@@ -97,7 +98,7 @@ class GGUFCheckpoint:
         cfg = self.config
         with open(self.path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY) as mm:
             # ACCESS_COPY: writable for torch.frombuffer (no read-only warning); nothing ever reaches the file.
-            for t in tqdm(self.tensors, desc=f"Loading {self.name}", unit="tensor", disable=not progress):
+            for t in tqdm(self.tensors, desc=f"Loading {self.name}", unit="tensor", disable=disabled(progress)):
                 if t.name in skip:
                     continue
                 raw = torch.frombuffer(mm, dtype=torch.uint8, count=t.nbytes, offset=t.offset)

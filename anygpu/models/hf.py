@@ -20,6 +20,7 @@ from typing import Iterator
 
 import torch
 
+from .._progress import disabled
 from .bnb_config import infer_from_tensors
 from .bnb_weights import unpacked_shapes
 from .config import HF_KEYS, ModelConfig
@@ -106,7 +107,7 @@ class HFCheckpoint:
         from tqdm.auto import tqdm
 
         total = sum(len(tensors) for tensors in self.headers.values())
-        with tqdm(total=total, desc=f"Loading {self.name}", unit="tensor", disable=not progress) as bar:
+        with tqdm(total=total, desc=f"Loading {self.name}", unit="tensor", disable=disabled(progress)) as bar:
             for f, tensors in self.headers.items():
                 try:  # the header passed read_header; this catches a file changed since it was opened
                     with safe_open(f, framework="pt") as sf:

@@ -38,6 +38,7 @@ from torch import nn
 from tqdm.auto import tqdm
 
 from .. import backend
+from .._progress import disabled
 from .int8params import Int8Params
 from .linear4bit import Linear4bit, check_compute_dtype
 from .linear8bit import Linear8bitLt, check_threshold
@@ -256,7 +257,7 @@ def quantize_model(model: nn.Module, quant_type: str = "nf4", *, skip=None, comp
                             active_memory_before=backend.get_active_memory(), backend=backend.name())
     start = time.perf_counter()
     done: dict[int, nn.Module] = {}  # a layer registered under two names is quantized once and stays shared
-    for name in tqdm(chosen, desc=f"quantize {quant_type}", unit="layer", disable=not progress):
+    for name in tqdm(chosen, desc=f"quantize {quant_type}", unit="layer", disable=disabled(progress)):
         parent_name, _, child_name = name.rpartition(".")
         parent = model.get_submodule(parent_name)
         linear = getattr(parent, child_name)

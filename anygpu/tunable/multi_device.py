@@ -34,6 +34,7 @@ import traceback
 import torch
 from tqdm import tqdm
 
+from .._progress import disabled
 from . import results
 
 
@@ -187,7 +188,7 @@ def run(work: list, workers: list, settings: dict, progress: bool = True, target
     write_errors: dict = {}  # path -> "PATH: OS error"
     where = "processes" if workers[0].device == "cpu" else "devices"
     bar = tqdm(total=len(work), desc="tuning" if len(workers) == 1 else f"tuning in {len(workers)} {where}",
-               unit="gemm", disable=not progress)
+               unit="gemm", disable=disabled(progress))
     with bar:
         if len(workers) == 1 and target is None:
             paths = _run_here(rows, workers[0], settings, failures, bar, write_errors)

@@ -23,6 +23,7 @@ import torch
 from torch import nn
 from tqdm import tqdm
 
+from .._progress import disabled
 from . import controls, ops, quantized, results
 from .signatures import Problem, linear_problem, parse_signatures
 
@@ -80,7 +81,7 @@ def tune_model(model: nn.Module, batch_sizes=DEFAULT_BATCH_SIZES, progress: bool
     quantized_work = [(m, module) for module in _quantized_linears(model) for m in sizes]
     done = []
     with controls.settings(enabled=True, tuning=True), torch.no_grad():
-        for m, module in tqdm(work, desc="tuning linears", unit="shape", disable=not progress):
+        for m, module in tqdm(work, desc="tuning linears", unit="shape", disable=disabled(progress)):
             x = torch.randn(m, module.in_features, dtype=module.weight.dtype, device=module.weight.device)
             ops.linear(x, module.weight, module.bias)
             done.append(linear_problem(x, module.weight, module.bias is not None))
@@ -88,7 +89,7 @@ def tune_model(model: nn.Module, batch_sizes=DEFAULT_BATCH_SIZES, progress: bool
         # only: on the CPU they run the PyTorch reference, which has no plan).
         with quantized.installed():
             for m, module in tqdm(quantized_work, desc="tuning quantized linears", unit="shape",
-                                  disable=not progress or not quantized_work):
+                                  disable=disabled(progress) or not quantized_work):
                 module(torch.randn(m, module.in_features, dtype=_input_dtype(module), device=module.weight.device))
     return done
 
@@ -117,7 +118,7 @@ def tune_shapes(shapes, dtype: torch.dtype, device: torch.device, bias: bool = F
     """Tune ``F.linear(x[M, K], W[N, K])`` for each ``(M, N, K)``; returns each problem and its entry."""
     out = []
     with controls.settings(enabled=True, tuning=True), torch.no_grad():
-        for m, n, k in tqdm(list(shapes), desc="tuning", unit="shape", disable=not progress):
+        for m, n, k in tqdm(list(shapes), desc="tuning", unit="shape", disable=disabled(progress)):
             if min(m, n, k) < 1:
                 raise ValueError(f"shapes: expected positive M,N,K, got {(m, n, k)}")
             x = torch.randn(m, k, dtype=dtype, device=device)
@@ -181,7 +182,7 @@ def tune_untuned_file(path: str, device: torch.device, progress: bool = True) ->
     and its winning solution.  Lines for ops we do not tune are skipped."""
     problems = untuned_problems(path)
     return [(p, tune_problem(p, device).solution)
-            for p in tqdm(problems, desc="tuning", unit="gemm", disable=not progress)]
+            for p in tqdm(problems, desc="tuning", unit="gemm", disable=disabled(progress))]
 
 
 # --- a model config: the linears of a Llama-family decoder -------------------------------------------------
