@@ -45,6 +45,7 @@ from ..models.tokenizer import IncrementalDetokenizer
 from .block_manager import BlockManager
 from .distributed import RankSpec, TPWorkers
 from .errors import classify
+from .guided import GuideFactory
 from .sampling_params import SamplingParams
 from .scheduler import ScheduledBatch, Scheduler
 from .sequence import Sequence
@@ -234,6 +235,7 @@ class LLMEngine:
                                    eos_token_ids=eos)
         self.requests: dict[str, _Request] = {}
         self._ids_by_seq: dict[int, str] = {}
+        self._guides = GuideFactory(self.tokenizer, config.vocab_size, eos)  # guided_json requests only
 
     # -- requests --------------------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams | None = None) -> None:
@@ -241,6 +243,8 @@ class LLMEngine:
             raise ValueError(f"request_id: {request_id!r} is already running")
         ids, params = check_request(prompt, params, self.config.vocab_size, self.tokenizer, self.max_model_len)
         seq = Sequence(ids, params)
+        if params.guided_json is not None:
+            seq.guide = self._guides.new(params.guided_json)
         detok = IncrementalDetokenizer(self.tokenizer, ids, params.skip_special_tokens) if self.tokenizer else None
         hold = max(map(len, params.stop)) - 1 if params.stop else 0
         self.requests[request_id] = _Request(seq, detok, hold=hold)
@@ -263,11 +267,17 @@ class LLMEngine:
         sampled = self._run(batch) if batch.seqs else []
         failed = []
         for i, (seq, token) in enumerate(zip(batch.seqs, sampled)):
+            if not isinstance(token, Exception) and token is not None and seq.guide is not None:
+                token = _advance(seq.guide, token)
             if isinstance(token, Exception):
                 self._fail(seq, token)
                 failed.append(seq)
                 sampled[i] = None  # update() skips finished sequences
         finished = self.scheduler.update(batch, sampled) + failed  # also those schedule() finished
+        for seq in batch.seqs:  # a complete grammar ends its request (its last token is kept)
+            if seq.guide is not None and seq.guide.done and not seq.is_finished:
+                self.scheduler.finish(seq, "stop")
+                finished.append(seq)
         outputs: dict[str, RequestOutput] = {}
         for seq, token in zip(batch.seqs, sampled):
             request_id = self._ids_by_seq.get(seq.seq_id)
@@ -420,6 +430,15 @@ class LLMEngine:
         self._exit.close()
         if self._workers is not None:
             self._workers.close()
+
+
+def _advance(guide, token: int):
+    """token, after moving the sequence's grammar on it; the exception instead if the grammar refuses it."""
+    try:
+        guide.advance(token)
+    except Exception as error:
+        return error
+    return token
 
 
 def _tp_device(device: torch.device, tp: int) -> torch.device:

@@ -19,7 +19,9 @@ any batch, and across preemptions.  Unseeded rows use the global RNG.  Rows are 
 softmax and cumulative sums work along the vocabulary only.
 
 Penalties and filters are vectorised over the batch (token counts by scatter, filters by one sort) and
-skipped when no row uses them.  Works on any device; logits are read as fp32 and never modified.
+skipped when no row uses them.  A guided row's (``guided.py``) disallowed tokens are set to -inf after the
+penalties, so greedy, filters and sampling only ever see what its grammar allows.  Works on any device; logits
+are read as fp32 and never modified.
 
 One request cannot fail the others: ``sample_each`` samples the batch, and if that raises, samples each row
 alone, so only the rows that fail alone get their exception (the engine fails those requests and steps on).
@@ -34,6 +36,7 @@ import math
 
 import torch
 
+from .guided import mask_logits
 from .sequence import Sequence
 
 SAMPLING_EPS = 1e-5  # temperatures below this are greedy
@@ -144,7 +147,8 @@ class Sampler:
             raise ValueError(f"logits: expected shape [{len(seqs)}, vocab] (one row per sequence), "
                              f"got {tuple(logits.shape)}")
         raw = logits.float()
-        logits = apply_penalties(raw, seqs)
+        # Guided rows (structured output) sample only what their grammar allows next: greedy and sampled alike.
+        logits = mask_logits(apply_penalties(raw, seqs), seqs)
         tokens = logits.argmax(dim=-1)
         rows = [i for i, s in enumerate(seqs) if s.params.temperature >= SAMPLING_EPS]
         if rows:

@@ -20,6 +20,9 @@ Limits, so that no one request can overflow the sampler or slow the steps of the
   stream holds back.  ``stop_token_ids``: at most ``MAX_STOP_TOKEN_IDS`` ids (each is compared at every token).
 - ``n``: at most ``MAX_N`` completions per request (each is a sequence of its own, see ``parallel_sampling.py``).
   ``logprobs`` and ``prompt_logprobs``: at most ``MAX_LOGPROBS`` most likely tokens per position.
+- ``guided_json``: a JSON schema (a dict, or its JSON text) the output must match, enforced token by token
+  (``guided.py``: at most ``MAX_SCHEMA_CHARS`` characters, compiled and checked here).  JSON mode, any JSON
+  object, is ``guided_json={"type": "object"}``.  vLLM's name (its server's ``guided_json`` extension).
 - The other numbers have OpenAI's / vLLM's ranges: temperature >= 0 and finite, top_p in (0, 1], min_p in [0, 1],
   presence and frequency penalties in [-2, 2], repetition_penalty > 0 and finite, max_tokens >= 1 (bounded by
   the context by the engine's scheduler and the server).
@@ -31,6 +34,8 @@ import dataclasses
 import math
 import numbers
 from dataclasses import dataclass, field
+
+from .guided import check_guided_json
 
 SEED_MIN, SEED_MAX = -(2**63), 2**64 - 1  # torch.Generator.manual_seed's range
 MAX_TOP_K = 2**31 - 1                     # TGI's (an i32); no vocabulary comes near
@@ -81,6 +86,7 @@ class SamplingParams:
     logprobs: int | None = None          # None: none; k: each token's log-probability and the k most likely
     n: int = 1                           # completions of the prompt (parallel sampling)
     prompt_logprobs: int | None = None   # as logprobs, for the prompt's tokens (the first has none)
+    guided_json: dict | str | None = None  # a JSON schema the output must match (guided.py); None: free text
 
     def __post_init__(self) -> None:
         self.validate()
@@ -141,6 +147,8 @@ class SamplingParams:
         if not _is_int(self.n) or not 1 <= self.n <= MAX_N:
             raise ValueError(f"n: expected an int in [1, {MAX_N}] (completions per request), got {self.n!r}")
         self.n = int(self.n)
+        if self.guided_json is not None:
+            self.guided_json = check_guided_json(self.guided_json)
         for name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name}: expected True or False, got {getattr(self, name)!r}")

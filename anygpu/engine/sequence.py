@@ -52,6 +52,7 @@ class Sequence:
         self.block_table: list[int] = []           # BlockManager's: KV block of tokens [i*bs, (i+1)*bs)
         self.block_hashes: list[bytes] = []        # BlockManager's: chained hashes of the committed full blocks
         self.generator = None                      # Sampler's: torch.Generator for a seeded request
+        self.guide = None                          # LLMEngine's: guided.Guide when params.guided_json is set
         self.arrival_time = time.perf_counter() if arrival_time is None else arrival_time
         self.first_token_time: float | None = None
         self.finish_time: float | None = None
