@@ -43,9 +43,12 @@ def _stats(values: list[float]) -> dict:
 
 
 async def one_request(client: httpx.AsyncClient, url: str, model: str, prompt, output_len: int,
-                      disconnect_after: int | None = None, headers: dict | None = None) -> dict:
+                      disconnect_after: int | None = None, headers: dict | None = None, n: int = 1) -> dict:
+    """One streamed completion (``n`` choices: its output tokens are every choice's, the server's usage)."""
     body = {"model": model, "prompt": prompt, "max_tokens": output_len, "temperature": 0.0, "stream": True,
             "ignore_eos": True, "stream_options": {"include_usage": True}}
+    if n > 1:
+        body["n"] = n
     record = {"ok": False, "status": None, "disconnected": False, "ttft": None, "itl": [], "latency": None,
               "output_tokens": 0, "prompt_tokens": len(prompt) if isinstance(prompt, list) else None, "error": None}
     start = last = time.monotonic()
@@ -91,7 +94,7 @@ async def one_request(client: httpx.AsyncClient, url: str, model: str, prompt, o
 
 async def run_load(url: str, model: str, prompts: list, output_len: int, concurrency: int,
                    request_rate: float = math.inf, disconnect_fraction: float = 0.0, seed: int = 0,
-                   api_key: str | None = None) -> tuple[list[dict], float, float]:
+                   api_key: str | None = None, n: int = 1) -> tuple[list[dict], float, float]:
     """Send every prompt; returns (records in prompt order, start, end) on the monotonic clock."""
     rng = random.Random(seed)
     plan = [rng.randint(1, max(1, output_len // 2)) if rng.random() < disconnect_fraction else None
@@ -103,7 +106,7 @@ async def run_load(url: str, model: str, prompts: list, output_len: int, concurr
     async with httpx.AsyncClient(timeout=httpx.Timeout(None, connect=30.0), limits=limits) as client:
         async def go(i):
             async with gate:
-                records[i] = await one_request(client, url, model, prompts[i], output_len, plan[i], headers)
+                records[i] = await one_request(client, url, model, prompts[i], output_len, plan[i], headers, n)
 
         start = time.monotonic()
         tasks = []
@@ -123,13 +126,13 @@ def _client_main(args, results, barrier) -> None:
 
 def run_load_in_processes(url: str, model: str, prompts: list, output_len: int, concurrency: int,
                           request_rate: float = math.inf, disconnect_fraction: float = 0.0, client_procs: int = 1,
-                          api_key: str | None = None) -> tuple[list[dict], float]:
+                          api_key: str | None = None, n: int = 1) -> tuple[list[dict], float]:
     """``run_load`` split over ``client_procs`` processes (prompts dealt round-robin, concurrency and rate
     divided); returns all records and the wall time from the first send to the last answer."""
     procs = max(1, min(client_procs, concurrency, len(prompts)))
     if procs == 1:
         records, start, end = asyncio.run(run_load(url, model, prompts, output_len, concurrency, request_rate,
-                                                   disconnect_fraction, 0, api_key))
+                                                   disconnect_fraction, 0, api_key, n))
         return records, end - start
     ctx = multiprocessing.get_context("spawn")
     results, barrier = ctx.Queue(), ctx.Barrier(procs)
@@ -137,7 +140,7 @@ def run_load_in_processes(url: str, model: str, prompts: list, output_len: int, 
     for p in range(procs):
         share = concurrency // procs + (1 if p < concurrency % procs else 0)
         args = (url, model, prompts[p::procs], output_len, share, request_rate / procs, disconnect_fraction, p,
-                api_key)
+                api_key, n)
         workers.append(ctx.Process(target=_client_main, args=(args, results, barrier), daemon=True))
     for w in workers:
         w.start()
