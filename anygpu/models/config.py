@@ -3,9 +3,10 @@
     ModelConfig.from_hf(json.load(open("config.json")))      # transformers 4.x or 5.x keys
     ModelConfig.from_gguf(metadata, tensor_names=names)      # llama.cpp's "<arch>.block_count"... keys
 
-One frozen dataclass for every supported family (Llama 2/3, Mistral, Qwen2, SmolLM2), so the model code reads
-the same fields whatever the file format.  Anything else is refused here, with the name of the architecture,
-before a single weight is read.
+One frozen dataclass for every supported family (Llama 2/3, Mistral, Qwen2, SmolLM2, and from config.json Qwen3),
+so the model code reads the same fields whatever the file format.  What a family changes in the model is declared
+in ``families.py`` (``ModelConfig.family``); the numbers that vary within a family are fields here.  Anything
+else is refused here, with the name of the architecture, before a single weight is read.
 """
 
 from __future__ import annotations
@@ -29,9 +30,10 @@ from .config_checks import (
     check_model_config,
     check_rope_scaling,
 )
+from .families import FAMILIES, HF_CLASSES, MODEL_TYPES, Family, family_hf_fields, gemma3_rope
 
-SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2")
-_HF_CLASSES = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral", "Qwen2ForCausalLM": "qwen2"}
+SUPPORTED_ARCHITECTURES = tuple(dict.fromkeys(HF_CLASSES.values()))
+_HF_CLASSES = HF_CLASSES
 _GGUF_ARCHITECTURES = ("llama", "qwen2")  # Mistral GGUFs say "llama": same tensors, same permutation
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
@@ -60,7 +62,7 @@ def _checked(cls, fields: dict, where: str, names: dict[str, str]):
 
 @dataclass(frozen=True)
 class ModelConfig:
-    architecture: str            # "llama" | "mistral" | "qwen2"
+    architecture: str            # a key of families.FAMILIES: "llama", "mistral", "qwen2", "qwen3"...
     vocab_size: int
     hidden_size: int
     intermediate_size: int
@@ -74,15 +76,34 @@ class ModelConfig:
     max_position: int
     tie_word_embeddings: bool
     attention_bias: bool         # q/k/v biases (Qwen2)
-    sliding_window: int | None   # None: full attention
+    sliding_window: int | None   # None: full attention (on the layers sliding_layers names, else on all)
     bos_token_id: int | None
     eos_token_ids: tuple[int, ...]
     dtype: torch.dtype | None    # the checkpoint's dtype (None for GGUF: dequantized to fp32)
     # A bitsandbytes checkpoint's quantization_config: its linears are stored packed and load as they are.
     quantization: BnbQuantization | None = None
+    # What only some families set (families.py reads them from config.json); the defaults are Llama's.
+    hidden_act: str = "silu"                   # the gated MLP's activation: "silu", "gelu_tanh" or "gelu"
+    attn_scale: float | None = None            # softmax scale; None: head_dim ** -0.5 (Gemma: query_pre_attn_scalar)
+    attn_softcap: float | None = None          # attention logits -> cap * tanh(logits / cap) (Gemma 2)
+    final_softcap: float | None = None         # the same on the output logits (Gemma 2)
+    sliding_layers: tuple[bool, ...] | None = None  # which layers slide; None: all of them (when sliding_window)
+    rope_local_theta: float | None = None      # the sliding layers' rope base, unscaled (Gemma 3); None: rope_theta
+    partial_rotary_factor: float = 1.0         # the fraction of each head that rotates (Phi-3.5 / Phi-4-mini: 0.75)
 
     def __post_init__(self):
+        if self.architecture not in FAMILIES:
+            raise ValueError(f"architecture: expected one of {sorted(FAMILIES)}, got {self.architecture!r}")
         check_model_config(self)  # direct constructions too (benchmarks' random-weight configs)
+
+    @property
+    def family(self) -> Family:
+        return FAMILIES[self.architecture]
+
+    @property
+    def rotary_dim(self) -> int:
+        """How many values of each head rotate (the first ones; the rest pass through)."""
+        return int(self.head_dim * self.partial_rotary_factor)
 
     @classmethod
     def from_hf(cls, cfg: dict, where: str = "config.json") -> ModelConfig:
@@ -95,9 +116,10 @@ class ModelConfig:
             raise ValueError(f"{where}: architectures: expected a list of class names, got {classes!r}")
         arch = next((_HF_CLASSES[c] for c in classes if isinstance(c, str) and c in _HF_CLASSES), None)
         if arch is None:
-            if classes or cfg.get("model_type") not in SUPPORTED_ARCHITECTURES:
+            if classes or cfg.get("model_type") not in MODEL_TYPES:
                 raise _unsupported(classes[0] if classes else cfg.get("model_type"), list(_HF_CLASSES), where)
-            arch = cfg["model_type"]
+            arch = MODEL_TYPES[cfg["model_type"]]
+        family = FAMILIES[arch]
         hidden = f.int("hidden_size", LIMITS["hidden_size"])
         heads = f.int("num_attention_heads", LIMITS["num_heads"])
         head_dim = f.int("head_dim", LIMITS["head_dim"], None)  # Mistral configs may say "head_dim": null
@@ -106,14 +128,19 @@ class ModelConfig:
                 raise ValueError(f"{where}: hidden_size ({hidden}) is not a multiple of num_attention_heads "
                                  f"({heads}), and there is no head_dim to say the head size")
             head_dim = hidden // heads
-        rope_theta, rope_scaling = _hf_rope(f)
-        if arch == "qwen2":  # Qwen2 always has q/k/v biases; its sliding window is off unless asked for
-            bias = True
-            window = f.int("sliding_window", LIMITS["sliding_window"], None) if f.bool("use_sliding_window",
-                                                                                       False) else None
+        num_layers = f.int("num_hidden_layers", LIMITS["num_layers"])
+        extra = family_hf_fields(arch, f, num_layers)
+        if arch == "gemma3":
+            rope_theta, rope_scaling, extra["rope_local_theta"] = gemma3_rope(f)
+            rope_scaling = check_rope_scaling(rope_scaling, "rope_scaling", where)
         else:
-            bias = f.bool("attention_bias", False)
-            window = f.int("sliding_window", LIMITS["sliding_window"], None)
+            rope_theta, rope_scaling, extra["partial_rotary_factor"] = _hf_rope(f)
+        # Qwen2 always has q/k/v biases; its (and Qwen3's) sliding window is off unless asked for.
+        bias = family.qkv_bias if family.qkv_bias is not None else f.bool("attention_bias", False)
+        window_on = family.window_flag is None or f.bool(family.window_flag, False)
+        window = f.int("sliding_window", LIMITS["sliding_window"], None) if window_on else None
+        if window is None:
+            extra.pop("sliding_layers", None)
         dtype = cfg.get("dtype") or cfg.get("torch_dtype")
         quantization = cfg.get("quantization_config")
         fields = dict(
@@ -121,7 +148,7 @@ class ModelConfig:
             vocab_size=f.int("vocab_size", LIMITS["vocab_size"]),
             hidden_size=hidden,
             intermediate_size=f.int("intermediate_size", LIMITS["intermediate_size"]),
-            num_layers=f.int("num_hidden_layers", LIMITS["num_layers"]),
+            num_layers=num_layers,
             num_heads=heads,
             num_kv_heads=f.int("num_key_value_heads", LIMITS["num_kv_heads"], heads),
             head_dim=head_dim,
@@ -129,13 +156,14 @@ class ModelConfig:
             rope_theta=rope_theta,
             rope_scaling=rope_scaling,
             max_position=f.int("max_position_embeddings", LIMITS["max_position"], 2048),
-            tie_word_embeddings=f.bool("tie_word_embeddings", False),
+            tie_word_embeddings=f.bool("tie_word_embeddings", family.tie_default),
             attention_bias=bias,
             sliding_window=window,
             bos_token_id=f.int("bos_token_id", LIMITS["token_id"], None),
             eos_token_ids=check_eos_ids(cfg.get("eos_token_id"), "eos_token_id", where),
             dtype=_DTYPES.get(dtype) if isinstance(dtype, str) else None,
             quantization=None if quantization is None else BnbQuantization.from_hf(quantization, where),
+            **extra,
         )
         return _checked(cls, fields, where, HF_KEYS)
 
@@ -200,8 +228,9 @@ class ModelConfig:
         return _checked(cls, fields, where, {k: f"{arch}.{v}" for k, v in GGUF_KEYS.items()})
 
 
-def _hf_rope(f: Fields) -> tuple[float, dict | None]:
-    """(rope_theta, rope_scaling or None): 5.x nests both in rope_parameters, 4.x has them side by side."""
+def _hf_rope(f: Fields) -> tuple[float, dict | None, float]:
+    """(rope_theta, rope_scaling or None, partial_rotary_factor): 5.x nests them in rope_parameters, 4.x has them
+    side by side."""
     params = f.raw("rope_parameters", None)
     if isinstance(params, dict) and "rope_theta" in params:
         theta_key, scaling_key = "rope_parameters.rope_theta", "rope_parameters"
@@ -214,7 +243,11 @@ def _hf_rope(f: Fields) -> tuple[float, dict | None]:
         scaling = dict(scaling)
     if "type" in scaling and "rope_type" not in scaling:  # older configs spell it "type"
         scaling["rope_type"] = scaling.pop("type")
+    partial_key = f"{scaling_key}.partial_rotary_factor" if "partial_rotary_factor" in scaling else \
+        "partial_rotary_factor"
+    partial = scaling.pop("partial_rotary_factor", f.raw("partial_rotary_factor", 1.0))
+    partial = check_float(partial, partial_key, (0.0, 1.0), f.where)
     if scaling.get("rope_type", "default") == "default":
         scaling = None
     theta = check_float(theta, theta_key, THETA_RANGE, f.where)
-    return theta, check_rope_scaling(scaling, scaling_key, f.where)
+    return theta, check_rope_scaling(scaling, scaling_key, f.where), partial

@@ -152,8 +152,45 @@ def check_model_config(cfg, where: str = "ModelConfig", names: dict[str, str] | 
     check_rope_scaling(cfg.rope_scaling, key("rope_scaling"), where)
     for name in ("tie_word_embeddings", "attention_bias"):
         check_bool(getattr(cfg, name), key(name), where)
+    _check_family_fields(cfg, key, where)
     if cfg.bos_token_id is not None:
         check_int(cfg.bos_token_id, key("bos_token_id"), LIMITS["token_id"], where)
     if not isinstance(cfg.eos_token_ids, tuple):
         raise ValueError(f"{where}: {key('eos_token_ids')}: expected a tuple of ints, got {cfg.eos_token_ids!r}")
     check_eos_ids(list(cfg.eos_token_ids), key("eos_token_ids"), where)
+
+
+ACTIVATIONS = ("silu", "gelu_tanh", "gelu")
+
+
+def _check_family_fields(cfg, key, where: str) -> None:
+    """The fields only some families set (absent from a namespace built for another family: their defaults)."""
+    act = getattr(cfg, "hidden_act", "silu")
+    if act not in ACTIVATIONS:
+        raise ValueError(f"{where}: {key('hidden_act')}: expected one of {ACTIVATIONS}, got {act!r}")
+    for name, limits in (("attn_scale", (0.0, 1e6)), ("attn_softcap", (0.0, 1e6)), ("final_softcap", (0.0, 1e6)),
+                         ("rope_local_theta", THETA_RANGE)):
+        if getattr(cfg, name, None) is not None:
+            check_float(getattr(cfg, name), key(name), limits, where)
+    layers = getattr(cfg, "sliding_layers", None)
+    if layers is not None and (not isinstance(layers, tuple) or len(layers) != cfg.num_layers
+                               or not all(isinstance(b, bool) for b in layers)):
+        raise ValueError(f"{where}: {key('sliding_layers')}: expected a tuple of {cfg.num_layers} bools (one a layer), "
+                         f"got {layers!r:.200}")
+    partial = check_float(getattr(cfg, "partial_rotary_factor", 1.0), key("partial_rotary_factor"), (0.0, 1.0), where)
+    rot = int(cfg.head_dim * partial)
+    if rot < 2 or rot % 2:
+        raise ValueError(f"{where}: {key('partial_rotary_factor')}: head_dim ({cfg.head_dim}) x {partial} = {rot} "
+                         "values rotate; expected an even number >= 2 (rotary embeddings rotate pairs)")
+    scaling = cfg.rope_scaling
+    if scaling is not None and scaling.get("rope_type") == "longrope":
+        for name in ("short_factor", "long_factor"):
+            factors = scaling.get(name)
+            if (not isinstance(factors, (list, tuple)) or len(factors) != rot // 2
+                    or not all(isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and v > 0
+                               for v in factors)):
+                raise ValueError(f"{where}: {key('rope_scaling')}.{name}: expected {rot // 2} positive numbers (one a "
+                                 f"rotated pair), got {factors!r:.200}")
+        if "original_max_position_embeddings" not in scaling:
+            raise ValueError(f"{where}: {key('rope_scaling')}.original_max_position_embeddings: missing; longrope "
+                             "switches from short_factor to long_factor there")

@@ -1,4 +1,4 @@
-"""The Llama-family decoder (Llama 2/3, Mistral, Qwen2, SmolLM2) on anygpu's ops.
+"""The Llama-family decoder (Llama 2/3, Mistral, Qwen2, SmolLM2, Qwen3) on anygpu's ops.
 
 One forward runs a flat batch: the new tokens of every scheduled sequence packed end to end ([T]), as the
 engine's scheduler mixes prefills, prefill chunks and decodes in one step.  Per layer:
@@ -6,6 +6,10 @@ engine's scheduler mixes prefills, prefill chunks and decodes in one step.  Per 
     rms_norm / fused_add_rms_norm -> qkv_proj (one fused Linear) -> rotary_embedding (in place, NeoX pairs)
     -> reshape_and_cache (the new K/V into the paged cache) -> attention -> o_proj
     -> fused_add_rms_norm -> gate_up_proj (one fused Linear) -> silu_and_mul -> down_proj
+
+Other families are this model with switches (``families.py``: ``config.family``) and config values: q/k norm
+per head, Gemma's sandwich norms, (1 + weight) norms (folded into the weight at load), scaled embeddings, GELU,
+soft-capped attention and logits, per-layer sliding windows and rope tables, partial rotary, fused checkpoints.
 
 Attention picks its op from the batch (``AttentionBatch.mode``): ``flash_attn_varlen`` over the new K/V when no
 sequence has cached context (a plain prefill: the fastest kernel), ``paged_decode`` when every sequence brings
@@ -33,6 +37,7 @@ from torch import nn
 from ..ops import (
     flash_attn_varlen,
     fused_add_rms_norm,
+    gelu_and_mul,
     paged_decode,
     paged_prefill,
     reshape_and_cache,
@@ -40,10 +45,10 @@ from ..ops import (
     rotary_embedding,
     silu_and_mul,
 )
-from ..ops.rotary_embedding import rotary_cos_sin_cache
 from .config import ModelConfig
 from .memory_check import check_model_fits
 from .parallel import LlamaShard, TensorParallel
+from .rope import rotary_table
 
 MODES = ("prefill", "decode", "mixed")
 
@@ -75,7 +80,7 @@ class RMSNorm(nn.Module):
 
 
 class Attention(nn.Module):
-    def __init__(self, cfg: ModelConfig, shard: LlamaShard, tp: TensorParallel):
+    def __init__(self, cfg: ModelConfig, shard: LlamaShard, tp: TensorParallel, layer: int):
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = shard.num_heads, shard.num_kv_heads, cfg.head_dim
         self.tp = tp
@@ -83,9 +88,14 @@ class Attention(nn.Module):
         self.qkv_proj = nn.Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.attention_bias)
         # Row-parallel and bias-free (were there a bias, only one rank could add it: the all-reduce sums them all).
         self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=False)
-        self.scale = self.head_dim ** -0.5
+        self.scale = cfg.attn_scale or self.head_dim ** -0.5
+        self.softcap = cfg.attn_softcap or 0.0
         # HF's sliding window W lets a token see itself and the W - 1 before it.
-        self.window_left = cfg.sliding_window - 1 if cfg.sliding_window else -1
+        self.sliding = bool(cfg.sliding_window) and (cfg.sliding_layers is None or cfg.sliding_layers[layer])
+        self.window_left = cfg.sliding_window - 1 if self.sliding else -1
+        if cfg.family.qk_norm:  # one RMSNorm over head_dim, shared by every head (replicated under tp)
+            self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
+            self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
         self.rotary: torch.Tensor | None = None  # the model's shared fp32 [max_position, head_dim] cos|sin table
         self.kv_cache: tuple[torch.Tensor, torch.Tensor] | None = None
 
@@ -95,18 +105,21 @@ class Attention(nn.Module):
         q = qkv[:, : self.q_size].view(tokens, self.num_heads, self.head_dim)
         k = qkv[:, self.q_size: self.q_size + self.kv_size].view(tokens, self.num_kv_heads, self.head_dim)
         v = qkv[:, self.q_size + self.kv_size:].view(tokens, self.num_kv_heads, self.head_dim)
+        if hasattr(self, "q_norm"):  # new tensors, so rotary's in-place write no longer touches qkv
+            q = self.q_norm(q.reshape(-1, self.head_dim)).view(tokens, self.num_heads, self.head_dim)
+            k = self.k_norm(k.reshape(-1, self.head_dim)).view(tokens, self.num_kv_heads, self.head_dim)
         rotary_embedding(batch.positions, q, k, self.rotary, True)
         k_cache, v_cache = self.kv_cache
         reshape_and_cache(k, v, k_cache, v_cache, batch.slot_mapping)
         if batch.mode == "prefill":
             out = flash_attn_varlen(q, k, v, batch.cu_seqlens_q, batch.cu_seqlens_q, batch.max_seqlen_q,
-                                    batch.max_seqlen_q, self.scale, True, self.window_left)
+                                    batch.max_seqlen_q, self.scale, True, self.window_left, self.softcap)
         elif batch.mode == "decode":
             out = paged_decode(q, k_cache, v_cache, batch.block_tables, batch.seqlens_k, batch.max_seqlen_k,
-                               self.scale, self.window_left)
+                               self.scale, self.window_left, self.softcap)
         else:
             out = paged_prefill(q, k_cache, v_cache, batch.block_tables, batch.cu_seqlens_q, batch.seqlens_k,
-                                batch.max_seqlen_q, batch.max_seqlen_k, self.scale, self.window_left)
+                                batch.max_seqlen_q, batch.max_seqlen_k, self.scale, self.window_left, self.softcap)
         return self.tp.all_reduce(self.o_proj(out.reshape(tokens, self.q_size)))
 
 
@@ -116,17 +129,33 @@ class MLP(nn.Module):
         self.tp = tp
         self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * shard.intermediate, bias=False)
         self.down_proj = nn.Linear(shard.intermediate, cfg.hidden_size, bias=False)
+        self.act = cfg.hidden_act
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.tp.all_reduce(self.down_proj(silu_and_mul(self.gate_up_proj(x))))
+        gate_up = self.gate_up_proj(x)
+        if self.act == "silu":
+            h = silu_and_mul(gate_up)
+        else:  # Gemma's gelu_pytorch_tanh, or the exact (erf) GELU
+            h = gelu_and_mul(gate_up, "tanh" if self.act == "gelu_tanh" else "none")
+        return self.tp.all_reduce(self.down_proj(h))
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, shard: LlamaShard, tp: TensorParallel):
+    """``(x, residual) -> (x, residual)``: the residual stream is added in the next norm (fused_add_rms_norm).
+    Llama: post_attention_layernorm is the MLP's input norm.  Sandwich norms (Gemma): post_attention_layernorm
+    normalizes the attention output before its residual add, pre_feedforward_layernorm is the MLP's input
+    norm and post_feedforward_layernorm normalizes the MLP output."""
+
+    def __init__(self, cfg: ModelConfig, shard: LlamaShard, tp: TensorParallel, layer: int):
         super().__init__()
-        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.self_attn = Attention(cfg, shard, tp)
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        eps = cfg.rms_norm_eps
+        self.input_layernorm = RMSNorm(cfg.hidden_size, eps)
+        self.self_attn = Attention(cfg, shard, tp, layer)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, eps)
+        self.sandwich = cfg.family.sandwich_norms
+        if self.sandwich:
+            self.pre_feedforward_layernorm = RMSNorm(cfg.hidden_size, eps)
+            self.post_feedforward_layernorm = RMSNorm(cfg.hidden_size, eps)
         self.mlp = MLP(cfg, shard, tp)
 
     def forward(self, x, residual, batch: AttentionBatch):
@@ -135,8 +164,11 @@ class DecoderLayer(nn.Module):
         else:
             x, residual = self.input_layernorm(x, residual)
         x = self.self_attn(x, batch)
-        x, residual = self.post_attention_layernorm(x, residual)
-        return self.mlp(x), residual
+        if not self.sandwich:
+            x, residual = self.post_attention_layernorm(x, residual)
+            return self.mlp(x), residual
+        x, residual = self.pre_feedforward_layernorm(self.post_attention_layernorm(x), residual)
+        return self.post_feedforward_layernorm(self.mlp(x)), residual
 
 
 class LlamaForCausalLM(nn.Module):
@@ -158,11 +190,15 @@ class LlamaForCausalLM(nn.Module):
         device = torch.device(device)
         with torch.device("meta"):  # no memory until to_empty; load_weights fills it
             self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)  # replicated: lookups only
-            self.layers = nn.ModuleList(DecoderLayer(cfg, shard, tp) for _ in range(cfg.num_layers))
+            self.layers = nn.ModuleList(DecoderLayer(cfg, shard, tp, i) for i in range(cfg.num_layers))
             self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
             self.lm_head = nn.Linear(cfg.hidden_size, shard.vocab_rows, bias=False)
         # The dtype is set while on meta, so to_empty allocates each weight once, in it (not fp32, then a copy).
         self.to(dtype)
+        # Gemma scales embeddings by sqrt(hidden) rounded to the model's dtype, as transformers does (bf16: 55.5
+        # for sqrt(3072) = 55.43): the checkpoint was trained with the rounded factor.
+        self.embed_scale = (float(torch.tensor(cfg.hidden_size ** 0.5, dtype=dtype))
+                            if cfg.family.scaled_embeddings else None)
         # Sized from the config on the meta device: refuse here, naming the field, what would not fit.
         check_model_fits(cfg, sum(p.numel() * p.element_size() for p in self.parameters()), max_position, device)
         self.to_empty(device=device)
@@ -175,16 +211,19 @@ class LlamaForCausalLM(nn.Module):
         self.build_rotary(max_position, device)
 
     def build_rotary(self, max_position: int, device: torch.device) -> None:
-        """The rotary table every layer shares, on ``device`` (a model built on meta, as bnb_load does, calls this
-        again for the real device)."""
+        """The rotary table the layers share, on ``device`` (a model built on meta, as bnb_load does, calls this
+        again for the real device); with ``rope_local_theta`` (Gemma 3), the sliding layers share a second one."""
         cfg = self.config
-        self.rotary = rotary_cos_sin_cache(cfg.head_dim, max_position, cfg.rope_theta, cfg.rope_scaling,
-                                           device=device)
+        self.rotary = rotary_table(cfg, max_position, device)
+        local = rotary_table(cfg, max_position, device, local=True) if cfg.rope_local_theta is not None else None
         for layer in self.layers:
-            layer.self_attn.rotary = self.rotary
+            attn = layer.self_attn
+            attn.rotary = local if local is not None and attn.sliding else self.rotary
 
     def forward(self, input_ids: torch.Tensor, batch: AttentionBatch) -> torch.Tensor:
         x, residual = self.embed_tokens(input_ids), None
+        if self.embed_scale is not None:
+            x = x * self.embed_scale
         for layer in self.layers:
             x, residual = layer(x, residual, batch)
         x, _ = self.norm(x, residual)
@@ -194,7 +233,9 @@ class LlamaForCausalLM(nn.Module):
         logits = self.lm_head(hidden)
         if self.tp.world_size > 1:
             logits = self.tp.all_gather_last_dim(logits)[:, : self.config.vocab_size]  # drop the padding rows
-        return logits.float()
+        logits = logits.float()
+        cap = self.config.final_softcap
+        return logits if cap is None else torch.tanh(logits / cap) * cap  # Gemma 2: logits stay in (-cap, cap)
 
     def set_kv_caches(self, caches: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
         if len(caches) != len(self.layers):
@@ -227,6 +268,8 @@ class LlamaForCausalLM(nn.Module):
         params = dict(self.named_parameters())  # a tied lm_head (tp == 1) appears once, as embed_tokens.weight
         cfg = self.config
         placements = self._placements()
+        if cfg.family.fused_checkpoint:
+            weights = split_fused(weights, cfg)
         fused_starts: dict[str, set[int]] = {}
         for p in placements.values():
             fused_starts.setdefault(p.module, set()).add(p.row)
@@ -270,7 +313,28 @@ class LlamaForCausalLM(nn.Module):
             full = list(dest.shape)
         if list(tensor.shape) != full:
             raise ValueError(f"weights: {name!r} has shape {tuple(tensor.shape)}, expected {tuple(full)}")
+        offset = self.config.family.norm_offset
+        if offset and target.endswith("norm.weight"):  # Gemma's norms scale by (1 + weight): fold the 1 in once
+            tensor = tensor.float() + offset
         dest.copy_(tensor if cut is None else tensor.narrow(cut.dim, cut.start, cut.size))
+
+
+def split_fused(weights: Iterable[tuple[str, torch.Tensor]], cfg: ModelConfig):
+    """A checkpoint that stores q/k/v as one ``qkv_proj`` and gate/up as one ``gate_up_proj`` (Phi-3), as the
+    separate projections the placements (and tensor-parallel cuts) are written for."""
+    q, kv, inter = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim, cfg.intermediate_size
+    parts = {"qkv_proj": (("q_proj", q), ("k_proj", kv), ("v_proj", kv)),
+             "gate_up_proj": (("gate_proj", inter), ("up_proj", inter))}
+    for name, tensor in weights:
+        prefix, _, rest = name.rpartition(".")
+        prefix, _, module = prefix.rpartition(".")
+        if module not in parts:
+            yield name, tensor
+            continue
+        start = 0
+        for part, rows in parts[module]:
+            yield f"{prefix}.{part}.{rest}", tensor[start: start + rows]
+            start += rows
 
 
 @dataclass(frozen=True)

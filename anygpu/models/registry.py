@@ -23,14 +23,14 @@ import torch
 
 from ..nn import quantize_model
 from .bnb_load import build_prequantized
-from .config import ModelConfig
+from .config import SUPPORTED_ARCHITECTURES, ModelConfig
 from .llama import LlamaForCausalLM
 from .parallel import TensorParallel
 from .shape_check import expected_shapes
 
-# The Llama family shares one implementation: Mistral adds a sliding window, Qwen2 q/k/v biases, both
-# read from the config.
-ARCHITECTURES = {"llama": LlamaForCausalLM, "mistral": LlamaForCausalLM, "qwen2": LlamaForCausalLM}
+# Every family shares one implementation: what each changes is declared in families.py and read from the config
+# (a Family's switches, ModelConfig's values), not coded per class.
+ARCHITECTURES = {arch: LlamaForCausalLM for arch in SUPPORTED_ARCHITECTURES}
 QUANT_TYPES = ("nf4", "fp4", "int8")
 
 
@@ -51,8 +51,8 @@ def random_weights(config: ModelConfig, dtype: torch.dtype = torch.float32, devi
     shapes = {name: shape for name, (shape, _) in expected_shapes(config).items()}
     device = torch.device(device)
     for name, shape in shapes.items():
-        if name.endswith("norm.weight"):
-            yield name, torch.ones(shape, dtype=dtype, device=device)
+        if name.endswith("norm.weight"):  # norms that scale by 1 (Gemma's store weight - 1)
+            yield name, torch.full(shape, 1.0 - config.family.norm_offset, dtype=dtype, device=device)
             continue
         gen = torch.Generator(device=device).manual_seed(seed + zlib.crc32(name.encode()))
         yield name, torch.empty(shape, dtype=dtype, device=device).uniform_(-scale, scale, generator=gen)
@@ -73,6 +73,10 @@ def build_model(config: ModelConfig, weights: Iterable[tuple[str, torch.Tensor]]
             raise ValueError(f"weights: expected a (name, tensor) iterator or 'random', got {weights!r}")
         weights = random_weights(config, dtype, device)
     if config.quantization is not None:
+        if config.family.fused_checkpoint:
+            raise ValueError(f"quantization_config: a bitsandbytes {config.architecture} checkpoint stores qkv_proj and "
+                             "gate_up_proj fused, which this loader does not split; load the unquantized model with "
+                             "quantize='nf4' (or 'fp4', 'int8') instead")
         if quantize is not None:
             raise ValueError(f"quantize: the checkpoint is already quantized by bitsandbytes "
                              f"({config.quantization.bits}-bit); load it without quantize={quantize!r}")

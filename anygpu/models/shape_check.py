@@ -17,7 +17,8 @@ _LAYER = re.compile(r"model\.layers\.(\d+)\.")
 
 
 def expected_shapes(c: ModelConfig) -> dict[str, tuple[tuple[int, ...], str]]:
-    """Hugging Face name -> (full shape, which config fields make it) of every tensor of a Llama-family model."""
+    """Hugging Face name -> (full shape, which config fields make it) of every tensor of a model of any supported
+    family (``config.family`` says which norms exist and whether q/k/v and gate/up are stored fused)."""
     q, kv = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
     qs, kvs = "num_heads x head_dim", "num_kv_heads x head_dim"
     embed = ((c.vocab_size, c.hidden_size), "vocab_size, hidden_size")
@@ -41,6 +42,22 @@ def expected_shapes(c: ModelConfig) -> dict[str, tuple[tuple[int, ...], str]]:
         if c.attention_bias:
             shapes.update({p + "self_attn.q_proj.bias": ((q,), qs), p + "self_attn.k_proj.bias": ((kv,), kvs),
                            p + "self_attn.v_proj.bias": ((kv,), kvs)})
+        family = c.family
+        if family.qk_norm:
+            shapes.update({p + "self_attn.q_norm.weight": ((c.head_dim,), "head_dim"),
+                           p + "self_attn.k_norm.weight": ((c.head_dim,), "head_dim")})
+        if family.sandwich_norms:
+            shapes.update({p + "pre_feedforward_layernorm.weight": ((c.hidden_size,), "hidden_size"),
+                           p + "post_feedforward_layernorm.weight": ((c.hidden_size,), "hidden_size")})
+        if family.fused_checkpoint:  # stored as the engine runs them (Phi-3)
+            for fused, parts, shape, fields in (
+                    ("self_attn.qkv_proj", ("q_proj", "k_proj", "v_proj"), (q + 2 * kv, c.hidden_size),
+                     f"({qs} + 2 x {kvs}), hidden_size"),
+                    ("mlp.gate_up_proj", ("gate_proj", "up_proj"), (2 * c.intermediate_size, c.hidden_size),
+                     "2 x intermediate_size, hidden_size")):
+                for part in parts:
+                    del shapes[p + f"{fused.split('.')[0]}.{part}.weight"]
+                shapes[p + fused + ".weight"] = (shape, fields)
     return shapes
 
 

@@ -1,0 +1,132 @@
+"""Model families beyond Llama (Qwen3...) against transformers' logits, on tiny random models the test builds with
+transformers' own config classes and saves as Hugging Face folders (CPU, fp32).
+
+Each family is loaded as a user would (``HFCheckpoint`` -> ``build_model``, and ``LLMEngine(folder)``), then:
+- logits of three prompts run through every attention path: their first tokens packed in one prefill
+  (flash_attn_varlen), the rest as a chunked prefill over the cache (paged_prefill), then greedy decode steps of
+  the three together (paged_decode), each row against transformers' forward over the same tokens;
+- the engine's greedy tokens against transformers' ``generate``.
+Windows are made shorter than the prompts, so sliding layers are exercised.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from anygpu.engine import LLMEngine, SamplingParams
+from anygpu.models import HFCheckpoint, ModelConfig
+from anygpu.models.llama import AttentionBatch
+from anygpu.models.registry import build_model
+
+transformers = pytest.importorskip("transformers")
+
+VOCAB = 512
+PROMPTS = [[5, 17, 300, 42, 7, 99, 411, 3, 250, 19, 8, 77, 123, 64],
+           [9, 200, 31, 4, 18, 500, 61, 2],
+           [44, 45, 46, 47, 300, 301, 302, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21]]
+DECODE_STEPS = 10
+BLOCK = 4
+TAIL = 3  # tokens of each prompt left for the chunked-prefill step
+
+
+def save_tiny(tmp_path_factory, model_cls, config):
+    torch.manual_seed(0)
+    model = model_cls(config).eval()
+    with torch.no_grad():  # transformers initialises norms at 1 (or Gemma's at 0): make them matter
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.add_(torch.randn_like(p) * 0.2)
+    folder = tmp_path_factory.mktemp(type(model).__name__)
+    model.save_pretrained(folder)
+    return folder, model
+
+
+def _cu(lens: list[int]) -> torch.Tensor:
+    return torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32)
+
+
+def our_logits(model, prompts: list[list[int]], steps: int) -> list[torch.Tensor]:
+    """Per prompt: logits [len + steps, vocab] over the prompt then its greedy continuation, computed in three
+    kinds of step (prefill, mixed, decode) over a paged cache of BLOCK-token blocks."""
+    cfg = model.config
+    blocks = -(-(max(map(len, prompts)) + steps) // BLOCK)
+    cache = torch.zeros(2, cfg.num_layers, blocks * len(prompts), BLOCK, cfg.num_kv_heads, cfg.head_dim)
+    model.set_kv_caches([(cache[0, i], cache[1, i]) for i in range(cfg.num_layers)])
+    tables = torch.arange(blocks * len(prompts), dtype=torch.int32).view(len(prompts), blocks)
+
+    def run(seqs: list[list[int]], starts: list[int], mode: str) -> list[torch.Tensor]:
+        ids = torch.tensor([t for s in seqs for t in s])
+        pos = torch.cat([torch.arange(st, st + len(s)) for s, st in zip(seqs, starts)])
+        seq_of = torch.cat([torch.full((len(s),), b) for b, s in enumerate(seqs)])
+        slots = tables[seq_of, pos // BLOCK].long() * BLOCK + pos % BLOCK
+        ends = [st + len(s) for s, st in zip(seqs, starts)]
+        batch = AttentionBatch(positions=pos, slot_mapping=slots, mode=mode, cu_seqlens_q=_cu(list(map(len, seqs))),
+                               max_seqlen_q=max(map(len, seqs)), seqlens_k=torch.tensor(ends, dtype=torch.int32),
+                               max_seqlen_k=max(ends), block_tables=tables)
+        with torch.inference_mode():
+            logits = model.compute_logits(model(ids, batch))
+        return list(logits.split([len(s) for s in seqs]))
+
+    heads = run([p[:-TAIL] for p in prompts], [0] * len(prompts), "prefill")
+    tails = run([p[-TAIL:] for p in prompts], [len(p) - TAIL for p in prompts], "mixed")
+    out = [torch.cat([h, t]) for h, t in zip(heads, tails)]
+    for step in range(steps):
+        nxt = [[int(o[-1].argmax())] for o in out]
+        rows = run(nxt, [len(p) + step for p in prompts], "decode")
+        out = [torch.cat([o, r]) for o, r in zip(out, rows)]
+    return out
+
+
+def check_logits(folder, hf, atol=2e-4):
+    ckpt = HFCheckpoint(folder)
+    ours = build_model(ckpt.config, ckpt.weights(progress=False))
+    for prompt, got in zip(PROMPTS, our_logits(ours, PROMPTS, DECODE_STEPS)):
+        tokens = prompt + got[len(prompt) - 1: -1].argmax(-1).tolist()[:DECODE_STEPS]
+        with torch.inference_mode():
+            ref = hf(torch.tensor([tokens])).logits[0].float()
+        assert got.shape == ref.shape
+        torch.testing.assert_close(got, ref, atol=atol, rtol=1e-4)
+    return ckpt.config
+
+
+def check_greedy(folder, hf, n: int = 16):
+    engine = LLMEngine(str(folder), progress=False, block_size=BLOCK)
+    for i, prompt in enumerate(PROMPTS[:2]):
+        engine.add_request(str(i), prompt, SamplingParams(max_tokens=n, temperature=0, ignore_eos=True))
+    done = {}
+    while engine.has_unfinished():
+        for o in engine.step():
+            if o.finished:
+                done[o.request_id] = o.token_ids
+    for i, prompt in enumerate(PROMPTS[:2]):
+        with torch.inference_mode():
+            ref = hf.generate(torch.tensor([prompt]), max_new_tokens=n, do_sample=False, eos_token_id=None,
+                              pad_token_id=0)
+        assert done[str(i)] == ref[0, len(prompt):].tolist()
+
+
+SMALL = dict(vocab_size=VOCAB, hidden_size=128, intermediate_size=256, num_hidden_layers=3, num_attention_heads=4,
+             num_key_value_heads=2, max_position_embeddings=256, bos_token_id=1, eos_token_id=2)
+
+
+# -- Qwen3 --------------------------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def qwen3(tmp_path_factory):
+    cfg = transformers.Qwen3Config(**SMALL, head_dim=48, tie_word_embeddings=False, rope_theta=1e6)
+    return save_tiny(tmp_path_factory, transformers.Qwen3ForCausalLM, cfg)
+
+
+def test_qwen3_logits_equal_transformers(qwen3):
+    cfg = check_logits(*qwen3)
+    assert (cfg.architecture, cfg.head_dim, cfg.attention_bias, cfg.family.qk_norm) == ("qwen3", 48, False, True)
+
+
+def test_qwen3_greedy_equals_transformers(qwen3):
+    check_greedy(*qwen3)
+
+
+def test_qwen3_config_keys():
+    cfg = ModelConfig.from_hf(transformers.Qwen3Config(**SMALL, attention_bias=True, use_sliding_window=False,
+                                                       sliding_window=64).to_dict())
+    assert (cfg.attention_bias, cfg.sliding_window) == (True, None)
