@@ -7,7 +7,7 @@ matches a schema, through llguidance's grammar engine (no hand-written parser).
 - ``GuideFactory(tokenizer, vocab_size, eos_ids)``: one per engine; ``new(schema)`` gives a ``Guide``, the
   matcher of one sequence.  The llguidance view of the tokenizer is built on the first guided request only, so
   requests without a schema cost nothing.
-- ``Guide.allowed(vocab)``: the tokens the grammar allows next (bool [vocab]); ``advance(token)`` moves the
+- ``Guide.bitmask()``: the tokens the grammar allows next (``mask_logits`` applies a batch's); ``advance(token)`` moves the
   matcher on the sampled token; ``done``: the grammar is complete (the request then stops, finish_reason "stop").
 
 JSON is written in one fixed layout: no free whitespace, ``", "`` between items and ``": "`` after keys (Python's
@@ -71,8 +71,8 @@ def check_guided_json(value) -> dict:
     if not isinstance(value, dict):
         raise ValueError(f"guided_json: expected a JSON schema (an object), got {type(value).__name__}")
     try:
-        text = json.dumps(value)
-    except (TypeError, ValueError) as error:  # not JSON data (a set, a NaN, a cycle...)
+        text = json.dumps(value, allow_nan=False)
+    except (TypeError, ValueError, RecursionError) as error:  # not JSON data (a set, a NaN, a cycle...)
         raise ValueError(f"guided_json: the schema is not JSON data ({error})") from None
     if len(text) > MAX_SCHEMA_CHARS:
         raise ValueError(f"guided_json: expected a schema of at most {MAX_SCHEMA_CHARS} characters as JSON, "
@@ -93,16 +93,11 @@ class Guide:
         if self._matcher.is_error():
             raise ValueError(f"guided_json: the grammar failed ({self._matcher.get_error()[:500]})")
 
-    def allowed(self, vocab: int) -> torch.Tensor:
-        """bool [vocab]: True where the grammar allows the token next."""
+    def bitmask(self) -> bytes:
+        """The tokens the grammar allows next, one bit each (token i: bit i % 8 of byte i // 8)."""
         self._check()
-        bits = np.unpackbits(np.frombuffer(self._matcher.compute_bitmask(), dtype=np.uint8), bitorder="little")
+        mask = self._matcher.compute_bitmask()
         self._check()  # a mask past the step limits puts the matcher in its error state
-        mask = torch.from_numpy(bits[:vocab].astype(bool))
-        if mask.shape[0] < vocab:  # ids past the tokenizer's vocabulary are never allowed
-            mask = torch.cat([mask, torch.zeros(vocab - mask.shape[0], dtype=torch.bool)])
-        if not mask.any():
-            raise ValueError("guided_json: the grammar allows no next token")
         return mask
 
     def advance(self, token: int) -> None:
@@ -147,7 +142,18 @@ def mask_logits(logits: torch.Tensor, seqs) -> torch.Tensor:
     rows = [i for i, s in enumerate(seqs) if s.guide is not None]
     if not rows:
         return logits
-    vocab = logits.shape[1]
-    allowed = torch.stack([seqs[i].guide.allowed(vocab) for i in rows]).to(logits.device)
+    batch, vocab = logits.shape
+    masks = [seqs[i].guide.bitmask() for i in rows]
+    width = max(map(len, masks))
+    packed = np.frombuffer(b"".join(m.ljust(width, b"\0") for m in masks), dtype=np.uint8).reshape(len(rows), width)
+    bits = np.unpackbits(packed, axis=1, bitorder="little")[:, :vocab].view(bool)  # one unpack for all rows
+    if bits.shape[1] < vocab:  # ids past the grammar's vocabulary are never allowed
+        bits = np.pad(bits, ((0, 0), (0, vocab - bits.shape[1])))
+    if not bits.any(axis=1).all():  # raised for the batch: the sampler then samples row by row, only this row fails
+        raise ValueError("guided_json: the grammar allows no next token")
+    # Only the guided rows' masks go to the device: a large batch with one guided request moves one row.
+    allowed = torch.from_numpy(bits).to(logits.device)
+    if len(rows) == batch:
+        return torch.where(allowed, logits, -torch.inf)
     index = torch.tensor(rows, device=logits.device)
-    return logits.index_put((index,), logits[index].masked_fill(~allowed, -torch.inf))
+    return logits.index_put((index,), torch.where(allowed, logits[index], -torch.inf))
