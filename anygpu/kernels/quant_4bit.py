@@ -4,8 +4,15 @@
 Quantize: the blocks are scaled as for 8 bits (``quant_blockwise._scaled_blocks``: absmax in registers,
 IEEE reciprocal, one multiply), then each value's position among the 15 sorted midpoints of the table
 comes from a 4-level branch-free search over constants (``quant_blockwise.position16``; the midpoints
-are literals below, checked against the table by the tests).  NF4's code is the position; FP4's is read
-from a 16-nibble constant (the reference's sorted order: code 0 before code 8).  The tile is reshaped to
+are literals below, checked against the table by the tests).  NF4's code is the position.  FP4 has a
+rule per bitsandbytes backend (``FP4_RULE``, chosen by device in ``fp4_rule_for``; the reference,
+``ops.quantize_4bit``, chooses alike): on the CPU (the interpreter) its reference backend's, the sorted
+position mapped through a 16-nibble constant (code 0 before code 8); on GPUs its CUDA kernel's
+(``dQuantizeFP4`` in csrc/kernels.cu, also what ROCm runs), a sign bit from ``s < 0`` and the magnitude
+against its 7 literal thresholds in a 3-level search.  The two differ on the sign of tiny values' zero
+code (about 0.5 % of a normal weight's codes) and on values a few ulps from a threshold.  Not followed on
+GPUs: NVIDIA's approximate 1 / absmax (nvcc --use_fast_math), CUDA's max that drops NaN, and its reciprocal
+in a partial last block (we divide there, as the reference; NF4 alike).  The tile is reshaped to
 [BLOCKS, BS/2, 2] and split, so the two codes of a byte come from adjacent elements without strided
 loads; twice more, and 8 codes make a 32-bit word, stored straight from registers.
 Dequantize: one byte gives two codes; each looks up the 16-entry table (64 bytes: one cache line, L1
@@ -33,11 +40,44 @@ FP4_MIDPOINTS = (-0.8333333730697632, -0.5833333730697632, -0.4166666865348816, 
 # FP4 code at sorted position p = nibble p of this constant: [11, 10, 13, 12, 15, 14, 9, 0, 8, 1, 6, 7, 4, 5, 2, 3].
 FP4_ORDER_NIBBLES = 3626653445558095275
 NF4, FP4 = 0, 1  # the QUANT_TYPE constexpr
+# The FP4_RULE constexpr (the values of ops.quantize_4bit's FP4_* rules): bitsandbytes' reference backend; its
+# csrc/kernels.cu as hipcc builds it (IEEE, subnormals kept); as nvcc builds it (--use_fast_math: subnormal
+# inputs and results of float operations flushed to zero).
+FP4_REFERENCE, FP4_KERNELS_CU, FP4_KERNELS_CU_FTZ = 0, 1, 2
+# dQuantizeFP4's literal thresholds as the C++ compiler rounds them to fp32 (tests check both facts):
+# 0.00260417f, 0.0859375f, 0.20833333f, 0.29166667f, 0.4166667f, 0.583333f, 0.8333333f.
+FP4_CUDA_THRESHOLDS = (0.0026041700039058924, 0.0859375, 0.2083333283662796, 0.2916666567325592,
+                       0.4166666865348816, 0.5833330154418945, 0.8333333134651184)
+FLT_MIN = 2.0 ** -126  # the smallest normal fp32
+
+
+def fp4_rule_for(device: torch.device) -> int:
+    """bitsandbytes' CUDA kernels serve NVIDIA and ROCm GPUs alike (torch names both "cuda"); its reference
+    backend the CPU.  The same choice as ``ops.quantize_4bit.fp4_rule`` (a test holds them equal)."""
+    if device.type != "cuda":
+        return FP4_REFERENCE
+    return FP4_KERNELS_CU if torch.version.hip else FP4_KERNELS_CU_FTZ
 
 
 @triton.jit
-def _code4(s, QUANT_TYPE: tl.constexpr):
-    if QUANT_TYPE == 0:
+def _fp4_kernels_cu(s):
+    """dQuantizeFP4: code 8 for s < 0 (NaN and -0 are not: code 0), plus the magnitude's code, the count of
+    thresholds strictly below |s| (NaN: none) mapped to FP4's bit order.  Counts 2, 3, 6, 7 are the
+    codes 6, 7, 2, 3 (bit 2 flipped when bit 1 is set: exponent bits, not a ranking)."""
+    a = tl.abs(s)
+    b2 = a > 0.2916666567325592
+    b1 = a > tl.where(b2, 0.5833330154418945, 0.0859375)
+    b0 = a > tl.where(b2, tl.where(b1, 0.8333333134651184, 0.4166666865348816),
+                      tl.where(b1, 0.2083333283662796, 0.0026041700039058924))
+    magnitude = (b2 ^ b1).to(tl.int32) * 4 + b1.to(tl.int32) * 2 + b0.to(tl.int32)
+    return magnitude + (s < 0).to(tl.int32) * 8
+
+
+@triton.jit
+def _code4(s, QUANT_TYPE: tl.constexpr, FP4_RULE: tl.constexpr):
+    if QUANT_TYPE == 1 and FP4_RULE != 0:
+        code = _fp4_kernels_cu(s)
+    elif QUANT_TYPE == 0:
         code = position16(s, -0.8480963706970215, -0.6106328964233398, -0.4599952697753906, -0.33967941999435425,
                           -0.23460739850997925, -0.13791173696517944, -0.045525018125772476, 0.03979014977812767,
                           0.120255246758461, 0.2035212516784668, 0.2920137643814087, 0.3893125355243683,
@@ -53,9 +93,17 @@ def _code4(s, QUANT_TYPE: tl.constexpr):
 
 @triton.jit
 def _quantize_4bit_kernel(a_ptr, q_ptr, absmax_ptr, n, n_words, n_full_blocks, QUANT_TYPE: tl.constexpr,
-                          BS: tl.constexpr, BLOCKS: tl.constexpr):
+                          BS: tl.constexpr, BLOCKS: tl.constexpr, FP4_RULE: tl.constexpr = 0):
     scaled, in_range, base, local = _scaled_blocks(a_ptr, absmax_ptr, n, n_full_blocks, BS, BLOCKS)
-    code = _code4(scaled, QUANT_TYPE).to(tl.uint32)  # past the end: the code of 0, the reference's padding
+    if QUANT_TYPE == 1 and FP4_RULE == 2:
+        # nvcc's flush-to-zero makes +-0 of a subnormal input, of 1 / absmax once absmax > 2**126 (the whole
+        # block), and of a subnormal product; dQuantizeFP4 codes +-0 as 0.  The input again (from cache):
+        # _scaled_blocks keeps it to itself.
+        x = tl.abs(tl.load(a_ptr + base + local, mask=in_range, other=0.0).to(tl.float32))
+        huge = tl.max(tl.where(x > 8.507059173023462e+37, 1, 0), 1)[:, None] != 0
+        scaled = tl.where((x < 1.1754943508222875e-38) | huge | (tl.abs(scaled) < 1.1754943508222875e-38), 0.0,
+                          scaled)
+    code = _code4(scaled, QUANT_TYPE, FP4_RULE).to(tl.uint32)  # past the end: the code of 0 (every rule)
     # Pack 8 codes into a 32-bit word (little-endian: byte 0 = elements 0, 1; high nibble first), pairing
     # neighbours three times; whole words are stored without a pass through shared memory.
     high, low = tl.split(tl.reshape(code, [BLOCKS, BS // 2, 2]))
@@ -85,11 +133,13 @@ def _dequantize_4bit_kernel(q_ptr, absmax_ptr, table_ptr, out_ptr, n, n_bytes, B
 
 
 # As in quant_blockwise: the tile for block size 64 (the 4-bit default); others keep its elements per program.
-_QUANTIZE_WAVE32 = (LaunchConfig({"QUANT_TYPE": NF4, "BS": 64, "BLOCKS": 16}, num_warps=4),)  # 8 per thread
+# (The constexprs are what cross-compilation builds; launches pass the quant type and rule of each call.)
+_NF4_TILE = {"QUANT_TYPE": NF4, "BS": 64, "BLOCKS": 16, "FP4_RULE": FP4_REFERENCE}
+_QUANTIZE_WAVE32 = (LaunchConfig(_NF4_TILE, num_warps=4),)  # 8 per thread
 QUANTIZE_CONFIGS = {"default": _QUANTIZE_WAVE32, "rdna3": _QUANTIZE_WAVE32, "rdna4": _QUANTIZE_WAVE32,
-                    "amd": (LaunchConfig({"QUANT_TYPE": NF4, "BS": 64, "BLOCKS": 16}, num_warps=2),),
+                    "amd": (LaunchConfig(_NF4_TILE, num_warps=2),),
                     # tools/sweep_quantize.py on the H200: one warp per 16 blocks (the search is instruction bound)
-                    "nvidia": (LaunchConfig({"QUANT_TYPE": NF4, "BS": 64, "BLOCKS": 16}, num_warps=1),)}
+                    "nvidia": (LaunchConfig(_NF4_TILE, num_warps=1),)}
 _DEQUANTIZE_WAVE32 = (LaunchConfig({"BS": 64, "BLOCKS": 128}, num_warps=8),)  # 16 bytes, 32 values per thread
 DEQUANTIZE_CONFIGS = {"default": _DEQUANTIZE_WAVE32, "rdna3": _DEQUANTIZE_WAVE32, "rdna4": _DEQUANTIZE_WAVE32,
                       "amd": (LaunchConfig({"BS": 64, "BLOCKS": 64}, num_warps=4),)}  # LDS: the interleave stages
@@ -99,7 +149,8 @@ DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 def _quantize_signature(dtype: torch.dtype) -> dict:
     return {"a_ptr": f"*{TRITON_DTYPE[dtype]}", "q_ptr": "*i32", "absmax_ptr": "*fp32", "n": "i32", "n_words": "i32",
-            "n_full_blocks": "i32", "QUANT_TYPE": "constexpr", "BS": "constexpr", "BLOCKS": "constexpr"}
+            "n_full_blocks": "i32", "QUANT_TYPE": "constexpr", "BS": "constexpr", "BLOCKS": "constexpr",
+            "FP4_RULE": "constexpr"}
 
 
 def _dequantize_signature(dtype: torch.dtype) -> dict:
@@ -113,9 +164,11 @@ DEQUANTIZE_SPEC = register(KernelSpec("dequantize_4bit", _dequantize_4bit_kernel
                                       DEQUANTIZE_CONFIGS))
 
 
-def quantize_4bit(A: torch.Tensor, blocksize: int, quant_type: str,
-                  quant_storage: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    """Launch on A's device (a GPU, or the CPU under TRITON_INTERPRET=1).  Arguments checked by the op."""
+def quantize_4bit(A: torch.Tensor, blocksize: int, quant_type: str, quant_storage: torch.dtype,
+                  fp4_rule: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Launch on A's device (a GPU, or the CPU under TRITON_INTERPRET=1).  Arguments checked by the op.
+    ``fp4_rule``: A's device's (``fp4_rule_for``) unless given (tests run the GPU rules in the interpreter)."""
+    rule = (fp4_rule_for(A.device) if fp4_rule is None else fp4_rule) if quant_type == "fp4" else FP4_REFERENCE
     a = A if A.is_contiguous() else A.contiguous()
     n = a.numel()
     n_blocks = -(-n // blocksize)
@@ -126,7 +179,7 @@ def quantize_4bit(A: torch.Tensor, blocksize: int, quant_type: str,
     with on_device(A.device):
         _quantize_4bit_kernel[(-(-n_blocks // blocks),)](a, words, absmax, n, words.numel(), n // blocksize,
                                                         QUANT_TYPE=NF4 if quant_type == "nf4" else FP4,
-                                                        BS=blocksize, BLOCKS=blocks, **options)
+                                                        BS=blocksize, BLOCKS=blocks, FP4_RULE=rule, **options)
     packed = words.view(torch.uint8)
     if packed.numel() != n_bytes:
         packed = packed[:n_bytes].clone()  # an exact-size tensor, as the reference returns

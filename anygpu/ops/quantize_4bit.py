@@ -1,14 +1,19 @@
 """``quantize_4bit(A, blocksize, quant_type, quant_storage) -> (packed, absmax)``: bitsandbytes' NF4 / FP4.
 
 Blocks and scaling as ``quantize_blockwise`` (rule in ``quant_common``); each scaled value becomes the
-4-bit code of the nearest value of the NF4 or FP4 table (ties to the lower value; FP4's two zeros as
-the reference orders them: code 0 before code 8).  Element 2i goes to the high nibble of byte i, 2i+1 to the
-low one; an odd count pads with the code of 0.  Returns the bytes viewed as ``quant_storage`` with
+4-bit code of the nearest value of the NF4 or FP4 table (ties to the lower value).  FP4 follows the
+bitsandbytes backend of the device (``fp4_rule``), since its backends disagree on a few codes: on the
+CPU its reference backend (the sorted table; of the two zeros, code 0 takes (-1/384, 0], code 8
+(0, 1/384]); on CUDA / ROCm tensors its GPU kernel (``fp4_kernels_cu``: sign bit from ``x < 0``, then
+the magnitude against its seven literal thresholds, a few ulps off the midpoints).  Element 2i goes to
+the high nibble of byte i, 2i+1 to the low one; an odd count pads with the code of 0.  Returns the bytes viewed as ``quant_storage`` with
 shape [(n + 1) // (2 * itemsize), 1], and absmax fp32 [ceil(n / blocksize)].
 Kernel: ``anygpu/kernels/quant_4bit.py``, bit-identical to this.
 """
 
 from __future__ import annotations
+
+import functools
 
 import torch
 
@@ -33,16 +38,69 @@ def check(A: torch.Tensor, blocksize: int, quant_type: str, quant_storage: torch
                          f"{A.numel()} elements) to be a multiple of {quant_storage.itemsize} bytes")
 
 
-def reference(A: torch.Tensor, blocksize: int, quant_type: str,
-              quant_storage: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+# FP4 rules (the kernel's FP4_RULE constexpr takes the same values).  bitsandbytes' reference backend; its
+# csrc/kernels.cu as hipcc builds it (IEEE, subnormals kept); the same as nvcc builds it with --use_fast_math
+# (CMakeLists.txt), which flushes subnormal inputs and results of the float operations to zero.
+FP4_REFERENCE, FP4_KERNELS_CU, FP4_KERNELS_CU_FTZ = 0, 1, 2
+FLT_MIN = 2.0 ** -126  # the smallest normal fp32
+
+
+def fp4_rule(device: torch.device) -> int:
+    """The FP4 rule of the bitsandbytes backend that serves ``device``: its CUDA kernels serve NVIDIA and ROCm
+    GPUs alike (torch calls both "cuda"), built by nvcc with fast math or by hipcc without."""
+    if device.type != "cuda":
+        return FP4_REFERENCE
+    return FP4_KERNELS_CU if torch.version.hip else FP4_KERNELS_CU_FTZ
+
+
+def fp4_kernels_cu(scaled: torch.Tensor, x: torch.Tensor, absmax: torch.Tensor, ftz: bool) -> torch.Tensor:
+    """uint8 FP4 codes as bitsandbytes' GPU quantizer picks them: a transcription of ``dQuantizeFP4`` in
+    csrc/kernels.cu (called by ``kQuantizeBlockwise`` / ``kQuantizeBlockwiseSmall`` on ``x * (1 / absmax)``).
+    ``x``: the fp32 inputs, ``absmax``: their blocks' absmax, both per element (for ``ftz`` only)."""
+    if ftz:
+        # nvcc's flush-to-zero: a subnormal input, 1 / absmax (subnormal once absmax > 2**126) or product
+        # becomes +-0, which the kernel then codes as +0 (-0 < 0 is false)
+        flushed = (x.abs() < FLT_MIN) | (absmax > 2.0 ** 126) | (scaled.abs() < FLT_MIN)
+        scaled = scaled.masked_fill(flushed, 0.0)
+    sign = torch.where(scaled < 0, 8, 0)  # NaN: false, and false in every comparison below: code 0
+    a = scaled.abs()
+    f32 = functools.partial(torch.tensor, dtype=torch.float32, device=scaled.device)
+    # the literals of dQuantizeFP4, each rounded to fp32 as the C++ compiler does (strict >: ties go down)
+    t = {lit: f32(float(lit)) for lit in ("0.29166667", "0.583333", "0.8333333", "0.4166667", "0.0859375",
+                                          "0.20833333", "0.00260417")}
+    magnitude = torch.where(
+        a > t["0.29166667"],
+        torch.where(a > t["0.583333"], torch.where(a > t["0.8333333"], 0b011, 0b010),
+                    torch.where(a > t["0.4166667"], 0b101, 0b100)),
+        torch.where(a > t["0.0859375"], torch.where(a > t["0.20833333"], 0b111, 0b110),
+                    torch.where(a > t["0.00260417"], 0b001, 0b000)))
+    return (magnitude + sign).to(torch.uint8)
+
+
+def codes_4bit(A: torch.Tensor, blocksize: int, quant_type: str, rule: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(uint8 codes, an even count: an odd one is padded with the code of 0; absmax) with FP4 by ``rule``.
+    NF4 ignores the rule: every bitsandbytes backend agrees on NF4."""
     scaled, absmax = scale_blocks(A, blocksize)
+    x = A.reshape(-1).float()
+    per_element = absmax.repeat_interleave(blocksize)[:scaled.numel()]
     if scaled.numel() % 2:
-        scaled = torch.cat([scaled, scaled.new_zeros(1)])
+        scaled, x, per_element = (torch.cat([t, t.new_zeros(1)]) for t in (scaled, x, per_element))
+    if quant_type == "fp4" and rule != FP4_REFERENCE:
+        return fp4_kernels_cu(scaled, x, per_element, rule == FP4_KERNELS_CU_FTZ), absmax
     midpoints, order = sorted_4bit(quant_type, A.device)
     position = bucket(scaled, midpoints)
-    codes = (position if quant_type == "nf4" else order[position]).to(torch.uint8)
-    packed = (codes[0::2] << 4) | codes[1::2]
-    return packed.view(quant_storage).unsqueeze(1), absmax
+    return (position if quant_type == "nf4" else order[position]).to(torch.uint8), absmax
+
+
+def pack(codes: torch.Tensor, quant_storage: torch.dtype) -> torch.Tensor:
+    """Element 2i to the high nibble of byte i, 2i + 1 to the low one."""
+    return ((codes[0::2] << 4) | codes[1::2]).view(quant_storage).unsqueeze(1)
+
+
+def reference(A: torch.Tensor, blocksize: int, quant_type: str,
+              quant_storage: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    codes, absmax = codes_4bit(A, blocksize, quant_type, fp4_rule(A.device))
+    return pack(codes, quant_storage), absmax
 
 
 def fake(A: torch.Tensor, blocksize: int, quant_type: str,
