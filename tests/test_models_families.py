@@ -130,3 +130,62 @@ def test_qwen3_config_keys():
     cfg = ModelConfig.from_hf(transformers.Qwen3Config(**SMALL, attention_bias=True, use_sliding_window=False,
                                                        sliding_window=64).to_dict())
     assert (cfg.attention_bias, cfg.sliding_window) == (True, None)
+
+
+# -- Gemma 2 and Gemma 3 ------------------------------------------------------------------------------------------
+GEMMA = dict(SMALL, head_dim=32, hidden_activation="gelu_pytorch_tanh", sliding_window=6, query_pre_attn_scalar=24,
+             initializer_range=0.1,  # scores large enough for the soft-cap to bite
+             num_hidden_layers=4)
+
+
+@pytest.fixture(scope="module")
+def gemma2(tmp_path_factory):
+    cfg = transformers.Gemma2Config(**GEMMA, attn_logit_softcapping=1.0, final_logit_softcapping=3.0)
+    return save_tiny(tmp_path_factory, transformers.Gemma2ForCausalLM, cfg)
+
+
+@pytest.fixture(scope="module")
+def gemma3(tmp_path_factory):
+    cfg = transformers.Gemma3TextConfig(**GEMMA, sliding_window_pattern=2, rope_parameters={
+        "full_attention": {"rope_type": "linear", "factor": 4.0, "rope_theta": 1e6},
+        "sliding_attention": {"rope_type": "default", "rope_theta": 1e4}})
+    return save_tiny(tmp_path_factory, transformers.Gemma3ForCausalLM, cfg)
+
+
+def test_gemma2_logits_equal_transformers(gemma2):
+    cfg = check_logits(*gemma2)
+    assert (cfg.architecture, cfg.tie_word_embeddings, cfg.hidden_act) == ("gemma2", True, "gelu_tanh")
+    assert (cfg.attn_softcap, cfg.final_softcap, cfg.attn_scale) == (1.0, 3.0, 24 ** -0.5)
+    assert cfg.sliding_layers == (True, False, True, False) and cfg.sliding_window == 6
+
+
+def test_gemma2_greedy_equals_transformers(gemma2):
+    check_greedy(*gemma2)
+
+
+def test_gemma3_logits_equal_transformers(gemma3):
+    cfg = check_logits(*gemma3)
+    assert (cfg.architecture, cfg.rope_local_theta, cfg.rope_theta) == ("gemma3", 1e4, 1e6)
+    assert cfg.rope_scaling == {"rope_type": "linear", "factor": 4.0}
+    assert cfg.sliding_layers == (True, False, True, False) and cfg.attn_softcap is None
+
+
+def test_gemma3_greedy_equals_transformers(gemma3):
+    check_greedy(*gemma3)
+
+
+def test_gemma_4x_config_keys():
+    """config.json as transformers 4.x wrote it for Gemma 3 (rope_local_base_freq, sliding_window_pattern)."""
+    four = {"architectures": ["Gemma3ForCausalLM"], "model_type": "gemma3_text", "vocab_size": 262144,
+            "hidden_size": 1152, "intermediate_size": 6912, "num_hidden_layers": 26, "num_attention_heads": 4,
+            "num_key_value_heads": 1, "head_dim": 256, "query_pre_attn_scalar": 256, "sliding_window": 512,
+            "sliding_window_pattern": 6, "rope_theta": 1000000.0, "rope_local_base_freq": 10000.0,
+            "rope_scaling": None, "final_logit_softcapping": None, "attn_logit_softcapping": None,
+            "hidden_activation": "gelu_pytorch_tanh", "rms_norm_eps": 1e-06, "max_position_embeddings": 32768}
+    cfg = ModelConfig.from_hf(four)
+    assert cfg.sliding_layers == tuple((i + 1) % 6 != 0 for i in range(26))
+    assert (cfg.rope_local_theta, cfg.rope_theta, cfg.rope_scaling, cfg.tie_word_embeddings) == (1e4, 1e6, None, True)
+    with pytest.raises(ValueError, match="hidden_activation: unsupported activation 'relu2'"):
+        ModelConfig.from_hf({**four, "hidden_activation": "relu2"})
+    with pytest.raises(ValueError, match="layer_types: expected a list of 26"):
+        ModelConfig.from_hf({**four, "layer_types": ["full_attention"]})

@@ -50,8 +50,9 @@ FAMILIES = {
 }
 # transformers' class name -> family.  Gemma3ForCausalLM is the text-only model (gemma-3-1b, or a text config).
 HF_CLASSES = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral", "Qwen2ForCausalLM": "qwen2",
-              "Qwen3ForCausalLM": "qwen3"}
-MODEL_TYPES = {"llama": "llama", "mistral": "mistral", "qwen2": "qwen2", "qwen3": "qwen3"}
+              "Qwen3ForCausalLM": "qwen3", "Gemma2ForCausalLM": "gemma2", "Gemma3ForCausalLM": "gemma3"}
+MODEL_TYPES = {"llama": "llama", "mistral": "mistral", "qwen2": "qwen2", "qwen3": "qwen3", "gemma2": "gemma2",
+               "gemma3_text": "gemma3"}
 ACTIVATIONS = {"silu": "silu", "gelu_pytorch_tanh": "gelu_tanh", "gelu_tanh": "gelu_tanh", "gelu": "gelu"}
 SOFTCAP_RANGE = (0.0, 1e6)  # low excluded
 
