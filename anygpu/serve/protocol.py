@@ -3,7 +3,7 @@
 Parsed with pydantic in strict JSON mode: a number sent as a string, a bool where an int is expected or a
 float where an int is expected is an error naming the field (lax coercion would run a request the client
 did not write).  Unknown fields are ignored, as OpenAI's own API does; fields we know but do not implement
-(``tools``, ``logit_bias``, ``best_of``, ...) are refused with a 400 naming them rather than silently dropped.
+(``logit_bias``, ``best_of``, ...) are refused with a 400 naming them rather than silently dropped.
 
 Every number is bounded here, so the OpenAPI schema shows the ranges and nothing out of range reaches the
 engine (the engine's ``SamplingParams`` checks the same bounds again, and ``top_k`` against the vocabulary):
@@ -22,7 +22,7 @@ engine (the engine's ``SamplingParams`` checks the same bounds again, and ``top_
 
 vLLM's extensions that a client may send through ``extra_body`` are accepted: ``top_k``, ``min_p``,
 ``repetition_penalty``, ``ignore_eos``, ``stop_token_ids``, ``skip_special_tokens``,
-``include_stop_str_in_output``.
+``include_stop_str_in_output``, and ``guided_json`` (a JSON schema, as ``response_format``'s: ``structured.py``).
 """
 
 from __future__ import annotations
@@ -35,6 +35,7 @@ from ..engine import SamplingParams
 from ..engine.sampling_params import (MAX_LOGPROBS, MAX_N, MAX_STOP_STRING_CHARS, MAX_STOP_STRINGS,
                                       MAX_STOP_TOKEN_IDS, MAX_TOP_K, SEED_MAX, SEED_MIN)
 from .errors import APIError
+from .structured import guided_schema
 
 MAX_COUNT = 2**31 - 1  # token counts: TGI's i32; the context bounds them further
 
@@ -81,6 +82,9 @@ class _OpenAISampling(_Body):
     stop_token_ids: Annotated[list[TokenId], Field(max_length=MAX_STOP_TOKEN_IDS)] | None = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    # Structured output (structured.py): OpenAI's response_format, or vLLM's guided_json (a JSON schema).
+    response_format: dict[str, Any] | None = None
+    guided_json: dict[str, Any] | str | None = None
 
     def check_supported(self) -> None:
         if self.logit_bias:
@@ -100,7 +104,11 @@ class _OpenAISampling(_Body):
         if self.stop is not None:
             values["stop"] = [self.stop] if isinstance(self.stop, str) else self.stop
         return SamplingParams(**values, logprobs=self.logprob_count, prompt_logprobs=self.prompt_logprob_count,
-                              n=self.n or 1)
+                              n=self.n or 1, guided_json=self.guided_schema())
+
+    def guided_schema(self) -> dict | None:
+        """The JSON schema the output is constrained to, or None (a 400 naming the field if unusable)."""
+        return guided_schema(self.response_format, self.guided_json)
 
     @property
     def logprob_count(self) -> int | None:
@@ -187,7 +195,6 @@ class ChatCompletionRequest(_OpenAISampling):
     top_logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = None
     tools: list[Any] | None = None
     tool_choice: Any = None
-    response_format: dict[str, Any] | None = None
 
     def check_supported(self) -> None:
         super().check_supported()
@@ -197,8 +204,6 @@ class ChatCompletionRequest(_OpenAISampling):
             raise APIError(400, "tools: tool calling is not supported by this server", "tools")
         if self.tool_choice not in (None, "none", "auto"):
             raise APIError(400, "tool_choice: tool calling is not supported by this server", "tool_choice")
-        if self.response_format and self.response_format.get("type") not in (None, "text"):
-            raise APIError(400, "response_format: only {'type': 'text'} is supported", "response_format")
 
     @property
     def logprob_count(self) -> int | None:
