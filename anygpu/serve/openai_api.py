@@ -25,6 +25,7 @@ from .logprobs import chat_logprobs, completion_logprobs
 from .metrics import RequestTimer
 from .protocol import ChatCompletionRequest, CompletionRequest
 from .state import EngineStream, Server, dumps, engine_error, sse
+from .tools import ToolPlan
 
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16
 
@@ -58,23 +59,23 @@ def add_openai_routes(app: FastAPI, server: Server) -> None:
         body = await server.read_body(request, ChatCompletionRequest)
         name = server.check_model(body.model)
         body.check_supported()
-        ids = server.chat_ids(body.messages)
+        ids = server.chat_ids(body.template_messages())
         param = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
         max_tokens = server.limit_tokens(ids, body.requested_max_tokens, None, "messages", param)
         params = server.sampling(lambda: body.sampling_params(max_tokens))
         return await _respond(request, server, body, name, "chatcmpl", "chat.completion", ids, params, arrival,
-                              chat=True, echo=None)
+                              chat=True, echo=None, tools=body.tool_plan)
 
 
 async def _respond(request, server: Server, body, name: str, prefix: str, obj: str, ids, params, arrival: float,
-                   chat: bool, echo: Echo | None):
+                   chat: bool, echo: Echo | None, tools: ToolPlan | None = None):
     request_id = f"{prefix}-{uuid.uuid4().hex}"
     ticket = server.admit()
     timer = RequestTimer(server.metrics, arrival)
     head = {"id": request_id, "object": obj, "created": int(time.time()), "model": name}
     if body.stream:
         return EngineStream(_stream(server, request_id, ids, params, timer, ticket, head, chat, body.include_usage,
-                                    echo), ticket)
+                                    echo, tools), ticket)
 
     out = await server.complete(request, request_id, ids, params, timer, ticket)
     if out is None:  # the client left; nobody reads this
@@ -87,8 +88,11 @@ async def _respond(request, server: Server, body, name: str, prefix: str, obj: s
         else:
             text, logprobs = done.text, _logprobs(done.token_ids, done.logprobs, params.logprobs, chat)
             tokens += len(done.token_ids)
-        choices.append({"index": done.index, "message": {"role": "assistant", "content": text},
-                        "logprobs": logprobs, "finish_reason": done.finish_reason} if chat else
+        message, reason = {"role": "assistant", "content": text}, done.finish_reason
+        if tools is not None and reason == "stop":  # a complete call (a cut one stays text: tools.py)
+            message, reason = {"role": "assistant", "content": None, "tool_calls": tools.calls(text)}, "tool_calls"
+        choices.append({"index": done.index, "message": message, "logprobs": logprobs, "finish_reason": reason}
+                       if chat else
                        {"index": done.index, "text": text, "logprobs": logprobs, "finish_reason": done.finish_reason})
     return {**head, "object": obj, "choices": choices, "usage": _usage(len(ids), tokens)}
 
@@ -99,8 +103,22 @@ def _logprobs(token_ids, entries, k: int | None, chat: bool, offset: int = 0) ->
     return chat_logprobs(token_ids, entries, k) if chat else completion_logprobs(token_ids, entries, k, offset)
 
 
+def _tool_chunks(chunk, base: dict, index: int, completion, tools: ToolPlan):
+    """A streamed choice's end under a forced tool call: the call in one delta and finish_reason "tool_calls",
+    or (cut by max_tokens) its text and "length"."""
+    if completion.finish_reason != "stop":
+        if completion.text:
+            yield chunk(index, completion.text)
+        yield chunk(index, None, finish_reason=completion.finish_reason)
+        return
+    calls = [{"index": i, **call} for i, call in enumerate(tools.calls(completion.text))]
+    yield sse({**base, "choices": [{"index": index, "delta": {"tool_calls": calls}, "logprobs": None,
+                                    "finish_reason": None}]})
+    yield chunk(index, None, finish_reason="tool_calls")
+
+
 async def _stream(server: Server, request_id, ids, params, timer, ticket, head, chat: bool, include_usage: bool,
-                  echo: Echo | None):
+                  echo: Echo | None, tools: ToolPlan | None = None):
     obj = "chat.completion.chunk" if chat else "text_completion"
     base = {**head, "object": obj}
     if include_usage:
@@ -138,6 +156,12 @@ async def _stream(server: Server, request_id, ids, params, timer, ticket, head, 
                 first = False
                 for completion in out.outputs:
                     index = completion.index
+                    if tools is not None:  # a call goes out whole once complete: until then its JSON is partial
+                        if completion.finish_reason is not None and index not in finished:
+                            finished.add(index)
+                            for line in _tool_chunks(chunk, base, index, completion, tools):
+                                yield line
+                        continue
                     if echo is None or not echo.only:
                         if params.logprobs is not None and completion.delta_token_ids:
                             # Every new token's log-probabilities, in the chunk of the text that came with them (text

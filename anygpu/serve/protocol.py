@@ -27,6 +27,7 @@ vLLM's extensions that a client may send through ``extra_body`` are accepted: ``
 
 from __future__ import annotations
 
+from functools import cached_property
 from typing import Annotated, Any, Literal, Union
 
 from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag
@@ -35,9 +36,11 @@ from ..engine import SamplingParams
 from ..engine.sampling_params import (MAX_LOGPROBS, MAX_N, MAX_STOP_STRING_CHARS, MAX_STOP_STRINGS,
                                       MAX_STOP_TOKEN_IDS, MAX_TOP_K, SEED_MAX, SEED_MIN)
 from .errors import APIError
-from .structured import guided_schema
+from .structured import checked_schema, guided_schema
+from .tools import ToolPlan, tool_plan
 
 MAX_COUNT = 2**31 - 1  # token counts: TGI's i32; the context bounds them further
+MAX_TOOLS = 128  # OpenAI's limit on tools per request
 
 Penalty = Annotated[float, Field(ge=-2.0, le=2.0)]
 Count = Annotated[int, Field(ge=1, le=MAX_COUNT)]
@@ -188,22 +191,67 @@ class ChatMessage(_Body):
         return {"role": role, "content": content or ""}
 
 
+class FunctionDef(_Body):
+    name: Annotated[str, Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_-]+$")]  # OpenAI's rule
+    description: str | None = None
+    parameters: dict[str, Any] | None = None  # a JSON schema; None: any object
+    strict: bool | None = None  # calls are always constrained to the schema (tools.py)
+
+
+class Tool(_Body):
+    type: Literal["function"]
+    function: FunctionDef
+
+
+class FunctionName(_Body):
+    name: str
+
+
+class NamedToolChoice(_Body):
+    type: Literal["function"]
+    function: FunctionName
+
+
 class ChatCompletionRequest(_OpenAISampling):
     messages: Annotated[list[ChatMessage], Field(min_length=1)]
     max_completion_tokens: Count | None = None
     logprobs: bool = False
     top_logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = None
-    tools: list[Any] | None = None
-    tool_choice: Any = None
+    tools: Annotated[list[Tool], Field(max_length=MAX_TOOLS)] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
 
     def check_supported(self) -> None:
         super().check_supported()
         if self.top_logprobs is not None and not self.logprobs:
             raise APIError(400, "top_logprobs: only allowed when logprobs is true", "top_logprobs")
-        if self.tools:
-            raise APIError(400, "tools: tool calling is not supported by this server", "tools")
-        if self.tool_choice not in (None, "none", "auto"):
-            raise APIError(400, "tool_choice: tool calling is not supported by this server", "tool_choice")
+        if self.tool_plan is not None and self.logprobs:
+            raise APIError(400, "logprobs: not supported together with a forced tool call", "logprobs")
+
+    @cached_property
+    def tool_plan(self) -> ToolPlan | None:
+        """The forced tool call (tools.py), None for plain text; a 400 naming the field if refused."""
+        return tool_plan(self.tools, self.tool_choice)
+
+    def guided_schema(self) -> dict | None:
+        plan = self.tool_plan
+        if plan is None:
+            return super().guided_schema()
+        if (self.response_format or {}).get("type", "text") != "text" or self.guided_json is not None:
+            raise APIError(400, "response_format: not allowed together with a forced tool call (the call's schema "
+                                "is the format)", "response_format")
+        return checked_schema(plan.schema, "tools")
+
+    def template_messages(self) -> list[ChatMessage]:
+        """The messages for the chat template: with a forced tool call, the functions described in the first
+        system message (the template is rendered without ``tools``: tools.py)."""
+        plan = self.tool_plan
+        if plan is None:
+            return self.messages
+        first = self.messages[0]
+        if first.role in ("system", "developer"):
+            text = first.as_template_message()["content"]
+            return [ChatMessage(role="system", content=f"{plan.system_text}\n\n{text}"), *self.messages[1:]]
+        return [ChatMessage(role="system", content=plan.system_text), *self.messages]
 
     @property
     def logprob_count(self) -> int | None:

@@ -17,7 +17,8 @@ from ..engine.guided import JSON_OBJECT_SCHEMA, check_guided_json
 from .errors import APIError
 
 
-def _checked(schema, param: str) -> dict:
+def checked_schema(schema, param: str) -> dict:
+    """check_guided_json's, its error a 400 naming ``param``."""
     try:
         return check_guided_json(schema)
     except ValueError as error:
@@ -51,7 +52,7 @@ def response_format_schema(fmt: dict | None) -> dict | None:
     if not isinstance(schema, dict):
         raise APIError(400, "response_format.json_schema.schema: expected a JSON schema (an object)",
                        "response_format.json_schema.schema")
-    return _checked(schema, "response_format.json_schema.schema")
+    return checked_schema(schema, "response_format.json_schema.schema")
 
 
 def guided_schema(response_format: dict | None, guided_json) -> dict | None:
@@ -61,4 +62,4 @@ def guided_schema(response_format: dict | None, guided_json) -> dict | None:
         return schema
     if schema is not None:
         raise APIError(400, "guided_json: give response_format or guided_json, not both", "guided_json")
-    return _checked(guided_json, "guided_json")
+    return checked_schema(guided_json, "guided_json")
