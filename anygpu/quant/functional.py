@@ -18,9 +18,13 @@ Decisions where bitsandbytes leaves a choice:
 - The code of a tensor arrives on A's device if it is elsewhere (it is a table, not data); absmax,
   out and quant_state tensors on another device are a ValueError naming them.
 - ``out=`` / ``absmax=`` buffers are checked (shape, dtype, device) before anything is computed.
-- FP4's two zeros: a scaled value in (-1/384, 0] gets code 0 and one in (0, 1/384] code 8, as in
-  bitsandbytes' reference (its sorted table); its CUDA kernel picks by sign instead, so about 0.5 % of
-  FP4 codes of a normal weight differ from a CUDA-made checkpoint, all dequantizing to 0 either way.
+- FP4 codes follow the bitsandbytes backend of the tensor's device, whose two rules differ on about 0.5 %
+  of a normal weight's codes: on the CPU its reference backend (sorted table: a scaled value in
+  (-1/384, 0] gets code 0, one in (0, 1/384] code 8), on CUDA / ROCm GPUs its CUDA kernel (code 8 for
+  every negative value below 1/384 in magnitude, code 0 for the others, and its own rounded thresholds), so
+  a checkpoint quantized here has the codes bitsandbytes would write on the same device.  The differing
+  codes dequantize to the same values, but for values within a few ulps of a threshold.  On GPUs an inf
+  in an FP4 block comes back as NaN (bitsandbytes' kernel: code 0, times absmax inf).
 - dequantize_4bit's transposed return (bitsandbytes' shim for callers passing the packed weight as a
   [1, bytes] row): applied when A is such a row (2-D, one row, more than one column) and the shape is
   2-D.  bitsandbytes also transposes the [1, 1] column of a tensor of at most 2 * itemsize elements,
