@@ -4,7 +4,8 @@ transformers' own config classes and saves as Hugging Face folders (CPU, fp32).
 Each family is loaded as a user would (``HFCheckpoint`` -> ``build_model``, and ``LLMEngine(folder)``), then:
 - logits of three prompts run through every attention path: their first tokens packed in one prefill
   (flash_attn_varlen), the rest as a chunked prefill over the cache (paged_prefill), then greedy decode steps of
-  the three together (paged_decode), each row against transformers' forward over the same tokens;
+  the three together (paged_decode); the prompt rows against transformers' forward over the prompt, the decode
+  rows against the logits of transformers' own cached decode steps (``generate(output_logits=True)``);
 - the engine's greedy tokens against transformers' ``generate``.
 Windows are made shorter than the prompts, so sliding layers are exercised.
 """
@@ -78,28 +79,33 @@ def our_logits(model, prompts: list[list[int]], steps: int) -> list[torch.Tensor
     return out
 
 
-def check_logits(folder, hf, atol=2e-4):
+def check_logits(folder, hf, atol=2e-4, prompts=PROMPTS, max_position=None):
+    """Our prompt rows against transformers' forward over the prompt, our decode rows against the logits of
+    transformers' own decode steps (``generate`` through its KV cache, one token a call, as a user runs it)."""
     ckpt = HFCheckpoint(folder)
-    ours = build_model(ckpt.config, ckpt.weights(progress=False))
-    for prompt, got in zip(PROMPTS, our_logits(ours, PROMPTS, DECODE_STEPS)):
-        tokens = prompt + got[len(prompt) - 1: -1].argmax(-1).tolist()[:DECODE_STEPS]
+    ours = build_model(ckpt.config, ckpt.weights(progress=False), max_position=max_position)
+    for prompt, got in zip(prompts, our_logits(ours, prompts, DECODE_STEPS)):
         with torch.inference_mode():
-            ref = hf(torch.tensor([tokens])).logits[0].float()
+            prefill = hf(torch.tensor([prompt])).logits[0].float()
+            out = hf.generate(torch.tensor([prompt]), max_new_tokens=DECODE_STEPS + 1, do_sample=False,
+                              eos_token_id=None, pad_token_id=0, output_logits=True, return_dict_in_generate=True)
+        ref = torch.cat([prefill, torch.cat(out.logits[1:]).float()])
         assert got.shape == ref.shape
+        assert got[len(prompt) - 1:].argmax(-1).tolist() == out.sequences[0, len(prompt):].tolist()
         torch.testing.assert_close(got, ref, atol=atol, rtol=1e-4)
     return ckpt.config
 
 
-def check_greedy(folder, hf, n: int = 16):
+def check_greedy(folder, hf, n: int = 16, prompts=PROMPTS[:2]):
     engine = LLMEngine(str(folder), progress=False, block_size=BLOCK)
-    for i, prompt in enumerate(PROMPTS[:2]):
+    for i, prompt in enumerate(prompts):
         engine.add_request(str(i), prompt, SamplingParams(max_tokens=n, temperature=0, ignore_eos=True))
     done = {}
     while engine.has_unfinished():
         for o in engine.step():
             if o.finished:
                 done[o.request_id] = o.token_ids
-    for i, prompt in enumerate(PROMPTS[:2]):
+    for i, prompt in enumerate(prompts):
         with torch.inference_mode():
             ref = hf.generate(torch.tensor([prompt]), max_new_tokens=n, do_sample=False, eos_token_id=None,
                               pad_token_id=0)
@@ -189,3 +195,60 @@ def test_gemma_4x_config_keys():
         ModelConfig.from_hf({**four, "hidden_activation": "relu2"})
     with pytest.raises(ValueError, match="layer_types: expected a list of 26"):
         ModelConfig.from_hf({**four, "layer_types": ["full_attention"]})
+
+
+# -- Phi-3 / Phi-4-mini -------------------------------------------------------------------------------------------
+ORIGINAL = 24  # longrope's original_max_position_embeddings: contexts up to it use the short factors
+LONG_PROMPTS = [[(7 * i + 3) % VOCAB for i in range(30)], [(11 * i + 5) % VOCAB for i in range(27)]]
+
+
+def _phi3_config(**changes):
+    rot = 32 * 3 // 4  # head_dim 32, partial_rotary_factor 0.75 (as Phi-4-mini)
+    gen = torch.Generator().manual_seed(3)
+    rope = {"rope_type": "longrope", "rope_theta": 10000.0, "partial_rotary_factor": 0.75,
+            "original_max_position_embeddings": ORIGINAL,
+            "short_factor": (1 + torch.rand(rot // 2, generator=gen)).tolist(),
+            "long_factor": (1 + 8 * torch.rand(rot // 2, generator=gen)).tolist()}
+    # Phi3Config writes its own original_max_position_embeddings (default 4096) into rope_parameters: set it.
+    return transformers.Phi3Config(**{**SMALL, "tie_word_embeddings": True, "rope_parameters": rope,
+                                      "original_max_position_embeddings": ORIGINAL, "pad_token_id": 0, **changes})
+
+
+@pytest.fixture(scope="module")
+def phi3(tmp_path_factory):
+    return save_tiny(tmp_path_factory, transformers.Phi3ForCausalLM, _phi3_config())
+
+
+def test_phi3_logits_equal_transformers(phi3):
+    # Long factors: the engine runs contexts past ORIGINAL (its max_model_len, 256, is), and so does
+    # transformers once a sequence is longer than ORIGINAL (these prompts are).
+    cfg = check_logits(*phi3, prompts=LONG_PROMPTS)
+    # Short factors: a max_model_len of ORIGINAL, and sequences that stay within it as transformers sees them.
+    assert all(len(p) + DECODE_STEPS <= ORIGINAL for p in PROMPTS[:2])
+    check_logits(*phi3, prompts=PROMPTS[:2], max_position=ORIGINAL)
+    assert (cfg.architecture, cfg.family.fused_checkpoint, cfg.rotary_dim) == ("phi3", True, 24)
+    assert (cfg.rope_scaling["rope_type"], cfg.rope_scaling["original_max_position_embeddings"]) == ("longrope", ORIGINAL)
+
+
+def test_phi3_greedy_equals_transformers(phi3):
+    check_greedy(*phi3, prompts=LONG_PROMPTS)
+
+
+def test_phi3_sliding_window_and_4x_keys(tmp_path_factory):
+    folder, hf = save_tiny(tmp_path_factory, transformers.Phi3ForCausalLM,
+                           _phi3_config(sliding_window=5, rope_parameters={"rope_type": "default",
+                                                                           "rope_theta": 10000.0}))
+    cfg = check_logits(folder, hf)
+    assert (cfg.sliding_window, cfg.rope_scaling, cfg.rotary_dim) == (5, None, 32)
+    # transformers 4.x: "su", original_max_position_embeddings and partial_rotary_factor at the top level
+    four = {"architectures": ["Phi3ForCausalLM"], "vocab_size": 512, "hidden_size": 128, "intermediate_size": 256,
+            "num_hidden_layers": 2, "num_attention_heads": 4, "max_position_embeddings": 256, "rope_theta": 1e4,
+            "original_max_position_embeddings": 64, "partial_rotary_factor": 0.75,
+            "rope_scaling": {"type": "su", "short_factor": [1.0] * 12, "long_factor": [2.0] * 12}}
+    cfg = ModelConfig.from_hf(four)
+    assert cfg.rope_scaling == {"rope_type": "longrope", "short_factor": [1.0] * 12, "long_factor": [2.0] * 12,
+                                "original_max_position_embeddings": 64}
+    with pytest.raises(ValueError, match="long_factor: expected 12 positive numbers"):
+        ModelConfig.from_hf({**four, "rope_scaling": {**four["rope_scaling"], "long_factor": [2.0] * 16}})
+    with pytest.raises(ValueError, match="rope_scaling.rope_type: 'dynamic' is not supported"):
+        build_model(ModelConfig.from_hf({**four, "rope_scaling": {"type": "dynamic", "factor": 2.0}}), "random")

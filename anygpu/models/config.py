@@ -3,7 +3,8 @@
     ModelConfig.from_hf(json.load(open("config.json")))      # transformers 4.x or 5.x keys
     ModelConfig.from_gguf(metadata, tensor_names=names)      # llama.cpp's "<arch>.block_count"... keys
 
-One frozen dataclass for every supported family (Llama 2/3, Mistral, Qwen2, SmolLM2, and from config.json Qwen3),
+One frozen dataclass for every supported family (Llama 2/3, Mistral, Qwen2, SmolLM2, and from config.json Qwen3,
+Gemma 2, Gemma 3 text, Phi-3 / Phi-4-mini),
 so the model code reads the same fields whatever the file format.  What a family changes in the model is declared
 in ``families.py`` (``ModelConfig.family``); the numbers that vary within a family are fields here.  Anything
 else is refused here, with the name of the architecture, before a single weight is read.
@@ -30,7 +31,7 @@ from .config_checks import (
     check_model_config,
     check_rope_scaling,
 )
-from .families import FAMILIES, HF_CLASSES, MODEL_TYPES, Family, family_hf_fields, gemma3_rope
+from .families import FAMILIES, HF_CLASSES, MODEL_TYPES, Family, family_hf_fields, gemma3_rope, phi3_rope
 
 SUPPORTED_ARCHITECTURES = tuple(dict.fromkeys(HF_CLASSES.values()))
 _HF_CLASSES = HF_CLASSES
@@ -135,6 +136,8 @@ class ModelConfig:
             rope_scaling = check_rope_scaling(rope_scaling, "rope_scaling", where)
         else:
             rope_theta, rope_scaling, extra["partial_rotary_factor"] = _hf_rope(f)
+            if arch == "phi3":
+                rope_scaling = phi3_rope(rope_scaling, f)
         # Qwen2 always has q/k/v biases; its (and Qwen3's) sliding window is off unless asked for.
         bias = family.qkv_bias if family.qkv_bias is not None else f.bool("attention_bias", False)
         window_on = family.window_flag is None or f.bool(family.window_flag, False)

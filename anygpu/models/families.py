@@ -50,9 +50,10 @@ FAMILIES = {
 }
 # transformers' class name -> family.  Gemma3ForCausalLM is the text-only model (gemma-3-1b, or a text config).
 HF_CLASSES = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral", "Qwen2ForCausalLM": "qwen2",
-              "Qwen3ForCausalLM": "qwen3", "Gemma2ForCausalLM": "gemma2", "Gemma3ForCausalLM": "gemma3"}
+              "Qwen3ForCausalLM": "qwen3", "Gemma2ForCausalLM": "gemma2", "Gemma3ForCausalLM": "gemma3",
+              "Phi3ForCausalLM": "phi3"}
 MODEL_TYPES = {"llama": "llama", "mistral": "mistral", "qwen2": "qwen2", "qwen3": "qwen3", "gemma2": "gemma2",
-               "gemma3_text": "gemma3"}
+               "gemma3_text": "gemma3", "phi3": "phi3"}
 ACTIVATIONS = {"silu": "silu", "gelu_pytorch_tanh": "gelu_tanh", "gelu_tanh": "gelu_tanh", "gelu": "gelu"}
 SOFTCAP_RANGE = (0.0, 1e6)  # low excluded
 
@@ -121,3 +122,18 @@ def gemma3_rope(f: Fields) -> tuple[float, dict | None, float]:
     elif "factor" in scaling:
         check_float(scaling["factor"], "rope_scaling.factor", SCALING_FACTOR_RANGE, f.where)
     return theta, scaling, local_theta
+
+
+def phi3_rope(scaling: dict | None, f: Fields) -> dict | None:
+    """Phi-3's rope_scaling as the rotary table reads it: "su" and "yarn" are its names for longrope (transformers'
+    Phi3Config renames them too), and 4.x configs keep original_max_position_embeddings at the top level."""
+    if scaling is None:
+        return None
+    scaling = dict(scaling)
+    if scaling["rope_type"] in ("su", "yarn"):
+        scaling["rope_type"] = "longrope"
+    if scaling["rope_type"] == "longrope" and "original_max_position_embeddings" not in scaling:
+        original = f.int("original_max_position_embeddings", LIMITS["max_position"], None)
+        if original is not None:
+            scaling["original_max_position_embeddings"] = original
+    return scaling

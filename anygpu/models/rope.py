@@ -2,15 +2,17 @@
 
 Default, linear and llama3 scaling are the rotary op's own table (``ops.rotary_embedding.rotary_cos_sin_cache``);
 LongRoPE (Phi-3 / Phi-4-mini, ``rope_type`` "longrope"; ``ModelConfig.from_hf`` renames Phi-3's "su" and "yarn") is built
-here: each position has its own row, so the table can say per position which factors apply.
+here.
 
-LongRoPE divides each frequency by ``short_factor[i]`` below ``original_max_position_embeddings`` and by
-``long_factor[i]`` from there on, and scales cos and sin by ``attention_factor`` (default
-``sqrt(1 + ln(factor) / ln(original))`` with ``factor = max_position_embeddings / original``).  transformers picks
-the set per forward call from the longest position in it, so a token decoded at position p gets the long set iff
-p >= original: the same as this table.  A prompt that crosses ``original`` in one prefill is where the two differ:
-transformers rotates all of it with the long set, this table its positions below ``original`` with the short set
-(the keys transformers cached from earlier calls keep their short rotation too; vLLM switches the whole batch).
+LongRoPE divides each frequency by ``short_factor[i]`` for contexts up to ``original_max_position_embeddings`` and
+by ``long_factor[i]`` for longer ones, and scales cos and sin by ``attention_factor`` (default
+``sqrt(1 + ln(factor) / ln(original))``, ``factor = max_position_embeddings / original``).  Which set applies is
+decided once, from the longest context the model will run (``max_position``, the engine's max_model_len), as vLLM
+does: every position of every sequence then has one rotation, and the paged KV cache stays valid.  transformers
+instead switches a sequence to the long set when it grows past ``original`` and recomputes its whole cache then
+(Phi-3's ``prepare_inputs_for_generation``): the two agree on every sequence when max_model_len <= original
+(short set), and on sequences longer than ``original`` otherwise (long set); a short prompt under a long
+max_model_len runs with the long factors (serve with ``max_model_len`` <= original for the short set).
 """
 
 from __future__ import annotations
@@ -50,6 +52,6 @@ def _longrope(cfg: ModelConfig, max_position: int, device: torch.device) -> torc
     base = float(cfg.rope_theta) ** (torch.arange(0, rot, 2, dtype=f64, device=device) / rot)
     short = 1.0 / (torch.tensor(s["short_factor"], dtype=f64, device=device) * base)
     long = 1.0 / (torch.tensor(s["long_factor"], dtype=f64, device=device) * base)
-    pos = torch.arange(max_position, dtype=f64, device=device)[:, None]
-    angles = pos * torch.where(pos < original, short[None, :], long[None, :])
+    inv_freq = long if max_position > original else short
+    angles = torch.arange(max_position, dtype=f64, device=device)[:, None] * inv_freq[None, :]
     return (torch.cat([angles.cos(), angles.sin()], dim=-1) * float(attention)).to(torch.float32)
