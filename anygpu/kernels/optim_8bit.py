@@ -47,50 +47,12 @@ import triton
 import triton.language as tl
 
 from .config import TRITON_DTYPE, KernelSpec, LaunchConfig, device_target, launch_config, on_device, register
+from .code_lut import (LUT_HALF, build_search_table, lut_codes, lut_search, reference_codes,  # noqa: F401
+                       search_table, table_load)
 from .quant_blockwise import above, position16, search_tree, to_output
 
 OPT_IDS = {"adam": 0, "momentum": 1, "rmsprop": 2, "lion": 3, "ademamix": 4}
 BLOCKSIZE = 256
-
-# The bucket table: magnitudes' fp32 bits clamped to [2^-24, 1.0] (every |x| <= 1 that is not tiny), then
-# >> 16 (8 exponent bits and 7 mantissa bits).  HALF buckets per sign.
-_LOW = 0x33800000  # 2**-24: the default maps' smallest midpoints are ~1.6e-7 and 2.75e-7
-_HIGH = 0x3F800000  # 1.0
-LUT_SHIFT = 16
-_BASE = _LOW >> LUT_SHIFT
-_HALF = ((_HIGH - _LOW) >> LUT_SHIFT) + 1  # 3073
-LUT_LOW, LUT_HIGH, LUT_BASE, LUT_HALF = (tl.constexpr(v) for v in (_LOW, _HIGH, _BASE, _HALF))
-NO_STEP = 0xFFFF  # a low half no bucket-local value exceeds: the bucket holds no midpoint
-
-
-@triton.jit
-def _table_load(ptrs, PTX: tl.constexpr):
-    """fp32 table entries at ``ptrs`` (a gather).  PTX (NVIDIA): as an inline-PTX elementwise load, which the
-    compiler places in the registers its index is already in.  A ``tl.load`` whose addresses are not
-    contiguous gets a layout of its own (one element a thread), and triton 3.6 then moved the whole update
-    into that layout and back: 11 layout conversions through shared memory, half of the L1 traffic of the
-    H200's AdamW8bit step (Nsight Compute)."""
-    if PTX:
-        return tl.inline_asm_elementwise("ld.global.nc.f32 $0, [$1];", "=f,l", [ptrs], dtype=tl.float32,
-                                         is_pure=True, pack=1)
-    else:
-        return tl.load(ptrs)
-
-
-@triton.jit
-def _lut_search(q, neg, lut_ptr, SIGNED: tl.constexpr, PTX: tl.constexpr = False):
-    """The code of x = (-1 if neg else 1) * q, q = |x| in [0, 1] (NaN: the top code), from the bucket table
-    (see the module docstring); ``neg`` is -1 where x carries the sign bit (-0.0 too), else 0."""
-    clamped = tl.minimum(tl.maximum(q.to(tl.int32, bitcast=True) & 0x7FFFFFFF, LUT_LOW), LUT_HIGH)
-    if SIGNED:
-        index = (clamped >> 16) + ((neg & LUT_HALF) - LUT_BASE)  # the negative half follows the positive
-        low = (clamped ^ neg) & 0xFFFF  # mirrored for x < 0: larger |x| is smaller x
-    else:  # the second state is never negative
-        index = (clamped >> 16) - LUT_BASE
-        low = clamped & 0xFFFF
-    entry = _table_load(lut_ptr + index, PTX).to(tl.int32, bitcast=True)  # passed as fp32 bits (one signature)
-    return (entry >> 16) + (low > (entry & 0xFFFF)).to(tl.int32)
-
 
 @triton.jit
 def _scaled_magnitude(s, absmax):
@@ -123,11 +85,11 @@ def _tree_search(scaled, tree_ptr, code_ptr, SIGNED: tl.constexpr, PTX: tl.const
                            tl.load(tree_ptr + 6), tl.load(tree_ptr + 13), tl.load(tree_ptr + 3),
                            tl.load(tree_ptr + 14), tl.load(tree_ptr + 7), tl.load(tree_ptr + 15))
     for _ in tl.static_range(4):
-        node = 2 * node + above(scaled, _table_load(tree_ptr + node, PTX)).to(tl.int32)
+        node = 2 * node + above(scaled, table_load(tree_ptr + node, PTX)).to(tl.int32)
     code = node - 256
     if SIGNED:  # the sign fix: the stored value keeps s's sign bit (-0.0 included, as signbit does)
         s_neg = scaled.to(tl.int32, bitcast=True) < 0
-        c_neg = _table_load(code_ptr + code, PTX).to(tl.int32, bitcast=True) < 0
+        c_neg = table_load(code_ptr + code, PTX).to(tl.int32, bitcast=True) < 0
         code = tl.where(s_neg != c_neg, tl.where(scaled > 0, code + 1, code - 1), code)
     return code
 
@@ -141,10 +103,10 @@ def _dequantize(q_ptr, absmax_ptr, code_ptr, search_ptr, first, base, rows, loca
     if LUT:
         zero = tl.load(search_ptr + 2 * LUT_HALF).to(tl.int32, bitcast=True)
         q = tl.load(q_ptr + base + local, mask=in_range, other=zero.to(tl.uint8)).to(tl.int32)
-        return _table_load(code_ptr + q, PTX) * absmax[:, None]
+        return table_load(code_ptr + q, PTX) * absmax[:, None]
     else:
         q = tl.load(q_ptr + base + local, mask=in_range, other=0).to(tl.int32)
-        return tl.where(in_range, _table_load(code_ptr + q, PTX) * absmax[:, None], 0.0)
+        return tl.where(in_range, table_load(code_ptr + q, PTX) * absmax[:, None], 0.0)
 
 
 @triton.jit
@@ -155,7 +117,7 @@ def _requantize(s, search_ptr, code_ptr, q_ptr, absmax_ptr, first, base, rows, l
     tl.store(absmax_ptr + first + rows, absmax, mask=rows * 256 < left)
     if LUT:
         q, neg = _scaled_magnitude(s, absmax)
-        code = _lut_search(q, neg, search_ptr, SIGNED, PTX)
+        code = lut_search(q, neg, search_ptr, SIGNED, PTX)
     else:
         safe = tl.where(absmax > 0, absmax, 1.0)
         scaled = tl.where(absmax[:, None] > 0, tl.div_rn(s, safe[:, None]), 0.0)
@@ -331,132 +293,6 @@ def _signature_32bit(dtype: torch.dtype) -> dict:
 
 SPEC = register(KernelSpec("optim_8bit", _optim_8bit_kernel, _signature, DTYPES, CONFIGS))
 SPEC_32BIT = register(KernelSpec("optim_32bit", _optim_32bit_kernel, _signature_32bit, DTYPES, CONFIGS_32BIT))
-
-
-# ---- the bucket table -------------------------------------------------------------------------------
-
-def _f32(bits: torch.Tensor) -> torch.Tensor:
-    return bits.to(torch.int32).view(torch.float32)
-
-
-def reference_codes(x: torch.Tensor, code: torch.Tensor, signed: bool) -> torch.Tensor:
-    """The code of each fp32 ``x`` as ``optim.reference.quantize_state`` picks it (the specification the
-    table is proven against): the number of midpoints strictly below x, then for a signed state the sign
-    fix (a code whose value has the other sign bit than x moves one step towards x)."""
-    codes = torch.bucketize(x, (code[:-1] + code[1:]) / 2)
-    if signed:
-        wrong_sign = torch.signbit(code[codes]) != torch.signbit(x)
-        codes = torch.where(wrong_sign, torch.where(x > 0, codes + 1, codes - 1), codes)
-    return codes
-
-
-def lut_codes(x: torch.Tensor, lut: torch.Tensor, signed: bool) -> torch.Tensor:
-    """``_lut_search`` in PyTorch, operation for operation (int64, so shifts and masks match int32's), for
-    x's magnitude and (signed) its sign bit."""
-    bits = x.view(torch.int32).long()
-    clamped = (bits & 0x7FFFFFFF).clamp(_LOW, _HIGH)
-    if signed:
-        neg = torch.where(bits < 0, -1, 0)
-        index = (clamped >> 16) + ((neg & _HALF) - _BASE)
-        low = (clamped ^ neg) & 0xFFFF
-    else:
-        index = (clamped >> 16) - _BASE
-        low = clamped & 0xFFFF
-    entry = lut.view(torch.int32).long()[index]
-    return (entry >> 16) + (low > (entry & 0xFFFF)).long()
-
-
-def _build_lut(code: torch.Tensor, signed: bool) -> torch.Tensor:
-    """int32 [2 * LUT_HALF + 1] (as fp32 bits; the last: the index of +0.0, or -1) for the sorted fp32 map
-    ``code`` on the CPU; exact only where every bucket holds at most one midpoint, which ``search_table``
-    proves before using it."""
-    mids = (code[:-1] + code[1:]) / 2  # fp32, exactly as the reference
-    i = torch.arange(_HALF, dtype=torch.int64)
-    lo_bits = (_BASE + i) << LUT_SHIFT  # the bucket's smallest magnitude (bucket 0 takes all below)
-    hi_bits = torch.where(i == _HALF - 1, lo_bits, lo_bits + 0xFFFF)  # the top bucket is 1.0 alone
-    lo_mag, hi_mag = _f32(lo_bits), _f32(hi_bits)
-    entries = []
-    for negative in (False, True):
-        if negative:  # x from -hi_mag up to -lo_mag: the midpoint m in [-hi, -lo) steps at |x| < |m|
-            start = torch.searchsorted(mids, -hi_mag, right=False)
-            inside = torch.searchsorted(mids, -lo_mag, right=False) - start
-            step_bits = _f32_bits(mids[start.clamp(max=254)].abs())
-            threshold = 0xFFFF - (step_bits & 0xFFFF)
-        else:  # x from lo_mag up to hi_mag: the midpoint m in [lo, hi) steps at x > m
-            start = torch.searchsorted(mids, lo_mag, right=False)
-            inside = torch.searchsorted(mids, hi_mag, right=False) - start
-            threshold = _f32_bits(mids[start.clamp(max=254)]) & 0xFFFF
-        has_step = inside >= 1
-        c0, c1 = start, (start + 1).clamp(max=255)
-        if signed:  # the sign fix, for x < 0 (-0.0 too: x > 0 is false) or x > 0
-            neg_value = torch.signbit(code)
-            if negative:
-                c0 = torch.where(~neg_value[c0], c0 - 1, c0)
-                c1 = torch.where(~neg_value[c1], c1 - 1, c1)
-            else:
-                c0 = torch.where(neg_value[c0], c0 + 1, c0)
-                c1 = torch.where(neg_value[c1], c1 + 1, c1)
-        has_step = has_step & (c1 != c0)  # the fix can merge the two codes
-        threshold = torch.where(has_step, threshold, NO_STEP)
-        entries.append((c0.clamp(0, 255) << 16) | threshold)
-    zero = (code == 0) & ~torch.signbit(code)  # +0.0: what elements past the end load (see _dequantize)
-    entries.append(torch.where(zero.any(), zero.long().argmax(), -1).reshape(1))
-    return torch.cat(entries).to(torch.int32).view(torch.float32)
-
-
-def _f32_bits(x: torch.Tensor) -> torch.Tensor:
-    return x.contiguous().view(torch.int32).long()
-
-
-def _probe_points(code: torch.Tensor) -> torch.Tensor:
-    """Every x at which the table's or the reference's code can change, plus both ends of every bucket:
-    within a bucket the table takes at most two values (one step at its midpoint) and the reference one
-    per midpoint, so agreeing on these points is agreeing on every fp32 in [-1, 1] (and beyond it)."""
-    i = torch.arange(_HALF, dtype=torch.int64)
-    lo_bits = (_BASE + i) << LUT_SHIFT
-    ends = torch.cat([_f32(lo_bits), _f32(lo_bits + 0xFFFF), _f32(lo_bits - 1)])
-    mids = (code[:-1] + code[1:]) / 2
-    near = torch.cat([mids, torch.nextafter(mids, torch.tensor(-2.0)), torch.nextafter(mids, torch.tensor(2.0)),
-                      code])
-    tiny = torch.tensor([0.0, 1e-45, 1e-40, 1.1754944e-38, 1e-30, 1e-10, 5.9e-8, 1.0, 1.0000001, 2.0,
-                         float("inf")])
-    magnitudes = torch.cat([ends.abs(), tiny])
-    return torch.cat([magnitudes, -magnitudes, near]).float()
-
-
-def build_search_table(code: torch.Tensor, signed: bool) -> torch.Tensor | None:
-    """The bucket table of the CPU map ``code`` (fp32 [256], sorted), proven exact against
-    ``reference_codes`` on every point where either could change its answer; None where it is not
-    (a map with two midpoints in one bucket, or midpoints below 2^-24): such maps use the search tree."""
-    code = code.detach().float().contiguous()
-    if code.numel() != 256 or code.device.type != "cpu" or not bool((code[1:] >= code[:-1]).all()):
-        return None
-    lut = _build_lut(code, signed)
-    if int(lut[-1].view(torch.int32)) < 0:  # no +0.0 in the map
-        return None
-    x = _probe_points(code)
-    if not signed:  # the second state is never negative: the table serves magnitudes
-        x = x[~torch.signbit(x)]
-    if not torch.equal(lut_codes(x, lut, signed), reference_codes(x, code, signed)):
-        return None
-    return lut
-
-
-_TABLES: dict = {}
-
-
-def search_table(code: torch.Tensor, signed: bool) -> torch.Tensor | None:
-    """``build_search_table`` for a CPU map, cached while that very tensor lives unmodified.  Device maps are
-    the caller's business (reading one would sync): see ``optim.optimizer``, which knows the default maps."""
-    key = (id(code), signed)
-    hit = _TABLES.get(key)
-    if hit is not None and hit[0]() is code and hit[1] == code._version:
-        return hit[2]
-    table = build_search_table(code, signed)
-    if len(_TABLES) > 64:
-        _TABLES.clear()
-    _TABLES[key] = (weakref.ref(code), code._version, table)
-    return table
 
 
 # ---- launchers ----------------------------------------------------------------------------------------

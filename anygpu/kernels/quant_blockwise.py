@@ -5,7 +5,9 @@ Both are streaming kernels: a program takes several whole blocks ([BLOCKS, BS] e
 reduction in registers and loads and stores are wide.  Quantize does the reference's fp32 operations in
 its order: absmax (NaN kept, as torch's max keeps it), 1 / max(absmax, 1e-38) as an IEEE division
 (``/`` is approximate on NVIDIA), one multiply (the partial last block divides instead, as the reference
-does), then the code by a branch-free binary search: the 255 midpoints of the sorted code are stored in
+does), then the code: for a map ``code_lut.py``'s bucket table can serve (bitsandbytes' dynamic maps; proven
+exact for the map when it is first used) one gather from that table an element, else by a branch-free binary
+search: the 255 midpoints of the sorted code are stored in
 breadth-first (Eytzinger) order, so 8 steps ``node = 2 * node + (s > tree[node])`` give the number of
 midpoints strictly below s (ties go to the lower code; NaN goes right every time: the top code).  The
 top 4 levels use selects among 15 values held in registers, the last 4 gather from the 1 KiB tree.
@@ -23,6 +25,7 @@ import torch
 import triton
 import triton.language as tl
 
+from .code_lut import lut_search, search_table
 from .config import TRITON_DTYPE, KernelSpec, LaunchConfig, device_target, on_device, register, select
 
 # The reference's absmax floor, 1e-38 (an fp32 subnormal), as its bit pattern: a Python float that small
@@ -84,17 +87,22 @@ def position16(s, t0, t1, t2, t3, t4, t5, t6, t7, t8, t9, t10, t11, t12, t13, t1
 
 @triton.jit
 def _quantize_blockwise_kernel(a_ptr, tree_ptr, q_ptr, absmax_ptr, n, n_full_blocks, BS: tl.constexpr,
-                               BLOCKS: tl.constexpr):
+                               BLOCKS: tl.constexpr, LUT: tl.constexpr = False, PTX: tl.constexpr = False):
     s, in_range, base, local = _scaled_blocks(a_ptr, absmax_ptr, n, n_full_blocks, BS, BLOCKS)
-    # The tree's top 4 levels (nodes 1..15, in sorted order here) from registers, with selects ...
-    node = 16 + position16(s, tl.load(tree_ptr + 8), tl.load(tree_ptr + 4), tl.load(tree_ptr + 9),
-                           tl.load(tree_ptr + 2), tl.load(tree_ptr + 10), tl.load(tree_ptr + 5),
-                           tl.load(tree_ptr + 11), tl.load(tree_ptr + 1), tl.load(tree_ptr + 12),
-                           tl.load(tree_ptr + 6), tl.load(tree_ptr + 13), tl.load(tree_ptr + 3),
-                           tl.load(tree_ptr + 14), tl.load(tree_ptr + 7), tl.load(tree_ptr + 15))
-    for _ in tl.static_range(4):  # ... the last 4 by gathers (the tree's 1 KiB stays in L1)
-        node = 2 * node + above(s, tl.load(tree_ptr + node)).to(tl.int32)
-    tl.store(q_ptr + base + local, (node - 256).to(tl.uint8), mask=in_range)
+    if LUT:  # tree_ptr is the map's bucket table (code_lut.py): one gather an element
+        neg = s.to(tl.int32, bitcast=True) >> 31
+        code = tl.where(s != s, 255, lut_search(tl.abs(s), neg, tree_ptr, True, PTX))  # NaN: the top code
+        tl.store(q_ptr + base + local, code.to(tl.uint8), mask=in_range)
+    else:
+        # The tree's top 4 levels (nodes 1..15, in sorted order here) from registers, with selects ...
+        node = 16 + position16(s, tl.load(tree_ptr + 8), tl.load(tree_ptr + 4), tl.load(tree_ptr + 9),
+                               tl.load(tree_ptr + 2), tl.load(tree_ptr + 10), tl.load(tree_ptr + 5),
+                               tl.load(tree_ptr + 11), tl.load(tree_ptr + 1), tl.load(tree_ptr + 12),
+                               tl.load(tree_ptr + 6), tl.load(tree_ptr + 13), tl.load(tree_ptr + 3),
+                               tl.load(tree_ptr + 14), tl.load(tree_ptr + 7), tl.load(tree_ptr + 15))
+        for _ in tl.static_range(4):  # ... the last 4 by gathers (the tree's 1 KiB stays in L1)
+            node = 2 * node + above(s, tl.load(tree_ptr + node)).to(tl.int32)
+        tl.store(q_ptr + base + local, (node - 256).to(tl.uint8), mask=in_range)
 
 
 @triton.jit
@@ -140,6 +148,15 @@ _QUANTIZE_WAVE64 = (LaunchConfig({"BS": 64, "BLOCKS": 16}, num_warps=2),
 _QUANTIZE_NVIDIA = (LaunchConfig({"BS": 64, "BLOCKS": 8}, num_warps=1),
                     LaunchConfig({"BS": 256, "BLOCKS": 2}, num_warps=1),
                     LaunchConfig({"BS": 4096, "BLOCKS": 1}, num_warps=4))
+
+
+def _with_lut(configs: tuple, ptx: bool) -> tuple:
+    """The configs as compiled for the default maps: the bucket-table search (PTX gathers on NVIDIA)."""
+    return tuple(LaunchConfig({**c.constexprs, "LUT": True, "PTX": ptx}, c.num_warps, c.num_stages) for c in configs)
+
+
+_QUANTIZE_WAVE32, _QUANTIZE_WAVE64 = _with_lut(_QUANTIZE_WAVE32, False), _with_lut(_QUANTIZE_WAVE64, False)
+_QUANTIZE_NVIDIA = _with_lut(_QUANTIZE_NVIDIA, True)
 QUANTIZE_CONFIGS = {"default": _QUANTIZE_WAVE32, "amd": _QUANTIZE_WAVE64, "rdna3": _QUANTIZE_WAVE32,
                     "rdna4": _QUANTIZE_WAVE32, "nvidia": _QUANTIZE_NVIDIA}
 _DEQUANTIZE_WAVE32 = (LaunchConfig({"BS": 64, "BLOCKS": 64}, num_warps=8),)
@@ -151,7 +168,8 @@ DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 def _quantize_signature(dtype: torch.dtype) -> dict:
     return {"a_ptr": f"*{TRITON_DTYPE[dtype]}", "tree_ptr": "*fp32", "q_ptr": "*u8", "absmax_ptr": "*fp32",
-            "n": "i32", "n_full_blocks": "i32", "BS": "constexpr", "BLOCKS": "constexpr"}
+            "n": "i32", "n_full_blocks": "i32", "BS": "constexpr", "BLOCKS": "constexpr", "LUT": "constexpr",
+            "PTX": "constexpr"}
 
 
 def _dequantize_signature(dtype: torch.dtype) -> dict:
@@ -217,10 +235,32 @@ def quantize_blockwise(A: torch.Tensor, code: torch.Tensor, blocksize: int) -> t
     q = torch.empty(A.shape, dtype=torch.uint8, device=A.device)
     absmax = torch.empty(n_blocks, dtype=torch.float32, device=A.device)
     blocks, options = tile_for(QUANTIZE_CONFIGS, A.device, blocksize)
+    lut = device_lut(code)
     with on_device(A.device):
-        _quantize_blockwise_kernel[(-(-n_blocks // blocks),)](a, search_tree(code), q, absmax, n, n // blocksize,
-                                                             BS=blocksize, BLOCKS=blocks, **options)
+        _quantize_blockwise_kernel[(-(-n_blocks // blocks),)](a, search_tree(code) if lut is None else lut, q, absmax,
+                                                             n, n // blocksize, BS=blocksize, BLOCKS=blocks,
+                                                             LUT=lut is not None,
+                                                             PTX=lut is not None and A.device.type == "cuda"
+                                                             and not torch.version.hip, **options)
     return q, absmax
+
+
+_LUTS: dict[int, tuple] = {}
+
+
+def device_lut(code: torch.Tensor) -> torch.Tensor | None:
+    """The bucket table of ``code`` (no sign fix: quantize's rule) on its device, or None where the table cannot
+    serve the map (then the search tree does).  Built from a host copy of the map once per map tensor (one
+    small device-to-host copy the first time a map is used), then cached while that tensor lives unmodified."""
+    hit = _LUTS.get(id(code))
+    if hit is not None and hit[0]() is code and hit[1] == code._version:
+        return hit[2]
+    table = search_table(code.detach().float().cpu(), signed=True, sign_fix=False)
+    lut = None if table is None else table.to(code.device)
+    if len(_LUTS) > 64:
+        _LUTS.clear()
+    _LUTS[id(code)] = (weakref.ref(code), code._version, lut)
+    return lut
 
 
 def dequantize_blockwise(A: torch.Tensor, absmax: torch.Tensor, code: torch.Tensor, blocksize: int,
