@@ -3,7 +3,8 @@
 Each check runs in a subprocess: the registration lasts for the process, and the other tests use bitsandbytes'
 own CPU kernels as their oracle.  On the CPU anygpu's ops are the PyTorch references, which match bitsandbytes'
 CPU backend bit for bit (test_quant_compat.py), so the outputs must not change at all once installed, while
-``calls`` shows anygpu's kernels ran.  The GPU side (the point of the install) needs the device tool.
+``calls`` shows anygpu's kernels ran.  Importing the module installs for the CUDA device type only, so the CPU
+checks call ``install(devices=("cpu",))``.  The GPU side (the point of the install) needs the device tool.
 """
 
 import json
@@ -14,6 +15,20 @@ import textwrap
 import pytest
 
 pytest.importorskip("bitsandbytes")
+
+# bitsandbytes without its native library, as on a ROCm machine its wheel has no build for: every load fails, so
+# cextension.py puts its ErrorHandlerMockBNBNativeLibrary in the library's place (on the CPU, as on GPUs)
+NO_NATIVE = """
+import ctypes, sys
+_load = ctypes.cdll.LoadLibrary
+def _no_bnb(path, *args, **kwargs):
+    if "libbitsandbytes" in str(path):
+        raise OSError(f"{path}: cannot open shared object file (simulated)")
+    return _load(path, *args, **kwargs)
+ctypes.cdll.LoadLibrary = _no_bnb
+import bitsandbytes.cextension
+assert type(bitsandbytes.cextension.lib).__name__ == "ErrorHandlerMockBNBNativeLibrary"
+"""
 
 LINEAR = """
 import json, torch, bitsandbytes as bnb
@@ -55,10 +70,25 @@ int8_diff = max(((a.float() - b.float()).abs().max() / b.float().abs().max()).it
 print(json.dumps({"names": names, "same": same, "int8_diff": int8_diff, "calls": dict(agb.calls)}))
 """
 
+IMPORT_ONLY = """
+import json, torch, bitsandbytes
+ops = ["quantize_4bit", "dequantize_4bit", "quantize_blockwise", "dequantize_blockwise", "gemv_4bit", "gemm_4bit",
+       "int8_vectorwise_quant", "int8_linear_matmul", "int8_mm_dequant"]
+def cuda_kernels():
+    return [torch._C._dispatch_has_kernel_for_dispatch_key(f"bitsandbytes::{op}", "CUDA") for op in ops]
+before = cuda_kernels()
+import anygpu.integrations.bitsandbytes as agb
+after, installed = cuda_kernels(), sorted(agb._installed)
+again = agb.install()
+print(json.dumps({"gpu": torch.cuda.is_available(), "before": before, "after": after, "installed": installed,
+                  "again": again, "expected": sorted(f"bitsandbytes::{op}" for op in ops),
+                  "installed_again": sorted(agb._installed) == installed}))
+"""
+
 TRANSFORMERS = """
 import json, sys, warnings, torch, transformers, peft
-import anygpu.integrations.bitsandbytes as agb
 if sys.argv[2] == "anygpu":
+    import anygpu.integrations.bitsandbytes as agb
     agb.install(devices=("cpu",))
 torch.manual_seed(0)
 config = transformers.LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
@@ -92,7 +122,8 @@ with warnings.catch_warnings():
 with torch.no_grad():
     out = merged(input_ids=ids).logits
 print(json.dumps({"quantized": quantized, "generated": list(generated.shape), "losses": losses,
-                  "merge_rel": ((out - unmerged).norm() / unmerged.norm()).item(), "calls": dict(agb.calls)}))
+                  "merge_rel": ((out - unmerged).norm() / unmerged.norm()).item(),
+                  "calls": dict(agb.calls) if sys.argv[2] == "anygpu" else {}}))
 """
 
 
@@ -103,8 +134,20 @@ def _run(script: str, *args) -> dict:
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
-def test_bitsandbytes_linear4bit_runs_on_anygpu_kernels_with_identical_results():
-    result = _run(LINEAR)
+def test_the_import_alone_registers_anygpu_for_gpus_once():
+    result = _run(IMPORT_ONLY)
+    assert all(result["after"])
+    if not result["gpu"]:
+        assert not any(result["before"])  # bitsandbytes registers its CUDA kernels only where CUDA is available
+    assert result["installed"] == [[name, "cuda"] for name in result["expected"]]
+    assert result["again"] == result["expected"] and result["installed_again"]  # idempotent
+
+
+@pytest.mark.parametrize("native", ["native", "no-native"])
+def test_bitsandbytes_linear4bit_runs_on_anygpu_kernels_with_identical_results(native):
+    """Also without bitsandbytes' native library: its mock library defers the load error to a native call, and
+    anygpu's registrations still take over (on the CPU here; on a ROCm GPU the same holds for "cuda")."""
+    result = _run((NO_NATIVE if native == "no-native" else "") + LINEAR)
     assert "bitsandbytes::gemm_4bit" in result["names"] and "bitsandbytes::dequantize_4bit" in result["names"]
     assert result["same"]
     calls = result["calls"]

@@ -7,10 +7,19 @@ like, defined in ``bitsandbytes/_ops.py``) with one kernel per device type, regi
 cuda when ``torch.cuda.is_available()``).  ``torch.library.register_kernel`` lets a third party register
 another kernel for the same op and device type; the latest registration wins (torch warns once that a kernel
 was overridden).  ``install()`` does that for the ops below, after importing bitsandbytes so its own
-registrations come first.
+registrations come first.  Importing this module calls it for the CUDA device type (NVIDIA and ROCm GPUs
+alike: torch names both "cuda"), so one import line is the whole change to a bitsandbytes / transformers /
+PEFT program; ``install()`` stays public, idempotent, for other device types:
 
-    import anygpu.integrations.bitsandbytes as agb
-    agb.install()                 # CUDA device type: NVIDIA and ROCm GPUs alike (torch names both "cuda")
+    import anygpu.integrations.bitsandbytes       # bitsandbytes' ops on GPUs now run anygpu's kernels
+    anygpu.integrations.bitsandbytes.install(devices=("cpu",))   # also the CPU (a check of the mechanism)
+
+Without bitsandbytes' native library (a ROCm machine its wheel has no build for, a CUDA version it lacks):
+``bitsandbytes/cextension.py`` catches the load error and, on a GPU machine, logs it and puts an
+``ErrorHandlerMockBNBNativeLibrary`` in place of the library, which raises only when one of its functions is
+called; the import succeeds and ``backends/cuda/ops.py`` still registers its kernels (ctypes set-up on the
+mock is harmless).  Ours replace them for the ops below, so those work there; the ops left to bitsandbytes
+(below) raise its "library load error" message when called, as they would without anygpu.
 
 Ops taken over (their signatures are anygpu's ops' signatures, or map onto ``anygpu.ops.matmul_4bit``):
 ``quantize_4bit``, ``dequantize_4bit``, ``quantize_blockwise``, ``dequantize_blockwise``, ``gemv_4bit``,
@@ -139,3 +148,6 @@ def install(devices=("cuda",)) -> list[str]:
                 _installed.add((qualified, device))
             names.append(qualified)
     return sorted(set(names))
+
+
+install()  # the import is the install: see the module doc
