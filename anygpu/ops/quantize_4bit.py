@@ -81,11 +81,12 @@ def codes_4bit(A: torch.Tensor, blocksize: int, quant_type: str, rule: int) -> t
     """(uint8 codes, an even count: an odd one is padded with the code of 0; absmax) with FP4 by ``rule``.
     NF4 ignores the rule: every bitsandbytes backend agrees on NF4."""
     scaled, absmax = scale_blocks(A, blocksize)
-    x = A.reshape(-1).float()
-    per_element = absmax.repeat_interleave(blocksize)[:scaled.numel()]
-    if scaled.numel() % 2:
-        scaled, x, per_element = (torch.cat([t, t.new_zeros(1)]) for t in (scaled, x, per_element))
+    n = scaled.numel()
+    if n % 2:
+        scaled = torch.cat([scaled, scaled.new_zeros(1)])
     if quant_type == "fp4" and rule != FP4_REFERENCE:
+        x = torch.cat([A.reshape(-1).float(), scaled.new_zeros(n % 2)])
+        per_element = absmax.repeat_interleave(blocksize)[:scaled.numel()]  # a pad element is in the last block
         return fp4_kernels_cu(scaled, x, per_element, rule == FP4_KERNELS_CU_FTZ), absmax
     midpoints, order = sorted_4bit(quant_type, A.device)
     position = bucket(scaled, midpoints)
