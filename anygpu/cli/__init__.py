@@ -9,7 +9,8 @@ import warnings
 import click
 
 from .._version import __version__
-from .generate import apply_threads, model_spec
+from .extras import require
+from .generate import apply_threads, model_spec, quiet_option
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
@@ -72,6 +73,7 @@ def doctor(as_json, targets, no_probe):
               help="serve suite: this fraction of requests leave mid-stream.")
 @click.option("--client-procs", type=click.IntRange(min=1), default=4, show_default=True,
               help="serve suite: load-generator processes.")
+@quiet_option("No progress bars.", expose_value=False)
 def bench(suite, list_suites, quick, json_path, png_path, tp, url, api_key, request_rate, half_load,
           disconnect_fraction, client_procs, **model_options):
     """Run a benchmark SUITE on this backend against its baselines.
@@ -91,11 +93,13 @@ def bench(suite, list_suites, quick, json_path, png_path, tp, url, api_key, requ
     if suite in ("model", "serve"):
         model_options["model"] = model_spec(model_options["model"], gguf_file)
     if suite == "model":
+        require("llm", "anygpu bench model")
         from .bench_model import bench_model
 
         bench_model(json_path=json_path or "bench-results/model.json", tp=tp, **model_options)
         return
     if suite == "serve":
+        require("serve", "anygpu bench serve")
         from .bench_model import single_quantize
         from .bench_serve import bench_serve
 
@@ -167,6 +171,7 @@ def _parse_batch_sizes(text: str) -> tuple[int, ...]:
                    "anygpu_tunableop_results.csv (ordinal inserted).")
 @click.option("--max-iterations", type=click.IntRange(min=1), default=None, help="Timed calls per candidate, at most.")
 @click.option("--max-duration-ms", type=click.FloatRange(min=0), default=None, help="Timing budget per candidate.")
+@quiet_option("No progress bars.", expose_value=False)
 def tune(shapes, dtype, bias, model_config, batch_sizes, untuned_path, devices, output, max_iterations,
          max_duration_ms):
     """Tune GEMMs ahead of time into the TunableOp results file: --shape, --model-config, --untuned (any mix).
@@ -271,7 +276,8 @@ def targets():
                                "products"]))
 
 
-from .generate import chat, generate  # noqa: E402 - the engine's commands live in their own file
+from .chat import chat  # noqa: E402 - the engine's commands live in their own files
+from .generate import generate  # noqa: E402
 
 cli.add_command(generate)
 cli.add_command(chat)

@@ -1,4 +1,5 @@
-"""``anygpu generate`` and ``anygpu chat``: the engine from the command line.
+"""``anygpu generate``, and the options and helpers it shares with ``anygpu chat``: the engine from the command
+line.
 
 The answer streams to stdout; progress bars and the closing summary line go to stderr, so
 ``anygpu generate "..." > answer.txt`` keeps just the answer.  A model with a chat template gets its prompt
@@ -12,6 +13,8 @@ import os
 import sys
 
 import click
+
+from .extras import require
 
 
 def default_threads() -> int:
@@ -56,6 +59,18 @@ ENGINE_OPTIONS = [
                  help="CPU threads for torch's ops. Default: half the cores this process may use (at least 1): "
                       "more threads spin-wait for each other, which makes decode slower when other work is busy."),
 ]
+def _quiet(ctx, param, value):
+    if value:
+        os.environ["TQDM_DISABLE"] = "1"  # read at each bar (anygpu/_progress.py), here and in child processes
+    return value
+
+
+def quiet_option(what: str = "No progress bars and no summary line.", expose_value: bool = True):
+    return click.option("--quiet", "-q", is_flag=True, callback=_quiet, expose_value=expose_value,
+                        help=f"{what} TQDM_DISABLE=1 in the environment hides the progress bars too.")
+
+
+QUIET_OPTION = quiet_option()
 SAMPLING_OPTIONS = [
     click.option("--max-tokens", type=click.IntRange(min=1), default=256, show_default=True),
     click.option("--temperature", type=click.FloatRange(min=0), default=0.0, show_default=True, help="0: greedy."),
@@ -118,14 +133,18 @@ def _params(kw):
         raise click.BadParameter(str(e)) from None
 
 
-def _stream(engine, request_id, prompt_ids, params):
-    """Run one request, printing its text as it comes; returns its final RequestOutput."""
+def _stream(engine, request_id, prompt_ids, params, interrupted=lambda: False):
+    """Run one request, printing its text as it comes; returns its last RequestOutput (None when none came).
+    ``interrupted()`` is asked between steps: when true the request is aborted there."""
     try:
         engine.add_request(request_id, prompt_ids, params)
     except ValueError as e:
         raise click.ClickException(str(e)) from None
     last = None
     while engine.has_unfinished():
+        if interrupted():
+            engine.abort(request_id)
+            break
         for out in engine.step():
             click.echo(out.outputs[0].delta_text, nl=False)
             sys.stdout.flush()
@@ -166,50 +185,14 @@ def _prompt_ids(engine, messages, raw_text: str | None):
 @click.option("--system", default=None, help="A system message (chat template only).")
 @_options(ENGINE_OPTIONS)
 @_options(SAMPLING_OPTIONS)
-def generate(prompt, raw, system, model, gguf_file, quantize, dtype, tune, max_model_len, eager, **sampling):
+@QUIET_OPTION
+def generate(prompt, raw, system, model, gguf_file, quantize, dtype, tune, max_model_len, eager, quiet, **sampling):
     """Answer PROMPT with a model (default: SmolLM2-135M-Instruct, no download). Ends with a summary line."""
+    require("llm", "anygpu generate")
     params = _params(sampling)  # before the model loads: a typo should not cost a load
     engine = _engine(model, gguf_file, quantize, dtype, tune, max_model_len, eager)
     messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": prompt}]
     ids = _prompt_ids(engine, messages, prompt if raw else None)
     out = _stream(engine, "generate", ids, params)
-    click.echo(summary_line(engine, out), err=True)
-
-
-@click.command()
-@click.option("--system", default=None, help="A system message.")
-@_options(ENGINE_OPTIONS)
-@_options(SAMPLING_OPTIONS)
-def chat(system, model, gguf_file, quantize, dtype, tune, max_model_len, eager, **sampling):
-    """Talk with a model; the conversation so far goes through its chat template each turn.
-    Commands: /reset (forget the history), /exit (or Ctrl-D)."""
-    params = _params(sampling)
-    engine = _engine(model, gguf_file, quantize, dtype, tune, max_model_len, eager)
-    if engine.tokenizer is None or engine.tokenizer.chat_template is None:
-        raise click.ClickException(f"{engine.model_name} has no chat template; use `anygpu generate --raw`")
-    history = [{"role": "system", "content": system}] if system else []
-    turn = 0
-    while True:
-        try:
-            line = input("> ")
-        except EOFError:
-            click.echo()
-            return
-        if line.strip() in ("/exit", "/quit"):
-            return
-        if line.strip() == "/reset":
-            history = history[:1] if system else []
-            continue
-        if not line.strip():
-            continue
-        history.append({"role": "user", "content": line})
-        ids = engine.tokenizer.encode_chat(history)
-        if len(ids) >= engine.max_model_len:
-            click.echo(f"(the conversation is {len(ids)} tokens, over the context of {engine.max_model_len}: "
-                       f"/reset to start again)", err=True)
-            history.pop()
-            continue
-        turn += 1
-        out = _stream(engine, f"chat-{turn}", ids, params)
-        history.append({"role": "assistant", "content": out.outputs[0].text})
+    if not quiet:
         click.echo(summary_line(engine, out), err=True)

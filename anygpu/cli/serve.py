@@ -18,6 +18,7 @@ import click
 
 from ..serve.limits import EdgeLimits
 
+from .extras import require
 from .generate import ENGINE_OPTIONS, _options, model_spec
 
 
@@ -71,6 +72,7 @@ def serve(model, gguf_file, quantize, dtype, tune, max_model_len, eager, random_
           max_connections, access_log, gpu_memory_utilization, engine_in_thread, log_level):
     """Serve a model over HTTP: OpenAI's /v1/chat/completions, /v1/completions and /v1/models, TGI's /,
     /generate and /generate_stream, /tokenize, /detokenize, /version, /health and /metrics."""
+    require("serve", "anygpu serve")
     from ..engine import AsyncLLMEngine, LLMEngine
     from ..engine.engine_process import EngineClient
     from ..serve import build_app, runner
