@@ -44,8 +44,8 @@ NF4, FP4 = 0, 1  # the QUANT_TYPE constexpr
 # csrc/kernels.cu as hipcc builds it (IEEE, subnormals kept); as nvcc builds it (--use_fast_math: subnormal
 # inputs and results of float operations flushed to zero).
 FP4_REFERENCE, FP4_KERNELS_CU, FP4_KERNELS_CU_FTZ = 0, 1, 2
-# dQuantizeFP4's literal thresholds as the C++ compiler rounds them to fp32 (tests check both facts):
-# 0.00260417f, 0.0859375f, 0.20833333f, 0.29166667f, 0.4166667f, 0.583333f, 0.8333333f.
+# dQuantizeFP4's literals 0.00260417f, 0.0859375f, 0.20833333f, 0.29166667f, 0.4166667f, 0.583333f, 0.8333333f
+# as the C++ compiler rounds them to fp32, and as _fp4_kernels_cu writes them (tests pin both).
 FP4_CUDA_THRESHOLDS = (0.0026041700039058924, 0.0859375, 0.2083333283662796, 0.2916666567325592,
                        0.4166666865348816, 0.5833330154418945, 0.8333333134651184)
 FLT_MIN = 2.0 ** -126  # the smallest normal fp32
