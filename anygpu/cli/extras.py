@@ -11,7 +11,8 @@ import importlib.util
 
 import click
 
-# The top-level modules each extra brings (their import names), as anygpu imports them.
+# The modules of each extra (import names) that its commands cannot start without.  llguidance (llm) is left
+# out: only a request for guided decoding imports it.
 EXTRAS = {
     # The engine: GGUF and Hugging Face checkpoints, tokenizers, chat templates, Hub ids.
     "llm": ("gguf", "tokenizers", "jinja2", "huggingface_hub"),
