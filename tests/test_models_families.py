@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from anygpu.engine import LLMEngine, SamplingParams
-from anygpu.models import HFCheckpoint, ModelConfig
+from anygpu.models import GGUFCheckpoint, HFCheckpoint, ModelConfig
 from anygpu.models.llama import AttentionBatch
 from anygpu.models.registry import build_model
 
@@ -252,3 +252,65 @@ def test_phi3_sliding_window_and_4x_keys(tmp_path_factory):
         ModelConfig.from_hf({**four, "rope_scaling": {**four["rope_scaling"], "long_factor": [2.0] * 16}})
     with pytest.raises(ValueError, match="rope_scaling.rope_type: 'dynamic' is not supported"):
         build_model(ModelConfig.from_hf({**four, "rope_scaling": {"type": "dynamic", "factor": 2.0}}), "random")
+
+
+# -- Llama 3.1+ GGUF with rope_freqs.weight ---------------------------------------------------------------------
+def _permute_qk(w: torch.Tensor, heads: int) -> torch.Tensor:
+    """llama.cpp's converter's row order for q/k (the inverse of what the loader undoes)."""
+    return w.reshape(heads, 2, w.shape[0] // heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def test_llama31_gguf_rope_freqs_equal_transformers(tmp_path):
+    """A tiny Llama with llama3 rope scaling, written as llama.cpp's converter writes it (q/k rows permuted, the
+    scaling as a rope_freqs.weight of per-frequency divisors), against transformers' Llama with the scaling."""
+    gguf = pytest.importorskip("gguf")
+    from .test_gguf_types import HEADS, HIDDEN, INTER, KV_HEADS, LAYERS, write_llama
+    from .test_models_llama import hf_greedy
+
+    rope = {"rope_type": "llama3", "rope_theta": 10000.0, "factor": 8.0, "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0, "original_max_position_embeddings": 64}  # wavelengths 16..64 are the band
+    cfg = transformers.LlamaConfig(hidden_size=HIDDEN, intermediate_size=INTER, num_attention_heads=HEADS,
+                                   num_key_value_heads=KV_HEADS, num_hidden_layers=LAYERS, vocab_size=258,
+                                   max_position_embeddings=256, rope_parameters=rope, rms_norm_eps=1e-5,
+                                   tie_word_embeddings=False, bos_token_id=256, eos_token_id=257)
+    torch.manual_seed(4)
+    hf = transformers.LlamaForCausalLM(cfg).eval()
+    names = {"model.embed_tokens.weight": "token_embd.weight", "lm_head.weight": "output.weight",
+             "model.norm.weight": "output_norm.weight"}
+    gguf_names = {"self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
+                  "self_attn.o_proj": "attn_output", "input_layernorm": "attn_norm",
+                  "post_attention_layernorm": "ffn_norm", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
+                  "mlp.down_proj": "ffn_down"}
+    tensors = {}
+    for name, w in hf.state_dict().items():
+        if name not in names:
+            layer, module = name.removeprefix("model.layers.").removesuffix(".weight").split(".", 1)
+            names[name] = f"blk.{layer}.{gguf_names[module]}.weight"
+            if module in ("self_attn.q_proj", "self_attn.k_proj"):
+                w = _permute_qk(w, HEADS if module == "self_attn.q_proj" else KV_HEADS)
+        tensors[names[name]] = (w.float().numpy().copy(), "F32")
+    # convert_hf_to_gguf.py's rope_freqs for llama3 scaling
+    head_dim, freqs = HIDDEN // HEADS, []
+    for f in (1.0 / 10000.0 ** (torch.arange(0, HIDDEN // HEADS, 2, dtype=torch.float64) / head_dim)).tolist():
+        wavelen = 2 * torch.pi / f
+        smooth = (64 / wavelen - 1.0) / (4.0 - 1.0)
+        freqs.append(1.0 if wavelen < 64 / 4.0 else 8.0 if wavelen > 64 else 1 / ((1 - smooth) / 8.0 + smooth))
+    tensors["rope_freqs.weight"] = (torch.tensor(freqs, dtype=torch.float32).numpy(), "F32")
+    path = write_llama(tmp_path / "llama31.gguf", tensors)
+    assert any(t.name == "rope_freqs.weight" for t in gguf.GGUFReader(path).tensors)
+
+    ckpt = GGUFCheckpoint(path)
+    assert ckpt.config.rope_scaling["rope_type"] == "freq_factors"
+    ours = build_model(ckpt.config, ckpt.weights(progress=False))
+    ids = [256, 72, 101, 108, 108, 111, 44, 32, 119, 111, 114, 108, 100, 33, 10, 84, 104, 101, 32, 99, 97, 116] * 4
+    got = our_logits(ours, [ids], 0)[0]
+    with torch.inference_mode():
+        ref = hf(torch.tensor([ids])).logits[0].float()
+    torch.testing.assert_close(got, ref, atol=2e-4, rtol=1e-4)
+    engine = LLMEngine(path, progress=False, block_size=BLOCK, max_model_len=128)
+    engine.add_request("r", ids[:70], SamplingParams(max_tokens=12, temperature=0, ignore_eos=True))
+    out = None
+    while engine.has_unfinished():
+        for o in engine.step():
+            out = o
+    assert out.token_ids == hf_greedy(hf, ids[:70], 12)

@@ -172,9 +172,11 @@ class ModelConfig:
 
     @classmethod
     def from_gguf(cls, metadata: dict, tensor_names: Iterable[str] | None = None,
-                  where: str = "GGUF metadata") -> ModelConfig:
+                  where: str = "GGUF metadata", rope_freqs: list[float] | None = None) -> ModelConfig:
         """From GGUF metadata (``reader.fields[key].contents()`` by key).  Tied embeddings and Llama biases are
         not in the metadata but in which tensors exist: pass ``tensor_names`` (None: tied, no Llama bias).
+        ``rope_freqs``: the values of a ``rope_freqs.weight`` tensor (llama.cpp's Llama 3.1+ rope scaling: each
+        rotated frequency divided by its factor), kept as rope_scaling ``{"rope_type": "freq_factors", ...}``.
         Every value is type- and range-checked; an error names ``where`` (the file) and the key."""
         arch = metadata.get("general.architecture")
         if arch not in _GGUF_ARCHITECTURES:
@@ -204,6 +206,11 @@ class ModelConfig:
             original = f.int("rope.scaling.original_context_length", LIMITS["max_position"], None)
             if original:
                 rope_scaling["original_max_position_embeddings"] = original
+        if rope_freqs is not None:
+            if rope_scaling is not None:
+                raise ValueError(f"{where}: {arch}.rope.scaling.type: {scaling_type!r} and a rope_freqs.weight tensor "
+                                 "both scale the rotary frequencies; expected one of them")
+            rope_scaling = {"rope_type": "freq_factors", "freq_factors": [float(v) for v in rope_freqs]}
         # llama.cpp stops on eos and on the end-of-turn / end-of-message tokens (Llama 3's <|eot_id|>).
         eos = [metadata.get(f"tokenizer.ggml.{k}_token_id") for k in ("eos", "eot", "eom")]
         bos = metadata.get("tokenizer.ggml.bos_token_id")

@@ -194,3 +194,9 @@ def _check_family_fields(cfg, key, where: str) -> None:
         if "original_max_position_embeddings" not in scaling:
             raise ValueError(f"{where}: {key('rope_scaling')}.original_max_position_embeddings: missing; longrope "
                              "switches from short_factor to long_factor there")
+    if scaling is not None and scaling.get("rope_type") == "freq_factors":
+        factors = scaling.get("freq_factors")
+        if (not isinstance(factors, (list, tuple)) or len(factors) != rot // 2
+                or not all(isinstance(v, float) and math.isfinite(v) and v > 0 for v in factors)):
+            raise ValueError(f"{where}: rope_freqs.weight: expected {rot // 2} positive finite factors (one a rotated "
+                             f"pair), got {factors!r:.200}")

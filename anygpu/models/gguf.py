@@ -37,6 +37,8 @@ _LAYER_NAMES = {
 _GLOBAL_NAMES = {"token_embd.weight": "model.embed_tokens.weight", "output_norm.weight": "model.norm.weight",
                  "output.weight": "lm_head.weight"}
 _LAYER_RE = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
+# Llama 3.1+ rope scaling as llama.cpp stores it: one divisor per rotated frequency (F32), read into the config.
+ROPE_FREQS = "rope_freqs.weight"
 
 
 def hf_name(gguf_name: str) -> str | None:
@@ -78,16 +80,25 @@ class GGUFCheckpoint:
             if t.type_name not in SUPPORTED_TYPES:
                 raise ValueError(f"{self.path}: tensor {t.name} has type {_type_label(t)}, which is not supported; "
                                  f"supported: {', '.join(SUPPORTED_TYPES)} (re-quantize the model to one of them)")
-            if hf_name(t.name) is None:
-                # e.g. rope_freqs.weight (llama.cpp's form of Llama 3.1 rope scaling): dropping it would be wrong.
+            if hf_name(t.name) is None and t.name != ROPE_FREQS:
                 raise ValueError(f"{self.path}: tensor {t.name} is not supported by this loader")
+        freqs = next((t for t in self.tensors if t.name == ROPE_FREQS), None)
         config = ModelConfig.from_gguf(self.metadata, tensor_names=[t.name for t in self.tensors],
-                                       where=str(self.path))
-        shapes = {hf_name(t.name): t.shape for t in self.tensors}
+                                       where=str(self.path), rope_freqs=None if freqs is None else self._small(freqs))
+        shapes = {hf_name(t.name): t.shape for t in self.tensors if t.name != ROPE_FREQS}
         keys = {k: f"{config.architecture}.{v}" for k, v in GGUF_KEYS.items()}
         check_tensor_shapes(config, shapes, where=str(self.path), config_where="its metadata", keys=keys)
         self.config = config
         self.tokenizer = Tokenizer.from_gguf(self.metadata)
+
+    def _small(self, t: TensorInfo) -> list[float]:
+        """A small tensor's values (rope_freqs: head_dim / 2 floats), read once when the file is opened."""
+        if t.nbytes > 1 << 16:  # head_dim <= 1024: at most 512 factors; refuse before reading a lying tensor
+            raise ValueError(f"{self.path}: tensor {t.name} has shape {t.shape}; expected head_dim / 2 values")
+        with open(self.path, "rb") as f:
+            f.seek(t.offset)
+            raw = torch.frombuffer(bytearray(f.read(t.nbytes)), dtype=torch.uint8)
+        return dequantize(raw, t.type_name, t.shape).reshape(-1).tolist()
 
     def weights(self, progress: bool = True, dtype: torch.dtype = torch.float32,
                 skip: frozenset[str] = frozenset()) -> Iterator[tuple[str, torch.Tensor]]:
@@ -99,7 +110,7 @@ class GGUFCheckpoint:
         with open(self.path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY) as mm:
             # ACCESS_COPY: writable for torch.frombuffer (no read-only warning); nothing ever reaches the file.
             for t in tqdm(self.tensors, desc=f"Loading {self.name}", unit="tensor", disable=disabled(progress)):
-                if t.name in skip:
+                if t.name in skip or t.name == ROPE_FREQS:  # rope_freqs is in the config, not a weight
                     continue
                 raw = torch.frombuffer(mm, dtype=torch.uint8, count=t.nbytes, offset=t.offset)
                 w = dequantize(raw, t.type_name, t.shape, dtype)
