@@ -1,4 +1,4 @@
-"""The Llama-family decoder (Llama 2/3, Mistral, Qwen2, SmolLM2, Qwen3) on anygpu's ops.
+"""The decoder of every supported family (Llama 2/3, Mistral, Qwen2, SmolLM2, Qwen3, Gemma 2/3, Phi-3) on anygpu's ops.
 
 One forward runs a flat batch: the new tokens of every scheduled sequence packed end to end ([T]), as the
 engine's scheduler mixes prefills, prefill chunks and decodes in one step.  Per layer:
@@ -93,10 +93,11 @@ class Attention(nn.Module):
         # HF's sliding window W lets a token see itself and the W - 1 before it.
         self.sliding = bool(cfg.sliding_window) and (cfg.sliding_layers is None or cfg.sliding_layers[layer])
         self.window_left = cfg.sliding_window - 1 if self.sliding else -1
-        if cfg.family.qk_norm:  # one RMSNorm over head_dim, shared by every head (replicated under tp)
+        self.qk_norm = cfg.family.qk_norm
+        if self.qk_norm:  # one RMSNorm over head_dim, shared by every head (replicated under tp)
             self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
             self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
-        self.rotary: torch.Tensor | None = None  # the model's shared fp32 [max_position, head_dim] cos|sin table
+        self.rotary: torch.Tensor | None = None  # a shared fp32 [max_position, rotary_dim] cos|sin table
         self.kv_cache: tuple[torch.Tensor, torch.Tensor] | None = None
 
     def forward(self, x: torch.Tensor, batch: AttentionBatch) -> torch.Tensor:
@@ -105,7 +106,7 @@ class Attention(nn.Module):
         q = qkv[:, : self.q_size].view(tokens, self.num_heads, self.head_dim)
         k = qkv[:, self.q_size: self.q_size + self.kv_size].view(tokens, self.num_kv_heads, self.head_dim)
         v = qkv[:, self.q_size + self.kv_size:].view(tokens, self.num_kv_heads, self.head_dim)
-        if hasattr(self, "q_norm"):  # new tensors, so rotary's in-place write no longer touches qkv
+        if self.qk_norm:  # new tensors, so rotary's in-place write no longer touches qkv
             q = self.q_norm(q.reshape(-1, self.head_dim)).view(tokens, self.num_heads, self.head_dim)
             k = self.k_norm(k.reshape(-1, self.head_dim)).view(tokens, self.num_kv_heads, self.head_dim)
         rotary_embedding(batch.positions, q, k, self.rotary, True)
