@@ -1,5 +1,5 @@
-"""Model families beyond Llama (Qwen3...) against transformers' logits, on tiny random models the test builds with
-transformers' own config classes and saves as Hugging Face folders (CPU, fp32).
+"""Model families beyond Llama (Qwen3, Gemma 2, Gemma 3, Phi-3) against transformers' logits, on tiny random models the
+test builds with transformers' own config classes and saves as Hugging Face folders (CPU, fp32).
 
 Each family is loaded as a user would (``HFCheckpoint`` -> ``build_model``, and ``LLMEngine(folder)``), then:
 - logits of three prompts run through every attention path: their first tokens packed in one prefill
@@ -7,10 +7,13 @@ Each family is loaded as a user would (``HFCheckpoint`` -> ``build_model``, and 
   the three together (paged_decode); the prompt rows against transformers' forward over the prompt, the decode
   rows against the logits of transformers' own cached decode steps (``generate(output_logits=True)``);
 - the engine's greedy tokens against transformers' ``generate``.
-Windows are made shorter than the prompts, so sliding layers are exercised.
+Windows are made shorter than the prompts, so sliding layers are exercised; every family also runs on two
+tensor-parallel ranks (gloo, CPU), and a Llama 3.1 GGUF with rope_freqs.weight loads.
 """
 
 from __future__ import annotations
+
+import dataclasses
 
 import pytest
 import torch
@@ -96,8 +99,20 @@ def check_logits(folder, hf, atol=2e-4, prompts=PROMPTS, max_position=None):
     return ckpt.config
 
 
-def check_greedy(folder, hf, n: int = 16, prompts=PROMPTS[:2]):
-    engine = LLMEngine(str(folder), progress=False, block_size=BLOCK)
+def check_greedy(folder, hf, n: int = 16, prompts=PROMPTS[:2], tp: int = 1):
+    engine = LLMEngine(str(folder), progress=False, block_size=BLOCK, tp=tp, device="cpu")
+    try:
+        done = _greedy(engine, prompts, n)
+    finally:
+        engine.close()
+    for i, prompt in enumerate(prompts):
+        with torch.inference_mode():
+            ref = hf.generate(torch.tensor([prompt]), max_new_tokens=n, do_sample=False, eos_token_id=None,
+                              pad_token_id=0)
+        assert done[str(i)] == ref[0, len(prompt):].tolist()
+
+
+def _greedy(engine, prompts, n):
     for i, prompt in enumerate(prompts):
         engine.add_request(str(i), prompt, SamplingParams(max_tokens=n, temperature=0, ignore_eos=True))
     done = {}
@@ -105,11 +120,7 @@ def check_greedy(folder, hf, n: int = 16, prompts=PROMPTS[:2]):
         for o in engine.step():
             if o.finished:
                 done[o.request_id] = o.token_ids
-    for i, prompt in enumerate(prompts):
-        with torch.inference_mode():
-            ref = hf.generate(torch.tensor([prompt]), max_new_tokens=n, do_sample=False, eos_token_id=None,
-                              pad_token_id=0)
-        assert done[str(i)] == ref[0, len(prompt):].tolist()
+    return done
 
 
 SMALL = dict(vocab_size=VOCAB, hidden_size=128, intermediate_size=256, num_hidden_layers=3, num_attention_heads=4,
@@ -227,7 +238,8 @@ def test_phi3_logits_equal_transformers(phi3):
     assert all(len(p) + DECODE_STEPS <= ORIGINAL for p in PROMPTS[:2])
     check_logits(*phi3, prompts=PROMPTS[:2], max_position=ORIGINAL)
     assert (cfg.architecture, cfg.family.fused_checkpoint, cfg.rotary_dim) == ("phi3", True, 24)
-    assert (cfg.rope_scaling["rope_type"], cfg.rope_scaling["original_max_position_embeddings"]) == ("longrope", ORIGINAL)
+    scaling = cfg.rope_scaling
+    assert (scaling["rope_type"], scaling["original_max_position_embeddings"]) == ("longrope", ORIGINAL)
 
 
 def test_phi3_greedy_equals_transformers(phi3):
@@ -252,6 +264,27 @@ def test_phi3_sliding_window_and_4x_keys(tmp_path_factory):
         ModelConfig.from_hf({**four, "rope_scaling": {**four["rope_scaling"], "long_factor": [2.0] * 16}})
     with pytest.raises(ValueError, match="rope_scaling.rope_type: 'dynamic' is not supported"):
         build_model(ModelConfig.from_hf({**four, "rope_scaling": {"type": "dynamic", "factor": 2.0}}), "random")
+
+
+@pytest.mark.parametrize("family", ["qwen3", "gemma2", "gemma3", "phi3"])
+def test_tensor_parallel_equals_transformers(family, request):
+    """Two gloo ranks on the CPU: q/k norms replicated, Gemma's tied head cut into vocab rows, Phi-3's fused
+    qkv_proj / gate_up_proj split into q/k/v and gate/up before each rank takes its heads and rows."""
+    folder, hf = request.getfixturevalue(family)
+    check_greedy(folder, hf, n=8, prompts=LONG_PROMPTS[:1] if family == "phi3" else PROMPTS[:1], tp=2)
+
+
+def test_unsupported_settings_name_their_field():
+    with pytest.raises(ValueError, match="use_bidirectional_attention"):
+        ModelConfig.from_hf(transformers.Gemma3TextConfig(**GEMMA, use_bidirectional_attention=True).to_dict())
+    with pytest.raises(ValueError, match="'Gemma3ForConditionalGeneration'"):
+        ModelConfig.from_hf({"architectures": ["Gemma3ForConditionalGeneration"], "model_type": "gemma3"})
+    phi3 = ModelConfig.from_hf(_phi3_config().to_dict())
+    bnb = dataclasses.replace(phi3, quantization=ModelConfig.from_hf(
+        {**transformers.LlamaConfig(**SMALL).to_dict(), "architectures": ["LlamaForCausalLM"],
+         "quantization_config": {"quant_method": "bitsandbytes", "load_in_4bit": True}}).quantization)
+    with pytest.raises(ValueError, match="quantization_config: a bitsandbytes phi3 checkpoint"):
+        build_model(bnb, "random")
 
 
 # -- Llama 3.1+ GGUF with rope_freqs.weight ---------------------------------------------------------------------

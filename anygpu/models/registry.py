@@ -74,9 +74,9 @@ def build_model(config: ModelConfig, weights: Iterable[tuple[str, torch.Tensor]]
         weights = random_weights(config, dtype, device)
     if config.quantization is not None:
         if config.family.fused_checkpoint:
-            raise ValueError(f"quantization_config: a bitsandbytes {config.architecture} checkpoint stores qkv_proj and "
-                             "gate_up_proj fused, which this loader does not split; load the unquantized model with "
-                             "quantize='nf4' (or 'fp4', 'int8') instead")
+            raise ValueError(f"quantization_config: a bitsandbytes {config.architecture} checkpoint stores qkv_proj "
+                             "and gate_up_proj fused, which this loader does not split; load the unquantized model "
+                             "with quantize='nf4' (or 'fp4', 'int8') instead")
         if quantize is not None:
             raise ValueError(f"quantize: the checkpoint is already quantized by bitsandbytes "
                              f"({config.quantization.bits}-bit); load it without quantize={quantize!r}")
