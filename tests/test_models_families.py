@@ -347,3 +347,14 @@ def test_llama31_gguf_rope_freqs_equal_transformers(tmp_path):
         for o in engine.step():
             out = o
     assert out.token_ids == hf_greedy(hf, ids[:70], 12)
+
+
+def test_qwen3_sliding_window_from_max_window_layers(tmp_path_factory):
+    """use_sliding_window: only the layers from max_window_layers on slide (with transformers 4.x keys too)."""
+    cfg = transformers.Qwen3Config(**SMALL, head_dim=32, use_sliding_window=True, sliding_window=5,
+                                   max_window_layers=1)
+    folder, hf = save_tiny(tmp_path_factory, transformers.Qwen3ForCausalLM, cfg)
+    ours = check_logits(folder, hf, prompts=PROMPTS[:1])
+    assert (ours.sliding_window, ours.sliding_layers) == (5, (False, True, True))
+    four = {k: v for k, v in cfg.to_dict().items() if k != "layer_types"}
+    assert ModelConfig.from_hf(four).sliding_layers == (False, True, True)

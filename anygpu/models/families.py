@@ -67,6 +67,11 @@ def family_hf_fields(arch: str, f: Fields, num_layers: int) -> dict:
     if act not in ACTIVATIONS:
         raise ValueError(f"{f.where}: {act_key}: unsupported activation {act!r}; supported: {', '.join(ACTIVATIONS)}")
     out["hidden_act"] = ACTIVATIONS[act]
+    flag = FAMILIES[arch].window_flag
+    if flag is not None and f.bool(flag, False):
+        # Qwen2/3: only the layers from max_window_layers on slide (transformers' own layer_types says the same)
+        first = f.int("max_window_layers", (0, LIMITS["num_layers"][1]), 28)
+        out["sliding_layers"] = _sliding_layers(f, num_layers, tuple(i >= first for i in range(num_layers)))
     if not arch.startswith("gemma"):
         return out
     if f.bool("use_bidirectional_attention", False):
@@ -76,17 +81,18 @@ def family_hf_fields(arch: str, f: Fields, num_layers: int) -> dict:
     for key, field in (("attn_logit_softcapping", "attn_softcap"), ("final_logit_softcapping", "final_softcap")):
         value = f.raw(key, None)
         out[field] = None if value is None else check_float(value, key, SOFTCAP_RANGE, f.where)
-    out["sliding_layers"] = _sliding_layers(f, num_layers, pattern=2 if arch == "gemma2" else 6)
+    # Without layer_types: every layer but each pattern-th slides (transformers' sliding_window_pattern: Gemma 2
+    # alternates, Gemma 3 has one global layer in six).
+    pattern = f.int("sliding_window_pattern", (1, LIMITS["num_layers"][1]), 2 if arch == "gemma2" else 6)
+    out["sliding_layers"] = _sliding_layers(f, num_layers, tuple(bool((i + 1) % pattern) for i in range(num_layers)))
     return out
 
 
-def _sliding_layers(f: Fields, num_layers: int, pattern: int) -> tuple[bool, ...]:
-    """Which layers use the sliding window: config.json's layer_types, else every layer but each pattern-th
-    (transformers' sliding_window_pattern: Gemma 2 alternates, Gemma 3 has one global layer in six)."""
+def _sliding_layers(f: Fields, num_layers: int, default: tuple[bool, ...]) -> tuple[bool, ...]:
+    """Which layers use the sliding window: config.json's layer_types, else ``default``."""
     types = f.raw("layer_types", None)
     if types is None:
-        pattern = f.int("sliding_window_pattern", (1, LIMITS["num_layers"][1]), pattern)
-        return tuple(bool((i + 1) % pattern) for i in range(num_layers))
+        return default
     known = ("sliding_attention", "full_attention")
     if not isinstance(types, list) or len(types) != num_layers or any(t not in known for t in types):
         raise ValueError(f"{f.where}: layer_types: expected a list of {num_layers} (num_hidden_layers) entries, each "
