@@ -46,7 +46,8 @@ class Terminal:
                     assert re.compile(pattern).search(self.out, start), f"exited without {pattern!r}:\n{self.out}"
         return m
 
-    def wait(self, timeout: float = 60.0) -> int:
+    def wait(self, timeout: float = 60.0, kill: bool = True) -> int | None:
+        """The exit status; after ``timeout``, None, or with ``kill`` the child killed and an AssertionError."""
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if select.select([self.fd], [], [], 0.1)[0]:
@@ -59,6 +60,8 @@ class Terminal:
                 os.close(self.fd)
                 self.pid = None
                 return os.waitstatus_to_exitcode(status)
+        if not kill:
+            return None
         self.stop()
         raise AssertionError(f"still running:\n{self.out[-3000:]}")
 
@@ -101,8 +104,16 @@ def test_ctrl_c_stops_the_reply_and_keeps_the_conversation(smollm_path, tmp_path
         term.expect(r"> ", start=mark + 1)
         assert with_history >= alone + int(stopped.group(1)), term.out
 
-        term.send("\x03")  # at the prompt: the chat ends, no traceback
-        assert term.wait() == 0, term.out
+        # At the prompt: the chat ends, no traceback.  Not at once: a SIGINT that lands between readline printing
+        # the prompt and waiting for a key is only seen at the next key (CPython's readline checks signals when
+        # its wait is interrupted), a window no typist hits but a test can.
+        time.sleep(0.5)
+        term.send("\x03")
+        status = term.wait(5, kill=False)
+        if status is None:  # that window, on a machine too busy to reach the wait in 0.5 s: the next ^C ends it
+            term.send("\x03")
+            status = term.wait()
+        assert status == 0, term.out
     finally:
         term.stop()
     assert "Traceback" not in term.out, term.out
