@@ -69,8 +69,8 @@ def wheel(tmp_path_factory) -> Path:
     return built
 
 
-def _requirements(wheel: Path, extras: tuple[str, ...]) -> list:
-    """The wheel's Requires-Dist that apply with these extras, as packaging Requirements (marker kept)."""
+def _requirements(wheel: Path) -> list:
+    """The wheel's Requires-Dist lines as packaging Requirements (markers kept: _closure evaluates them)."""
     requirements = pytest.importorskip("packaging.requirements")
     with zipfile.ZipFile(wheel) as z:
         (meta,) = [n for n in z.namelist() if n.endswith(".dist-info/METADATA")]
@@ -117,7 +117,7 @@ def _link_farm(dists: dict, folder: Path) -> None:
 
 def _venv(wheel: Path, extras: tuple[str, ...], where: Path) -> Path:
     """A fresh venv with ``wheel`` installed (with ``extras``) over links to exactly what it declares; its bin/."""
-    dists = _closure(_requirements(wheel, extras), extras)
+    dists = _closure(_requirements(wheel), extras)
     _link_farm(dists, where / "deps")
     _run(sys.executable, "-m", "venv", "--without-pip", where / "venv")
     (site,) = (where / "venv" / "lib").glob("python*/site-packages")
