@@ -5,6 +5,7 @@ schema and end with finish_reason "stop"; bad formats and schemas are 400s namin
 
 from __future__ import annotations
 
+import functools
 import json
 
 import httpx
@@ -12,6 +13,7 @@ import pytest
 from pydantic import BaseModel, ConfigDict, Field
 
 from anygpu.engine import AsyncLLMEngine, LLMEngine
+from anygpu.engine.engine_process import EngineClient
 from anygpu.serve import ServerThread, build_app
 
 from ._models_fixtures import smollm_path  # noqa: F401 - fixture
@@ -136,3 +138,19 @@ def test_both_response_format_and_guided_json_is_400(server):
 def test_server_serves_on_after_bad_schemas(client):
     r = client.chat.completions.create(model="m", messages=QUESTION, max_tokens=4, temperature=0)
     assert r.choices[0].message.content
+
+
+def test_engine_in_its_own_process(smollm_path):  # noqa: F811 - anygpu serve's default: params cross a pipe
+    engine = AsyncLLMEngine(EngineClient(functools.partial(LLMEngine, str(smollm_path), progress=False,
+                                                           max_model_len=512)))
+    try:
+        with ServerThread(build_app(engine)) as server:
+            client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
+            r = client.chat.completions.create(model="m", messages=QUESTION, temperature=0, max_tokens=60,
+                                               response_format=FORMAT)
+            assert Capital.model_validate_json(r.choices[0].message.content, strict=True).city == "Paris"
+            with pytest.raises(openai.BadRequestError):
+                client.chat.completions.create(model="m", messages=QUESTION, response_format={
+                    "type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "bad"}}})
+    finally:
+        engine.shutdown()
