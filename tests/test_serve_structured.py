@@ -154,3 +154,15 @@ def test_engine_in_its_own_process(smollm_path):  # noqa: F811 - anygpu serve's 
                     "type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "bad"}}})
     finally:
         engine.shutdown()
+
+
+def test_tgi_grammar_json(server):
+    hub = pytest.importorskip("huggingface_hub")
+    text = hub.InferenceClient(base_url=server.url).text_generation(
+        "The capital of France as JSON with the keys city and country:", max_new_tokens=40,
+        grammar={"type": "json", "value": SCHEMA})
+    assert Capital.model_validate_json(text, strict=True).city == "Paris"
+    for grammar, param in (({"type": "regex", "value": "a+"}, "parameters.grammar"),
+                           ({"type": "json", "value": {"type": "bad"}}, "parameters.grammar.value")):
+        r = httpx.post(server.url + "/generate", json={"inputs": "Hi", "parameters": {"grammar": grammar}})
+        assert r.status_code == 422 and param in r.json()["error"], r.text

@@ -36,7 +36,7 @@ from ..engine import SamplingParams
 from ..engine.sampling_params import (MAX_LOGPROBS, MAX_N, MAX_STOP_STRING_CHARS, MAX_STOP_STRINGS,
                                       MAX_STOP_TOKEN_IDS, MAX_TOP_K, SEED_MAX, SEED_MIN)
 from .errors import APIError
-from .structured import checked_schema, guided_schema
+from .structured import checked_schema, guided_schema, tgi_grammar_schema
 from .tools import ToolPlan, tool_plan
 
 MAX_COUNT = 2**31 - 1  # token counts: TGI's i32; the context bounds them further
@@ -287,7 +287,7 @@ class TGIParameters(_Body):
 
     def check_supported(self) -> None:
         for name, off in (("decoder_input_details", False), ("best_of", 1), ("typical_p", None),
-                          ("watermark", False), ("top_n_tokens", None), ("grammar", None), ("adapter_id", None)):
+                          ("watermark", False), ("top_n_tokens", None), ("adapter_id", None)):
             if getattr(self, name) not in (off, None):
                 raise APIError(422, f"parameters.{name}: not supported by this server", f"parameters.{name}")
 
@@ -295,7 +295,7 @@ class TGIParameters(_Body):
         # TGI samples when asked to, or when any sampling warper is set; otherwise it decodes greedily.
         sample = self.do_sample or any(v is not None for v in (self.temperature, self.top_k, self.top_p))
         values = dict(max_tokens=max_tokens, temperature=(self.temperature or 1.0) if sample else 0.0,
-                      stop=self.stop, seed=self.seed)
+                      stop=self.stop, seed=self.seed, guided_json=tgi_grammar_schema(self.grammar))
         if sample and self.top_k is not None:
             values["top_k"] = self.top_k
         if sample and self.top_p is not None:

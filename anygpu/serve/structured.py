@@ -7,6 +7,8 @@
 - ``{"type": "json_schema", "json_schema": {"name": ..., "schema": {...}, "strict": ...}}``: JSON that matches the
   schema.  It is always enforced (``strict`` true or false: constrained decoding has no looser mode).
 
+TGI's ``parameters.grammar`` of type ``json`` is the same schema (``tgi_grammar_schema``).
+
 Every refusal is a 400 naming ``response_format`` (or the field inside it); a schema llguidance cannot compile
 is refused here, before the request reaches the engine.
 """
@@ -17,13 +19,24 @@ from ..engine.guided import JSON_OBJECT_SCHEMA, check_guided_json
 from .errors import APIError
 
 
-def checked_schema(schema, param: str) -> dict:
-    """check_guided_json's, its error a 400 naming ``param``."""
+def checked_schema(schema, param: str, status: int = 400) -> dict:
+    """check_guided_json's, its error a 400 (TGI: 422) naming ``param``."""
     try:
         return check_guided_json(schema)
     except ValueError as error:
         message = str(error).removeprefix("guided_json: ")
-        raise APIError(400, f"{param}: {message}", param) from None
+        raise APIError(status, f"{param}: {message}", param) from None
+
+
+def tgi_grammar_schema(grammar) -> dict | None:
+    """TGI's ``parameters.grammar``, ``{"type": "json", "value": schema}``, as the schema (422s as TGI's)."""
+    if grammar is None:
+        return None
+    param = "parameters.grammar"
+    if not isinstance(grammar, dict) or grammar.get("type") != "json":
+        raise APIError(422, f"{param}: only {{'type': 'json', 'value': <JSON schema>}} is supported (no 'regex')",
+                       param)
+    return checked_schema(grammar.get("value"), f"{param}.value", status=422)
 
 
 def response_format_schema(fmt: dict | None) -> dict | None:
