@@ -1,7 +1,8 @@
 """The OpenAI- and TGI-compatible HTTP server (``anygpu serve``).
 
 ``build_app(engine)`` makes the ASGI app over an ``AsyncLLMEngine``; ``serve`` runs it in the foreground and
-``ServerThread`` in a background thread.  Files: ``protocol`` (request schemas -> SamplingParams), ``errors``
+``ServerThread`` in a background thread.  Files: ``protocol`` (request schemas -> SamplingParams; ``structured``
+and ``tools``: response_format and forced tool calls as guided decoding), ``errors``
 (OpenAI / TGI error bodies), ``state`` (checks shared by all routes, admission, the engine stream),
 ``openai_api`` and ``tgi_api`` (the routes), ``metrics`` (Prometheus), ``app`` (assembly), ``runner`` (uvicorn),
 ``limits`` and ``edge`` (the HTTP edge: head sizes, read deadlines, the connection cap).

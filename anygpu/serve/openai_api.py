@@ -10,6 +10,8 @@ choices' chunks interleave, each naming its ``index``; usage counts the tokens o
 With log-probabilities asked for, a chunk goes out for every step that brought tokens (its text may be empty
 while a stop string is held back) and carries those tokens' log-probabilities (``logprobs.py``). An error after
 the stream has started is sent as ``data: {"error": {...}}``, which OpenAI's client raises as an APIError.
+``response_format`` constrains the text (``structured.py``); a forced tool call (``tools.py``) answers with
+``tool_calls`` and finish_reason "tool_calls", streamed as one ``delta.tool_calls`` chunk once the call is complete.
 """
 
 from __future__ import annotations
