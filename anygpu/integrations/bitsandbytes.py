@@ -123,6 +123,28 @@ KERNELS = {"quantize_4bit": _quantize_4bit, "dequantize_4bit": _dequantize_4bit,
            "int8_linear_matmul": _int8_linear_matmul, "int8_mm_dequant": _int8_mm_dequant}
 
 
+_LIBRARY: list = []  # the Library our kernels are registered through, kept alive for the process
+_DISPATCH_KEYS = {"cuda": "CUDA", "cpu": "CPU"}
+
+
+def _override(op: str, device: str, fn) -> None:
+    """Register ``fn`` for ``bitsandbytes::op`` on ``device`` over bitsandbytes' own kernel.  Through
+    ``Library.impl`` with ``allow_override``: ``torch.library.register_kernel`` refuses an op whose kernel for
+    that key was registered from Python already (bitsandbytes registers its CUDA kernels so) on torch builds
+    where overriding is off by default (2.11 on the H200 raised here); a torch without the flag gets the
+    previous registration's entry dropped from its bookkeeping first (the dispatcher takes the latest)."""
+    import inspect
+
+    if not _LIBRARY:
+        _LIBRARY.append(torch.library.Library("bitsandbytes", "IMPL"))
+    lib, key = _LIBRARY[0], _DISPATCH_KEYS[device]
+    if "allow_override" in inspect.signature(lib.impl).parameters:
+        lib.impl(op, fn, key, allow_override=True)
+    else:
+        getattr(torch.library, "_impls", set()).discard(f"bitsandbytes/{op}/{key}")
+        lib.impl(op, fn, key)
+
+
 def install(devices=("cuda",)) -> list[str]:
     """Register anygpu's kernels for bitsandbytes' ops on ``devices`` (torch device types); returns the
     ``bitsandbytes::<op>`` names now served by anygpu.  Idempotent."""
@@ -144,7 +166,7 @@ def install(devices=("cuda",)) -> list[str]:
             if not hasattr(torch.ops.bitsandbytes, op):
                 continue  # an older bitsandbytes without this op
             if (qualified, device) not in _installed:
-                torch.library.register_kernel(qualified, device, fn)
+                _override(op, device, fn)
                 _installed.add((qualified, device))
             names.append(qualified)
     return sorted(set(names))
