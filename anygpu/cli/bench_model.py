@@ -42,6 +42,15 @@ def dtype_label(dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
+def _runs_packed_gguf(engine) -> bool:
+    """Whether the engine's projections are the GGUF file's packed blocks (the CPU default for Q4_0/Q4_1/Q8_0),
+    so the table does not call a model "float32" whose matmuls read 4-bit weights."""
+    from ..nn.linear_gguf import GGUFLinear
+
+    model = getattr(engine, "model", None)
+    return model is not None and any(isinstance(m, GGUFLinear) for m in model.modules())
+
+
 def bench_model(*, json_path, model, random_config, quantize, num_prompts, concurrency, input_len, output_len,
                 baseline, tp=1):
     """Each ``--quantize`` variant's engine in turn (built, warmed up, timed, freed), then transformers' generate on
@@ -59,7 +68,7 @@ def bench_model(*, json_path, model, random_config, quantize, num_prompts, concu
                                      f"{engine.max_model_len}", param_hint="--input-len/--output-len")
         prompts = bm.random_prompts(num_prompts, input_len, config.vocab_size)
         bm.warm_up(engine, input_len, config.vocab_size)
-        label = variant or dtype_label(engine.dtype)
+        label = variant or dtype_label(engine.dtype) + (" gguf-packed" if _runs_packed_gguf(engine) else "")
         key = "anygpu" if len(variants) == 1 else f"anygpu {label}"
         results[key] = bm.run_engine(engine, prompts, output_len, concurrency)
         names.append(label)
