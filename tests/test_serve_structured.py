@@ -154,6 +154,7 @@ def test_engine_in_its_own_process(smollm_path):  # noqa: F811 - anygpu serve's 
                     "type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "bad"}}})
     finally:
         engine.shutdown()
+        engine.engine.close()  # the engine's process
 
 
 def test_tgi_grammar_json(server):
