@@ -4,6 +4,7 @@ anything is: times depend on the machine and its neighbours."""
 from __future__ import annotations
 
 import json
+import time
 
 import pytest
 import torch
@@ -165,3 +166,21 @@ def test_graph_timing_on_the_gpu(throwaway_suite):
     (row,) = report.rows
     assert row["timing"] == "graph" and row["baselines"]["torch"]["ratio"] > 0
     assert "[graph]" in report.table()
+
+
+def test_cpu_timing_reports_its_spread_and_warns_when_it_is_large(monkeypatch):
+    from anygpu.bench import timing
+
+    x = torch.randn(256, 256)
+    ms = measure(lambda: x @ x, device=CPU, warmup_ms=1, rep_ms=100)
+    assert ms > 0 and timing.last_cpu_spread is not None and timing.last_cpu_spread >= 0
+    # A call whose time swings by 10x from one block to the next: the spread is large and says so.
+    state = {"n": 0}
+
+    def uneven():  # long and short stretches of calls, so whole timed blocks differ
+        state["n"] += 1
+        time.sleep(0.002 if (state["n"] // 30) % 2 else 0.0001)
+
+    monkeypatch.setattr(timing, "SPREAD_WARNING", 0.05)
+    with pytest.warns(UserWarning, match="spread"):
+        measure(uneven, device=CPU, warmup_ms=0, rep_ms=300)

@@ -22,6 +22,7 @@ from .. import backend
 from .._progress import disabled
 from . import ceilings
 from .report import Report
+from . import timing as timing_module
 from .timing import measure, measure_graph
 
 
@@ -146,6 +147,8 @@ def _run_case(case: Case, timing: dict, copy_bw: float, peak: float | None) -> d
     row = {"op": case.op, "shape": case.shape, "bytes": case.bytes, "flops": case.flops,
            "timing": "graph" if timing["graph"] else "eager",
            "ours": _rates(ours_ms, case, copy_bw, peak), "baselines": {}}
+    if timing["device"].type == "cpu":
+        row["ours"]["spread"] = timing_module.last_cpu_spread  # IQR / median of the CPU timing
     for name, fn in case.baselines.items():
         try:
             ms = _time(fn, **timing)

@@ -1,7 +1,8 @@
 """Median wall time of one call, in milliseconds, on a GPU or the CPU.
 
 GPUs: ``triton.testing.do_bench`` (CUDA/HIP events, the L2 flushed before every call), else CUDA
-events around each call with the same flush.  CPU: ``time.perf_counter`` around each call.
+events around each call with the same flush.  CPU: ``torch.utils.benchmark.Timer`` (blocks of calls at torch's
+thread count; the spread of the blocks is kept in ``last_cpu_spread``, with a warning when it is large).
 The median, not the mean: one preempted call or clock ramp should not move the result.
 """
 
@@ -11,6 +12,7 @@ import functools
 import inspect
 import statistics
 import time
+import warnings
 from collections.abc import Callable
 
 import torch
@@ -82,18 +84,30 @@ def _do_bench():
     return None  # an interface we do not know: CUDA events are always right
 
 
+# A CPU timing whose interquartile range passes this fraction of its median gets a warning: a busy machine (a
+# 1 MiB copy measured 12 ms at 2 threads against 0.05 ms at 1 while another process ran) or too short a call.
+SPREAD_WARNING = 0.2
+last_cpu_spread: float | None = None  # IQR / median of the latest CPU timing (the harness reports it)
+
+
 def _measure_cpu(fn, warmup_ms: float, rep_ms: float) -> float:
+    """torch.utils.benchmark's Timer at torch's current thread count (``--threads``; the CLI's default is half
+    the usable cores): blocks of calls sized to be timeable, their median, and the spread of the blocks."""
+    global last_cpu_spread
+    from torch.utils import benchmark
+
     fn()  # at least one warm call, even with warmup_ms=0
     deadline = time.perf_counter() + warmup_ms / 1e3
     while time.perf_counter() < deadline:
         fn()
-    times = []
-    deadline = time.perf_counter() + rep_ms / 1e3
-    while len(times) < 3 or time.perf_counter() < deadline:
-        start = time.perf_counter()
-        fn()
-        times.append((time.perf_counter() - start) * 1e3)
-    return statistics.median(times)
+    timer = benchmark.Timer(stmt="fn()", globals={"fn": fn}, num_threads=torch.get_num_threads())
+    m = timer.blocked_autorange(min_run_time=max(rep_ms / 1e3, 1e-3))
+    median = m.median * 1e3
+    last_cpu_spread = m.iqr / m.median if m.median > 0 and len(m.times) >= 2 else None
+    if last_cpu_spread is not None and last_cpu_spread > SPREAD_WARNING:
+        warnings.warn(f"CPU timing spread {last_cpu_spread:.0%} (interquartile range / median over {len(m.times)} "
+                      f"blocks): the machine is busy or the call is short; the median is reported", stacklevel=3)
+    return median
 
 
 def _measure_cuda_events(fn, warmup_ms: float, rep_ms: float) -> float:
