@@ -36,6 +36,27 @@ def _seed():
     torch.manual_seed(0)
 
 
+def pytest_sessionfinish(session, exitstatus):
+    """Reap child processes a test left behind.  multiprocessing joins every non-daemon child at interpreter
+    exit, so one leaked child (a spawn whose start never completed: it waits forever for its start data) hung
+    the whole run after its summary line.  Each is named, by the test it was spawned in, and ended."""
+    import multiprocessing
+
+    for child in multiprocessing.active_children():
+        try:
+            with open(f"/proc/{child.pid}/environ", "rb") as f:
+                spawned_in = [v for v in f.read().split(b"\0") if v.startswith(b"PYTEST_CURRENT_TEST=")]
+        except OSError:
+            spawned_in = []
+        where = spawned_in[0].decode(errors="replace").split("=", 1)[1] if spawned_in else "an unknown test"
+        warnings.warn(f"child process {child.pid} ({child.name}) left alive by {where}: terminated")
+        child.terminate()
+        child.join(5)
+        if child.is_alive():
+            child.kill()
+            child.join(5)
+
+
 @pytest.fixture
 def kdevice():
     """The device Triton kernels run on in this process (GPU, or CPU under the interpreter)."""
