@@ -25,7 +25,7 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-from ..backend.targets import Target
+from ..backend.targets import TARGETS, Target
 from .config import KernelSpec, LaunchConfig, select
 
 try:
@@ -251,6 +251,28 @@ def triton_cannot_target(target: Target) -> str | None:
 
 
 def _try_probe(target: Target) -> str | None:
+    if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0") and target.arch in TARGETS:
+        return _probe_in_child(target.arch)
+    return _probe_here(target)
+
+
+def _probe_in_child(arch: str) -> str | None:
+    """The probe in a fresh interpreter without TRITON_INTERPRET: in an interpreted process Triton patches
+    triton.language while kernels run, and a compile here met a patched ``tl.load`` (a cold-cache CI
+    rehearsal: "CompilationError: at 2:20" for gfx1100, which compiles)."""
+    import json
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    code = ("import json; from anygpu.kernels import aot; from anygpu.backend.targets import TARGETS; "
+            f"print(json.dumps(aot._probe_here(TARGETS[{arch!r}])))")
+    run = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    if run.returncode != 0:
+        return f"the probe process failed: {(run.stderr.strip().splitlines() or ['?'])[-1]}"
+    return json.loads(run.stdout.strip().splitlines()[-1])
+
+
+def _probe_here(target: Target) -> str | None:
     import triton
     from triton.compiler import ASTSource
     from triton.runtime.jit import JITFunction
