@@ -8,10 +8,10 @@ from __future__ import annotations
 import httpx
 import pytest
 
-from anygpu.engine import AsyncLLMEngine, LLMEngine
 from anygpu.serve import ServerThread, build_app
 
 from ._models_fixtures import smollm_path  # noqa: F401 - fixture
+from ._serve_fixtures import engine, server  # noqa: F401 - fixtures
 
 # Plain imports: the test extras install both (text-generation through the Makefile), so a missing client is a
 # failure, not a skip.
@@ -21,19 +21,6 @@ import text_generation  # noqa: E402
 PROMPT = "The capital of France is"
 QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
 KEY = "clients-key-1"
-
-
-@pytest.fixture(scope="module")
-def engine(smollm_path):  # noqa: F811
-    eng = AsyncLLMEngine(LLMEngine(str(smollm_path), progress=False, max_model_len=256))
-    yield eng
-    eng.shutdown()
-
-
-@pytest.fixture(scope="module")
-def server(engine):
-    with ServerThread(build_app(engine)) as s:
-        yield s
 
 
 @pytest.fixture(scope="module")

@@ -9,33 +9,15 @@ import json
 import httpx
 import pytest
 
-from anygpu.engine import AsyncLLMEngine, LLMEngine
 from anygpu.serve import ServerThread, build_app
 
 from ._models_fixtures import smollm_path  # noqa: F401 - fixture
+from ._serve_fixtures import client, engine, server  # noqa: F401 - fixtures
 
 openai = pytest.importorskip("openai")
 
 QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
 KEY = "test-key-123"
-
-
-@pytest.fixture(scope="module")
-def engine(smollm_path):  # noqa: F811
-    eng = AsyncLLMEngine(LLMEngine(str(smollm_path), progress=False, max_model_len=256))
-    yield eng
-    eng.shutdown()
-
-
-@pytest.fixture(scope="module")
-def server(engine):
-    with ServerThread(build_app(engine)) as s:
-        yield s
-
-
-@pytest.fixture(scope="module")
-def client(server):
-    return openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
 
 
 @pytest.fixture(scope="module")

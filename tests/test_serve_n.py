@@ -13,34 +13,17 @@ import pytest
 
 from anygpu import LLM
 from anygpu.bench.model import random_config, random_engine
-from anygpu.engine import AsyncLLMEngine, LLMEngine, SamplingParams
+from anygpu.engine import AsyncLLMEngine, SamplingParams
 from anygpu.engine.sampling_params import MAX_N
 from anygpu.serve import ServerThread, build_app
 
 from ._models_fixtures import smollm_path  # noqa: F401 - fixture
+from ._serve_fixtures import client, engine, server  # noqa: F401 - fixtures
 
 openai = pytest.importorskip("openai")
 
 PROMPT = "Once upon a time"
 SAMPLED = dict(max_tokens=8, temperature=1.0, seed=1234)
-
-
-@pytest.fixture(scope="module")
-def engine(smollm_path):  # noqa: F811
-    eng = AsyncLLMEngine(LLMEngine(str(smollm_path), progress=False, max_model_len=256))
-    yield eng
-    eng.shutdown()
-
-
-@pytest.fixture(scope="module")
-def server(engine):
-    with ServerThread(build_app(engine)) as s:
-        yield s
-
-
-@pytest.fixture(scope="module")
-def client(server):
-    return openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
 
 
 def test_completions_n_choices_differ_repeat_and_count(client, engine):

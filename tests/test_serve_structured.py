@@ -17,6 +17,7 @@ from anygpu.engine.engine_process import EngineClient
 from anygpu.serve import ServerThread, build_app
 
 from ._models_fixtures import smollm_path  # noqa: F401 - fixture
+from ._serve_fixtures import client, engine, server  # noqa: F401 - fixtures
 
 openai = pytest.importorskip("openai")
 
@@ -33,22 +34,7 @@ QUESTION = [{"role": "user", "content": "What is the capital of France? Answer i
                                         "country."}]
 
 
-@pytest.fixture(scope="module")
-def engine(smollm_path):  # noqa: F811
-    eng = AsyncLLMEngine(LLMEngine(str(smollm_path), progress=False, max_model_len=512))
-    yield eng
-    eng.shutdown()
-
-
-@pytest.fixture(scope="module")
-def server(engine):
-    with ServerThread(build_app(engine)) as s:
-        yield s
-
-
-@pytest.fixture(scope="module")
-def client(server):
-    return openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
+MAX_MODEL_LEN = 512  # the engine fixture's context (tests/_serve_fixtures.py)
 
 
 def test_chat_json_schema_answers_the_question(client):
