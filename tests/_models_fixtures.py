@@ -69,3 +69,14 @@ def _hf_config(path):
 def hf_config(smollm_path):
     """transformers' config read from the same GGUF (a LlamaConfig)."""
     return _hf_config(smollm_path)
+
+
+@pytest.fixture(scope="module")
+def hf_smollm(smollm_path):
+    """transformers' own model of the default GGUF, in fp32: the oracle of the logprob tests."""
+    transformers = pytest.importorskip("transformers")
+    pytest.importorskip("accelerate")
+    import torch
+
+    return transformers.LlamaForCausalLM.from_pretrained(str(smollm_path.parent), gguf_file=smollm_path.name,
+                                                         dtype=torch.float32).eval()

@@ -23,7 +23,7 @@ from anygpu.engine.engine_process import EngineClient
 from anygpu.engine.scheduler import PROMPT_LOGPROBS_CHUNK
 from anygpu.serve import ServerThread, build_app
 
-from ._models_fixtures import smollm_path  # noqa: F401 - fixture
+from ._models_fixtures import hf_smollm, smollm_path  # noqa: F401 - fixtures
 
 transformers = pytest.importorskip("transformers")
 openai = pytest.importorskip("openai")
@@ -166,13 +166,6 @@ def test_max_tokens_zero_needs_echo(tiny_server):
 
 
 # -- the offline eval: lm-evaluation-harness's local-completions requests, on the default model ------------------
-@pytest.fixture(scope="module")
-def hf_smollm(smollm_path):  # noqa: F811
-    pytest.importorskip("accelerate")
-    return transformers.LlamaForCausalLM.from_pretrained(str(smollm_path.parent), gguf_file=smollm_path.name,
-                                                         dtype=torch.float32).eval()
-
-
 @pytest.fixture(scope="module")
 def server(smollm_path):  # noqa: F811
     engine = AsyncLLMEngine(LLMEngine(str(smollm_path), progress=False, max_model_len=256))

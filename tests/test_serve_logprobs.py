@@ -13,7 +13,7 @@ from anygpu import LLM
 from anygpu.engine import AsyncLLMEngine, LLMEngine, SamplingParams
 from anygpu.serve import ServerThread, build_app
 
-from ._models_fixtures import smollm_path  # noqa: F401 - fixture
+from ._models_fixtures import hf_smollm, smollm_path  # noqa: F401 - fixtures
 
 transformers = pytest.importorskip("transformers")
 openai = pytest.importorskip("openai")
@@ -78,13 +78,6 @@ def test_logprobs_are_none_unless_asked_and_zero_means_the_token_only(tiny):
 
 
 # -- the server, on the default model --------------------------------------------------------------------
-@pytest.fixture(scope="module")
-def hf_smollm(smollm_path):  # noqa: F811
-    pytest.importorskip("accelerate")
-    return transformers.LlamaForCausalLM.from_pretrained(str(smollm_path.parent), gguf_file=smollm_path.name,
-                                                         dtype=torch.float32).eval()
-
-
 @pytest.fixture(scope="module")
 def server(smollm_path):  # noqa: F811
     engine = AsyncLLMEngine(LLMEngine(str(smollm_path), progress=False, max_model_len=256))
