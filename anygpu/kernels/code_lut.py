@@ -167,20 +167,24 @@ def build_search_table(code: torch.Tensor, signed: bool, sign_fix: bool = True) 
     return lut
 
 
+def cached_per_tensor(cache: dict, code: torch.Tensor, key, build):
+    """``build()`` for the map ``code``, kept in ``cache`` under ``key`` while that very tensor lives unmodified
+    (a weak reference and its version counter: a map edited in place is rebuilt); at most 64 entries."""
+    hit = cache.get(key)
+    if hit is not None and hit[0]() is code and hit[1] == code._version:
+        return hit[2]
+    value = build()
+    if len(cache) > 64:
+        cache.clear()
+    cache[key] = (weakref.ref(code), code._version, value)
+    return value
+
+
 _TABLES: dict = {}
 
 
 def search_table(code: torch.Tensor, signed: bool, sign_fix: bool = True) -> torch.Tensor | None:
     """``build_search_table`` for a CPU map, cached while that very tensor lives unmodified.  Device maps are
     the caller's business (reading one would sync): see ``optim.optimizer``, which knows the default maps."""
-    key = (id(code), signed, sign_fix)
-    hit = _TABLES.get(key)
-    if hit is not None and hit[0]() is code and hit[1] == code._version:
-        return hit[2]
-    table = build_search_table(code, signed, sign_fix)
-    if len(_TABLES) > 64:
-        _TABLES.clear()
-    _TABLES[key] = (weakref.ref(code), code._version, table)
-    return table
-
-
+    return cached_per_tensor(_TABLES, code, (id(code), signed, sign_fix),
+                             lambda: build_search_table(code, signed, sign_fix))

@@ -40,8 +40,6 @@ finer codes near 0 one code apart grew to 3-5 (the H200's bf16 GPU test; emulate
 
 from __future__ import annotations
 
-import weakref
-
 import torch
 import triton
 import triton.language as tl

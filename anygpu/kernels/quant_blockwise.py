@@ -19,13 +19,12 @@ Dequantize: ``code[q] * absmax`` in fp32, one rounding.
 from __future__ import annotations
 
 import functools
-import weakref
 
 import torch
 import triton
 import triton.language as tl
 
-from .code_lut import lut_search, search_table
+from .code_lut import cached_per_tensor, lut_search, search_table
 from .config import TRITON_DTYPE, KernelSpec, LaunchConfig, device_target, on_device, register, select
 
 # The reference's absmax floor, 1e-38 (an fp32 subnormal), as its bit pattern: a Python float that small
@@ -216,15 +215,11 @@ def _tree_order(device: torch.device) -> torch.Tensor:
 
 def search_tree(code: torch.Tensor) -> torch.Tensor:
     """The 255 midpoints of ``code`` in breadth-first order (index 0 unused), as the kernel searches them."""
-    hit = _TREES.get(id(code))
-    if hit is not None and hit[0]() is code and hit[1] == code._version:
-        return hit[2]
-    midpoints = (code[:-1] + code[1:]) / 2  # fp32, exactly as the reference
-    tree = midpoints[_tree_order(code.device)]
-    if len(_TREES) > 64:
-        _TREES.clear()
-    _TREES[id(code)] = (weakref.ref(code), code._version, tree)
-    return tree
+    def build():
+        midpoints = (code[:-1] + code[1:]) / 2  # fp32, exactly as the reference
+        return midpoints[_tree_order(code.device)]
+
+    return cached_per_tensor(_TREES, code, id(code), build)
 
 
 def quantize_blockwise(A: torch.Tensor, code: torch.Tensor, blocksize: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -252,15 +247,11 @@ def device_lut(code: torch.Tensor) -> torch.Tensor | None:
     """The bucket table of ``code`` (no sign fix: quantize's rule) on its device, or None where the table cannot
     serve the map (then the search tree does).  Built from a host copy of the map once per map tensor (one
     small device-to-host copy the first time a map is used), then cached while that tensor lives unmodified."""
-    hit = _LUTS.get(id(code))
-    if hit is not None and hit[0]() is code and hit[1] == code._version:
-        return hit[2]
-    table = search_table(code.detach().float().cpu(), signed=True, sign_fix=False)
-    lut = None if table is None else table.to(code.device)
-    if len(_LUTS) > 64:
-        _LUTS.clear()
-    _LUTS[id(code)] = (weakref.ref(code), code._version, lut)
-    return lut
+    def build():
+        table = search_table(code.detach().float().cpu(), signed=True, sign_fix=False)
+        return None if table is None else table.to(code.device)
+
+    return cached_per_tensor(_LUTS, code, id(code), build)
 
 
 def dequantize_blockwise(A: torch.Tensor, absmax: torch.Tensor, code: torch.Tensor, blocksize: int,
