@@ -87,14 +87,15 @@ class RankSpec:
             return self.device
         return torch.device("cuda", (self.device.index or 0) + rank)
 
-    def build_model(self, rank: int, weights=None, progress: bool = False):
-        """This rank's model; ``weights``: an already opened checkpoint's iterator (rank 0), else read here."""
+    def build_model(self, rank: int, weights=None, progress: bool = False, checkpoint=None):
+        """This rank's model; ``weights``: an already opened checkpoint's iterator (rank 0), else read here;
+        ``checkpoint``: that opened checkpoint, so a GGUF kept packed is not parsed a second time."""
         prepare = None
         if (self.quantize is None and self.model_path and str(self.model_path).endswith(".gguf")
                 and gguf_packed.enabled(self.device, self.world_size)):
             # The projections stay in the file's packed blocks: swapped in before the rest is loaded, and the
             # weights iterator skips their tensors, so their dequantized copies are never made.
-            ckpt = GGUFCheckpoint(self.model_path)
+            ckpt = checkpoint if isinstance(checkpoint, GGUFCheckpoint) else GGUFCheckpoint(self.model_path)
             weights = ckpt.weights(progress=progress, skip=gguf_packed.packed_tensors(ckpt))
             prepare = functools.partial(gguf_packed.pack_linears, checkpoint=ckpt)
         if weights is None:

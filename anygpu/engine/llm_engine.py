@@ -193,6 +193,7 @@ class LLMEngine:
             self.model_path = ckpt.path
             weights = ckpt.weights(progress=progress)
         else:
+            ckpt = None
             self.tokenizer, self.model_name, weights = tokenizer, model or "random", "random"
             self.model_path = None  # random weights: no file
         self.config = config
@@ -219,7 +220,7 @@ class LLMEngine:
         spec = RankSpec(config, None if self.model_path is None else str(self.model_path), self.dtype, self.device,
                         world_size=tp, quantize=quantize, tune=tune, runner_args=runner_args)
         if tp == 1:
-            self.model = spec.build_model(0, weights, progress)
+            self.model = spec.build_model(0, weights, progress, checkpoint=ckpt)
             self.runner = spec.build_runner(self.model, self._exit)
         else:
             self._start_tp(spec, weights, progress)
