@@ -89,3 +89,20 @@ def test_bench_model_runs_each_variant_on_one_workload(tmp_path):
     assert all(r["output_tokens"] == 8 for r in report["results"].values())
     assert report["vs_unquantized"][f"anygpu {base}"] == 1.0 and report["threads"] == 1
     assert report["speedup"] > 0 and "vs the unquantized engine" in run.stdout
+
+
+def test_bench_serve_n_repeats_the_run_with_one_choice(tmp_path):
+    import json
+
+    out = tmp_path / "serve.json"
+    run = anygpu("bench", "serve", "--random-config", "tiny", "--num-prompts", "2", "--input-len", "8",
+                 "--output-len", "4", "--n", "3", "--client-procs", "1", "--threads", "1", "--json", str(out))
+    assert run.returncode == 0, run.stderr[-2000:]
+    report = json.loads(out.read_text())
+    results = report["results"]
+    assert list(results) == ["offline", "server", "server_n1"] and "n=3" in report["workload"]
+    # every choice of every request is counted: 2 prompts x 3 choices x 4 tokens, against 2 x 4 with n = 1
+    assert results["server"]["total_output_tokens"] == 24 and results["server_n1"]["total_output_tokens"] == 8
+    assert report["n_speedup"] == pytest.approx(results["server"]["output_throughput"]
+                                                / results["server_n1"]["output_throughput"])
+    assert anygpu("bench", "serve", "--n", "17").returncode == 2

@@ -73,9 +73,12 @@ def doctor(as_json, targets, no_probe):
               help="serve suite: this fraction of requests leave mid-stream.")
 @click.option("--client-procs", type=click.IntRange(min=1), default=4, show_default=True,
               help="serve suite: load-generator processes.")
+@click.option("--n", "n", type=click.IntRange(1, 16), default=1, show_default=True,
+              help="serve suite: choices per request (OpenAI's n); above 1, the run is repeated with n = 1 on as "
+                   "many prompts and the output tokens/s ratio printed.")
 @quiet_option("No progress bars.", expose_value=False)
 def bench(suite, list_suites, quick, json_path, png_path, tp, url, api_key, request_rate, half_load,
-          disconnect_fraction, client_procs, **model_options):
+          disconnect_fraction, client_procs, n, **model_options):
     """Run a benchmark SUITE on this backend against its baselines.
 
     `anygpu bench model` is the engine's offline throughput (the model-suite options); `anygpu bench serve` the
@@ -106,7 +109,7 @@ def bench(suite, list_suites, quick, json_path, png_path, tp, url, api_key, requ
         model_options["quantize"] = single_quantize(model_options["quantize"])
         bench_serve(json_path=json_path or "bench-results/serve.json", tp=tp, url=url, api_key=api_key,
                     request_rate=request_rate, half_load=half_load, disconnect_fraction=disconnect_fraction,
-                    client_procs=client_procs, **model_options)
+                    client_procs=client_procs, n=n, **model_options)
         return
     if suite not in harness.SUITES:
         raise click.BadParameter(f"expected one of {', '.join(sorted(harness.SUITES))}, got {suite!r}",

@@ -4,7 +4,9 @@ Without ``--url`` it starts everything itself, in this order:
 1. the offline engine on the workload (``--baseline``, the default): the ceiling the server is held to;
 2. the server (a real socket on loopback, the load generator in ``--client-procs`` other processes) at
    ``--concurrency`` (and ``--request-rate`` if given): the peak run;
-3. with ``--half-load``: again at half the peak run's request rate (TTFT at moderate load).
+3. with ``--half-load``: again at half the peak run's request rate (TTFT at moderate load);
+4. with ``--n`` above 1 (OpenAI's ``n``: choices per request, sharing the prompt's KV blocks): again with one
+   choice per request, and the ratio of output tokens/s printed (``n_speedup``).
 The server's engine runs in its own process (``EngineClient``), as ``anygpu serve`` runs it; the offline engine
 runs in this one and is freed first.
 Each run gets its own random prompts (same lengths), so no run is served from another's prefix cache.
@@ -21,14 +23,15 @@ import click
 
 
 def bench_serve(*, json_path, model, random_config, quantize, num_prompts, concurrency, input_len, output_len,
-                baseline, tp, url, api_key, request_rate, half_load, disconnect_fraction, client_procs):
+                baseline, tp, url, api_key, request_rate, half_load, disconnect_fraction, client_procs, n=1):
     from ..bench import model as bm
     from ..bench import serve as bs
 
     concurrency = concurrency or num_prompts
     load = dict(output_len=output_len, concurrency=concurrency, disconnect_fraction=disconnect_fraction,
-                client_procs=client_procs)
+                client_procs=client_procs, n=n)
     report = {"workload": f"{num_prompts} prompts x {input_len} in / {output_len} out, concurrency {concurrency}"
+                          + (f", n={n}" if n > 1 else "")
                           + (f", {request_rate:g} req/s" if math.isfinite(request_rate) else ""), "results": {}}
     if url is not None:
         import httpx
@@ -46,6 +49,8 @@ def bench_serve(*, json_path, model, random_config, quantize, num_prompts, concu
                                    request_rate, half_load, load))
     for name, summary in report["results"].items():
         click.echo(bs.format_summary(name, summary))
+    if "n_speedup" in report:
+        click.echo(f"n={n} / n=1 output tokens/s: {report['n_speedup']:.3f}")
     if "server_vs_offline" in report:
         click.echo(f"server / offline output tokens/s: {report['server_vs_offline']:.3f}")
     os.makedirs(os.path.dirname(json_path) or ".", exist_ok=True)
@@ -61,7 +66,8 @@ def _self_hosted(bm, bs, model, random_config, quantize, num_prompts, input_len,
     from ..serve import ServerThread, build_app
     from .bench_model import free_device, make_engine
 
-    args = (model, random_config, quantize, load["concurrency"], input_len + load["output_len"], tp)
+    # Each of a request's n choices is a sequence of the batch.
+    args = (model, random_config, quantize, load["concurrency"] * load["n"], input_len + load["output_len"], tp)
     out = {"results": {}}
     if baseline:  # the offline engine in this process; freed before the server's engine is built
         engine = make_engine(*args)
@@ -85,18 +91,23 @@ def _self_hosted(bm, bs, model, random_config, quantize, num_prompts, input_len,
             name = server.server.config.app.state.server.model_name
             # Warm-up through the server: the engine process compiles what the timed runs will meet.
             bs.run_load_in_processes(server.url, name, bm.random_prompts(4, input_len, vocab, seed=99), 3, 2)
-            runs = [("server", request_rate, 1)]
+            runs = [("server", request_rate, 1)] + ([("server_n1", request_rate, 3)] if load["n"] > 1 else [])
             for label, rate, seed in runs:
                 prompts = bm.random_prompts(num_prompts, input_len, vocab, seed=seed)
-                records, duration = bs.run_load_in_processes(server.url, name, prompts, request_rate=rate, **load)
+                run_load = dict(load, n=1) if label == "server_n1" else load
+                records, duration = bs.run_load_in_processes(server.url, name, prompts, request_rate=rate,
+                                                             **run_load)
                 out["results"][label] = summary = bs.summarize(records, duration)
                 if label == "server" and half_load:
                     runs.append(("half_load", summary["request_throughput"] / 2, 2))
     finally:
         async_engine.shutdown()
         engine.close()
+    if load["n"] > 1:
+        out["n_speedup"] = out["results"]["server"]["output_throughput"] / out["results"]["server_n1"]["output_throughput"]
     if baseline:
-        out["server_vs_offline"] = out["results"]["server"]["output_throughput"] / out["results"]["offline"]["output_throughput"]
+        single = out["results"]["server_n1" if load["n"] > 1 else "server"]  # the offline run has one choice each
+        out["server_vs_offline"] = single["output_throughput"] / out["results"]["offline"]["output_throughput"]
     return out
 
 
