@@ -23,7 +23,7 @@ TEXTS = [
     "x" * 300,
     "",
 ]
-# engine-plan.md §3: "What is the capital of France?" through SmolLM2's template, as transformers encodes it.
+# docs/design/engine-plan.md §3: "What is the capital of France?" through SmolLM2's template, as transformers encodes it.
 CHAT_IDS = [1, 9690, 198, 2683, 359, 253, 5356, 5646, 11173, 3365, 3511, 308, 34519, 28, 7018, 411, 407, 19712, 8182,
             2, 198, 1, 4093, 198, 1780, 314, 260, 3575, 282, 4649, 47, 2, 198, 1, 520, 9531, 198]
 MULTI_TURN = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"},

@@ -1,4 +1,4 @@
-"""Turn the JSON of `anygpu bench SUITE --json PATH` into the markdown table docs/benchmarks-h200.md uses.
+"""Turn the JSON of `anygpu bench SUITE --json PATH` into the markdown table docs/perf/2026-11-30-h200-log.md uses.
 Usage: python3 tools/bench_to_markdown.py PATH.json [TITLE]"""
 
 import json

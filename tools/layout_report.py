@@ -3,8 +3,8 @@
 A ``convert_layout`` in a kernel's TTGIR that the backend lowers through shared memory costs a store and a load
 of every element it moves, on the same L1 pipe as the kernel's own loads.  Triton versions differ here: the
 8-bit optimizer step compiled with 11 such conversions on triton 3.6 (the H200's), 3 without shared memory on
-3.9, and taking its gathers out of them made it 1.2x faster on the H200 (docs/benchmarks-h200.md).  For each
-kernel, config and the first dtype: the conversions of big tensors (the tensor type) and the PTX / AMDGCN
+3.9, and taking its gathers out of them made it 1.2x faster on the H200 (docs/perf/2026-11-30-h200-log.md).
+For each kernel, config and the first dtype: the conversions of big tensors (the tensor type) and the PTX / AMDGCN
 shared-memory instructions, by cross-compiling for a target (no GPU needed).
 Usage: python3 tools/layout_report.py [TARGET (sm_90)] [NAME-SUBSTRING ...]"""
 

@@ -1,6 +1,6 @@
 """Sweep launch configs on this GPU (a tuning aid; winners go into the config tables): the int8 GEMM path at
 M = 1 and 16 (N = K = 8192 fp16, threshold 6) and the 8-bit AdamW kernel (1B fp32 elements: blocks and warps
-a program, and a register cap), against torch's fused AdamW.  docs/benchmarks-h200.md has the results and the
+a program, and a register cap), against torch's fused AdamW.  docs/perf/2026-11-30-h200-log.md has the results and the
 variants tried before (persistent programs, approximate math, a 16-bit form of the bucket tables).
 Usage: python3 tools/sweep_int8_optim.py [int8] [optim]"""
 

@@ -226,7 +226,7 @@ def _gemm_4bit_kernel(x_ptr, w_ptr, absmax_ptr, code_ptr, bias_ptr, out_ptr,
 # exceeds the block size), the next step's weights loaded before this one's are decoded (PREFETCH);
 # K split up to MAX_SPLIT ways, the partial sums added by kernels/_split_k.py
 # (tools/sweep_matmul_4bit.py and tools/sweep_gemv_shapes.py on the H200 pick them; the measurements are in
-# docs/perf/2026-12-01-nf4-gemm.md and docs/benchmarks-h200.md).
+# docs/perf/2026-12-01-nf4-gemm.md and docs/perf/2026-11-30-h200-log.md).
 GEMV_CONFIGS = {
     "default": (LaunchConfig({"BLOCK_N": 32, "CHUNK": 128, "PREFETCH": True, "LUT_GATHER": True,
                               "MAX_SPLIT": 8}, num_warps=4),),
