@@ -116,3 +116,51 @@ def test_private_modules_stay_in_their_package():
             if any(part.startswith("_") and not part.startswith("__") for part in module[2:]):
                 bad.append(f"{path.relative_to(ROOT)}:{line} ({layer}) imports {'.'.join(module)}")
     assert not bad, "\n".join(bad)
+
+
+DOCS = ROOT / "docs"
+DOC_KINDS = ("guide", "design", "perf")  # how to use it / why it is built so / dated measurement records
+_LINK = re.compile(r"\[[^\]]*\]\(([^)\s]+)\)")
+_DOCS_PATH = re.compile(r"(?<![\w./-])docs/[\w./-]+\.md")
+
+
+def _markdown_files():
+    return [ROOT / "README.md", *sorted(DOCS.rglob("*.md"))]
+
+
+def test_docs_are_sorted_into_guide_design_and_perf():
+    """docs/ holds the three kinds and at most an index: a page dropped at the root has no kind, and the README's
+    table of contents (which points into the kinds) would not list it."""
+    stray = [p.name for p in DOCS.iterdir() if p.is_file() and p.name not in ("README.md", "index.md")]
+    assert not stray, f"docs/ root: move {stray} into docs/{{{','.join(DOC_KINDS)}}}/"
+    folders = {p.name for p in DOCS.iterdir() if p.is_dir()}
+    assert folders <= set(DOC_KINDS), f"docs/ has {sorted(folders - set(DOC_KINDS))}: use {DOC_KINDS}"
+    undated = [p.name for p in (DOCS / "perf").glob("*.md") if not re.match(r"\d{4}-\d{2}-\d{2}-", p.name)]
+    assert not undated, f"docs/perf/ records are named YYYY-MM-DD-what.md: {undated}"
+
+
+def test_doc_links_resolve():
+    """Every relative markdown link, and every docs/...md path a page names in its text, points at a file that
+    exists: moving a page has to update the pages that point at it."""
+    bad = []
+    for page in _markdown_files():
+        text = page.read_text()
+        for target in _LINK.findall(text):
+            if re.match(r"[a-z][a-z0-9+.-]*:", target) or target.startswith("#"):
+                continue  # a URL (http:, mailto:) or an anchor in the same page
+            path = target.split("#")[0]
+            if not (page.parent / path).exists():
+                bad.append(f"{page.relative_to(ROOT)}: link ({target})")
+        for path in _DOCS_PATH.findall(text):
+            if not (ROOT / path).exists():
+                bad.append(f"{page.relative_to(ROOT)}: names {path}")
+    assert not bad, "\n".join(bad)
+
+
+def test_readme_is_a_short_table_of_contents():
+    """The README introduces and points into docs/ (issue 26): the detail lives in the guides."""
+    readme = (ROOT / "README.md").read_text()
+    assert len(readme.encode()) <= 10 * 1024, f"README.md is {len(readme.encode())} bytes: move detail into docs/"
+    linked = {target.split("#")[0] for target in _LINK.findall(readme)}
+    for kind in DOC_KINDS:
+        assert any(t.startswith(f"docs/{kind}/") for t in linked), f"README.md links nothing in docs/{kind}/"
