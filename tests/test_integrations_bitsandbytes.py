@@ -5,14 +5,22 @@ own CPU kernels as their oracle.  On the CPU anygpu's ops are the PyTorch refere
 CPU backend bit for bit (test_quant_compat.py), so the outputs must not change at all once installed, while
 ``calls`` shows anygpu's kernels ran.  Importing the module installs for the CUDA device type only, so the CPU
 checks call ``install(devices=("cpu",))``.  The GPU side (the point of the install) needs the device tool.
+
+The ``bitsandbytes.backends`` entry point (bnb_backend.py) is checked through a plain ``import bitsandbytes`` in a
+subprocess, with ``ANYGPU_BNB_BACKEND`` set by each test and removed otherwise; it exists only in the installed
+metadata, which make's setup refreshes whenever pyproject.toml changes.
 """
 
+import importlib.metadata
 import json
+import os
 import subprocess
 import sys
 import textwrap
 
 import pytest
+
+from anygpu.integrations import bnb_backend
 
 pytest.importorskip("bitsandbytes")
 
@@ -127,11 +135,16 @@ print(json.dumps({"quantized": quantized, "generated": list(generated.shape), "l
 """
 
 
-def _run(script: str, *args) -> dict:
-    done = subprocess.run([sys.executable, "-c", textwrap.dedent(script), *args], capture_output=True, text=True,
-                          timeout=600)
+def _run(script: str, *args, env: dict | None = None, flags: tuple = ()) -> dict:
+    # the entry point's variable comes only from `env`: one set in the caller's shell would change what
+    # `import bitsandbytes` installs in every script here
+    environ = {k: v for k, v in os.environ.items() if k != bnb_backend.ENV_VAR} | (env or {})
+    done = subprocess.run([sys.executable, *flags, "-c", textwrap.dedent(script), *args], capture_output=True,
+                          text=True, timeout=600, env=environ)
     assert done.returncode == 0, done.stderr[-3000:]
-    return json.loads(done.stdout.strip().splitlines()[-1])
+    result = json.loads(done.stdout.strip().splitlines()[-1])
+    result["stderr"] = done.stderr
+    return result
 
 
 def test_the_import_alone_registers_anygpu_for_gpus_once():
@@ -177,3 +190,135 @@ def test_transformers_4bit_load_generate_qlora_and_merge_on_anygpu_kernels(tmp_p
     assert calls.get("quantize_4bit", 0) >= 14  # 7 linears per layer x 2 layers at load (and more at merge)
     assert calls.get("dequantize_4bit", 0) >= 4  # PEFT's merge dequantizes q_proj and v_proj in both layers
     assert calls.get("gemm_4bit", 0) + calls.get("gemv_4bit", 0) > 0
+
+
+# -- the bitsandbytes.backends entry point (anygpu/integrations/bnb_backend.py): `import bitsandbytes` alone --
+
+# A plain `import bitsandbytes`, then a 4-bit round trip through bitsandbytes' own functional API; what anygpu
+# installed is read from bnb_kernels (anygpu.integrations.bitsandbytes would install for "cuda" on import)
+BNB_ONLY = """
+import json, sys, torch
+import bitsandbytes
+import bitsandbytes.functional as F
+loaded = sorted(m for m in sys.modules if m.startswith("anygpu"))
+A = torch.randn(64, 128, generator=torch.Generator().manual_seed(0))
+packed, state = F.quantize_4bit(A, blocksize=64, quant_type="nf4")
+back = F.dequantize_4bit(packed, state)
+kernels = sys.modules.get("anygpu.integrations.bnb_kernels")
+cext = sys.modules["bitsandbytes.cextension"]
+print(json.dumps({"loaded": loaded, "calls": dict(kernels.calls) if kernels else None,
+                  "installed": sorted(d for _, d in kernels._installed) if kernels else [],
+                  "cuda_kernel": torch._C._dispatch_has_kernel_for_dispatch_key("bitsandbytes::dequantize_4bit",
+                                                                                 "CUDA"),
+                  "gpu": torch.cuda.is_available(), "gpu_library": bool(cext.lib.compiled_with_cuda),
+                  "err": ((back - A).norm() / A.norm()).item()}))
+"""
+
+
+def test_the_entry_point_is_in_the_installed_metadata():
+    """bitsandbytes finds it only through the installed distribution's metadata: a checkout installed before the
+    entry point was declared needs `pip install -e . --no-deps` again (make's setup redoes it when pyproject.toml
+    changes)."""
+    found = [ep for ep in importlib.metadata.entry_points(group="bitsandbytes.backends") if ep.name == "anygpu"]
+    assert found, "reinstall anygpu (pip install -e . --no-deps): its bitsandbytes.backends entry point is missing"
+    assert found[0].value == "anygpu.integrations.bnb_backend:entry_point"
+    assert found[0].load() is bnb_backend.entry_point
+
+
+@pytest.mark.parametrize("value,gpu,library,expected", [
+    (None, False, False, ()), ("", True, True, ()), ("auto", True, True, ()),
+    (None, True, False, ("cuda",)),  # a GPU, and bitsandbytes without a GPU library: the only automatic case
+    (" AUTO ", False, False, ()),
+    ("0", True, False, ()), ("off", True, False, ()), ("false", True, False, ()), ("no", True, False, ()),
+    ("1", True, True, ("cuda",)), ("on", False, True, ("cuda",)), ("true", True, True, ("cuda",)),
+    ("cpu", True, True, ("cpu",)), ("cuda,cpu", False, False, ("cuda", "cpu")), ("cpu, cpu", False, False, ("cpu",)),
+])
+def test_choose_devices(value, gpu, library, expected):
+    assert bnb_backend.choose_devices(value, gpu, library) == expected
+
+
+@pytest.mark.parametrize("value", ["2", "nvidia", "cuda,rocm", ",", "cpu;cuda"])
+def test_choose_devices_rejects_unknown_values_naming_the_variable(value):
+    with pytest.raises(ValueError, match="ANYGPU_BNB_BACKEND.*expected auto, 0, 1"):
+        bnb_backend.choose_devices(value, True, False)
+
+
+def test_import_bitsandbytes_by_default_leaves_a_working_bitsandbytes_alone():
+    """The default (auto) acts only where a GPU has no bitsandbytes GPU library.  Elsewhere the entry point runs
+    (bnb_backend is loaded) and imports nothing else of anygpu: no kernels, no registrations."""
+    result = _run(BNB_ONLY)
+    assert "anygpu.integrations.bnb_backend" in result["loaded"]  # bitsandbytes called it
+    if result["gpu"] and not result["gpu_library"]:
+        assert result["installed"] == ["cuda"] * 9  # a GPU bitsandbytes has no library for: taken over
+    else:
+        heavy = ("anygpu.ops", "anygpu.kernels", "anygpu.quant", "anygpu.nn", "anygpu.engine",
+                 "anygpu.integrations.bnb_kernels", "anygpu.integrations.bitsandbytes")
+        assert not [m for m in result["loaded"] if m.startswith(heavy)]
+        assert result["calls"] is None
+        assert result["cuda_kernel"] == result["gpu"]  # bitsandbytes' own, only where it registered one
+
+
+def test_import_bitsandbytes_alone_routes_its_ops_to_anygpu_when_asked():
+    """ANYGPU_BNB_BACKEND=cpu: bitsandbytes' own quantize / dequantize calls run on anygpu's kernels, with no
+    anygpu line in the program, and only the CPU is taken (not the GPUs as well)."""
+    result = _run(BNB_ONLY, env={"ANYGPU_BNB_BACKEND": "cpu"})
+    assert result["calls"] == {"quantize_4bit": 1, "dequantize_4bit": 1}
+    assert set(result["installed"]) == {"cpu"}
+    assert "anygpu.integrations.bitsandbytes" not in result["loaded"]
+    assert result["err"] < 0.15  # a real NF4 round trip (relative error about 0.1)
+
+
+@pytest.mark.parametrize("value", ["1", "cuda,cpu"])
+def test_the_variable_forces_the_gpu_install(value):
+    """=1 takes the GPUs over even where bitsandbytes' library works (on this CPU-only machine, torch registers
+    the CUDA kernels all the same: the dispatcher has the key without a device)."""
+    result = _run(BNB_ONLY, env={"ANYGPU_BNB_BACKEND": value})
+    assert result["cuda_kernel"]
+    assert result["installed"].count("cuda") == 9  # every op, gemv_4bit included
+    assert result["installed"].count("cpu") == (8 if "cpu" in value else 0)  # gemv_4bit stays bitsandbytes'
+
+
+@pytest.mark.parametrize("value", ["0", "off"])
+def test_the_opt_out_installs_nothing(value):
+    result = _run(NO_NATIVE + BNB_ONLY, env={"ANYGPU_BNB_BACKEND": value})
+    assert "anygpu.integrations.bnb_kernels" not in result["loaded"]
+    assert result["calls"] is None and result["installed"] == []
+
+
+def test_an_unknown_value_is_logged_and_the_import_works():
+    result = _run(BNB_ONLY, env={"ANYGPU_BNB_BACKEND": "yes-please"})
+    assert "ANYGPU_BNB_BACKEND: expected auto, 0, 1" in result["stderr"] and "using auto" in result["stderr"]
+    assert "calls" in result  # the import and the round trip ran
+
+
+def test_the_entry_point_never_fails_the_import():
+    """A failing install (here: bitsandbytes blocked from importing, as a broken install would be) is logged and
+    the entry point returns; under `-W error` the install's override warnings would be exceptions, and are not."""
+    blocked = """
+import json, sys
+sys.modules["bitsandbytes"] = None  # `import bitsandbytes` now raises ImportError
+from anygpu.integrations import bnb_backend
+print(json.dumps({"returned": bnb_backend.entry_point()}))
+"""
+    result = _run(blocked, env={"ANYGPU_BNB_BACKEND": "cpu"})
+    assert result["returned"] is None
+    assert "entry point failed" in result["stderr"] and "needs bitsandbytes" in result["stderr"]
+    strict = _run(BNB_ONLY, env={"ANYGPU_BNB_BACKEND": "cuda,cpu"}, flags=("-W", "error"))
+    assert strict["calls"] == {"quantize_4bit": 1, "dequantize_4bit": 1}
+
+
+def test_importing_anygpu_first_then_bitsandbytes_through_it():
+    """The other import order: anygpu.integrations.bitsandbytes imports bitsandbytes inside its install(), and
+    bitsandbytes calls the entry point while that install is under way; both installs take, each once."""
+    script = """
+import json, sys
+import anygpu.integrations.bitsandbytes as agb
+import bitsandbytes.functional as F, torch
+packed, state = F.quantize_4bit(torch.randn(64, 64), quant_type="fp4")
+print(json.dumps({"installed": sorted(d for _, d in agb._installed), "calls": dict(agb.calls),
+                  "loaded": sorted(m for m in sys.modules if m.startswith("anygpu"))}))
+"""
+    result = _run(script, env={"ANYGPU_BNB_BACKEND": "cpu"})
+    assert result["installed"].count("cuda") == 9 and result["installed"].count("cpu") == 8
+    assert result["calls"] == {"quantize_4bit": 1}
+    assert "anygpu.integrations.bnb_backend" in result["loaded"]
