@@ -24,7 +24,8 @@ every later request raises ``EngineDead``, ``healthy`` turns False and stays so,
 
 The engine may be an ``LLMEngine`` in this process (it then shares the GIL with the event loop) or an
 ``EngineClient`` (``engine_process.py``), the same interface over a pipe to an engine in its own process,
-which is what ``anygpu serve`` uses.
+which is what ``anygpu serve`` uses: any ``protocol.StepEngine``.  This class is the server's
+``protocol.EngineProtocol``: the model's facts and ``stats()`` are the engine's, read through.
 """
 
 from __future__ import annotations
@@ -36,15 +37,27 @@ import threading
 from collections.abc import AsyncIterator
 
 from .errors import EngineDead, RequestFailed, as_exception
-from .llm_engine import LLMEngine, RequestOutput
+from .llm_engine import RequestOutput
 from .parallel_sampling import ParentRequest, child_id, child_params
+from .protocol import StepEngine
 from .sampling_params import SamplingParams
+from .stats import EngineStats
 
 log = logging.getLogger("anygpu.engine")
 
 
 class AsyncLLMEngine:
-    def __init__(self, engine: LLMEngine):
+    # The model the engine runs (protocol.EngineInfo), read through: an EngineClient's are copies made at start-up.
+    tokenizer = property(lambda self: self.engine.tokenizer)
+    config = property(lambda self: self.engine.config)
+    model_name = property(lambda self: self.engine.model_name)
+    model_path = property(lambda self: self.engine.model_path)
+    max_model_len = property(lambda self: self.engine.max_model_len)
+    dtype = property(lambda self: self.engine.dtype)
+    device = property(lambda self: self.engine.device)
+    eos_token_ids = property(lambda self: self.engine.eos_token_ids)
+
+    def __init__(self, engine: StepEngine):
         self.engine = engine
         self._lock = threading.Lock()
         self._wake = threading.Event()
@@ -126,6 +139,11 @@ class AsyncLLMEngine:
 
     def abort(self, request_id: str) -> None:
         self._send(("abort", request_id))
+
+    def stats(self) -> EngineStats:
+        """The engine's, read from the server's thread while the engine thread steps (``/metrics`` at scrape
+        time)."""
+        return self.engine.stats()
 
     @property
     def num_requests(self) -> int:

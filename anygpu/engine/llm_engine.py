@@ -19,7 +19,8 @@ step finishes alone with ``finish_reason="error"`` and ``error`` set, and the st
 forward that raises is retried one sequence at a time: the sequences that fail alone are failed, the others
 keep the tokens of their solo runs (this also gets a step that ran out of memory through).  When every
 sequence fails alone as well, or the batch held one sequence, or under tensor parallelism (the ranks would
-disagree on what was run), the fault is the engine's: ``step`` raises and the engine is dead.
+disagree on what was run), the fault is the engine's: ``step`` raises and the engine is dead (``healthy`` turns
+False, ``error`` holds the cause).
 
 ``tp=N`` shards the model over N ranks (``distributed.py``): this process is rank 0 (it schedules and samples),
 N - 1 spawned workers hold the other shards; on CUDA/ROCm one GPU each (from the engine's device on), on the
@@ -49,6 +50,7 @@ from .guided import GuideFactory
 from .sampling_params import SamplingParams
 from .scheduler import ScheduledBatch, Scheduler
 from .sequence import Sequence
+from .stats import EngineStats
 
 log = logging.getLogger("anygpu.engine")
 
@@ -237,6 +239,7 @@ class LLMEngine:
         self.requests: dict[str, _Request] = {}
         self._ids_by_seq: dict[int, str] = {}
         self._guides = GuideFactory(self.tokenizer, config.vocab_size, eos)  # guided_json requests only
+        self.error: BaseException | None = None  # what made a step raise (see the module docstring)
 
     # -- requests --------------------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams | None = None) -> None:
@@ -262,8 +265,29 @@ class LLMEngine:
     def has_unfinished(self) -> bool:
         return bool(self.requests)
 
+    # -- what the server reads (protocol.py) -----------------------------------------------------------
+    def stats(self) -> EngineStats:
+        return EngineStats(self.scheduler.num_running, self.scheduler.num_waiting, self.block_manager.num_blocks,
+                           self.block_manager.num_free_blocks)
+
+    @property
+    def healthy(self) -> bool:
+        """False once a step has raised: the fault was the engine's, not one request's."""
+        return self.error is None
+
+    @property
+    def eos_token_ids(self) -> frozenset:
+        return self.scheduler.eos_token_ids
+
     # -- stepping --------------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
+        try:
+            return self._step()
+        except Exception as error:
+            self.error = error
+            raise
+
+    def _step(self) -> list[RequestOutput]:
         batch = self.scheduler.schedule()
         sampled = self._run(batch) if batch.seqs else []
         failed = []
