@@ -46,12 +46,12 @@ def wait_idle(engine, timeout: float = 2.0) -> float:
     start = time.monotonic()
     llm = engine.engine
     while time.monotonic() - start < timeout:
-        if not llm.requests and llm.block_manager.num_free_blocks == llm.block_manager.num_blocks \
-                and engine.num_requests == 0:
+        stats = engine.stats()
+        if not llm.requests and stats.num_free_blocks == stats.num_blocks and engine.num_requests == 0:
             return time.monotonic() - start
         time.sleep(0.005)
     pytest.fail(f"engine not idle after {timeout}s: {len(llm.requests)} requests, "
-                f"{llm.block_manager.num_free_blocks}/{llm.block_manager.num_blocks} blocks free")
+                f"{stats.num_free_blocks}/{stats.num_blocks} blocks free")
 
 
 def tasks_on(server) -> int:
@@ -194,12 +194,11 @@ def test_engine_process_serves_the_same_tokens_and_frees_on_disconnect(engine):
                 lines = r.iter_lines()
                 next(lines)
             deadline = time.monotonic() + 2
-            while (client.requests or client.block_manager.num_free_blocks < client.block_manager.num_blocks) \
-                    and time.monotonic() < deadline:
+            while (client.requests or client.stats().kv_cache_usage > 0) and time.monotonic() < deadline:
                 time.sleep(0.01)
             assert not client.requests
-            assert client.block_manager.num_free_blocks == client.block_manager.num_blocks
-            assert client.scheduler.num_running == 0
+            assert client.stats().num_free_blocks == client.stats().num_blocks
+            assert client.stats().num_running == 0
             metrics = httpx.get(there.url + "/metrics").text
             assert 'anygpu_kv_cache_usage_perc{model_name="tiny"} 0.0' in metrics
     finally:

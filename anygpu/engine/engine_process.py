@@ -1,6 +1,6 @@
 """``EngineClient``: an ``LLMEngine`` in its own process, driven through the same step-at-a-time interface
-(``add_request`` / ``abort`` / ``step`` / ``has_unfinished``), so ``AsyncLLMEngine(EngineClient(factory))`` serves
-from it unchanged.
+(``protocol.StepEngine``: ``add_request`` / ``abort`` / ``step`` / ``has_unfinished``, and the model's facts,
+``stats()`` and ``healthy``), so ``AsyncLLMEngine(EngineClient(factory))`` serves from it unchanged.
 
 Why a process: in one process the HTTP event loop and the engine share the GIL.  At 256 concurrent streams the
 loop turns ~8k tokens a second into SSE chunks, and every millisecond it holds the GIL when a step ends is a
@@ -40,29 +40,9 @@ from dataclasses import dataclass, field
 
 from .errors import classify
 from .llm_engine import CompletionOutput, RequestOutput, check_request
+from .stats import EngineStats
 
 STARTUP_TIMEOUT_S = 1800  # an 8B checkpoint read from a slow disk, plus warmup and graph capture
-
-
-@dataclass
-class SchedulerStats:
-    """What the server reads from ``engine.scheduler`` (the engine process reports it with every step)."""
-
-    num_running: int = 0
-    num_waiting: int = 0
-    eos_token_ids: frozenset = frozenset()
-
-
-@dataclass
-class BlockStats:
-    """What the server and tests read from ``engine.block_manager``."""
-
-    num_blocks: int = 0
-    num_free_blocks: int = 0
-
-    @property
-    def usage(self) -> float:
-        return 1.0 - self.num_free_blocks / self.num_blocks if self.num_blocks else 0.0
 
 
 @dataclass
@@ -100,12 +80,22 @@ class EngineClient:
         self.config, self.tokenizer = info["config"], info["tokenizer"]
         self.model_name, self.model_path = info["model_name"], info["model_path"]
         self.max_model_len, self.device, self.dtype = info["max_model_len"], info["device"], info["dtype"]
-        self.scheduler = SchedulerStats(eos_token_ids=info["eos_token_ids"])
-        self.block_manager = BlockStats(info["num_blocks"], info["num_blocks"])
+        self.eos_token_ids = info["eos_token_ids"]
+        self._stats = EngineStats(num_blocks=info["num_blocks"], num_free_blocks=info["num_blocks"])
+        self._error: BaseException | None = None
         self.requests: dict[str, _Live] = {}
         self._pending: list[RequestOutput] = []
 
-    # -- the LLMEngine interface -----------------------------------------------------------------------
+    # -- the LLMEngine interface (protocol.StepEngine) -------------------------------------------------
+    def stats(self) -> EngineStats:
+        """As the engine process reported it with its last step."""
+        return self._stats
+
+    @property
+    def healthy(self) -> bool:
+        """False once the engine process has failed or died (or was closed)."""
+        return self._error is None and self._proc.is_alive()
+
     def add_request(self, request_id: str, prompt, params=None) -> None:
         if request_id in self.requests:
             raise ValueError(f"request_id: {request_id!r} is already running")
@@ -139,10 +129,12 @@ class EngineClient:
                 message = self._conn.recv()
             except (EOFError, OSError):  # closed pipe, or reset when the process was killed
                 self._proc.join(timeout=5)
-                raise RuntimeError(f"the engine process died (exit code {self._proc.exitcode})") from None
+                self._error = RuntimeError(f"the engine process died (exit code {self._proc.exitcode})")
+                raise self._error from None
             if message[0] == "fatal":
                 self._proc.join(timeout=5)
-                raise RuntimeError(f"the engine process failed and exited:\n{message[1]}")
+                self._error = RuntimeError(f"the engine process failed and exited:\n{message[1]}")
+                raise self._error
             _, deltas, stats = message
             self._take_stats(stats)
             for d in deltas:
@@ -170,7 +162,8 @@ class EngineClient:
             self._conn.send(message)
 
     def _take_stats(self, stats) -> None:
-        self.scheduler.num_running, self.scheduler.num_waiting, self.block_manager.num_free_blocks = stats
+        running, waiting, free = stats
+        self._stats = EngineStats(running, waiting, self._stats.num_blocks, free)
 
     def _output(self, request_id, delta_text, delta_ids, finished, finish_reason, stop_reason, arrival,
                 first_token, finish, cached, error, error_type, cumulative_logprob,
@@ -207,7 +200,9 @@ def _wire(o: RequestOutput) -> tuple:
 
 
 def _stats(engine) -> tuple:
-    return engine.scheduler.num_running, engine.scheduler.num_waiting, engine.block_manager.num_free_blocks
+    """What changes from step to step (the number of blocks does not: it crosses once, at start-up)."""
+    s = engine.stats()
+    return s.num_running, s.num_waiting, s.num_free_blocks
 
 
 def _handle(engine, conn, message) -> bool:
@@ -242,8 +237,7 @@ def _engine_main(factory, conn) -> None:
         conn.send(("ready", {
             "config": engine.config, "tokenizer": engine.tokenizer, "model_name": engine.model_name,
             "model_path": engine.model_path, "max_model_len": engine.max_model_len, "device": engine.device,
-            "dtype": engine.dtype, "eos_token_ids": engine.scheduler.eos_token_ids,
-            "num_blocks": engine.block_manager.num_blocks}))
+            "dtype": engine.dtype, "eos_token_ids": engine.eos_token_ids, "num_blocks": engine.stats().num_blocks}))
         dirty = False  # control messages changed the state since the last report
         while True:
             while conn.poll(0):

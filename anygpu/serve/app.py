@@ -21,7 +21,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from .._version import __version__
-from ..engine import AsyncLLMEngine
+from ..engine.protocol import EngineProtocol
 from .auth import key_problem
 from .errors import APIError
 from .openai_api import add_openai_routes
@@ -36,7 +36,7 @@ DEFAULT_MAX_BODY_BYTES = 4 << 20  # 4 MiB: a 100k-token prompt is ~400 KB of tex
 DEFAULT_MAX_CONCURRENT_REQUESTS = 1024
 
 
-def build_app(engine: AsyncLLMEngine, *, model_name: str | list[str] | None = None, api_key: str | None = None,
+def build_app(engine: EngineProtocol, *, model_name: str | list[str] | None = None, api_key: str | None = None,
               max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
               max_concurrent_requests: int = DEFAULT_MAX_CONCURRENT_REQUESTS,
               strict_model_name: bool = False) -> FastAPI:

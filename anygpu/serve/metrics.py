@@ -2,8 +2,9 @@
 
 Latencies are measured in the server, from the request's arrival (before tokenization, as vLLM does) with
 the monotonic clock: time to first token, inter-token latency (each gap between tokens a client receives),
-end-to-end latency.  Engine state (running and waiting requests, KV-cache usage) is read at scrape time.
-Each app gets its own registry, so several servers (tests) in one process do not collide.
+end-to-end latency.  Engine state (running and waiting requests, KV-cache usage) is read at scrape time
+from the engine's ``stats()`` (``engine/protocol.py``).  Each app gets its own registry, so several servers
+(tests) in one process do not collide.
 """
 
 from __future__ import annotations
@@ -26,10 +27,10 @@ class ServerMetrics:
             g = Gauge(f"anygpu_{name}", doc, labels, registry=r)
             g.labels(model_name).set_function(fn)
 
-        scheduler, blocks = engine.scheduler, engine.block_manager
-        gauge("num_requests_running", "Requests in the running batch.", lambda: scheduler.num_running)
-        gauge("num_requests_waiting", "Requests waiting to be scheduled.", lambda: scheduler.num_waiting)
-        gauge("kv_cache_usage_perc", "Fraction of KV-cache blocks in use (0-1).", lambda: blocks.usage)
+        gauge("num_requests_running", "Requests in the running batch.", lambda: engine.stats().num_running)
+        gauge("num_requests_waiting", "Requests waiting to be scheduled.", lambda: engine.stats().num_waiting)
+        gauge("kv_cache_usage_perc", "Fraction of KV-cache blocks in use (0-1).",
+              lambda: engine.stats().kv_cache_usage)
         # One label value per app: take each family's child once (``labels()`` costs a lock and a lookup, and
         # the ITL histogram is observed for every streamed token).
         self.prompt_tokens = Counter("anygpu_prompt_tokens", "Prompt tokens processed.", labels,

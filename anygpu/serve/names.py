@@ -18,10 +18,10 @@ from pathlib import Path
 from .errors import APIError
 
 
-def default_model_name(llm) -> str:
-    path = getattr(llm, "model_path", None)
+def default_model_name(engine) -> str:
+    path = getattr(engine, "model_path", None)
     if path is None:
-        return llm.model_name
+        return engine.model_name
     path = Path(path)
     if path.is_file():
         return _gguf_name(path) or path.stem

@@ -32,9 +32,8 @@ from typing import Annotated, Any, Literal, Union
 
 from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag
 
-from ..engine import SamplingParams
-from ..engine.sampling_params import (MAX_LOGPROBS, MAX_N, MAX_STOP_STRING_CHARS, MAX_STOP_STRINGS,
-                                      MAX_STOP_TOKEN_IDS, MAX_TOP_K, SEED_MAX, SEED_MIN)
+from ..engine.protocol import (MAX_LOGPROBS, MAX_N, MAX_STOP_STRING_CHARS, MAX_STOP_STRINGS, MAX_STOP_TOKEN_IDS,
+                               MAX_TOP_K, SEED_MAX, SEED_MIN, SamplingParams)
 from .errors import APIError
 from .structured import checked_schema, guided_schema, tgi_grammar_schema
 from .tools import ToolPlan, tool_plan

@@ -21,7 +21,7 @@ from fastapi.responses import StreamingResponse
 from pydantic import BaseModel, ValidationError
 from starlette.requests import ClientDisconnect
 
-from ..engine import AsyncLLMEngine, RequestOutput, SamplingParams
+from ..engine.protocol import EngineProtocol, RequestOutput, SamplingParams
 from .errors import APIError, bad_request, from_validation
 from .metrics import RequestTimer, ServerMetrics
 from .names import ModelNames, default_model_name, parse_names
@@ -78,21 +78,21 @@ class EngineStream(StreamingResponse):
 class Server:
     """State shared by the routes: the engine, the model's limits, metrics and the admission count."""
 
-    def __init__(self, engine: AsyncLLMEngine, model_name: str | list[str] | None, api_key: str | None,
+    def __init__(self, engine: EngineProtocol, model_name: str | list[str] | None, api_key: str | None,
                  max_body_bytes: int, max_concurrent_requests: int, strict_model_name: bool = False):
-        self.engine, self.llm = engine, engine.engine
-        self.tokenizer = self.llm.tokenizer
-        names = parse_names(model_name) if model_name is not None else [default_model_name(self.llm)]
+        self.engine = engine
+        self.tokenizer = engine.tokenizer
+        names = parse_names(model_name) if model_name is not None else [default_model_name(engine)]
         self.names = ModelNames(names, strict_model_name)
         self.model_name = self.names.primary
-        self.max_model_len = self.llm.max_model_len
-        self.vocab_size = self.llm.config.vocab_size
+        self.max_model_len = engine.max_model_len
+        self.vocab_size = engine.config.vocab_size
         self.api_key = api_key
         self.max_body_bytes = max_body_bytes
         self.max_concurrent_requests = max_concurrent_requests
         self.in_flight = 0
         self.created = int(time.time())
-        self.metrics = ServerMetrics(self.model_name, self.llm)
+        self.metrics = ServerMetrics(self.model_name, engine)
 
     # -- request checks --------------------------------------------------------------------------------
     def authorize(self, request: Request) -> None:

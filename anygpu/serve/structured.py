@@ -15,7 +15,7 @@ is refused here, before the request reaches the engine.
 
 from __future__ import annotations
 
-from ..engine.guided import JSON_OBJECT_SCHEMA, check_guided_json
+from ..engine.protocol import JSON_OBJECT_SCHEMA, check_guided_json
 from .errors import APIError
 
 

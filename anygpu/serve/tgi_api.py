@@ -19,8 +19,8 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 
 from .._version import __version__
+from ..engine.protocol import MAX_STOP_STRINGS
 from .metrics import RequestTimer
-from ..engine.sampling_params import MAX_STOP_STRINGS
 from .protocol import GenerateRequest
 from .state import EngineStream, Server, engine_error, sse
 
@@ -37,7 +37,7 @@ def _finish_reason(done, eos_ids) -> str:
 
 
 def add_tgi_routes(app: FastAPI, server: Server) -> None:
-    eos_ids = server.llm.scheduler.eos_token_ids
+    eos_ids = server.engine.eos_token_ids
 
     async def prepare(request: Request, body: GenerateRequest | None = None):
         arrival = time.monotonic()
@@ -63,8 +63,8 @@ def add_tgi_routes(app: FastAPI, server: Server) -> None:
         server.authorize(request)
         # TGI's fields (huggingface_hub's get_endpoint_info returns them); both names of the input limit, old
         # and new.  Not ours to say: the commit sha and Docker label (null).
-        return {"model_id": server.model_name, "model_sha": None, "model_dtype": str(server.llm.dtype),
-                "model_device_type": server.llm.device.type, "model_pipeline_tag": "text-generation",
+        return {"model_id": server.model_name, "model_sha": None, "model_dtype": str(server.engine.dtype),
+                "model_device_type": server.engine.device.type, "model_pipeline_tag": "text-generation",
                 "max_concurrent_requests": server.max_concurrent_requests, "max_best_of": 1,
                 "max_stop_sequences": MAX_STOP_STRINGS, "max_input_tokens": server.max_model_len - 1,
                 "max_input_length": server.max_model_len - 1, "max_total_tokens": server.max_model_len,
