@@ -75,6 +75,36 @@ def test_reshape_and_cache_kernel_all_padding_and_empty(kdevice):
     assert key_cache.isnan().all()
 
 
+def masked_write(key, value, key_cache, value_cache, slots):
+    """The plain statement of the op (a boolean mask: it reads the mask on the host), the reference's oracle."""
+    valid = slots >= 0
+    block, offset = slots[valid] // key_cache.shape[1], slots[valid] % key_cache.shape[1]
+    key_cache[block, offset], value_cache[block, offset] = key[valid], value[valid]
+
+
+@pytest.mark.parametrize("padded", [(), (1, 4), (0, 1), (0, 1, 2, 3, 4, 5, 6, 7, 8)])
+def test_reshape_and_cache_reference_matches_the_masked_write(padded):
+    """Padding first, in the middle, everywhere: the sync-free reference writes exactly what the mask says."""
+    key, value, key_cache, value_cache, slots = cache_case(9, 3, 64, 8, 4, torch.bfloat16, "cpu", padded)
+    want_k, want_v = key_cache.clone(), value_cache.clone()
+    masked_write(key, value, want_k, want_v, slots)
+    cache_reference(key, value, key_cache, value_cache, slots)
+    assert torch.equal(bits(key_cache), bits(want_k)) and torch.equal(bits(value_cache), bits(want_v))
+
+
+def test_reshape_and_cache_reference_never_reads_device_values():
+    """Under fake tensors a data-dependent step (a mask index, ``.item()``) raises: the reference has none, so a
+    decode step on the references can be captured in a CUDA/HIP graph."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    case = cache_case(9, 3, 64, 8, 4, torch.float16, "cpu")
+    with FakeTensorMode(allow_non_fake_inputs=False) as mode:
+        fake = [mode.from_tensor(t) for t in case]
+        cache_reference(*fake)
+        with pytest.raises(Exception):
+            masked_write(*fake)  # the check can fail: the masked form is caught
+
+
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_reshape_and_cache_opcheck(device, dtype):

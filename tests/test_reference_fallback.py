@@ -97,17 +97,3 @@ def test_real_ops_follow_the_decision(rocm_gpu, monkeypatch):
     with pytest.warns(UserWarning, match="gfx1030"):
         out = mod.silu_and_mul.gpu_impl(x)
     assert torch.equal(out, mod.reference(x))
-
-
-def test_graph_capture_is_skipped_where_references_run(rocm_gpu, monkeypatch):
-    """The engine captures decode graphs only over Triton kernels (the references may sync with the host):
-    ``runs_references`` is what the model runner asks."""
-    gpu = torch.device("cuda", 0)
-    rocm_gpu("gfx1030")
-    with pytest.warns(UserWarning, match="gfx1030"):
-        assert define.runs_references(gpu)
-    rocm_gpu("gfx1100", "AMD Radeon RX 7900 XTX")
-    assert not define.runs_references(gpu)
-    monkeypatch.setenv("ANYGPU_KERNELS", "reference")
-    assert define.runs_references(gpu)
-    assert not define.runs_references(torch.device("cpu"))

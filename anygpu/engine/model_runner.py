@@ -37,7 +37,6 @@ import torch
 import torch.distributed as dist
 
 from ..models.llama import MODES, AttentionBatch, LlamaForCausalLM
-from ..ops.define import runs_references
 from .sampler import Sampler, prompt_logprobs
 from .scheduler import ScheduledBatch
 
@@ -93,9 +92,9 @@ class ModelRunner:
         self.kv_cache = torch.empty(2, cfg.num_layers, num_blocks, block_size, self.num_kv_heads, cfg.head_dim,
                                     dtype=self.dtype, device=self.device)
         model.set_kv_caches([(self.kv_cache[0, i], self.kv_cache[1, i]) for i in range(cfg.num_layers)])
-        # Decode graphs only over the Triton kernels: the ops' references (ANYGPU_KERNELS=reference, or a GPU
-        # Triton cannot target) may synchronise with the host, which a capture cannot hold.
-        if self.device.type == "cuda" and not enforce_eager and not runs_references(self.device):
+        # Decode graphs over the Triton kernels and over the ops' references alike (ANYGPU_KERNELS=reference, or a
+        # GPU Triton cannot target): a decode step's references never wait for the host.
+        if self.device.type == "cuda" and not enforce_eager:
             try:
                 self._capture_decode_graphs()
             except BaseException:

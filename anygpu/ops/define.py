@@ -163,17 +163,8 @@ def reference_only(index: int) -> str | None:
     return _REFERENCE_ONLY[index]
 
 
-def runs_references(device: torch.device) -> bool:
-    """Whether ops on ``device`` run their PyTorch references (``ANYGPU_KERNELS=reference``, or a GPU Triton cannot
-    target).  Callers that capture CUDA/HIP graphs ask first: the references may synchronise with the host."""
-    device = torch.device(device)
-    if device.type != "cuda":
-        return False
-    return _references_on(device.index if device.index is not None else torch.cuda.current_device())
-
-
 def _references_on(index: int | None) -> bool:
-    """The one decision behind ``runs_references`` and every op's GPU dispatch (``index``: None, no GPU tensor)."""
+    """The one decision behind every op's GPU dispatch (``index``: None, no GPU tensor)."""
     return _kernels_choice() == "reference" or (index is not None and reference_only(index) is not None)
 
 

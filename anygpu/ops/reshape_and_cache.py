@@ -43,14 +43,24 @@ def check(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor, value
 
 def reference(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
               slot_mapping: torch.Tensor) -> None:
-    # Boolean indexing reads the mask on the host; fine for a reference (the GPU kernel never does).
+    # No host sync (a boolean-mask index would read the mask on the host), so a decode step on the references
+    # can be captured in a graph.  Padding rows are sent to the first real row's slot with that row's values:
+    # the duplicate writes carry equal bytes, so the scatter's unspecified order cannot matter.  With no real
+    # row at all, every row rewrites slot 0 with what it already holds.
+    if key.shape[0] == 0 or key_cache.shape[0] == 0:
+        return  # nothing to write, or no slot a row could name
     valid = slot_mapping >= 0
-    slots = slot_mapping[valid]
+    first = valid.to(torch.uint8).argmax().view(1)  # the first real row (0 when there is none)
+    first_real = valid.index_select(0, first)
+    fallback = torch.where(first_real, slot_mapping.index_select(0, first), 0)
+    slots = torch.where(valid, slot_mapping, fallback)
     block_size = key_cache.shape[1]
     block, offset = slots // block_size, slots % block_size
-    # Indexing two dimensions works for any cache strides (a view of a stacked [2, ...] cache too).
-    key_cache[block, offset] = key[valid]
-    value_cache[block, offset] = value[valid]
+    rows = valid[:, None, None]
+    for new, cache in ((key, key_cache), (value, value_cache)):
+        kept = torch.where(first_real[:, None, None], new.index_select(0, first), cache[0, :1])  # [1, Hkv, D]
+        # Indexing two dimensions works for any cache strides (a view of a stacked [2, ...] cache too).
+        cache[block, offset] = torch.where(rows, new, kept)
 
 
 def fake(key, value, key_cache, value_cache, slot_mapping) -> None:
