@@ -1,8 +1,9 @@
 """LLM.int8(): ``Linear8bitLt`` at threshold 6.0 (the LLM.int8() default) against fp16 ``F.linear`` on the
 same weight and bitsandbytes' ``Linear8bitLt``, in the same run.
 
-Cases: N = K = 8192 (a Llama-3-70B attention projection) in fp16, M = 1 and 16 (decode: timed as CUDA /
-HIP graph replays, as a decode step runs them) and M = 4096 (a prefill), with a few outlier columns
+Cases: N = K = 8192 (a Llama-3-70B attention projection) in fp16, M = 1, 16, 64 and 256 (decode and batched
+decode: timed as CUDA / HIP graph replays, as the engine's decode steps run them) and M = 4096 (a prefill,
+launched from Python), with a few outlier columns
 planted in x as LLM activations have them (8 columns, every third row), so the mixed decomposition runs.
 Targets (issue 4): ours at least 1.6x (M = 1), 1.5x (M = 16) and 1.3x (M = 4096) faster than fp16
 ``F.linear``.  bitsandbytes cannot be captured in a graph at threshold > 0 (it reads the outlier columns
@@ -27,6 +28,7 @@ from ..harness import Case, baseline, suite
 
 THRESHOLD = 6.0
 GPU_NK, GPU_ROWS = (8192, 8192), (1, 16, 64, 256, 4096)
+GRAPH_ROWS = 256  # up to this many rows a call is a decode step's: timed as graph replays
 SMALL_NK, SMALL_ROWS = (512, 512), (1, 16, 64)
 OUTLIER_COLUMNS = 8
 
@@ -55,7 +57,7 @@ def int8_suite(device: torch.device, quick: bool) -> list[Case]:
         if bnb_layer is not None:
             baselines["bitsandbytes"] = lambda x=x: _uncapturable(bnb_layer)(x)
         cases.append(Case("linear8bit", label, lambda x=x: layer(x), baselines, bytes=nbytes, flops=2 * m * n * k,
-                          graph=m <= 16))
+                          graph=m <= GRAPH_ROWS))
         if bnb_layer is not None and m <= 16:  # bitsandbytes only runs eagerly: compare there too
             cases.append(Case("linear8bit eager", label, lambda x=x: layer(x),
                               {**baselines, "bitsandbytes": lambda x=x: bnb_layer(x)}, bytes=nbytes,
@@ -64,7 +66,7 @@ def int8_suite(device: torch.device, quick: bool) -> list[Case]:
             run = _path_runner(path, x, layer, source)
             if run is not None:
                 cases.append(Case(f"int8_matmul[{path}]", label, run, {}, bytes=nbytes, flops=2 * m * n * k,
-                                  graph=m <= 16))
+                                  graph=m <= GRAPH_ROWS))
     return cases
 
 
