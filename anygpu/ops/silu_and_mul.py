@@ -22,7 +22,8 @@ def check(x: torch.Tensor) -> None:
 
 def reference(x: torch.Tensor) -> torch.Tensor:
     gate, up = x.float().chunk(2, dim=-1)
-    return (F.silu(gate) * up).to(x.dtype)
+    # out= of x's dtype: the fp32 product rounded once, without a separate conversion launch.
+    return torch.mul(F.silu(gate), up, out=torch.empty(up.shape, dtype=x.dtype, device=x.device))
 
 
 def fake(x: torch.Tensor) -> torch.Tensor:
