@@ -9,13 +9,23 @@ Life of one (bitsandbytes' contract, which transformers, PEFT and accelerate rel
   ``quant_state`` the rest.  Quantizing replaces the data in place and returns the same object, so
   ``nn.Module.to`` keeps it.
 - Moving a quantized param moves its QuantState too (in place: the state is shared with the module)
-  and returns a new Params4bit with the same attributes.  A dtype given to the move is ignored once
+  and returns a new Params4bit with the same attributes.  A move to ``meta`` gives the new param a meta copy
+  of the state instead, and leaves the shared one (the module's ``quant_state``) where it is; a move from meta
+  back to a real device takes the module's state again.  That is accelerate's offload: its hooks move each
+  weight to meta between calls and rebuild it from their own copy of the packed bytes -- of the parameter
+  only -- as ``Params4bit(bytes, **meta_param.__dict__).to(device)``.  bitsandbytes moves the shared state to
+  meta in place, which loses it: ``cpu_offload`` / ``dispatch_model`` with offloaded bitsandbytes 4-bit
+  layers fail with "Cannot copy out of meta tensor".  A dtype given to the move is ignored once
   quantized: the packed bytes are a container whose dtype is ``quant_storage``, not a value to cast
   (``model.to(torch.bfloat16)`` would otherwise scramble a bf16 ``quant_storage``).
 - ``Params4bit(data, requires_grad=False, **old.__dict__)`` rebuilds an equivalent param: ``__dict__``
   holds exactly the constructor's keyword arguments (PEFT merges adapters this way), and unknown
   keywords are ignored as bitsandbytes ignores them.
 - ``from_prequantized(packed, stats)`` wraps a checkpoint's packed weight and its QuantState items.
+- ``torch.chunk`` / ``torch.split`` (and the methods) return Params4bit pieces that keep the attributes
+  (``quant_state``, ``module``, ``bnb_quantized``, ...), as bitsandbytes' do, for sharding code that splits a
+  param and expects the pieces to be the param's kind; every other op gives plain tensors (``nn.Parameter``'s
+  rule).
 """
 
 from __future__ import annotations
@@ -86,6 +96,14 @@ class Params4bit(torch.nn.Parameter):
     # -- quantize on move -------------------------------------------------------------------------
 
     def _quantize(self, device) -> Params4bit:
+        expected = _full_shape(self.module)
+        if expected is not None and tuple(self.data.shape) != expected:
+            # a packed checkpoint weight put in without its quant-state items (accelerate's load_checkpoint_in_model
+            # sets only parameters, cast to the unquantized param's dtype): quantizing it would be silent garbage
+            raise ValueError(f"weight: expected the full-precision {list(expected)} weight of this "
+                             f"{type(self.module).__name__} to quantize, got shape {list(self.data.shape)} "
+                             f"({self.data.dtype}); a packed 4-bit checkpoint loads with its quant-state items "
+                             f"(weight.absmax, weight.quant_state.bitsandbytes__*) through load_state_dict")
         weight = self.data.contiguous().to(device)
         packed, state = quantize_4bit(weight, blocksize=self.blocksize, compress_statistics=self.compress_statistics,
                                       quant_type=self.quant_type, quant_storage=self.quant_storage)
@@ -104,9 +122,21 @@ class Params4bit(torch.nn.Parameter):
                     self.data = self.data.to(dtype)
                 return self._quantize(device)
             return self._rewrap(super().to(device=device, dtype=dtype, non_blocking=non_blocking))
-        if device is not None and self.quant_state is not None:
-            self.quant_state.to(device)
-        return self._rewrap(super().to(device=device, non_blocking=non_blocking))
+        moved = self._rewrap(super().to(device=device, non_blocking=non_blocking))
+        state = self.quant_state
+        if device is None or state is None:
+            return moved
+        if device.type == "meta":  # see the module doc: the shared state stays where it is
+            moved.quant_state = _meta_copy(state)
+            return moved
+        if state.absmax.is_meta:  # back from meta: the layer's own state (accelerate's offload, module doc)
+            own = getattr(self.module, "quant_state", None)
+            if own is None or own.absmax.is_meta:
+                raise ValueError(f"quant_state: on the meta device, with no layer holding it elsewhere; it cannot "
+                                 f"move to {device} (load a state_dict with the quant-state items instead)")
+            moved.quant_state = state = own
+        state.to(device)
+        return moved
 
     def cpu(self) -> Params4bit:
         return self.to(device="cpu")
@@ -129,6 +159,15 @@ class Params4bit(torch.nn.Parameter):
 
     def double(self):
         return self._keep_packed("double")
+
+    _SPLITS = (torch.chunk, torch.split, torch.Tensor.chunk, torch.Tensor.split)
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        result = super().__torch_function__(func, types, args, kwargs or {})
+        if func not in cls._SPLITS or not isinstance(args[0], Params4bit):
+            return result
+        return tuple(args[0]._rewrap(piece) for piece in result)
 
     def _rewrap(self, data: torch.Tensor) -> Params4bit:
         attrs = {name: self.__dict__.get(name) for name in _ATTRIBUTES}
@@ -186,6 +225,29 @@ class Params4bit(torch.nn.Parameter):
         if not self.bnb_quantized:
             return f"Params4bit({self.quant_type}, not quantized yet: {self.dtype} {tuple(self.shape)})"
         return f"Params4bit({self.quant_state!r}, storage {self.dtype} {tuple(self.shape)} on {self.device})"
+
+
+def _meta_copy(state: QuantState) -> QuantState:
+    """A QuantState with the same settings and its tensors on meta; ``state`` itself is not touched.  The nested
+    offset (one scalar) stays a real number: the state_dict's JSON blob records it as one, and accelerate takes
+    ``state_dict()`` of modules whose weights it has moved to meta."""
+    meta = copy.copy(state)
+    if state.state2 is not None:
+        meta.state2 = copy.copy(state.state2)
+    meta.to("meta")
+    meta.offset = state.offset
+    return meta
+
+
+def _full_shape(module) -> tuple[int, int] | None:
+    """The full-precision weight shape of the 4-bit layer a param belongs to (Linear4bit, Embedding4bit)."""
+    if module is None:
+        return None
+    if hasattr(module, "out_features") and hasattr(module, "in_features"):
+        return int(module.out_features), int(module.in_features)
+    if hasattr(module, "num_embeddings") and hasattr(module, "embedding_dim"):
+        return int(module.num_embeddings), int(module.embedding_dim)
+    return None
 
 
 def _rebuild_params4bit(data: torch.Tensor, requires_grad: bool, state: dict) -> Params4bit:
