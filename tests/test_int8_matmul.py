@@ -24,7 +24,7 @@ from anygpu.kernels.int8_quantize import fp16_threshold  # noqa: E402
 from anygpu.kernels.int8_matmul import PATHS, Plan, plan, plan_for  # noqa: E402
 from anygpu.kernels.int8_matmul_tma import GEMM_TMA_CONFIGS  # noqa: E402
 from anygpu.kernels.int8_outlier_epilogue import OUTLIER_EPILOGUE_SPEC  # noqa: E402
-from anygpu.kernels.config import LaunchConfig  # noqa: E402
+from anygpu.kernels.config import LaunchConfig, select  # noqa: E402
 
 DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 N, KDIM = 37, 300  # N odd, K a multiple of no block size
@@ -99,6 +99,19 @@ def test_kernel_matches_reference(kdevice, path, m, dtype, threshold, bias):
     b = torch.randn(N, dtype=dtype) if bias else None
     y = run_kernel(x, CB, SCB, threshold, b, path, kdevice)
     assert_matches_reference(y, x, CB, SCB, threshold, b)
+
+
+@pytest.mark.parametrize("index", [0, 1])
+def test_hopper_medium_tiles_match_the_reference(kdevice, index):
+    """The 64-row tiles Hopper runs a few dozen to a few hundred rows with (codes of outlier columns zeroed)."""
+    config = K.GEMM_MEDIUM_CONFIGS["hopper"][index]
+    CB, SCB = weight()
+    x = activations(70)
+    bias = torch.randn(N, dtype=torch.float16)
+    for threshold, b in ((6.0, bias), (0.0, None)):
+        y = K.int8_matmul(x.to(kdevice), CB.to(kdevice), SCB.to(kdevice), threshold,
+                          None if b is None else b.to(kdevice), plan_=Plan("gemm", config)).cpu()
+        assert_matches_reference(y, x, CB, SCB, threshold, b)
 
 
 @pytest.mark.parametrize("path, m", [("gemm", 33), ("gemm", 40), ("gemm", 3), ("gemm", 1)])
@@ -264,11 +277,20 @@ def test_plan_picks_paths_by_rows():
     from anygpu.backend.targets import TARGETS
 
     hopper = TARGETS["sm_90"]
-    assert K._plan(4096, 8192, hopper).path == "gemm_tma"
-    assert K._plan(65, 8192, hopper).config is GEMM_TMA_CONFIGS["hopper"][0]
-    assert K._plan(64, 8192, hopper).config is K.GEMM_SMALL_CONFIGS["nvidia"][0]
+    assert K._plan(4096, 8192, 8192, hopper).path == "gemm_tma"
+    assert K._plan(65, 28672, 4096, hopper).config is GEMM_TMA_CONFIGS["hopper"][0]
+    # a few dozen to a few hundred rows: 64-row tiles, except narrow layers up to 64 rows (small tiles) and
+    # wide ones from 65 rows (the TMA kernel)
+    medium = K.GEMM_MEDIUM_CONFIGS["hopper"]
+    for m, n, k, want in ((48, 8192, 8192, K.GEMM_SMALL_CONFIGS["nvidia"][0]), (49, 8192, 8192, medium[0]),
+                          (64, 28672, 4096, medium[0]), (64, 4096, 14336, K.GEMM_SMALL_CONFIGS["nvidia"][0]),
+                          (65, 4096, 14336, medium[0]), (128, 8192, 8192, medium[0]), (129, 8192, 8192, medium[1]),
+                          (256, 6144, 4096, medium[0]), (257, 6144, 4096, GEMM_TMA_CONFIGS["hopper"][0])):
+        assert K._plan(m, n, k, hopper).config is want, (m, n, k)
     for m, k, arch in ((4096, 8200, "sm_90"), (4096, 8192, "sm_80"), (4096, 8192, "gfx942"), (4096, 8192, "gfx950")):
-        assert K._plan(m, k, TARGETS[arch]).path == "gemm", (k, arch)
+        assert K._plan(m, 8192, k, TARGETS[arch]).path == "gemm", (k, arch)
+    for arch in ("sm_80", "gfx942", "gfx1100"):  # the medium bucket is Hopper's alone
+        assert K._plan(64, 8192, 8192, TARGETS[arch]).config is select(K.GEMM_SMALL_CONFIGS, TARGETS[arch])[0]
     with pytest.raises(ValueError, match="'gemm_tma' runs on NVIDIA sm_90"):
         plan_for("gemm_tma", 4096, 64, 64, cpu)
     for gone in ("dequant", "fused", "fused_stats", "int_mm"):

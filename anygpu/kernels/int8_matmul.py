@@ -153,10 +153,24 @@ GEMM_LARGE_CONFIGS = {
     "amd": (_cfg(128, 128, 64, warps=8, stages=2, matrix_instr_nonkdim=16),),
     "rdna3": (_cfg(64, 64, 64, warps=4, stages=2),),
 }
-# ``small``: the most rows the gemm path runs with GEMM_SMALL_CONFIGS.
+# Hopper, a few dozen to a few hundred rows (the sweep: docs/perf/2026-12-01-int8-medium-rows.md): 16-row
+# tiles read the weight once per 16 rows, and the TMA kernel's 128x256 tiles leave most SMs idle on layers
+# narrower than N = 16384 (64 programs for N = 4096 at 256 rows).  64-row tiles read it once per 64 rows and
+# still make N / 64 programs; 64x128 tiles from 129 rows on layers at least WIDE_N wide.
+GEMM_MEDIUM_CONFIGS = {
+    "default": (),  # no other target's PATH_LIMITS has a medium bucket
+    "hopper": (_cfg(64, 64, 256, stages=3), _cfg(64, 128, 128, stages=4)),
+}
+# ``small``: the most rows the gemm path runs with GEMM_SMALL_CONFIGS.  Where a target has ``medium``: up to
+# that many rows run GEMM_MEDIUM_CONFIGS (the second from ``medium_wide_from`` rows on layers of N >= WIDE_N),
+# except rows past ``small_narrow`` on layers of N < WIDE_N (still the small tiles, which make more programs)
+# and layers of N >= TMA_N from ``tma_wide_from`` rows (the TMA kernel's tiles fill the GPU there).
 PATH_LIMITS = {
     "default": {"small": 64},
+    "hopper": {"small": 48, "small_narrow": 64, "medium": 256, "medium_wide_from": 129, "tma_wide_from": 65},
 }
+WIDE_N = 8192
+TMA_N = 16384
 # Row tiles up to this many rows take the kept codes' products out in the matmul; bigger ones have the
 # codes zeroed (the gather costs each 128x128 program more than a zeroing launch).
 KEPT_CODES_UP_TO_BLOCK_M = 16
@@ -187,14 +201,20 @@ def plan(m: int, n: int, k: int, dtype: torch.dtype, device: torch.device, overr
         chosen = _PLAN_OVERRIDE(m, n, k, dtype, device)
         if chosen is not None:
             return chosen
-    return _plan(m, k, device_target(device))
+    return _plan(m, n, k, device_target(device))
 
 
 @functools.lru_cache(maxsize=1024)
-def _plan(m: int, k: int, target) -> Plan:
-    if m <= select(PATH_LIMITS, target)["small"]:
+def _plan(m: int, n: int, k: int, target) -> Plan:
+    limits = select(PATH_LIMITS, target)
+    narrow = n < WIDE_N
+    if m <= limits["small"] or (narrow and m <= limits.get("small_narrow", 0)):
         return Plan("gemm", select(GEMM_SMALL_CONFIGS, target)[0])
-    if tma_applies(k, target):
+    tma = tma_applies(k, target)
+    if m <= limits.get("medium", 0) and not (tma and n >= TMA_N and m >= limits["tma_wide_from"]):
+        wide_rows = not narrow and m >= limits["medium_wide_from"]
+        return Plan("gemm", select(GEMM_MEDIUM_CONFIGS, target)[1 if wide_rows else 0])
+    if tma:
         return Plan("gemm_tma", select(GEMM_TMA_CONFIGS, target)[0])
     return Plan("gemm", select(GEMM_LARGE_CONFIGS, target)[0])
 
@@ -345,3 +365,6 @@ GEMM_SMALL_SPEC = register(KernelSpec(
 GEMM_SPEC = register(KernelSpec(
     "int8_matmul_gemm", _int8_matmul_kernel, _matmul_signature, DTYPES,
     _with(GEMM_LARGE_CONFIGS, KEPT=False)))
+GEMM_MEDIUM_SPEC = register(KernelSpec(
+    "int8_matmul_gemm_medium", _int8_matmul_kernel, _matmul_signature, DTYPES,
+    _with(GEMM_MEDIUM_CONFIGS, KEPT=False)))

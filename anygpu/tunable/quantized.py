@@ -97,6 +97,8 @@ def _plans_int8(problem, device) -> dict:
     target = device_target(device)
     offered["Gemm_small"] = I8.Plan("gemm", select(I8.GEMM_SMALL_CONFIGS, target)[0])
     offered["Gemm_large"] = I8.Plan("gemm", select(I8.GEMM_LARGE_CONFIGS, target)[0])
+    for i, cfg in enumerate(select(I8.GEMM_MEDIUM_CONFIGS, target)):  # Hopper's 64-row tiles
+        offered[f"Gemm_medium{i}"] = I8.Plan("gemm", cfg)
     try:  # NVIDIA sm_90 only
         offered["Gemm_tma"] = I8.plan_for("gemm_tma", m, n, k, device)
     except ValueError:  # not on this target, or not this K
