@@ -184,3 +184,33 @@ def test_cpu_timing_reports_its_spread_and_warns_when_it_is_large(monkeypatch):
     monkeypatch.setattr(timing, "SPREAD_WARNING", 0.05)
     with pytest.warns(UserWarning, match="spread"):
         measure(uneven, device=CPU, warmup_ms=0, rep_ms=300)
+
+
+@pytest.mark.parametrize("quantize", [None, "nf4", "int8"])
+def test_decode_step_bytes_count_every_weight_once_and_the_kv_cache(quantize):
+    """A decode step reads each weight once (quantized: the codes and their scales), the input embedding only
+    for the looked-up rows, and each sequence's K and V over its context."""
+    from anygpu.bench.model import decode_step_bytes, random_engine
+
+    engine = random_engine("tiny", quantize=quantize, max_num_seqs=2, max_model_len=64)
+    try:
+        model, cfg = engine.model, engine.config
+        embed = model.embed_tokens.weight
+        weights = {id(t): t for t in model.parameters()}
+        extra = 0
+        if quantize == "nf4":  # each block's absmax (double quant: uint8 codes, their scales and table), the maps
+            held = {}
+            for p in model.parameters():
+                qs = getattr(p, "quant_state", None)
+                for s in (qs, getattr(qs, "state2", None)):
+                    for t in (getattr(s, "absmax", None), getattr(s, "code", None), getattr(s, "offset", None)):
+                        if t is not None:
+                            held[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+            extra = sum(held.values())
+        if quantize == "int8":  # one fp32 scale per output row
+            extra = sum(p.SCB.nbytes for p in model.parameters() if getattr(p, "SCB", None) is not None)
+        expect = sum(t.untyped_storage().nbytes() for t in weights.values()) - embed.nbytes + extra
+        per_token = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * engine.runner.kv_cache.element_size()
+        assert decode_step_bytes(engine, 3, 10.5) == expect + 3 * 10.5 * per_token
+    finally:
+        engine.close()

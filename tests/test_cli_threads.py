@@ -88,6 +88,11 @@ def test_bench_model_runs_each_variant_on_one_workload(tmp_path):
     assert list(report["results"]) == [f"anygpu {base}", "anygpu nf4", "anygpu int8", f"transformers {base}"]
     assert all(r["output_tokens"] == 8 for r in report["results"].values())
     assert report["vs_unquantized"][f"anygpu {base}"] == 1.0 and report["threads"] == 1
+    ours = {k: r for k, r in report["results"].items() if k.startswith("anygpu")}
+    assert all(r["bandwidth_share"] > 0 and r["bandwidth_limit_tpot_s"] > 0 for r in ours.values())
+    # quantized weights are fewer bytes a step
+    assert ours["anygpu nf4"]["decode_step_bytes"] < ours["anygpu int8"]["decode_step_bytes"] \
+        < ours[f"anygpu {base}"]["decode_step_bytes"]
     assert report["speedup"] > 0 and "vs the unquantized engine" in run.stdout
 
 

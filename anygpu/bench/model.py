@@ -5,6 +5,12 @@ Workload: ``num_prompts`` random prompts of ``input_len`` token ids (seeded), ea
 Metrics (vLLM's definitions): output tokens/s = all generated tokens / wall time; TTFT = first token time -
 arrival; TPOT = (finish - first token) / (output tokens - 1) per request; percentiles p50/p90/p99.
 
+Bandwidth limit: a decode step must read every weight once (the input embedding only for its looked-up rows,
+unless the output head shares it) and each running sequence's KV cache; that many bytes at the device's measured
+copy bandwidth is the shortest step the memory allows.  ``decode_step_bytes`` counts them for the workload's
+batch at its mean decode context (input + output / 2), and the report sets that shortest step against the
+measured TPOT p50 (``bandwidth_share``).
+
 Baseline (``baseline=True``): transformers' ``LlamaForCausalLM.generate`` on the same shapes, dtype and device,
 batches of ``concurrency`` prompts (static batching: a batch ends when its longest member does), with
 ``min_new_tokens = max_new_tokens = output_len``.  For a checkpoint it loads the same file (GGUF through
@@ -16,12 +22,14 @@ from __future__ import annotations
 
 import statistics
 import time
+from collections.abc import Iterator
 
 import torch
 
 from ..engine import LLMEngine, SamplingParams
 from ..models import ModelConfig
 from ..models.tokenizer import Tokenizer
+from ..quant.state import QuantState
 
 # Real shapes for benchmarks without a download (random weights).
 RANDOM_CONFIGS = {
@@ -144,6 +152,41 @@ def run_transformers(config: ModelConfig, model_path, prompts: list[list[int]], 
             "output_tokens_per_s": tokens / elapsed}
 
 
+def _held(obj, depth: int = 0) -> Iterator[torch.Tensor]:
+    """The tensors a weight carries beside its data: ``SCB``, a QuantState's absmax/code (and its nested state)."""
+    for value in vars(obj).values():
+        if isinstance(value, torch.Tensor):
+            yield value
+        elif isinstance(value, QuantState) and depth < 2:
+            yield from _held(value, depth + 1)
+
+
+def _weight_bytes(module: torch.nn.Module) -> int:
+    seen, total = set(), 0
+    for m in module.modules():
+        for t in (*m._parameters.values(), *m._buffers.values()):
+            if t is None:
+                continue
+            for u in (t, *_held(t)):
+                key = (u.device, u.untyped_storage().data_ptr())
+                if key not in seen:
+                    seen.add(key)
+                    total += u.untyped_storage().nbytes()
+    return total
+
+
+def decode_step_bytes(engine: LLMEngine, batch: int, context: float) -> float:
+    """Bytes one decode step of ``batch`` sequences at ``context`` tokens each must read (this rank's share)."""
+    model = engine.model
+    total = _weight_bytes(model)
+    embed, head = getattr(model, "embed_tokens", None), getattr(model, "lm_head", None)
+    if embed is not None and getattr(head, "weight", None) is not getattr(embed, "weight", None):
+        total -= _weight_bytes(embed)  # only the batch's rows are looked up
+    cache = engine.runner.kv_cache  # [2, layers, blocks, block_size, kv_heads, head_dim]
+    per_token = 2 * cache.shape[1] * cache.shape[4] * cache.shape[5] * cache.element_size()
+    return total + batch * context * per_token
+
+
 def format_report(report: dict) -> str:
     from tabulate import tabulate
 
@@ -152,10 +195,11 @@ def format_report(report: dict) -> str:
         ttft, tpot = r.get("ttft_s"), r.get("tpot_s")
         rows.append([name, r["requests"], r["output_tokens"], f"{r['seconds']:.2f}", f"{r['output_tokens_per_s']:.1f}",
                      f"{ttft['p50'] * 1e3:.1f} / {ttft['p90'] * 1e3:.1f} / {ttft['p99'] * 1e3:.1f}" if ttft else "-",
-                     f"{tpot['p50'] * 1e3:.2f} / {tpot['p90'] * 1e3:.2f} / {tpot['p99'] * 1e3:.2f}" if tpot else "-"])
+                     f"{tpot['p50'] * 1e3:.2f} / {tpot['p90'] * 1e3:.2f} / {tpot['p99'] * 1e3:.2f}" if tpot else "-",
+                     f"{100 * r['bandwidth_share']:.0f} %" if r.get("bandwidth_share") else "-"])
     head = f"{report['model']}  {report['workload']}  on {report['device']}\n"
     table = tabulate(rows, ["engine", "requests", "out tokens", "s", "out tok/s", "TTFT ms p50/p90/p99",
-                            "TPOT ms p50/p90/p99"])
+                            "TPOT ms p50/p90/p99", "of BW limit"])
     ratio = report.get("speedup")
     lines = [f"\nanygpu / transformers output tokens/s: {ratio:.2f}x"] if ratio else []
     versus = report.get("vs_unquantized")

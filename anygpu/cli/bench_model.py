@@ -70,7 +70,8 @@ def bench_model(*, json_path, model, random_config, quantize, num_prompts, concu
         bm.warm_up(engine, input_len, config.vocab_size)
         label = variant or dtype_label(engine.dtype) + (" gguf-packed" if _runs_packed_gguf(engine) else "")
         key = "anygpu" if len(variants) == 1 else f"anygpu {label}"
-        results[key] = bm.run_engine(engine, prompts, output_len, concurrency)
+        results[key] = result = bm.run_engine(engine, prompts, output_len, concurrency)
+        _bandwidth_limit(result, engine, min(concurrency, num_prompts), input_len + output_len / 2)
         names.append(label)
         if variant is None:
             base = (key, engine.dtype, engine.model_path)
@@ -96,6 +97,18 @@ def bench_model(*, json_path, model, random_config, quantize, num_prompts, concu
     with open(json_path, "w") as f:
         json.dump(report, f, indent=2)
     click.echo(f"wrote {json_path}")
+
+
+def _bandwidth_limit(result: dict, engine, batch: int, context: float) -> None:
+    """The step's bytes, the shortest TPOT they allow at the measured copy bandwidth, and the measured share."""
+    from ..bench.ceilings import copy_bandwidth
+    from ..bench.model import decode_step_bytes
+
+    step = decode_step_bytes(engine, batch, context)
+    limit = step / copy_bandwidth(engine.device)
+    result.update(decode_step_bytes=step, bandwidth_limit_tpot_s=limit)
+    if result["tpot_s"]:
+        result["bandwidth_share"] = limit / result["tpot_s"]["p50"]
 
 
 def make_engine(model, random_config, quantize, max_num_seqs: int, context: int, tp: int = 1):
