@@ -292,12 +292,13 @@ def test_paged_decode_kernel_strided_q_and_empty_batch(kdevice):
 
 
 def test_plan_splits():
-    from anygpu.kernels.paged_decode import MIN_PARTITION, WAVES, SplitPlan, fixed_splits, plan_splits
+    from anygpu.kernels.paged_decode import FILL, MIN_PARTITION, SplitPlan, fixed_splits, plan_splits
 
     h200, mi300x = 132, 304
     assert plan_splits(64, 8, 4096, h200, 64) == SplitPlan(1, 0)  # 512 programs already fill the GPU
-    assert plan_splits(1, 8, 32768, h200, 64) == SplitPlan(32, 1024)  # 8 programs -> 256
-    assert plan_splits(8, 8, 8192, h200, 64) == SplitPlan(5, 1664)
+    assert plan_splits(1, 8, 32768, h200, 64) == SplitPlan(64, 512)  # 8 programs -> 512, capped by MIN_PARTITION
+    assert plan_splits(8, 8, 8192, h200, 64) == SplitPlan(8, 1024)  # 64 programs -> 512
+    assert plan_splits(32, 8, 4096, h200, 64) == SplitPlan(2, 2048)  # 256 programs: under 2 per CU
     assert plan_splits(1, 8, 32768, mi300x, 64) == SplitPlan(64, 512)  # capped by MIN_PARTITION
     assert plan_splits(1, 8, 300, h200, 64) == SplitPlan(1, 0)  # too short to split
     assert plan_splits(0, 8, 4096, h200, 64) == SplitPlan(1, 0)
@@ -307,7 +308,7 @@ def test_plan_splits():
         if plan.num_splits > 1:
             assert plan.partition_size % granule == 0 and plan.partition_size >= MIN_PARTITION
             assert (plan.num_splits - 1) * plan.partition_size < seqlen <= plan.num_splits * plan.partition_size
-            assert batch * heads * (plan.num_splits - 1) < WAVES * cus  # no more splits than it takes
+            assert batch * heads * (plan.num_splits - 1) < FILL * cus  # no more splits than it takes
     assert fixed_splits(100, 3, 16) == SplitPlan(3, 48)
     assert fixed_splits(100, 1, 16) == SplitPlan(1, 0)
     assert fixed_splits(10, 4, 16) == SplitPlan(1, 0)

@@ -183,8 +183,12 @@ def _paged_decode_reduce_kernel(part_out_ptr, part_lse_ptr, out_ptr, num_splits,
 # --- split planning: a pure function, unit-tested -------------------------------------------------------
 
 MIN_PARTITION = 512  # tokens per split at least: below this the reduce and the workspace cost more than they save
-WAVES = 2  # programs to launch per CU before splitting stops paying
-
+# Split only when batch x KV heads programs are fewer than SPLIT_BELOW per CU, and then into as many partitions
+# as bring the grid to about FILL per CU (rounded down): on the H200 few long sequences read their cache at
+# 69 % of copy bandwidth with 2 programs per CU and 75-91 % with 4 (docs/perf/2026-12-01-paged-decode-splits.md),
+# while 4 per CU unsplit (64 sequences) already run at copy bandwidth and a split only adds the reduce.
+SPLIT_BELOW = 2
+FILL = 4
 
 @dataclass(frozen=True)
 class SplitPlan:
@@ -203,13 +207,12 @@ def fixed_splits(max_seqlen: int, num_splits: int, granule: int) -> SplitPlan:
 
 
 def plan_splits(batch: int, num_kv_heads: int, max_seqlen: int, num_cus: int, granule: int) -> SplitPlan:
-    """Split each sequence only when batch x num_kv_heads programs are fewer than WAVES per CU, into as many
-    partitions as bring the grid to that, none shorter than MIN_PARTITION tokens."""
+    """Split each sequence only when batch x num_kv_heads programs are fewer than SPLIT_BELOW per CU, into
+    about FILL per CU in all, none shorter than MIN_PARTITION tokens."""
     programs = batch * num_kv_heads
-    target = WAVES * num_cus
-    if programs == 0 or programs >= target:
+    if programs == 0 or programs >= SPLIT_BELOW * num_cus:
         return SplitPlan(1, 0)
-    wanted = -(-target // programs)
+    wanted = max(2, FILL * num_cus // programs)
     return fixed_splits(max_seqlen, min(wanted, max_seqlen // MIN_PARTITION), granule)
 
 
