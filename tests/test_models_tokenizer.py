@@ -115,7 +115,9 @@ def test_errors(tmp_path, smollm):
         tok.encode_chat([{"role": "user", "content": "hi"}])
     with pytest.raises(FileNotFoundError, match="tokenizer.json"):
         Tokenizer.from_hf_folder(tmp_path)
-    with pytest.raises(ValueError, match="'llama'.*not supported"):
+    with pytest.raises(ValueError, match="'bert'.*not supported"):
+        Tokenizer.from_gguf({**smollm.metadata, "tokenizer.ggml.model": "bert"})
+    with pytest.raises(ValueError, match=r"tokenizer\.ggml\.scores: missing"):  # "llama" (SentencePiece) has scores
         Tokenizer.from_gguf({**smollm.metadata, "tokenizer.ggml.model": "llama"})
 
 

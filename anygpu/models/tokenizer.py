@@ -1,11 +1,13 @@
 """``Tokenizer`` (text <-> ids, chat template) and ``IncrementalDetokenizer`` (streamed text, token by token).
 
     tok = Tokenizer.from_hf_folder("path/to/model")           # tokenizer.json + tokenizer_config.json
-    tok = Tokenizer.from_gguf(metadata)                        # a GGUF's byte-level BPE ("gpt2") vocabulary
+    tok = Tokenizer.from_gguf(metadata)                        # a GGUF's vocabulary: byte-level BPE ("gpt2") or
+                                                               # SentencePiece ("llama": Llama-2, Mistral v0.1)
     ids = tok.encode_chat([{"role": "user", "content": "Hi"}])
 
 Built on the ``tokenizers`` library (no transformers at run time).  A GGUF carries no tokenizer.json, so the
-BPE is rebuilt from its tokens and merges the way transformers does it (same ids, checked in the tests).
+BPE is rebuilt from its tokens and merges the way transformers does it (same ids, checked in the tests); a
+SentencePiece vocabulary (no merges, one score per piece) is rebuilt in tokenizer_spm.py, also as transformers does.
 Chat templates are untrusted code from the Hub: they run in jinja2's immutable sandbox, with the helpers
 transformers gives them (``raise_exception``, ``strftime_now``, a ``tojson`` that keeps non-ASCII).
 """
@@ -21,6 +23,7 @@ from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers
 from tokenizers import Tokenizer as _Backend
 
 from .folder_files import MAX_JSON_BYTES, MAX_TOKENIZER_BYTES, check_size, read_json
+from .tokenizer_spm import spm_backend
 
 # llama.cpp's "tokenizer.ggml.pre" names the regex that splits text before BPE; these are the splits of the
 # families this package runs (from transformers' GGUF table).  Unknown names get GPT-2's, as in transformers.
@@ -38,6 +41,32 @@ def _byte_alphabet() -> dict[int, str]:
     printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), 256)]
     extra = [b for b in range(256) if b not in printable]
     return {**{b: chr(b) for b in printable}, **{b: chr(256 + i) for i, b in enumerate(extra)}}
+
+
+def _byte_level_backend(metadata: dict) -> _Backend:
+    """Byte-level BPE from a "gpt2" GGUF vocabulary: tokens, merges and the pre-tokenizer's split."""
+    tokens, types = metadata["tokenizer.ggml.tokens"], metadata.get("tokenizer.ggml.token_type") or []
+    spelling = _byte_alphabet()
+    alphabet = set(spelling.values())
+    # A token written outside the byte alphabet (raw UTF-8) is respelled so BPE can produce it.
+    vocab = {t if set(t) <= alphabet else "".join(spelling[b] for b in t.encode()): i for i, t in enumerate(tokens)}
+    merges = [tuple(m.split(" ", 1)) for m in metadata.get("tokenizer.ggml.merges", [])]
+    backend = _Backend(models.BPE(vocab, merges, dropout=None, continuing_subword_prefix="", end_of_word_suffix="",
+                                  fuse_unk=False))
+    split = _GGUF_SPLITS.get(metadata.get("tokenizer.ggml.pre"))
+    if split is None:
+        backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    else:
+        backend.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.Split(Regex(split), behavior="isolated"),
+                                                         pre_tokenizers.ByteLevel(add_prefix_space=False,
+                                                                                  use_regex=False)])
+    backend.decoder = decoders.ByteLevel()
+    # A "control" token outside the byte alphabet is a llama.cpp mislabel (transformers skips those too).
+    backend.add_special_tokens([AddedToken(t, normalized=False, special=True)
+                                for t, k in zip(tokens, types) if k == _CONTROL and set(t) <= alphabet])
+    backend.add_tokens([AddedToken(t, normalized=False, special=False)
+                        for t, k in zip(tokens, types) if k == _USER_DEFINED and t in vocab])
+    return backend
 
 
 class Tokenizer:
@@ -79,32 +108,21 @@ class Tokenizer:
 
     @classmethod
     def from_gguf(cls, metadata: dict) -> Tokenizer:
-        """Byte-level BPE from ``tokenizer.ggml.*``: control tokens (type 3) become special added tokens (kept whole
-        and skipped by decode), user-defined ones (type 4) plain added tokens, as transformers does."""
+        """The vocabulary of a GGUF's ``tokenizer.ggml.*`` keys, as transformers reads it: byte-level BPE ("gpt2")
+        or SentencePiece ("llama").  Control tokens (type 3) become special added tokens (kept whole and skipped by
+        decode), user-defined ones (type 4) plain added tokens."""
         kind = metadata.get("tokenizer.ggml.model")
-        if kind != "gpt2":
-            raise ValueError(f"GGUF tokenizer model {kind!r} is not supported; supported: 'gpt2' (byte-level BPE)")
-        tokens, types = metadata["tokenizer.ggml.tokens"], metadata.get("tokenizer.ggml.token_type") or []
-        spelling = _byte_alphabet()
-        alphabet = set(spelling.values())
-        # A token written outside the byte alphabet (raw UTF-8) is respelled so BPE can produce it.
-        vocab = {t if set(t) <= alphabet else "".join(spelling[b] for b in t.encode()): i for i, t in enumerate(tokens)}
-        merges = [tuple(m.split(" ", 1)) for m in metadata.get("tokenizer.ggml.merges", [])]
-        backend = _Backend(models.BPE(vocab, merges, dropout=None, continuing_subword_prefix="", end_of_word_suffix="",
-                                      fuse_unk=False))
-        split = _GGUF_SPLITS.get(metadata.get("tokenizer.ggml.pre"))
-        if split is None:
-            backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+        if kind == "gpt2":
+            backend = _byte_level_backend(metadata)
+            add_bos = metadata.get("tokenizer.ggml.add_bos_token", False)
+        elif kind == "llama":
+            backend = spm_backend(metadata)
+            # llama.cpp adds BOS to a SentencePiece vocabulary whose file does not say otherwise (so does transformers)
+            add_bos = metadata.get("tokenizer.ggml.add_bos_token", True)
         else:
-            backend.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.Split(Regex(split), behavior="isolated"),
-                                                             pre_tokenizers.ByteLevel(add_prefix_space=False,
-                                                                                      use_regex=False)])
-        backend.decoder = decoders.ByteLevel()
-        # A "control" token outside the byte alphabet is a llama.cpp mislabel (transformers skips those too).
-        backend.add_special_tokens([AddedToken(t, normalized=False, special=True)
-                                    for t, k in zip(tokens, types) if k == _CONTROL and set(t) <= alphabet])
-        backend.add_tokens([AddedToken(t, normalized=False, special=False)
-                            for t, k in zip(tokens, types) if k == _USER_DEFINED and t in vocab])
+            raise ValueError(f"GGUF tokenizer model {kind!r} is not supported; supported: 'gpt2' (byte-level BPE), "
+                             "'llama' (SentencePiece)")
+        tokens = metadata["tokenizer.ggml.tokens"]
 
         def token(key):
             i = metadata.get(f"tokenizer.ggml.{key}_token_id")
@@ -112,8 +130,7 @@ class Tokenizer:
 
         eos = [t for t in (token("eos"), token("eot"), token("eom")) if t is not None]
         return cls(backend, bos_token=token("bos"), eos_tokens=list(dict.fromkeys(eos)),
-                   chat_template=metadata.get("tokenizer.chat_template"),
-                   add_bos_token=bool(metadata.get("tokenizer.ggml.add_bos_token", False)),
+                   chat_template=metadata.get("tokenizer.chat_template"), add_bos_token=bool(add_bos),
                    add_eos_token=bool(metadata.get("tokenizer.ggml.add_eos_token", False)))
 
     @classmethod
