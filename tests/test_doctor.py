@@ -182,3 +182,22 @@ def test_doctor_on_a_faked_gfx1030_gpu(fresh_backend, monkeypatch):
     assert sum("gfx1030: Triton cannot target this GPU; ops run their PyTorch reference on it" in m
                for m in messages) == 1
     assert "gfx1030: Triton cannot target this GPU" in render(report)
+
+
+def test_features_name_what_is_missing_and_the_extra_that_brings_it(monkeypatch):
+    """With fastapi gone the server is off (the engine still on), named with its install line."""
+    import importlib.util
+
+    from anygpu.diagnostics import features as F
+    from anygpu.diagnostics.doctor import render
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "fastapi" else real(name, *a))
+    got = {f["feature"].split(":")[0]: f for f in F.features()}
+    assert not got["server"]["on"] and got["server"]["missing"] == ["fastapi"]
+    assert got["server"]["install"] == 'pip install "anygpu[serve]"' and got["engine"]["on"]
+    report = {"anygpu": "x", "python": "3", "platform": "p", "environment": {}, "gpus": [], "cross_compile": [],
+              "problems": [], "ok": True, "features": F.features()}
+    text = render(report)
+    assert 'off server: anygpu serve, bench serve  (fastapi missing: pip install "anygpu[serve]"' in text
+    assert "on  engine: anygpu generate" in text

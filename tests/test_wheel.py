@@ -170,6 +170,9 @@ print("ok")
 def test_core_doctor_and_tune(core, tmp_path):
     r = _run(core / "anygpu", "doctor", "--no-probe")
     assert "triton is not installed" in r.stdout and "status: OK" in r.stdout, r.stdout
+    # the features the core install lacks, each with its install line
+    assert "off Triton kernels" in r.stdout and 'off server: anygpu serve' in r.stdout, r.stdout
+    assert 'pip install "anygpu[serve]"' in r.stdout and 'pip install "anygpu[llm]"' in r.stdout, r.stdout
     r = _run(core / "anygpu", "tune", "--shape", "4,64,64", "--max-iterations", "2", "--output",
              tmp_path / "results.csv")
     assert "GemmTunableOp" in r.stdout and any(p.read_text().count("GemmTunableOp") for p in tmp_path.iterdir())

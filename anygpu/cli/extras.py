@@ -1,30 +1,16 @@
-"""The optional parts of anygpu and the extra that installs each (pyproject.toml's optional-dependencies).
-
-The core install (``pip install anygpu``) is quantization, the optimizers, the ops and kernels, TunableOp,
-``anygpu doctor`` and ``anygpu tune``.  A command that needs more checks for its extra before it does anything,
-so that a user without it reads the install line instead of a ModuleNotFoundError from deep inside an import.
-"""
+"""A command that needs an extra checks for it before it does anything (the extras and their modules:
+``diagnostics/features.py``, which ``anygpu doctor`` lists too)."""
 
 from __future__ import annotations
 
-import importlib.util
-
 import click
 
-# The modules of each extra (import names) that its commands cannot start without.  llguidance (llm) is left
-# out: only a request for guided decoding imports it.
-EXTRAS = {
-    # The engine: GGUF and Hugging Face checkpoints, tokenizers, chat templates, Hub ids.
-    "llm": ("gguf", "tokenizers", "jinja2", "huggingface_hub"),
-    # The HTTP server and its load generator, on top of the engine.
-    "serve": ("gguf", "tokenizers", "jinja2", "huggingface_hub", "fastapi", "uvicorn", "httptools",
-              "prometheus_client", "httpx"),
-}
+from ..diagnostics.features import EXTRAS, missing as _missing
 
 
 def missing(extra: str) -> list[str]:
     """The modules of ``extra`` that cannot be imported here."""
-    return [name for name in EXTRAS[extra] if importlib.util.find_spec(name) is None]
+    return _missing(EXTRAS[extra])
 
 
 def require(extra: str, command: str) -> None:

@@ -17,6 +17,7 @@ from .._version import __version__
 from ..backend.base import triton_info
 from ..backend.targets import Target, parse_target_list
 from .checks import Problem, check_arch, check_reference_path, check_triton, check_visible, torch_triton_requirement
+from .features import features
 
 # Run in a child process: the interpreter is chosen when kernels are decorated, at import.
 _INTERPRETER_PROBE = "from anygpu.diagnostics.doctor import probe_kernel; print(probe_kernel('cpu') or 'ok')"
@@ -86,7 +87,7 @@ def collect(targets: list[Target] | None = None, probe: bool = True) -> dict:
     build = _build()
     report = {"anygpu": __version__, "python": platform.python_version(), "platform": platform.platform(),
               "torch_build": build, "problems": [], "gpus": [], "cross_compile": [],
-              "environment": {k: os.environ[k] for k in ENV_VARS if k in os.environ}}
+              "environment": {k: os.environ[k] for k in ENV_VARS if k in os.environ}, "features": features()}
     problems: list[Problem] = []
     problems += check_triton(build, info["version"], _triton_backends(), info["distributions"],
                              torch_triton_requirement())
@@ -192,6 +193,12 @@ def render(report: dict) -> str:
     run = report.get("triton_runs_here")
     if run:
         lines.append(f"triton runs a kernel here ({run['how']}): {'yes' if run['ok'] else 'NO: ' + str(run['error'])}")
+    if report.get("features"):
+        lines.append("features:")
+        for f in report["features"]:
+            state = "on " if f["on"] else "off"
+            detail = "" if f["on"] else f"  ({', '.join(f['missing'])} missing: {f['install']}; without it: {f['without']})"
+            lines.append(f"  {state} {f['feature']}{detail}")
     if report["cross_compile"]:
         lines.append("cross-compile:")
         lines.append(render_cross_compile(report["cross_compile"]))
