@@ -116,6 +116,30 @@ def test_streamed_text_equals_decode(ckpt):
     assert streamed == tok.decode(prompt + ids)[len(tok.decode(prompt)):] and streamed.startswith(" Hello")
 
 
+def test_streamed_random_texts(ckpt):
+    tok = ckpt.tokenizer
+    for text in RANDOM_TEXTS[:100]:
+        ids = tok.encode(text, add_special_tokens=False)
+        detok = IncrementalDetokenizer(tok, [1])
+        assert "".join(detok.add(i) for i in ids) + detok.flush() == tok.decode(ids), text
+
+
+def test_merges_equal_transformers_generate_merges():
+    """The merges from scores, ties included (many equal scores, pieces split several ways), on a random vocab."""
+    pytest.importorskip("transformers")
+    from transformers.tokenization_utils_base import generate_merges as reference
+
+    from anygpu.models.tokenizer_spm import generate_merges
+
+    rng = random.Random(1)
+    vocab = {c: i for i, c in enumerate("abcde\u2581fg")}
+    while len(vocab) < 3000:
+        vocab.setdefault("".join(rng.choice("abcde\u2581fg") for _ in range(rng.randint(2, 10))), len(vocab))
+    scores = {t: float(rng.randint(-40, 0)) for t in vocab}
+    merges = generate_merges(vocab, scores)
+    assert len(merges) > 2000 and merges == reference(vocab, scores)
+
+
 # --- variants of the file's vocabulary metadata, against transformers ---
 
 def _rewrite(tmp_path, name, **changes) -> str:
