@@ -24,7 +24,7 @@ from anygpu.kernels.int8_quantize import fp16_threshold  # noqa: E402
 from anygpu.kernels.int8_matmul import PATHS, Plan, plan, plan_for  # noqa: E402
 from anygpu.kernels.int8_matmul_tma import GEMM_TMA_CONFIGS  # noqa: E402
 from anygpu.kernels.int8_outlier_epilogue import OUTLIER_EPILOGUE_SPEC  # noqa: E402
-from anygpu.kernels.config import LaunchConfig, select  # noqa: E402
+from anygpu.kernels.config import LaunchConfig, select, set_plan_hook  # noqa: E402
 
 DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 N, KDIM = 37, 300  # N odd, K a multiple of no block size
@@ -268,11 +268,13 @@ def test_plan_picks_paths_by_rows():
     assert plan(64, 64, 64, torch.float16, cpu).config is K.GEMM_SMALL_CONFIGS["default"][0]
     assert plan(65, 64, 64, torch.float16, cpu).config is K.GEMM_LARGE_CONFIGS["default"][0]
     chosen = Plan("gemm", K.GEMM_LARGE_CONFIGS["default"][0])
-    K.set_plan_override(lambda m, n, k, dtype, device: chosen if m > 1 else None)
+    set_plan_hook("int8_matmul", lambda m, n, k, dtype, device: chosen if m > 1 else None)
     try:
         assert plan(5, 64, 64, torch.float16, cpu) is chosen and plan(1, 64, 64, torch.float16, cpu).path == "gemm"
     finally:
-        K.set_plan_override(None)
+        set_plan_hook("int8_matmul", None)
+    with pytest.raises(ValueError, match="kernel: expected one of"):
+        set_plan_hook("int8", None)
     # many rows on NVIDIA sm_90: the tensor-descriptor kernel, where K keeps codes rows 16-byte aligned
     from anygpu.backend.targets import TARGETS
 

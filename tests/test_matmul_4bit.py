@@ -87,6 +87,7 @@ def test_leading_dims_and_empty_batch(kdevice):
 
 def test_plan_picks_paths_and_takes_an_override():
     from anygpu.kernels import matmul_4bit as K
+    from anygpu.kernels.config import set_plan_hook
 
     cpu = torch.device("cpu")
     assert K.plan(1, 8192, 8192, 64, torch.float16, cpu).path == "gemv"
@@ -99,11 +100,11 @@ def test_plan_picks_paths_and_takes_an_override():
     assert K.plan(4096, 8192, 8192, 64, torch.float16, cpu).path == "dequant"
     assert K.plan(1, 10, 100, 64, torch.float16, cpu).path == "dequant"  # blocks straddle rows
     try:
-        K.set_plan_override(lambda m, n, k, bs, dtype, device: K.Plan("dequant") if m == 1 else None)
+        set_plan_hook("matmul_4bit", lambda m, n, k, bs, dtype, device: K.Plan("dequant") if m == 1 else None)
         assert K.plan(1, 8192, 8192, 64, torch.float16, cpu).path == "dequant"
         assert K.plan(16, 8192, 8192, 64, torch.float16, cpu).path == "gemm"
     finally:
-        K.set_plan_override(None)
+        set_plan_hook("matmul_4bit", None)
 
 
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])

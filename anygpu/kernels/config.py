@@ -18,6 +18,26 @@ from ..backend.targets import Target
 
 AMD_ONLY_OPTIONS = ("waves_per_eu", "matrix_instr_nonkdim", "kpack")
 
+# The tuner's way into the kernels' plans, in one place: a hook per planned kernel, ``fn(*problem, device) ->
+# Plan | None`` (None: the kernel's own plan).  The kernels ask ``plan_hook(name)``; nothing outside sets a
+# kernel module's globals.
+PLANNED_KERNELS = ("matmul_4bit", "int8_matmul")
+_PLAN_HOOKS: dict[str, Callable] = {}
+
+
+def set_plan_hook(kernel: str, fn: Callable | None) -> Callable | None:
+    """Install ``fn`` as ``kernel``'s plan hook (None removes it); returns the hook it replaces."""
+    if kernel not in PLANNED_KERNELS:
+        raise ValueError(f"kernel: expected one of {PLANNED_KERNELS}, got {kernel!r}")
+    previous = _PLAN_HOOKS.pop(kernel, None)
+    if fn is not None:
+        _PLAN_HOOKS[kernel] = fn
+    return previous
+
+
+def plan_hook(kernel: str) -> Callable | None:
+    return _PLAN_HOOKS.get(kernel)
+
 
 @dataclass(frozen=True)
 class LaunchConfig:

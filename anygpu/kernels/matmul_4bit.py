@@ -28,8 +28,8 @@ import triton.language as tl
 from ._decode_4bit import _block_scales, _decode8, _decode_pairs, _dot8, _lookup, _tables
 from ._program_order import grouped_tile
 from ._split_k import reduce_partials
-from .config import (TRITON_DTYPE, KernelSpec, LaunchConfig, cached_options, device_target, on_device, register,
-                     select)
+from .config import (TRITON_DTYPE, KernelSpec, LaunchConfig, cached_options, device_target, on_device, plan_hook,
+                     register, select)
 
 
 @triton.jit
@@ -277,23 +277,13 @@ class Plan:
     split_k: int = 1
 
 
-_PLAN_OVERRIDE = None
-
-
-def set_plan_override(fn):
-    """Install ``fn(m, n, k, blocksize, dtype, device) -> Plan | None`` (the tuner's hook: None from it means
-    the default plan); ``set_plan_override(None)`` removes it.  Returns the previous hook."""
-    global _PLAN_OVERRIDE
-    previous, _PLAN_OVERRIDE = _PLAN_OVERRIDE, fn
-    return previous
-
-
 def plan(m: int, n: int, k: int, blocksize: int, dtype: torch.dtype, device: torch.device,
          override: bool = True) -> Plan:
     """Which path and config run an [m, k] x [n, k]^T 4-bit matmul on ``device``: the one place it is decided
-    (``override=False``: the built-in choice, ignoring the tuner's hook)."""
-    if override and _PLAN_OVERRIDE is not None:
-        chosen = _PLAN_OVERRIDE(m, n, k, blocksize, dtype, device)
+    (``override=False``: the built-in choice, ignoring the tuner's hook: ``config.set_plan_hook``)."""
+    hook = plan_hook("matmul_4bit") if override else None
+    if hook is not None:
+        chosen = hook(m, n, k, blocksize, dtype, device)
         if chosen is not None:
             return chosen
     target = device_target(device)

@@ -27,7 +27,7 @@ from typing import Callable
 import torch
 
 from .. import backend
-from ..kernels.config import device_target, select
+from ..kernels.config import device_target, plan_hook, select, set_plan_hook
 from . import candidates, controls, results, tuner
 from .signatures import DTYPE_NAMES
 
@@ -51,7 +51,8 @@ last_outcomes: dict = {}  # (op signature, params signature) -> tuner.Outcome
 @dataclass(frozen=True)
 class QuantizedOp:
     prefix: str  # op signature = prefix + dtype name
-    kernels: object  # the kernel module: plan(..., override=False), set_plan_override, matmul launcher
+    kernels: object  # the kernel module: plan(..., override=False), matmul launcher
+    kernel: str  # its name for config.set_plan_hook
     plans: Callable  # (problem tuple, device) -> {solution name: Plan | None}
     params: Callable  # problem tuple -> params signature
     make_args: Callable  # (problem tuple, device) -> (args tuple, run(plan, *args))
@@ -124,9 +125,9 @@ def _args_int8(problem, device):
 
 
 OPS = {
-    "4bit": QuantizedOp("Matmul4bitTunableOp_", K4, _plans_4bit,
+    "4bit": QuantizedOp("Matmul4bitTunableOp_", K4, "matmul_4bit", _plans_4bit,
                         lambda p: f"m{p[0]}_n{p[1]}_k{p[2]}_bs{p[3]}", _args_4bit),
-    "int8": QuantizedOp("Int8MatmulTunableOp_", I8, _plans_int8, lambda p: f"m{p[0]}_n{p[1]}_k{p[2]}", _args_int8),
+    "int8": QuantizedOp("Int8MatmulTunableOp_", I8, "int8_matmul", _plans_int8, lambda p: f"m{p[0]}_n{p[1]}_k{p[2]}", _args_int8),
 }
 _hot: dict = {}  # (op name, problem, device type, device index) -> Plan | None
 _tables: dict[int, dict[tuple[str, str], results.Entry]] = {}  # ordinal -> this module's entries
@@ -178,23 +179,23 @@ HOOKS = {"4bit": _choose_4bit, "int8": _choose_int8}
 def install() -> None:
     """Let the tuner choose every 4-bit and int8 matmul's plan (until ``uninstall``)."""
     for name, hook in HOOKS.items():
-        OPS[name].kernels.set_plan_override(hook)
+        set_plan_hook(OPS[name].kernel, hook)
 
 
 def uninstall() -> None:
     for name, hook in HOOKS.items():
-        if OPS[name].kernels._PLAN_OVERRIDE is hook:
-            OPS[name].kernels.set_plan_override(None)
+        if plan_hook(OPS[name].kernel) is hook:
+            set_plan_hook(OPS[name].kernel, None)
 
 
 @contextlib.contextmanager
 def installed():
-    previous = {name: OPS[name].kernels.set_plan_override(hook) for name, hook in HOOKS.items()}
+    previous = {name: set_plan_hook(OPS[name].kernel, hook) for name, hook in HOOKS.items()}
     try:
         yield
     finally:
         for name, hook in previous.items():
-            OPS[name].kernels.set_plan_override(hook)
+            set_plan_hook(OPS[name].kernel, hook)
 
 
 def _choose(op: str, problem: tuple, device: torch.device):
