@@ -1,8 +1,8 @@
 """The quantized matmuls as tuned ops: their paths and kernel configs are the candidates.
 
 ``kernels/matmul_4bit.py:plan`` and ``kernels/int8_matmul.py:plan`` decide the path (GEMV / GEMM / dequantize,
-or the int8 GEMM's tile table and TMA kernel) and config of every 4-bit and int8 matmul.  Their hooks
-(``set_plan_override``) let this module decide instead, per problem, from the results file or by timing
+or the int8 GEMM's tile table and TMA kernel) and config of every 4-bit and int8 matmul.  Their hook
+(``kernels.config.set_plan_hook``) lets this module decide instead, per problem, from the results file or by timing
 every candidate plan on random data of that shape.  Entries share the results file with the GEMMs::
 
     Matmul4bitTunableOp_Half,m1_n8192_k8192_bs64,Gemv_sk4,0.0206
