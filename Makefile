@@ -22,7 +22,7 @@ run: setup
 test: setup test-interpreter test-aot
 
 test-interpreter:
-	TRITON_INTERPRET=1 $(PY) -m pytest -q -m "not aot"
+	TRITON_INTERPRET=1 $(PY) -m pytest -q -m "not aot" --durations=25
 
 test-aot:
 	TRITON_INTERPRET=0 $(PY) -m pytest -q -m aot
