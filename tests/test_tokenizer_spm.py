@@ -183,6 +183,28 @@ def test_metadata_variants_equal_transformers(tmp_path, changes):
     _same_as_transformers(tok, _hf_tokenizer(tmp_path, name), TEXTS + RANDOM_TEXTS[:50])
 
 
+MISTRAL_V01_TEMPLATE = (
+    "{{ bos_token }}{% for message in messages %}{% if (message['role'] == 'user') != (loop.index0 % 2 == 0) %}"
+    "{{ raise_exception('Conversation roles must alternate user/assistant/user/assistant/...') }}{% endif %}"
+    "{% if message['role'] == 'user' %}{{ '[INST] ' + message['content'] + ' [/INST]' }}"
+    "{% elif message['role'] == 'assistant' %}{{ message['content'] + eos_token}}"
+    "{% else %}{{ raise_exception('Only user and assistant roles are supported!') }}{% endif %}{% endfor %}")
+
+
+def test_mistral_v01_chat_ids_equal_transformers(tmp_path):
+    """A template that writes "<s>" itself and text right after it (no "▁" prepended there, as in transformers)."""
+    name = _rewrite(tmp_path, "m.gguf")
+    meta = {**read_gguf(tmp_path / name).metadata, "tokenizer.chat_template": MISTRAL_V01_TEMPLATE}
+    tok = Tokenizer.from_gguf(meta)
+    hf = _hf_tokenizer(tmp_path, name)
+    hf.chat_template = MISTRAL_V01_TEMPLATE
+    messages = [{"role": "user", "content": "Hi there"}, {"role": "assistant", "content": "Hello! 😀"},
+                {"role": "user", "content": " two  spaces"}]
+    ids = tok.encode_chat(messages)
+    assert ids == list(hf.apply_chat_template(messages, add_generation_prompt=True)["input_ids"])
+    assert ids[0] == 1 and ids.count(1) == 1 and ids.count(2) == 1
+
+
 @pytest.mark.parametrize("changes, pattern", [
     ({"tokenizer.ggml.scores": None}, r"tokenizer\.ggml\.scores: missing"),
     ({"tokenizer.ggml.scores": [0.0] * 1023}, r"tokenizer\.ggml\.scores: 1023 entries for 1024 tokens"),
