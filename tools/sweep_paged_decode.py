@@ -1,0 +1,47 @@
+"""Sweep (GPU): paged decode split counts and tile configs for few, long sequences; feeds SPLIT_BELOW / FILL and CONFIGS in kernels/paged_decode.py."""
+import time
+import torch
+from anygpu.bench.timing import measure_graph
+from anygpu.bench.ceilings import copy_bandwidth
+from anygpu.kernels import paged_decode as PD
+from anygpu.kernels.config import LaunchConfig
+
+dev = torch.device("cuda")
+bw = copy_bandwidth(dev)
+print(f"copy bandwidth {bw/1e12:.2f} TB/s", flush=True)
+T0 = time.time()
+
+
+def case(batch, ctx, qh=32, kvh=8, d=128, bs=16):
+    per = -(-ctx // bs)
+    nb = batch * per
+    tables = torch.randperm(nb, device=dev).to(torch.int32).view(batch, per)
+    kc = torch.randn(nb, bs, kvh, d, dtype=torch.bfloat16, device=dev)
+    vc = torch.randn_like(kc)
+    q = torch.randn(batch, qh, d, dtype=torch.bfloat16, device=dev)
+    seqlens = torch.full((batch,), ctx, dtype=torch.int32, device=dev)
+    nbytes = 2 * batch * ctx * kvh * d * 2
+    return q, kc, vc, tables, seqlens, nbytes
+
+
+def t(fn):
+    return measure_graph(fn, device=dev, warmup_ms=5, rep_ms=30)
+
+
+orig = PD.CONFIGS
+for tile, warps, stages in [(64, 4, 3), (32, 4, 3), (64, 4, 4), (64, 8, 3), (128, 8, 3), (32, 2, 4), (64, 4, 2)]:
+    PD.CONFIGS = {**orig, "nvidia": PD._decode(PD._AOT_SHAPE, tile, num_warps=warps, num_stages=stages)}
+    from anygpu.kernels import config as C
+    C._LAUNCH_CACHE.clear()
+    for batch, ctx, splits_list in [(1, 32768, (None, 16, 32, 48, 64, 96, 128)), (8, 8192, (None, 4, 6, 8, 12, 16, 24)),
+                                    (64, 4096, (None, 1, 2))]:
+        q, kc, vc, tables, seqlens, nbytes = case(batch, ctx)
+        res = []
+        for s in splits_list:
+            try:
+                ms = t(lambda: PD.paged_decode(q, kc, vc, tables, seqlens, ctx, num_splits=s))
+                res.append(f"{s}:{ms*1e3:.1f}us/{100*nbytes/(ms/1e3)/bw:.0f}%")
+            except Exception as e:  # noqa
+                res.append(f"{s}:ERR {repr(e)[:60]}")
+        print(f"tile {tile} w{warps} s{stages} b{batch} ctx{ctx}: " + "  ".join(res) + f"  [{time.time()-T0:.0f}s]",
+              flush=True)
