@@ -44,7 +44,7 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs" / "guide").glob("*.md"))]
 SHELL = {"bash", "sh", "shell", "console"}
-TIMEOUT = 300  # one command or block; generous for a loaded CI machine, a hang still ends
+TIMEOUT = 120  # one command or block: several times the slowest on a loaded machine; a runaway still ends
 SERVER_ADDRESS = "127.0.0.1:8000"
 
 _FENCE = re.compile(r"^(\s*)(```+|~~~+)\s*([\w+-]*)")
@@ -292,6 +292,11 @@ class _Servers:
             time.sleep(0.2)
         pytest.fail(f"anygpu serve {' '.join(args)}: no /health in {TIMEOUT} s")
 
+    def log(self, args, n=40):
+        _, _, log = self.running[self.start(args)]
+        log.flush()
+        return _tail((self.tmp / pathlib.Path(log.name).name).read_text(), n)
+
     def close(self):
         for proc, _, log in self.running.values():
             if proc.poll() is None:
@@ -304,10 +309,11 @@ class _Servers:
             log.close()
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="module", autouse=True)
 def servers(tmp_path_factory, request):
     servers = _Servers(tmp_path_factory.mktemp("serve"))
-    # Loading the model overlaps the tests before the first that needs it.
+    # Started with the module's first test, so that loading the model overlaps the commands run before the first
+    # test that needs the server (the python blocks come last for this).
     mine = [item.callspec.params for item in request.session.items
             if item.module is request.module and hasattr(item, "callspec")]
     if any(_needs_server(p["block"]) if "block" in p else p["cmd"].argv[:2] == ["anygpu", "serve"]
@@ -341,22 +347,6 @@ def test_markers_sit_above_a_fence():
             if text is not None and text not in block.code:
                 bad.append(f"{block.where}: no line has {text!r}")
     assert not bad, "\n".join(bad)
-
-
-@pytest.mark.parametrize("block", [pytest.param(b, id=b.where) for b in PYTHON])
-def test_python_block(block, tmp_path, servers):
-    code = block.code
-    compile(code, block.where, "exec")
-    reason = block.skip_reason()
-    if reason:
-        pytest.skip(reason)
-    if _needs_server(block):
-        code = code.replace(SERVER_ADDRESS, f"127.0.0.1:{servers.port(())}")
-    script = tmp_path / "block.py"
-    script.write_text(code)
-    proc = subprocess.run([sys.executable, str(script)], cwd=tmp_path, env=_env(tmp_path), capture_output=True,
-                          text=True, timeout=TIMEOUT, stdin=subprocess.DEVNULL)
-    assert proc.returncode == 0, f"{block.where} failed:\n{_tail(proc.stdout, 10)}\n{_tail(proc.stderr)}"
 
 
 @pytest.mark.parametrize("block", [pytest.param(b, id=b.where) for b in SYNOPSES])
@@ -428,12 +418,15 @@ def _check(cmd, click_check):
 _RUNS = {}  # the same command on two pages runs once
 
 
-def _run(argv, env_extra, tmp):
+def _run(argv, env_extra, tmp, cache=True, where="", more=lambda: ""):
     key = (tuple(argv), tuple(sorted(env_extra.items())))
-    if key not in _RUNS:
-        env = {**_env(tmp), **env_extra}
-        _RUNS[key] = subprocess.run(argv, cwd=tmp, env=env, capture_output=True, text=True, timeout=TIMEOUT,
-                                    stdin=subprocess.DEVNULL)
+    if key not in _RUNS or not cache:
+        try:
+            _RUNS[key] = subprocess.run(argv, cwd=tmp, env={**_env(tmp), **env_extra}, capture_output=True,
+                                        text=True, timeout=TIMEOUT, stdin=subprocess.DEVNULL)
+        except subprocess.TimeoutExpired as e:
+            stderr = e.stderr.decode(errors="replace") if isinstance(e.stderr, bytes) else e.stderr or ""
+            pytest.fail(f"{where or ' '.join(argv)}: still running after {TIMEOUT} s:\n{_tail(stderr)}{more()}")
     return _RUNS[key]
 
 
@@ -468,9 +461,27 @@ def test_command(cmd, tmp_path, click_check, servers):
     else:
         pytest.fail(f"{cmd.block.where}: `{cmd.text}` cannot run here: mark it "
                     f'<!-- docs-test: skip "TEXT" (why) --> or make it runnable')
-    proc = _run(argv, cmd.env, tmp_path)
-    assert proc.returncode == 0, f"`{cmd.text}` exited {proc.returncode}:\n{_tail(proc.stdout, 10)}\n{_tail(proc.stderr)}"
+    proc = _run(argv, cmd.env, tmp_path, where=f"{cmd.block.page}:{cmd.line}")
+    assert proc.returncode == 0, \
+        f"`{cmd.text}` exited {proc.returncode}:\n{_tail(proc.stdout, 10)}\n{_tail(proc.stderr)}"
     _check_output(cmd, proc)
+
+
+@pytest.mark.parametrize("block", [pytest.param(b, id=b.where) for b in PYTHON])
+def test_python_block(block, tmp_path, servers):
+    code = block.code
+    compile(code, block.where, "exec")
+    reason = block.skip_reason()
+    if reason:
+        pytest.skip(reason)
+    if _needs_server(block):
+        code = code.replace(SERVER_ADDRESS, f"127.0.0.1:{servers.port(())}")
+    script = tmp_path / "block.py"
+    script.write_text(code)
+    # The server's log goes with a failure: a client's error or hang usually starts on the server's side.
+    server_log = (lambda: f"\nserver log:\n{servers.log(())}") if _needs_server(block) else (lambda: "")
+    proc = _run([sys.executable, str(script)], {}, tmp_path, cache=False, where=block.where, more=server_log)
+    assert proc.returncode == 0, f"{block.where} failed:\n{_tail(proc.stdout, 10)}\n{_tail(proc.stderr)}{server_log()}"
 
 
 def test_every_block_is_collected():
