@@ -3,7 +3,7 @@
 ``LLM`` is the offline API, ``LLMEngine`` the step-at-a-time engine, ``AsyncLLMEngine`` its streaming form for
 a server.  Inside: ``SamplingParams`` and ``Sequence`` describe a request; ``BlockManager`` owns the KV blocks
 and the prefix cache; ``Scheduler`` picks each step's tokens; ``ModelRunner`` runs the model; ``Sampler`` turns
-logits into tokens.  Design and decisions: docs/engine-design.md.
+logits into tokens.  Design and decisions: docs/design/engine.md.
 """
 
 from .async_engine import AsyncLLMEngine
