@@ -11,7 +11,7 @@ import torch
 
 from anygpu.backend.targets import CI_ONCE_TARGETS, CI_TARGETS, TARGETS, parse_target_list
 from anygpu.kernels.aot import amd_occupancy, nvidia_occupancy, parse_amdgcn, parse_res_usage
-from anygpu.kernels.config import KernelSpec, LaunchConfig
+from anygpu.kernels.launch import KernelSpec, LaunchConfig
 
 AMDGCN_SAMPLE = """
 ; NumVgprs: 116
@@ -84,7 +84,7 @@ def _check(reports):
 def test_every_registered_kernel_compiles_for_every_ci_target():
     from anygpu.kernels import load_all
     from anygpu.kernels.aot import cross_compile
-    from anygpu.kernels.config import select
+    from anygpu.kernels.launch import select
 
     specs = load_all()
     targets = parse_target_list("ci")
@@ -102,7 +102,7 @@ def test_every_config_compiles_once_for_the_other_families():
     takes it, aligned).  A config that cannot fit a target is left out by its table, never failed here."""
     from anygpu.kernels import load_all
     from anygpu.kernels.aot import cross_compile
-    from anygpu.kernels.config import select
+    from anygpu.kernels.launch import select
 
     specs = load_all()
     targets = parse_target_list("ci-once")
@@ -203,7 +203,7 @@ def test_nvidia_kernels_keep_subnormals():
     import triton
     from triton.compiler import ASTSource
 
-    from anygpu.kernels.config import select
+    from anygpu.kernels.launch import select
     from anygpu.kernels.quant_blockwise import QUANTIZE_SPEC as spec
 
     target = TARGETS["sm_90"]

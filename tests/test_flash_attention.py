@@ -433,7 +433,7 @@ def test_gpu_dispatch_runs_the_triton_kernel(dtype, monkeypatch):
 def _compile(target, head_dim, **variant):
     from anygpu.backend.targets import lookup
     from anygpu.kernels.aot import compile_one
-    from anygpu.kernels.config import select
+    from anygpu.kernels.launch import select
     from anygpu.kernels.flash_attention import SPEC, AttentionSpec, aot_table
 
     spec = AttentionSpec(SPEC.name, SPEC.fn, SPEC.signature, SPEC.dtypes, aot_table(head_dim, **variant))

@@ -24,7 +24,7 @@ from anygpu.kernels.int8_quantize import fp16_threshold  # noqa: E402
 from anygpu.kernels.int8_matmul import PATHS, Plan, plan, plan_for  # noqa: E402
 from anygpu.kernels.int8_matmul_tma import GEMM_TMA_CONFIGS  # noqa: E402
 from anygpu.kernels.int8_outlier_epilogue import OUTLIER_EPILOGUE_SPEC  # noqa: E402
-from anygpu.kernels.config import LaunchConfig, select, set_plan_hook  # noqa: E402
+from anygpu.kernels.launch import LaunchConfig, select, set_plan_hook  # noqa: E402
 
 DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 N, KDIM = 37, 300  # N odd, K a multiple of no block size
@@ -359,7 +359,7 @@ def test_int8_kernels_cross_compile_for_every_ci_target():
     """The int8 kernels alone (test_aot.py compiles every kernel): every config, dtype, aligned or not."""
     from anygpu.backend.targets import parse_target_list
     from anygpu.kernels.aot import cross_compile
-    from anygpu.kernels.config import registered
+    from anygpu.kernels.launch import registered
 
     specs = {name: spec for name, spec in registered().items() if name in SPECS}
     assert sorted(specs) == sorted(SPECS)
@@ -376,7 +376,7 @@ def test_nvidia_code_rounds_as_the_reference():
     from triton.compiler import ASTSource
 
     from anygpu.backend.targets import TARGETS
-    from anygpu.kernels.config import select
+    from anygpu.kernels.launch import select
 
     target = TARGETS["sm_90"]
 
@@ -485,7 +485,7 @@ def test_listing_counts_bits_with_popc_on_nvidia_only():
     from triton.compiler import ASTSource
 
     from anygpu.backend.targets import TARGETS
-    from anygpu.kernels.config import select
+    from anygpu.kernels.launch import select
 
     for arch in ("gfx942", "gfx90a", "gfx1100", "gfx950"):
         for spec in (Q.QUANTIZE_SPEC, Q.OUTLIER_LIST_SPEC):

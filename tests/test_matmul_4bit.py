@@ -51,7 +51,7 @@ CASES = [  # m, n, k, blocksize, nested, bias
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("m,n,k,bs,nested,bias", CASES)
 def test_kernel_paths_match_reference(kdevice, dtype, m, n, k, bs, nested, bias):
-    from anygpu.kernels.config import LaunchConfig, device_target
+    from anygpu.kernels.launch import LaunchConfig, device_target
     from anygpu.kernels.matmul_4bit import GEMM_CONFIGS, GEMV_CONFIGS, Plan, matmul_4bit as kernel, select
 
     target = device_target(kdevice)  # None under the interpreter: the portable configs
@@ -87,7 +87,7 @@ def test_leading_dims_and_empty_batch(kdevice):
 
 def test_plan_picks_paths_and_takes_an_override():
     from anygpu.kernels import matmul_4bit as K
-    from anygpu.kernels.config import set_plan_hook
+    from anygpu.kernels.launch import set_plan_hook
 
     cpu = torch.device("cpu")
     assert K.plan(1, 8192, 8192, 64, torch.float16, cpu).path == "gemv"

@@ -125,7 +125,7 @@ def test_lion_compiled_without_contraction_has_no_fma():
 
     from anygpu.backend.targets import TARGETS
     from anygpu.kernels import optim_8bit as K
-    from anygpu.kernels.config import select
+    from anygpu.kernels.launch import select
 
     target = TARGETS["sm_90"]
 
@@ -154,7 +154,7 @@ def test_nvidia_gathers_are_inline_ptx_and_stay_in_registers():
 
     from anygpu.backend.targets import TARGETS
     from anygpu.kernels import optim_8bit as K
-    from anygpu.kernels.config import select
+    from anygpu.kernels.launch import select
 
     for arch in ("gfx942", "gfx90a", "gfx1100", "gfx950"):
         assert not any(cfg.constexprs["PTX_GATHER"] for cfg in select(K.SPEC.configs, TARGETS[arch]))

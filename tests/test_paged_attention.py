@@ -261,7 +261,7 @@ def test_paged_decode_kernel_window_softcap_and_splits(kdevice, num_splits, wind
 
 def test_paged_decode_kernel_split_path_equals_single_pass(kdevice):
     from anygpu.kernels.paged_decode import CONFIGS, fixed_splits, paged_decode as kernel
-    from anygpu.kernels.config import device_target, select
+    from anygpu.kernels.launch import device_target, select
 
     seqlens, q_heads, kv_heads = decode_shape(kdevice)
     q, kc, vc, tables, lens, max_seqlen = paged_case(seqlens, q_heads, kv_heads, 64, 16, torch.float32, kdevice)

@@ -16,7 +16,7 @@ from triton.compiler import ASTSource
 
 from anygpu.backend.targets import lookup
 from anygpu.kernels import load_all
-from anygpu.kernels.config import select
+from anygpu.kernels.launch import select
 
 SHARED = {"ptx": ("ld.shared", "st.shared", "ldmatrix", "stmatrix"), "amdgcn": ("ds_read", "ds_write")}
 

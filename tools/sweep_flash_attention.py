@@ -5,7 +5,7 @@ import torch
 import triton.testing as tt
 
 from anygpu.kernels import config, flash_attention as fa
-from anygpu.kernels.config import LaunchConfig
+from anygpu.kernels.launch import LaunchConfig
 
 B, S, H, D = 4, 4096, 32, 128
 q, k, v = (torch.randn(B * S, H, D, device="cuda", dtype=torch.bfloat16) for _ in range(3))

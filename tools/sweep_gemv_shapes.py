@@ -8,7 +8,7 @@ import torch.nn.functional as F
 
 from anygpu.bench.timing import measure_graph
 from anygpu.kernels import matmul_4bit as K
-from anygpu.kernels.config import LaunchConfig
+from anygpu.kernels.launch import LaunchConfig
 
 dev = torch.device("cuda")
 SHAPES = [(6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336), (8192, 8192)]

@@ -12,7 +12,7 @@ import torch.nn.functional as F
 
 from anygpu.bench.timing import measure, measure_graph
 from anygpu.kernels import int8_matmul as I
-from anygpu.kernels.config import LaunchConfig
+from anygpu.kernels.launch import LaunchConfig
 
 dev = torch.device("cuda")
 

@@ -5,9 +5,9 @@ import torch
 import torch.nn.functional as F
 from anygpu.bench.timing import measure_graph
 from anygpu.kernels import int8_matmul as K
-from anygpu.kernels.config import LaunchConfig
+from anygpu.kernels.launch import LaunchConfig
 from anygpu.kernels.int8_matmul_tma import GEMM_TMA_CONFIGS
-from anygpu.kernels.config import select, device_target
+from anygpu.kernels.launch import select, device_target
 
 dev = torch.device("cuda")
 torch.manual_seed(0)

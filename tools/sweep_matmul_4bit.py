@@ -10,7 +10,7 @@ import torch.nn.functional as F
 
 from anygpu.bench.timing import measure_graph
 from anygpu.kernels import matmul_4bit as K
-from anygpu.kernels.config import LaunchConfig
+from anygpu.kernels.launch import LaunchConfig
 
 dev = torch.device("cuda")
 SHAPES = [(8192, 8192), (28672, 8192), (8192, 28672)]

@@ -4,7 +4,7 @@ import torch
 from anygpu.bench.timing import measure_graph
 from anygpu.bench.ceilings import copy_bandwidth
 from anygpu.kernels import paged_decode as PD
-from anygpu.kernels.config import LaunchConfig
+from anygpu.kernels.launch import LaunchConfig
 
 dev = torch.device("cuda")
 bw = copy_bandwidth(dev)
@@ -31,7 +31,7 @@ def t(fn):
 orig = PD.CONFIGS
 for tile, warps, stages in [(64, 4, 3), (32, 4, 3), (64, 4, 4), (64, 8, 3), (128, 8, 3), (32, 2, 4), (64, 4, 2)]:
     PD.CONFIGS = {**orig, "nvidia": PD._decode(PD._AOT_SHAPE, tile, num_warps=warps, num_stages=stages)}
-    from anygpu.kernels import config as C
+    from anygpu.kernels import launch as C
     C._LAUNCH_CACHE.clear()
     for batch, ctx, splits_list in [(1, 32768, (None, 16, 32, 48, 64, 96, 128)), (8, 8192, (None, 4, 6, 8, 12, 16, 24)),
                                     (64, 4096, (None, 1, 2))]:

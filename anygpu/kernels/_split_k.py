@@ -8,7 +8,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .config import TRITON_DTYPE, KernelSpec, LaunchConfig, device_target, on_device, register
+from .launch import TRITON_DTYPE, KernelSpec, LaunchConfig, device_target, on_device, register
 
 
 @triton.jit

@@ -26,7 +26,7 @@ from dataclasses import asdict, dataclass
 import torch
 
 from ..backend.targets import TARGETS, Target
-from .config import KernelSpec, LaunchConfig, select
+from .launch import KernelSpec, LaunchConfig, select
 
 try:
     import triton.language as tl

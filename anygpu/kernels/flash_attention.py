@@ -33,7 +33,7 @@ import triton
 import triton.language as tl
 
 from ._attention_tiles import attend_query_tile, load_rows, store_rows
-from .config import TRITON_DTYPE, KernelSpec, LaunchConfig, launch_config, on_device, register
+from .launch import TRITON_DTYPE, KernelSpec, LaunchConfig, launch_config, on_device, register
 
 LOG2E = math.log2(math.e)
 MAX_GRID_YZ = 65535  # the CUDA and HIP limit on a grid's 2nd and 3rd dimensions (heads, sequences)

@@ -16,7 +16,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .config import TRITON_DTYPE, KernelSpec, LaunchConfig, register
+from .launch import TRITON_DTYPE, KernelSpec, LaunchConfig, register
 from .silu_and_mul import launch_gated
 
 # tl.constexpr: a @triton.jit function may read only constexpr globals.

@@ -19,7 +19,7 @@ import triton
 import triton.language as tl
 
 from ._program_order import grouped_tile
-from .config import TRITON_DTYPE, KernelSpec, LaunchConfig, device_target, on_device, register, select
+from .launch import TRITON_DTYPE, KernelSpec, LaunchConfig, device_target, on_device, register, select
 
 _INTERPRETED = tl.constexpr(os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"))
 

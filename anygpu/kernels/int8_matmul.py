@@ -54,7 +54,7 @@ import triton.language as tl
 
 from ._int8_epilogue import LIST_HEAD, _dequantize_store, _gathered, _list_head, _without_outlier_codes
 from ._program_order import grouped_tile
-from .config import TRITON_DTYPE, KernelSpec, LaunchConfig, device_target, on_device, plan_hook, register, select
+from .launch import TRITON_DTYPE, KernelSpec, LaunchConfig, device_target, on_device, plan_hook, register, select
 from .int8_matmul_tma import GEMM_TMA_CONFIGS, gemm_tma, tma_applies
 from .int8_outlier_epilogue import outlier_epilogue
 from .int8_quantize import fp16_threshold, fp_exact_options, hopper_pdl, quantize_rows
@@ -187,7 +187,7 @@ PATHS = ("gemm", "gemm_tma")
 
 def plan(m: int, n: int, k: int, dtype: torch.dtype, device: torch.device, override: bool = True) -> Plan:
     """Which path and config run an [m, k] x [n, k]^T int8 matmul on ``device``: the one place it is decided
-    (``override=False``: the built-in choice, ignoring the tuner's hook: ``config.set_plan_hook``)."""
+    (``override=False``: the built-in choice, ignoring the tuner's hook: ``launch.set_plan_hook``)."""
     hook = plan_hook("int8_matmul") if override else None
     if hook is not None:
         chosen = hook(m, n, k, dtype, device)

@@ -11,7 +11,7 @@ import triton.language as tl
 
 from ._int8_epilogue import _dequantize_store
 from ._program_order import grouped_tile
-from .config import TRITON_DTYPE, KernelSpec, LaunchConfig, on_device, register, select
+from .launch import TRITON_DTYPE, KernelSpec, LaunchConfig, on_device, register, select
 from .int8_quantize import fp_exact_options
 
 try:  # host-side tensor descriptors (TMA on NVIDIA): triton >= 3.3

@@ -16,7 +16,7 @@ import triton
 import triton.language as tl
 
 from ._int8_epilogue import LIST_HEAD, _dequantize_store, _gathered, _without_outlier_codes
-from .config import TRITON_DTYPE, KernelSpec, LaunchConfig, device_target, on_device, register, select
+from .launch import TRITON_DTYPE, KernelSpec, LaunchConfig, device_target, on_device, register, select
 from .int8_quantize import _list_columns, _rows_words, fp_exact_options, hopper_pdl
 
 

@@ -24,7 +24,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .config import TRITON_DTYPE, KernelSpec, LaunchConfig, cached_options, device_target, on_device, register, select
+from .launch import TRITON_DTYPE, KernelSpec, LaunchConfig, cached_options, device_target, on_device, register, select
 
 LIST_CHUNK = tl.constexpr(8192)  # columns a step when listing outlier columns (steps are sequential: few, wide)
 

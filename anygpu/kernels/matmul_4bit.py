@@ -28,7 +28,7 @@ import triton.language as tl
 from ._decode_4bit import _block_scales, _decode8, _decode_pairs, _dot8, _lookup, _tables
 from ._program_order import grouped_tile
 from ._split_k import reduce_partials
-from .config import (TRITON_DTYPE, KernelSpec, LaunchConfig, cached_options, device_target, on_device, plan_hook,
+from .launch import (TRITON_DTYPE, KernelSpec, LaunchConfig, cached_options, device_target, on_device, plan_hook,
                      register, select)
 
 
@@ -280,7 +280,7 @@ class Plan:
 def plan(m: int, n: int, k: int, blocksize: int, dtype: torch.dtype, device: torch.device,
          override: bool = True) -> Plan:
     """Which path and config run an [m, k] x [n, k]^T 4-bit matmul on ``device``: the one place it is decided
-    (``override=False``: the built-in choice, ignoring the tuner's hook: ``config.set_plan_hook``)."""
+    (``override=False``: the built-in choice, ignoring the tuner's hook: ``launch.set_plan_hook``)."""
     hook = plan_hook("matmul_4bit") if override else None
     if hook is not None:
         chosen = hook(m, n, k, blocksize, dtype, device)

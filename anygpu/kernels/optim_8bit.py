@@ -44,7 +44,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .config import TRITON_DTYPE, KernelSpec, LaunchConfig, device_target, launch_config, on_device, register
+from .launch import TRITON_DTYPE, KernelSpec, LaunchConfig, device_target, launch_config, on_device, register
 from .code_lut import (LUT_HALF, build_search_table, lut_codes, lut_search, reference_codes,  # noqa: F401
                        search_table, table_load)
 from .quant_blockwise import above, position16, search_tree, to_output

@@ -31,7 +31,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .config import TRITON_DTYPE, KernelSpec, LaunchConfig, launch_config, on_device, register
+from .launch import TRITON_DTYPE, KernelSpec, LaunchConfig, launch_config, on_device, register
 
 LOG2E = 1.4426950408889634
 # Triton picks interpreter or compiler from this variable when a kernel is decorated; so do we.

@@ -26,7 +26,7 @@ import triton
 import triton.language as tl
 
 from .quant_tables import code_4bit
-from .config import TRITON_DTYPE, KernelSpec, LaunchConfig, on_device, register
+from .launch import TRITON_DTYPE, KernelSpec, LaunchConfig, on_device, register
 from .quant_blockwise import _scaled_blocks, position16, tile_for, to_output
 
 # The fp32 midpoints between neighbouring sorted table values (``ops.quant_common.sorted_4bit``), exactly.

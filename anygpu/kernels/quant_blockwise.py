@@ -25,7 +25,7 @@ import triton
 import triton.language as tl
 
 from .code_lut import cached_per_tensor, lut_search, search_table
-from .config import TRITON_DTYPE, KernelSpec, LaunchConfig, device_target, on_device, register, select
+from .launch import TRITON_DTYPE, KernelSpec, LaunchConfig, device_target, on_device, register, select
 
 # The reference's absmax floor, 1e-38 (an fp32 subnormal), as its bit pattern: a Python float that small
 # would become an fp64 constant in Triton and turn the whole scaling into fp64.

@@ -11,7 +11,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .config import TRITON_DTYPE, KernelSpec, LaunchConfig, launch_config, on_device, register
+from .launch import TRITON_DTYPE, KernelSpec, LaunchConfig, launch_config, on_device, register
 
 
 @triton.jit

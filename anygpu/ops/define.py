@@ -10,7 +10,7 @@
     )
 
 torch's dispatcher cannot tell ROCm from CUDA (both are the CUDA key), so the GPU implementation is one
-function; the per-arch differences are in the kernel's config table (``kernels/config.py``).
+function; the per-arch differences are in the kernel's config table (``kernels/launch.py``).
 ``ANYGPU_KERNELS=reference`` runs the reference on GPUs too, to tell a kernel bug from a model bug.  On a GPU
 the installed Triton cannot compile for (gfx1030 with triton 3.9) every op runs its reference there too, found
 once per device (``reference_only``).

@@ -2,8 +2,8 @@
 
 ``build_app(engine)`` makes the ASGI app over an ``AsyncLLMEngine`` (any ``engine.protocol.EngineProtocol``:
 the only engine module ``serve/`` imports); ``serve`` runs it in the foreground and ``ServerThread`` in a
-background thread.  Files: ``protocol`` (request schemas -> SamplingParams; ``structured`` and ``tools``:
-response_format and forced tool calls as guided decoding), ``errors`` (OpenAI / TGI error bodies), ``state``
+background thread.  Files: ``schemas`` (request bodies -> SamplingParams; ``structured`` and ``tools``:
+response_format and forced tool calls as guided decoding), ``errors`` (OpenAI / TGI error bodies), ``server``
 (checks shared by all routes, admission, the engine stream), ``openai_api`` and ``tgi_api`` (the routes),
 ``metrics`` (Prometheus), ``app`` (assembly), ``runner`` (uvicorn),
 ``limits`` and ``edge`` (the HTTP edge: head sizes, read deadlines, the connection cap).

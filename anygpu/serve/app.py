@@ -26,7 +26,7 @@ from .auth import key_problem
 from .errors import APIError
 from .openai_api import add_openai_routes
 from .openapi import install as install_openapi
-from .state import Server
+from .server import Server
 from .tgi_api import TGI_PATHS, add_tgi_routes
 from .tokens_api import add_token_routes
 

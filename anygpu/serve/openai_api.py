@@ -25,8 +25,8 @@ from fastapi.responses import JSONResponse
 from .echo import Echo
 from .logprobs import chat_logprobs, completion_logprobs
 from .metrics import RequestTimer
-from .protocol import ChatCompletionRequest, CompletionRequest
-from .state import EngineStream, Server, dumps, engine_error, sse
+from .schemas import ChatCompletionRequest, CompletionRequest
+from .server import EngineStream, Server, dumps, engine_error, sse
 from .tools import ToolPlan
 
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16

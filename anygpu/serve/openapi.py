@@ -2,7 +2,7 @@
 answers the routes really give.
 
 The routes read their bodies themselves (``Server.read_body``: a size limit first, then strict parsing into
-the ``protocol`` models), so FastAPI cannot see them; this fills in each POST route's body from its model, the
+the ``schemas`` models), so FastAPI cannot see them; this fills in each POST route's body from its model, the
 content types of its 200 (JSON, or server-sent events when streamed) and its error shape, OpenAI's or TGI's.
 The fuzz test (tests/test_serve_fuzz.py) generates requests from this description and checks answers against
 it, so what it says is what is tested.
@@ -13,7 +13,7 @@ from __future__ import annotations
 from fastapi import FastAPI
 from fastapi.openapi.utils import get_openapi
 
-from .protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, GenerateRequest, TokenizeRequest
+from .schemas import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, GenerateRequest, TokenizeRequest
 
 BODIES = {"/v1/completions": CompletionRequest, "/v1/chat/completions": ChatCompletionRequest,
           "/generate": GenerateRequest, "/generate_stream": GenerateRequest, "/": GenerateRequest,

@@ -21,8 +21,8 @@ from fastapi.responses import JSONResponse
 from .._version import __version__
 from ..engine.protocol import MAX_STOP_STRINGS
 from .metrics import RequestTimer
-from .protocol import GenerateRequest
-from .state import EngineStream, Server, engine_error, sse
+from .schemas import GenerateRequest
+from .server import EngineStream, Server, engine_error, sse
 
 TGI_PATHS = ("/", "/generate", "/generate_stream", "/info")
 

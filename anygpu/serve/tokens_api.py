@@ -17,8 +17,8 @@ from fastapi import FastAPI, Request
 
 from .._version import __version__
 from .errors import APIError
-from .protocol import DetokenizeRequest, TokenizeRequest
-from .state import Server
+from .schemas import DetokenizeRequest, TokenizeRequest
+from .server import Server
 
 
 def add_token_routes(app: FastAPI, server: Server) -> None:

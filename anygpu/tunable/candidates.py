@@ -168,7 +168,7 @@ def _triton_candidates(device: torch.device | None) -> tuple[Candidate, ...]:
 
     if not HAS_TRITON:
         return ()
-    from ..kernels.config import device_target
+    from ..kernels.launch import device_target
     from ..kernels.gemm import gemm_configs
 
     target = device_target(device)

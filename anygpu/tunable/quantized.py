@@ -2,7 +2,7 @@
 
 ``kernels/matmul_4bit.py:plan`` and ``kernels/int8_matmul.py:plan`` decide the path (GEMV / GEMM / dequantize,
 or the int8 GEMM's tile table and TMA kernel) and config of every 4-bit and int8 matmul.  Their hook
-(``kernels.config.set_plan_hook``) lets this module decide instead, per problem, from the results file or by timing
+(``kernels.launch.set_plan_hook``) lets this module decide instead, per problem, from the results file or by timing
 every candidate plan on random data of that shape.  Entries share the results file with the GEMMs::
 
     Matmul4bitTunableOp_Half,m1_n8192_k8192_bs64,Gemv_sk4,0.0206
@@ -27,7 +27,7 @@ from typing import Callable
 import torch
 
 from .. import backend
-from ..kernels.config import device_target, plan_hook, select, set_plan_hook
+from ..kernels.launch import device_target, plan_hook, select, set_plan_hook
 from . import candidates, controls, results, tuner
 from .signatures import DTYPE_NAMES
 
@@ -52,7 +52,7 @@ last_outcomes: dict = {}  # (op signature, params signature) -> tuner.Outcome
 class QuantizedOp:
     prefix: str  # op signature = prefix + dtype name
     kernels: object  # the kernel module: plan(..., override=False), matmul launcher
-    kernel: str  # its name for config.set_plan_hook
+    kernel: str  # its name for launch.set_plan_hook
     plans: Callable  # (problem tuple, device) -> {solution name: Plan | None}
     params: Callable  # problem tuple -> params signature
     make_args: Callable  # (problem tuple, device) -> (args tuple, run(plan, *args))

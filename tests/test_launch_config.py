@@ -1,7 +1,7 @@
 import pytest
 
 from anygpu.backend.targets import TARGETS
-from anygpu.kernels.config import LaunchConfig, select
+from anygpu.kernels.launch import LaunchConfig, select
 
 
 def test_amd_only_options_dropped_on_nvidia():
@@ -44,7 +44,7 @@ def test_launch_config_on_faked_rocm_devices(monkeypatch):
 
     import anygpu.backend as backend
     from anygpu.backend import rocm
-    from anygpu.kernels import config as kconfig
+    from anygpu.kernels import launch as kconfig
     from tests.test_backend import mi300x
 
     table = {"default": (LaunchConfig({"B": 1}, num_warps=32),),

@@ -25,7 +25,7 @@ from ..engine.protocol import EngineProtocol, RequestOutput, SamplingParams
 from .errors import APIError, bad_request, from_validation
 from .metrics import RequestTimer, ServerMetrics
 from .names import ModelNames, default_model_name, parse_names
-from .protocol import ChatMessage
+from .schemas import ChatMessage
 
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
