@@ -84,8 +84,9 @@ def _do_bench():
     return None  # an interface we do not know: CUDA events are always right
 
 
-# A CPU timing whose interquartile range passes this fraction of its median gets a warning: a busy machine (a
-# 1 MiB copy measured 12 ms at 2 threads against 0.05 ms at 1 while another process ran) or too short a call.
+# A CPU timing whose interquartile range passes this fraction of its median gets a warning: a busy machine (two
+# torch threads with another process running slowed a small copy by orders of magnitude:
+# docs/perf/2026-12-01-cpu-threads.md) or too short a call.
 SPREAD_WARNING = 0.2
 last_cpu_spread: float | None = None  # IQR / median of the latest CPU timing (the harness reports it)
 

@@ -28,7 +28,8 @@ is most of them, so the code search has two forms, both exactly the reference's 
 On NVIDIA the gathers (the LUT path's two code maps and two bucket tables; the tree's nodes and codes)
 are inline-PTX loads (``PTX_GATHER``, ``_table_load``): elementwise ops stay in the registers their
 indices are in, where ``tl.load`` gathers made triton 3.6 move the update into another layout and back
-through shared memory (H200, AdamW 1B: 6.48 -> 5.41 ms).  AMD and the interpreter use ``tl.load``.
+through shared memory (slower per step: docs/perf/2026-11-30-h200-log.md).  AMD and the interpreter use
+``tl.load``.
 
 In the interpreter both kernels are bit-identical to the reference; compiled, the backend may contract a
 multiply and an add into an FMA, a difference of an ulp or so per update.  Lion is launched with FP
@@ -254,11 +255,8 @@ def _configs_32bit(num_warps: int) -> tuple:
                  for name in ("adam", "ademamix"))
 
 
-# NVIDIA: gathers by inline PTX (see the module doc).  H200, AdamW on 1B fp32 (tools/probe_optim_8bit.py
-# gathers, triton 3.6, 2026-11-30): one block on one warp 5.43 ms (with tl.load gathers 6.48); 2 blocks on
-# 2 warps 5.46; 4 on 4 5.54; 8 on 8 6.62.  Before, with tl.load (tools/sweep_int8_optim.py): one block on one
-# warp 6.41 ms; 4 blocks on 4 warps 7.65; 16 blocks on 8 warps 14.4.  More, smaller programs keep more loads
-# in flight.
+# NVIDIA: gathers by inline PTX (see the module doc), one block per one-warp program: more, smaller programs
+# keep more loads in flight (tools/sweep_int8_optim.py on the H200; the numbers: docs/perf/2026-11-30-h200-log.md).
 CONFIGS = {"default": _configs_8bit(4), "nvidia": _configs_8bit(1, blocks=1, ptx_gather=True),
            "amd": _configs_8bit(2), "rdna3": _configs_8bit(4), "rdna4": _configs_8bit(4)}
 CONFIGS_32BIT = {"default": _configs_32bit(4), "amd": _configs_32bit(4)}

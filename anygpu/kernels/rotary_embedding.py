@@ -106,7 +106,7 @@ def rotary_embedding(positions: torch.Tensor, query: torch.Tensor, key: torch.Te
     if positions.stride(0) != 1:  # the kernel reads positions[t] at offset t (e.g. position_ids[:, -1] is strided)
         positions = positions.contiguous()
     cfg, options = launch_config(_TABLES[bool(is_neox)], query.device)
-    # Plain int arithmetic: triton.next_power_of_2 and triton.cdiv cost ~4 us of host time per call.
+    # Plain int arithmetic: triton.next_power_of_2 and triton.cdiv cost host time on every call.
     block_half = 1 << (half - 1).bit_length()
     tile = cfg.constexprs["BLOCK_H"] * cfg.constexprs["BLOCK_HALF"]
     block_h = min(max(tile // block_half, 1), 1 << (max(n_q_heads, n_k_heads) - 1).bit_length())

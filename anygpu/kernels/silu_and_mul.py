@@ -67,7 +67,7 @@ def launch_gated(kernel, table, x: torch.Tensor, out: torch.Tensor | None, **con
     if x2.stride(-1) != 1:
         x2 = x2.contiguous()
     cfg, options = launch_config(table, x.device)
-    # Plain int arithmetic: triton.next_power_of_2 and triton.cdiv cost ~4 us of host time per call.
+    # Plain int arithmetic: triton.next_power_of_2 and triton.cdiv cost host time on every call.
     block = min(cfg.constexprs["BLOCK"], 1 << (d - 1).bit_length())
     with on_device(x.device):  # out is contiguous, so its row stride is d whatever its rank
         kernel[(rows, -(-d // block))](x2, out, d, x2.stride(0), d, BLOCK=block, **constexprs, **options)

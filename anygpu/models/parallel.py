@@ -15,8 +15,8 @@ q/k/v and gate/up are column-parallel (each rank computes its output features: n
 down_proj row-parallel (each rank a partial sum over its input features, then one ``all_reduce``).  That is two
 all-reduces per layer plus one all-gather of the logits per step.
 
-All-reduce path: NCCL's ring costs ~20 us per call whatever the size below a few hundred KiB, 64 calls per
-decode token for an 8B model.  ``TensorParallel.init_fast_all_reduce`` (called by every rank's model runner,
+All-reduce path: NCCL's ring costs a fixed latency per call whatever the size below a few hundred KiB, and an
+8B model makes 64 calls per decode token.  ``TensorParallel.init_fast_all_reduce`` (called by every rank's model runner,
 before graph capture) sets up PyTorch's symmetric-memory all-reduce where it can: one buffer per rank that
 every peer maps over NVLink/P2P, and a single kernel (``symm_mem.one_shot_all_reduce_copy``: each rank copies
 its input in, reads all peers' buffers and sums them in rank order, so every rank gets the same bits) instead of

@@ -76,8 +76,8 @@ class Op:
         return getattr(getattr(torch.ops, NAMESPACE), self.name).default
 
     def __call__(self, *args, **kwargs):
-        # Decode-sized calls are bound by host time, and a Python custom op costs ~15-30 us in torch's
-        # dispatcher.  When the dispatcher would only forward to gpu_impl or the checked reference (the CPU
+        # Decode-sized calls are bound by host time, and a Python custom op's trip through torch's dispatcher
+        # costs more than the launch itself.  When the dispatcher would only forward to gpu_impl or the checked reference (the CPU
         # implementation), call it directly; autograd, torch.compile and meta/fake tensors still go through
         # torch.ops.
         if torch.compiler.is_compiling():  # dynamo binds arguments itself

@@ -10,9 +10,9 @@ Per candidate, in order (Default first):
    through rotating copies of the inputs so that each call reads its operands from memory, not L2.
 The winner has the lowest mean time; Default wins ties and is the answer when nothing else is correct.
 6. confirmation: a winner other than Default is timed again against Default, alternately, and keeps the
-   win only if it is at least ``MIN_GAIN`` faster.  A 30 ms budget times memory-bound decode GEMMs to
-   about 1-2%, and on the H200 a single pass once picked a config 6% slower than Default (7 x 28672 x 8192
-   bf16): a switch must pay for the risk of being wrong.
+   win only if it is at least ``MIN_GAIN`` faster.  One short timing pass is noisy on memory-bound decode
+   GEMMs, and on the H200 one once picked a config slower than Default: a switch must pay for the risk of
+   being wrong.
 """
 
 from __future__ import annotations
