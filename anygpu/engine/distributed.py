@@ -16,8 +16,8 @@ Steps: rank 0 packs each step into one int64 message (``ModelRunner.pack``) and 
 pipe before executing it itself; a worker executes every message it reads.  An empty message is the shutdown.
 
 Deviation from a gloo-broadcast control plane: a pipe write costs less than a gloo broadcast per step (measured
-on the CPU: docs/design/engine.md, tensor parallelism), an idle worker blocks in ``recv`` with no collective timeout running out, and a worker whose rank 0
-dies sees EOF and exits (no orphans).  Only token ids, positions and block tables cross processes.
+on the CPU: docs/design/engine.md, tensor parallelism), an idle worker blocks in ``recv`` with no collective
+timeout running out, and a worker whose rank 0 dies sees EOF and exits (no orphans).  Only token ids, positions and block tables cross processes.
 
 Failures: a worker that raises sends its traceback and exits; rank 0 re-raises it as a RuntimeError naming the
 worker.  A monitor thread waits on the workers' process sentinels: a worker that dies while rank 0 may be inside
