@@ -71,9 +71,10 @@ def hf_config(smollm_path):
     return _hf_config(smollm_path)
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def hf_smollm(smollm_path):
-    """transformers' own model of the default GGUF, in fp32: the oracle of the logprob tests."""
+    """transformers' own model of the default GGUF, in fp32: the oracle of the logprob tests (loaded once per
+    session: rebuilding it from the GGUF takes seconds, and the tests only read it)."""
     transformers = pytest.importorskip("transformers")
     pytest.importorskip("accelerate")
     import torch

@@ -7,9 +7,6 @@
 
 from __future__ import annotations
 
-import os
-from functools import lru_cache
-
 import pytest
 import torch
 
@@ -18,7 +15,7 @@ from anygpu.models import HFCheckpoint
 from anygpu.models.llama import AttentionBatch, LlamaForCausalLM
 from anygpu.models.registry import build_model
 
-from ._models_fixtures import smollm, smollm_path  # noqa: F401 - fixtures
+from ._models_fixtures import hf_smollm, smollm, smollm_path  # noqa: F401 - fixtures
 
 transformers = pytest.importorskip("transformers")
 
@@ -85,19 +82,6 @@ def test_tiny_random_greedy_equals_transformers(tiny_folder):
     prompt = [5, 17, 300, 42, 7, 99, 512, 3]
     engine = LLMEngine(str(folder), progress=False, block_size=4)
     assert greedy(engine, prompt, 24) == hf_greedy(hf, prompt, 24)
-
-
-@lru_cache(maxsize=1)
-def _hf_smollm(path):
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    pytest.importorskip("accelerate")
-    return transformers.LlamaForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name,
-                                                         dtype=torch.float32).eval()
-
-
-@pytest.fixture(scope="module")
-def hf_smollm(smollm_path):  # noqa: F811
-    return _hf_smollm(smollm_path)
 
 
 @pytest.fixture(scope="module")

@@ -5,7 +5,7 @@ answer is a 5xx, that every status, content type and JSON body is one the descri
 schema-breaking requests are refused with a 4xx, and that the engine is still alive after each request.
 
 Deterministic (``derandomize``): CI runs the same requests every time, so a failure here is a regression and
-reproduces.  ``ANYGPU_FUZZ_EXAMPLES`` scales the examples per operation and mode (default 200: over 1,000
+reproduces.  ``ANYGPU_FUZZ_EXAMPLES`` scales the examples per operation and mode (default 120: about 700
 requests in all); a failure prints the request as a curl command.
 """
 
@@ -24,7 +24,7 @@ from anygpu.bench.model import random_engine
 from anygpu.engine import AsyncLLMEngine
 from anygpu.serve import ServerThread, build_app
 
-EXAMPLES = int(os.environ.get("ANYGPU_FUZZ_EXAMPLES", "200"))
+EXAMPLES = int(os.environ.get("ANYGPU_FUZZ_EXAMPLES", "120"))
 MAX_MODEL_LEN = 128  # bounds the tokens a generated request can ask for (more is a 4xx naming the field)
 STEERED_MAX_TOKENS = 8
 # The synthetic tokenizer's words are w0 ... w1023: a template of them gives the chat route real prompts.
