@@ -105,7 +105,7 @@ if __name__ == "__main__":
 '''
 
 
-@pytest.mark.parametrize("world", [1, 2])
+@pytest.mark.parametrize("world", [2])  # two ranks shard every flat parameter; one rank (also passing) adds no case
 def test_fsdp_qlora_trains_as_without_fsdp_and_saves_a_loadable_state_dict(world, tmp_path):
     script = tmp_path / "fsdp_qlora.py"
     script.write_text(SCRIPT)
