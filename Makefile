@@ -21,8 +21,12 @@ run: setup
 
 test: setup test-interpreter test-aot
 
+# Interpreter tests on PYTEST_WORKERS processes (pytest-xdist), each test file on one worker (its module
+# fixtures, such as a server, start once); 1 runs them in this process.
+PYTEST_WORKERS ?= 2
+
 test-interpreter:
-	TRITON_INTERPRET=1 $(PY) -m pytest -q -m "not aot" --durations=25
+	TRITON_INTERPRET=1 $(PY) -m pytest -q -m "not aot" --durations=25 $(if $(filter 1,$(PYTEST_WORKERS)),,-n $(PYTEST_WORKERS) --dist loadfile)
 
 test-aot:
 	TRITON_INTERPRET=0 $(PY) -m pytest -q -m aot
