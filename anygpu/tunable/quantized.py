@@ -37,6 +37,7 @@ class _KernelModule:
 
     def __init__(self, name: str):
         self._name = name
+        self.kernel = name.rsplit(".", 1)[-1]  # its name for launch.set_plan_hook
 
     def __getattr__(self, attr: str):
         return getattr(importlib.import_module(self._name, __package__), attr)
@@ -51,8 +52,7 @@ last_outcomes: dict = {}  # (op signature, params signature) -> tuner.Outcome
 @dataclass(frozen=True)
 class QuantizedOp:
     prefix: str  # op signature = prefix + dtype name
-    kernels: object  # the kernel module: plan(..., override=False), matmul launcher
-    kernel: str  # its name for launch.set_plan_hook
+    kernels: _KernelModule  # the kernel module: plan(..., override=False), matmul launcher; .kernel, its name
     plans: Callable  # (problem tuple, device) -> {solution name: Plan | None}
     params: Callable  # problem tuple -> params signature
     make_args: Callable  # (problem tuple, device) -> (args tuple, run(plan, *args))
@@ -125,9 +125,9 @@ def _args_int8(problem, device):
 
 
 OPS = {
-    "4bit": QuantizedOp("Matmul4bitTunableOp_", K4, "matmul_4bit", _plans_4bit,
+    "4bit": QuantizedOp("Matmul4bitTunableOp_", K4, _plans_4bit,
                         lambda p: f"m{p[0]}_n{p[1]}_k{p[2]}_bs{p[3]}", _args_4bit),
-    "int8": QuantizedOp("Int8MatmulTunableOp_", I8, "int8_matmul", _plans_int8, lambda p: f"m{p[0]}_n{p[1]}_k{p[2]}", _args_int8),
+    "int8": QuantizedOp("Int8MatmulTunableOp_", I8, _plans_int8, lambda p: f"m{p[0]}_n{p[1]}_k{p[2]}", _args_int8),
 }
 _hot: dict = {}  # (op name, problem, device type, device index) -> Plan | None
 _tables: dict[int, dict[tuple[str, str], results.Entry]] = {}  # ordinal -> this module's entries
@@ -179,23 +179,23 @@ HOOKS = {"4bit": _choose_4bit, "int8": _choose_int8}
 def install() -> None:
     """Let the tuner choose every 4-bit and int8 matmul's plan (until ``uninstall``)."""
     for name, hook in HOOKS.items():
-        set_plan_hook(OPS[name].kernel, hook)
+        set_plan_hook(OPS[name].kernels.kernel, hook)
 
 
 def uninstall() -> None:
     for name, hook in HOOKS.items():
-        if plan_hook(OPS[name].kernel) is hook:
-            set_plan_hook(OPS[name].kernel, None)
+        if plan_hook(OPS[name].kernels.kernel) is hook:
+            set_plan_hook(OPS[name].kernels.kernel, None)
 
 
 @contextlib.contextmanager
 def installed():
-    previous = {name: set_plan_hook(OPS[name].kernel, hook) for name, hook in HOOKS.items()}
+    previous = {name: set_plan_hook(OPS[name].kernels.kernel, hook) for name, hook in HOOKS.items()}
     try:
         yield
     finally:
         for name, hook in previous.items():
-            set_plan_hook(OPS[name].kernel, hook)
+            set_plan_hook(OPS[name].kernels.kernel, hook)
 
 
 def _choose(op: str, problem: tuple, device: torch.device):
