@@ -22,7 +22,8 @@ from schemathesis.checks import (content_type_conformance, negative_data_rejecti
 
 from anygpu.bench.model import random_engine
 from anygpu.engine import AsyncLLMEngine
-from anygpu.serve import ServerThread, build_app
+
+from ._serve_fixtures import server  # noqa: F401 - fixture (over this module's engine)
 
 EXAMPLES = int(os.environ.get("ANYGPU_FUZZ_EXAMPLES", "120"))
 MAX_MODEL_LEN = 128  # bounds the tokens a generated request can ask for (more is a 4xx naming the field)
@@ -40,12 +41,6 @@ def engine():
     eng = AsyncLLMEngine(llm)
     yield eng
     eng.shutdown()
-
-
-@pytest.fixture(scope="module")
-def server(engine):
-    with ServerThread(build_app(engine)) as s:
-        yield s
 
 
 def steer(case, n: int) -> None:
