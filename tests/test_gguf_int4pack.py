@@ -1,6 +1,7 @@
-"""GGUF Q4_0 / Q4_1 / Q8_0 kept packed on the CPU (``anygpu.quant.gguf_int4pack``, ``anygpu.nn.GGUFLinear``):
+"""GGUF Q4_0 / Q4_1 / Q5_0 / Q5_1 / Q8_0 kept packed on the CPU (``anygpu.quant.gguf_int4pack``, ``anygpu.nn.GGUFLinear``):
 products against ``gguf.quants``' dequantized weights under the accuracy rule (bf16 compute), stacking and
-row orders, errors, and the engine's default model running on packed layers."""
+row orders, errors, and the engine's default model running on packed layers.  The K-quants (random blocks:
+gguf-py cannot encode them) are in tests/test_gguf_kquants_packed.py."""
 
 import numpy as np
 import pytest
@@ -25,7 +26,10 @@ def _weight(name, n, k, rng):
     return torch.from_numpy(blocks.reshape(-1).copy()), dq
 
 
-@pytest.mark.parametrize("name", P.TYPES)
+GGUF_QUANTIZES = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0")  # the packed types gguf.quants can encode
+
+
+@pytest.mark.parametrize("name", GGUF_QUANTIZES)
 @pytest.mark.parametrize("m,k", [(1, 576), (3, 1536), (17, 96)])
 def test_stacked_product_matches_gguf_dequantized(name, m, k):
     rng = np.random.default_rng(m * k + len(name))
@@ -47,14 +51,16 @@ def test_stacked_product_matches_gguf_dequantized(name, m, k):
 def test_errors_name_the_argument():
     raw, _ = _weight("Q4_0", 16, 64, np.random.default_rng(0))
     with pytest.raises(ValueError, match="type_name"):
-        P.decode(raw, "Q5_0", 16, 64)
+        P.decode(raw, "Q2_K", 16, 64)
     with pytest.raises(ValueError, match="in_features"):
         P.decode(raw, "Q4_0", 16, 48)
     with pytest.raises(ValueError, match="out_features"):
         P.pack([P.decode(raw[: 8 * 2 * 18], "Q4_0", 8, 64)])
     q8, _ = _weight("Q8_0", 16, 64, np.random.default_rng(1))
-    with pytest.raises(ValueError, match="sources"):
-        P.pack([P.decode(raw, "Q4_0", 16, 64), P.decode(q8, "Q8_0", 16, 64)])
+    with pytest.raises(ValueError, match="out_features"):  # 8 Q8_0 rows: a segment of their own
+        P.pack([P.decode(raw, "Q4_0", 16, 64), P.decode(q8[: 8 * 2 * 34], "Q8_0", 8, 64)])
+    assert [sz.shape[1] for _, sz, _ in P.pack([P.decode(raw, "Q4_0", 16, 64), P.decode(q8, "Q8_0", 16, 64)])] \
+        == P.segment_rows([("Q4_0", 16), ("Q8_0", 16)]) == [16, 16]
 
 
 @pytest.mark.parametrize("name", ["Q8_0", "Q4_K", "Q6_K"])
@@ -87,6 +93,7 @@ def test_default_model_runs_packed(smollm_path, monkeypatch):  # noqa: F811
     packed = [m for m in model.modules() if isinstance(m, GGUFLinear)]
     cfg = model.config
     assert len(packed) == 4 * cfg.num_layers + 1  # qkv, o, gate_up, down per layer, and the (tied Q8_0) head
+    assert all(len(m.layouts) == 1 for m in packed)  # one type a projection: one call
     assert not any(isinstance(m, (torch.nn.Linear, torch.nn.Embedding)) for m in model.modules())
     assert isinstance(model.embed_tokens, GGUFEmbedding)  # the Q8_0 table, as stored
     packed_bytes = sum(b.numel() * b.element_size() for m in packed for b in m.buffers())

@@ -1,11 +1,15 @@
-"""Keep a GGUF model's projections packed on the CPU: each ``nn.Linear`` whose source tensors are Q4_0, Q4_1 or
-Q8_0 becomes an ``anygpu.nn.GGUFLinear`` built from the file's own blocks (nothing is re-quantized), and the
-embedding table keeps its blocks too (``GGUFEmbedding``) where no tied head needs its dequantized weight.
+"""Keep a GGUF model's projections packed on the CPU: each ``nn.Linear`` whose source tensors are Q4_0, Q4_1, Q5_0,
+Q5_1, Q8_0, Q4_K, Q5_K or Q6_K (``gguf_int4pack.TYPES``; mixed, as in llama.cpp's Q4_K_M, where q/k are Q4_K and
+v Q6_K) becomes an ``anygpu.nn.GGUFLinear`` built from the file's own blocks (nothing is re-quantized), and the
+embedding table keeps its blocks too (``GGUFEmbedding``, any GGUF type, rows decoded on lookup) where no tied
+head needs its dequantized weight.  Q2_K, Q3_K, IQ4_NL and IQ4_XS projections are dequantized at load (not
+done yet, though they fit: Q2_K/Q3_K the Q6_K layout with idle h codes, IQ4 the Q8_0 one through its table;
+docs/perf/2026-12-02-cpu-kquants-packed.md).
 
 Why: a decode step on the CPU is bound by reading the weights; the packed layer reads 0.625 bytes a weight
-against fp32's 4, and the dequantized copy is never made (``packed_tensors`` names the tensors the weights
-iterator skips; ``pack_linears`` swaps the layers before the rest is loaded, while the model's own weights are
-still unwritten, so never resident).  ``ANYGPU_CPU_GGUF_PACKED=0`` keeps the dequantized fp32 layers
+(1.25 for the types of two codes a weight: Q5_*, Q8_0, Q6_K) against fp32's 4, and the dequantized copy is
+never made (``packed_tensors`` names the tensors the weights iterator skips; ``pack_linears`` swaps the layers
+before the rest is loaded, while the model's own weights are still unwritten, so never resident).  ``ANYGPU_CPU_GGUF_PACKED=0`` keeps the dequantized fp32 layers
 (bit-for-bit the GGUF's values, computed in fp32: what tests against transformers' fp32 logits want).
 """
 
@@ -39,15 +43,15 @@ def enabled(device: torch.device, tp_world_size: int = 1) -> bool:
 
 def _plan(checkpoint: GGUFCheckpoint) -> dict[tuple[int | None, str], list[str]]:
     """(layer index or None for the head, module path) -> its GGUF tensors, for every projection that can stay
-    packed: all its tensors of one kind (4-bit, or Q8_0), rows in multiples of 16."""
+    packed: all its tensors of ``gguf_int4pack.TYPES``, each segment's rows (adjacent tensors of one layout)
+    in multiples of 16."""
     tensors = {t.name: t for t in checkpoint.tensors}
 
     def packable(names: list[str]) -> bool:
         if any(n not in tensors or tensors[n].type_name not in gguf_int4pack.TYPES for n in names):
             return False
-        kinds = {tensors[n].type_name == "Q8_0" for n in names}
-        rows = sum(tensors[n].shape[0] for n in names)
-        return len(kinds) == 1 and rows % 16 == 0 and tensors[names[0]].shape[1] % gguf_int4pack.GROUP == 0
+        rows = gguf_int4pack.segment_rows([(tensors[n].type_name, tensors[n].shape[0]) for n in names])
+        return all(r % 16 == 0 for r in rows) and tensors[names[0]].shape[1] % gguf_int4pack.GROUP == 0
 
     plan: dict = {}
     for i in range(checkpoint.config.num_layers):
@@ -101,8 +105,8 @@ def pack_linears(model: torch.nn.Module, checkpoint: GGUFCheckpoint) -> int:
             # and the decoded codes of a slice are all that is ever held.
             slices = [gguf_int4pack.pack([parts_of(names[0], (i, min(i + _CHUNK_ROWS, n)))])
                       for i in range(0, n, _CHUNK_ROWS)]
-            return [(torch.cat([s[j][0] for s in slices]), torch.cat([s[j][1] for s in slices], dim=1))
-                    for j in range(len(slices[0]))]
+            return [(torch.cat([s[0][0] for s in slices]), torch.cat([s[0][1] for s in slices], dim=1),
+                     slices[0][0][2])]
 
         for (layer, path), names in plan.items():
             if path == "embed_tokens":
@@ -118,6 +122,5 @@ def pack_linears(model: torch.nn.Module, checkpoint: GGUFCheckpoint) -> int:
             for o in owner:
                 parent = getattr(parent, o)
             old = getattr(parent, attr)
-            parts = packed(names)
-            setattr(parent, attr, GGUFLinear(parts, old.in_features, old.out_features, old.bias))
+            setattr(parent, attr, GGUFLinear(packed(names), old.in_features, old.out_features, old.bias))
     return len(plan)

@@ -1,8 +1,10 @@
-"""``GGUFLinear``: a linear layer whose weight stays in GGUF's packed 4-bit/8-bit form on the CPU.
+"""``GGUFLinear``: a linear layer whose weight stays in GGUF's packed form on the CPU.
 
-Built from Q4_0, Q4_1 or Q8_0 blocks by ``anygpu.quant.gguf_int4pack`` (PyTorch's CPU int4 layout, whose
-matmul reads a quarter of fp32's bytes).  Inference only: the weight is a buffer, not a parameter.  It
-computes in bf16 (the CPU op's fast path) and returns x's dtype.
+Built from Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K or Q6_K blocks by ``anygpu.quant.gguf_int4pack``
+(PyTorch's CPU int4 layout, whose matmul reads a quarter of fp32's bytes, or about a third for the types that
+take two codes a weight).  The weight is held as segments of rows, one op call each (a fused projection whose
+tensors have different types: q and k in Q4_K, v in Q6_K); their outputs are concatenated.  Inference only:
+the weight is buffers, not parameters.  It computes in bf16 (the CPU op's fast path) and returns x's dtype.
 """
 
 from __future__ import annotations
@@ -14,22 +16,25 @@ from ..quant import gguf_int4pack
 
 
 class GGUFLinear(nn.Module):
-    def __init__(self, parts: list[tuple[torch.Tensor, torch.Tensor]], in_features: int, out_features: int,
+    def __init__(self, segments: list[tuple], in_features: int, out_features: int,
                  bias: torch.Tensor | None = None):
         super().__init__()
         self.in_features, self.out_features = in_features, out_features
-        self.num_parts = len(parts)
-        for i, (packed, scales_zeros) in enumerate(parts):
+        if sum(sz.shape[1] for _, sz, _ in segments) != out_features:
+            raise ValueError(f"segments: their rows do not add up to out_features={out_features}")
+        self.layouts = [layout for _, _, layout in segments]  # plain attributes: fixed by the file's types
+        for i, (packed, scales_zeros, _) in enumerate(segments):
             self.register_buffer(f"packed{i}", packed)
             self.register_buffer(f"scales_zeros{i}", scales_zeros)
         self.bias = None if bias is None else nn.Parameter(bias.detach(), requires_grad=False)
 
-    def parts(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        return [(getattr(self, f"packed{i}"), getattr(self, f"scales_zeros{i}")) for i in range(self.num_parts)]
+    def segments(self) -> list[tuple]:
+        return [(getattr(self, f"packed{i}"), getattr(self, f"scales_zeros{i}"), layout)
+                for i, layout in enumerate(self.layouts)]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = gguf_int4pack.matmul(x, self.parts(), self.out_features)
+        y = gguf_int4pack.matmul(x, self.segments(), self.out_features)
         return y if self.bias is None else y + self.bias.to(y.dtype)
 
     def extra_repr(self) -> str:
-        return f"in_features={self.in_features}, out_features={self.out_features}, parts={self.num_parts}"
+        return f"in_features={self.in_features}, out_features={self.out_features}, layouts={self.layouts}"

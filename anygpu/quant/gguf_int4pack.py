@@ -1,28 +1,59 @@
-"""GGUF Q4_0 / Q4_1 / Q8_0 weights in PyTorch's CPU int4 layout (``aten._weight_int4pack_mm_for_cpu``).
+"""GGUF Q4_0 / Q4_1 / Q5_0 / Q5_1 / Q8_0 / Q4_K / Q5_K / Q6_K weights in PyTorch's CPU int4 layout
+(``aten._weight_int4pack_mm_for_cpu``).
 
-That op computes ``x @ W.T`` with W held as 4-bit codes q in [0, 15] and, per group of 32 input columns and
-output row, a scale s and a zero z: ``w = (q - 8) * s + z``.  The three GGUF types map onto it exactly (up to
-the rounding of s and z to x's 16-bit dtype):
+That op computes ``x @ W.T`` with W held as 4-bit codes c in [0, 15] and, per group of 32 input columns and
+output row, a scale s and a zero z: ``w = (c - 8) * s + z``.  Its group is 32, 64, 128 or 256 (16 is refused).
+The GGUF types map onto it exactly, up to the rounding of s and z to x's 16-bit dtype:
 
-* Q4_0, ``w = d * (q - 8)``: s = d, z = 0.
-* Q4_1, ``w = d * q + m``: s = d, z = m + 8 d.
-* Q8_0, ``w = d * q`` with q in [-128, 127]: q + 128 = 16 h + l with h, l in [0, 15], so W is the sum of two
-  int4 weights: (h - 8) * 16 d and (l - 8) * d + 8 d.
+* 4-bit types, one code a weight (layout ``None``):
+  Q4_0 ``w = d (q - 8)``: s = d, z = 0.  Q4_1 ``w = d q + m``: s = d, z = m + 8 d.
+  Q4_K ``w = (d sc) q - dmin m`` per group of 32: s = d sc, z = 8 s - dmin m.
+* Wider codes q = 16 h + l (l in [0, 15]) take two codes a weight, l and h, in one call over a widened x:
+  ``widen`` repeats each run of ``sub`` inputs as ``[x_run, f * x_run]`` (f a power of two, so exact in bf16),
+  and the codes of that run are ``[l codes, h codes]``, so the h codes' products carry the factor f.
+  - layout (32, 16), the group-32 types: the l and h codes of a GGUF group are two op groups of their own.
+    Q8_0 ``w = d q``, u = q + 128: l: s = d, z = 8 d; h: c = h, s = d, z = 0.
+    Q5_0 ``w = d (q - 16)``: l: s = d, z = 8 d; h: c = h + 7, s = d, z = 0.
+    Q5_1 ``w = d q + m``: l: s = d, z = 8 d + m; h: c = h + 8, s = d, z = 0.
+    Q5_K ``w = (d sc) q - dmin m``: l: s = d sc, z = 8 s - dmin m; h: c = h + 8, s = d sc, z = 0.
+  - layout (16, 8), Q6_K ``w = (d sc) (q - 32)`` with one scale per 16 weights, h in [0, 3]: a run of 16
+    inputs and its l and h codes fill one op group with the run's scale s = d sc and z = 0, h as c = 2 h + 5:
+    (l - 8) s + 8 (2 h + 5 - 8) s = s (16 h + l - 32).  Group 16 is not accepted by the op, and a shared zero
+    would land on the h codes too: hence the factor 8 and the odd codes.
 
-Why: on the CPU the weights then stay packed (0.625 bytes a weight with the scales, against 4 for fp32) and
-the GEMV reads a quarter of the bytes.  The op's fast path takes bf16 activations (its fp16 and fp32 paths
-are scalar loops); fp32 x goes in as two bf16 halves (``matmul``), and the result comes back in x's dtype.
+Why: on the CPU the weights then stay packed (0.625 bytes a weight with the scales for the 4-bit types, 1.25
+for the two-code ones, against 4 for fp32) and the GEMV reads that many bytes.  One call over the widened x
+reads the same bytes as two calls over x and costs no more (docs/perf/2026-12-02-cpu-kquants-packed.md).
+
+A projection stacked from several tensors (q, k and v) of different layouts (llama.cpp's Q4_K_M keeps some in
+Q6_K) becomes several segments: adjacent sources of one layout are stacked into one call, and the segments'
+outputs are concatenated.  The op's fast path takes bf16 activations (its fp16 and fp32 paths are scalar
+loops); fp32 x goes in as two bf16 halves (``matmul``), and the result comes back in x's dtype.
 """
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 
-from .gguf_blocks import BLOCK_SHAPES
+from .gguf_blocks import BLOCK_SHAPES, _bits, _k_scale_min, _nibbles, _q5_high
 
 GROUP = 32
-TYPES = ("Q4_0", "Q4_1", "Q8_0")
+# type -> layout: None (one code a weight) or (sub, f): each run of ``sub`` inputs widened to [x, f x]
+LAYOUTS = {"Q4_0": None, "Q4_1": None, "Q4_K": None, "Q5_0": (32, 16), "Q5_1": (32, 16), "Q8_0": (32, 16),
+           "Q5_K": (32, 16), "Q6_K": (16, 8)}
+TYPES = tuple(LAYOUTS)
 _ROWS_PER_CONVERT = 4096  # converts a few thousand rows at a time: the int32 codes it takes are 8 bytes a weight
+
+
+class Codes(NamedTuple):
+    """One weight decoded for the op: codes uint8 [n, k'] in [0, 15], scale and zero fp32 [n, k' / 32], and the
+    layout (k' = k, or 2 k for a widened one)."""
+    codes: torch.Tensor
+    scale: torch.Tensor
+    zero: torch.Tensor
+    layout: tuple[int, int] | None
 
 
 def supported() -> bool:
@@ -47,44 +78,116 @@ def _scales_zeros(s: torch.Tensor, z: torch.Tensor, dtype: torch.dtype) -> torch
     return torch.stack([s, z], dim=-1).transpose(0, 1).contiguous().to(dtype)
 
 
-def decode(raw: torch.Tensor, type_name: str, n: int, k: int, row_order: torch.Tensor | None = None) -> list:
-    """The int4 parts of the raw GGUF blocks of an [n, k] weight: [(codes uint8 [n, k], scale [n, k / 32],
-    zero [n, k / 32]), ...] (one part, two for Q8_0) whose products add up to ``x @ W.T``.  ``row_order``: a
+def _pair(low, high, s_low, s_high, z_low, z_high) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """[N, g, sub] l and h codes, [N, g] scales and zeros -> [N, 2 g sub] codes [l run, h run] and [N, 2 g]
+    scales and zeros of the op groups (one op group per run for sub = 32; for sub = 16, pass s_high = z_high =
+    None: each [l run, h run] is one op group)."""
+    n = low.shape[0]
+    codes = torch.stack([low, high], dim=2).reshape(n, -1)
+    if s_high is None:
+        return codes, s_low, z_low
+    return codes, torch.stack([s_low, s_high], -1).reshape(n, -1), torch.stack([z_low, z_high], -1).reshape(n, -1)
+
+
+def _decode_blocks(b: torch.Tensor, type_name: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """[N, bytes] blocks -> codes [N, k' per block], scale and zero [N, k' per block / 32]."""
+    n = b.shape[0]
+    if type_name in ("Q4_0", "Q4_1"):
+        d = _f16(b[:, :2]).unsqueeze(-1)
+        if type_name == "Q4_0":
+            return _nibbles(b[:, 2:]), d, torch.zeros_like(d)
+        return _nibbles(b[:, 4:]), d, _f16(b[:, 2:4]).unsqueeze(-1) + 8 * d
+    if type_name == "Q4_K":
+        sc, m = _k_scale_min(b[:, 4:16])
+        s = _f16(b[:, :2]).unsqueeze(-1) * sc.float()
+        codes = _bits(b[:, 16:].reshape(n, 4, 32), 4, 2).reshape(n, 256)
+        return codes, s, 8 * s - _f16(b[:, 2:4]).unsqueeze(-1) * m.float()
+    if type_name == "Q6_K":
+        ql, qh, sc = b[:, :128], b[:, 128:192], b[:, 192:208]
+        s = _f16(b[:, 208:210]).unsqueeze(-1) * sc.contiguous().view(torch.int8).float()  # [N, 16]
+        low = _bits(ql.reshape(n, 2, 64), 4, 2).reshape(n, 16, 16)
+        high = _bits(qh.reshape(n, 2, 32), 2, 4).reshape(n, 16, 16)
+        return _pair(low, 2 * high + 5, s, None, torch.zeros_like(s), None)
+    zeros = torch.zeros(n, 1)
+    if type_name == "Q8_0":
+        d = _f16(b[:, :2]).unsqueeze(-1)
+        u = b[:, 2:].contiguous().view(torch.int8).to(torch.int16) + 128
+        return _pair((u & 15).to(torch.uint8).view(n, 1, 32), (u >> 4).to(torch.uint8).view(n, 1, 32),
+                     d, d, 8 * d, zeros)
+    if type_name in ("Q5_0", "Q5_1"):
+        d = _f16(b[:, :2]).unsqueeze(-1)
+        at = 2 if type_name == "Q5_0" else 4
+        low = _nibbles(b[:, at + 4:]).view(n, 1, 32)
+        high = (_q5_high(b[:, at: at + 4]) >> 4).view(n, 1, 32)
+        if type_name == "Q5_0":
+            return _pair(low, high + 7, d, d, 8 * d, zeros)
+        return _pair(low, high + 8, d, d, 8 * d + _f16(b[:, 2:4]).unsqueeze(-1), zeros)
+    if type_name == "Q5_K":
+        sc, m = _k_scale_min(b[:, 4:16])
+        s = _f16(b[:, :2]).unsqueeze(-1) * sc.float()  # [N, 8]
+        low = _bits(b[:, 48:].reshape(n, 4, 32), 4, 2).reshape(n, 8, 32)
+        high = _bits(b[:, 16:48], 1, 8)  # [N, 8, 32]: group g takes bit g of each of the 32 bytes
+        return _pair(low, high + 8, s, s, 8 * s - _f16(b[:, 2:4]).unsqueeze(-1) * m.float(), torch.zeros_like(s))
+    raise AssertionError(type_name)
+
+
+def decode(raw: torch.Tensor, type_name: str, n: int, k: int, row_order: torch.Tensor | None = None) -> Codes:
+    """The op's codes, scales and zeros of the raw GGUF blocks of an [n, k] weight.  ``row_order``: a
     permutation of the rows to apply (llama.cpp's q/k head order)."""
     if type_name not in TYPES:
         raise ValueError(f"type_name: expected one of {TYPES}, got {type_name!r}")
-    if k % GROUP:
-        raise ValueError(f"in_features: expected a multiple of {GROUP}, got {k}")
-    b = raw.reshape(n, k // GROUP, BLOCK_SHAPES[type_name][1])
+    block, size = BLOCK_SHAPES[type_name]
+    if k % block:
+        raise ValueError(f"in_features: expected a multiple of {block} for {type_name}, got {k}")
+    b = raw.reshape(n, k // block, size)
     if row_order is not None:
         b = b[row_order]
-    d = _f16(b[..., :2])
-    if type_name == "Q8_0":
-        u = (b[..., 2:].contiguous().view(torch.int8).to(torch.int16) + 128).reshape(n, k)
-        return [((u >> 4).to(torch.uint8), 16 * d, torch.zeros_like(d)), ((u & 15).to(torch.uint8), d, 8 * d)]
-    qs = b[..., 4:] if type_name == "Q4_1" else b[..., 2:]
-    codes = torch.cat([qs & 0xF, qs >> 4], dim=-1).reshape(n, k)  # a group's low nibbles, then its high ones
-    zero = _f16(b[..., 2:4]) + 8 * d if type_name == "Q4_1" else torch.zeros_like(d)
-    return [(codes, d, zero)]
+    codes, s, z = _decode_blocks(b.reshape(-1, size), type_name)
+    return Codes(codes.reshape(n, -1), s.reshape(n, -1), z.reshape(n, -1), LAYOUTS[type_name])
 
 
-def pack(sources: list[list], dtype: torch.dtype = torch.bfloat16) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """The op's (packed codes, scales and zeros) parts of the weights ``decode`` gave, stacked by rows in order
-    (a fused projection: q, k and v).  The sources must have the same number of parts."""
-    if len({len(parts) for parts in sources}) != 1:
-        raise ValueError("sources: expected weights of one kind (Q8_0 and 4-bit types cannot be stacked)")
+def pack(sources: list[Codes], dtype: torch.dtype = torch.bfloat16) -> list[tuple]:
+    """The op's segments ``(packed codes, scales and zeros, layout)`` of the weights ``decode`` gave, stacked by
+    rows in order (a fused projection: q, k and v); adjacent sources of one layout share a segment."""
+    runs: list[list[Codes]] = []
+    for src in sources:
+        if runs and runs[-1][0].layout == src.layout:
+            runs[-1].append(src)
+        else:
+            runs.append([src])
     out = []
-    for i in range(len(sources[0])):
-        codes, s, z = (torch.cat([src[i][j] for src in sources]) for j in range(3))
+    for run in runs:
+        codes, s, z = (torch.cat([src[j] for src in run]) for j in range(3))
         if codes.shape[0] % 16:
-            raise ValueError(f"out_features: the CPU int4 layout needs a multiple of 16 rows, got {codes.shape[0]}")
-        out.append((_pack(codes), _scales_zeros(s, z, dtype)))
+            raise ValueError(f"out_features: the CPU int4 layout needs a multiple of 16 rows a segment, got "
+                             f"{codes.shape[0]} ({run[0].layout} layout)")
+        out.append((_pack(codes), _scales_zeros(s, z, dtype), run[0].layout))
     return out
 
 
-def matmul(x: torch.Tensor, parts: list[tuple[torch.Tensor, torch.Tensor]], n: int) -> torch.Tensor:
-    """``x @ W.T`` for W given as ``from_blocks`` parts; x [..., k] in any float dtype, the result in x's."""
-    compute = parts[0][1].dtype
+def segment_rows(sources: list[tuple[str, int]]) -> list[int]:
+    """The rows of each segment ``pack`` makes of sources given as (type name, rows)."""
+    rows: list[int] = []
+    last = object()
+    for type_name, n in sources:
+        if rows and LAYOUTS[type_name] == last:
+            rows[-1] += n
+        else:
+            rows.append(n)
+        last = LAYOUTS[type_name]
+    return rows
+
+
+def widen(x: torch.Tensor, layout: tuple[int, int]) -> torch.Tensor:
+    """x [m, k] -> [m, 2 k]: each run of ``sub`` inputs followed by ``f`` times itself (exact: f is 2^n)."""
+    sub, f = layout
+    xr = x.reshape(x.shape[0], -1, sub)
+    return torch.cat([xr, xr * f], dim=-1).reshape(x.shape[0], -1)
+
+
+def matmul(x: torch.Tensor, segments: list[tuple], n: int) -> torch.Tensor:
+    """``x @ W.T`` for W given as ``pack`` segments; x [..., k] in any float dtype, the result in x's."""
+    compute = segments[0][1].dtype
     x2 = x.reshape(-1, x.shape[-1])
     rows = x2.shape[0]
     if x.dtype == torch.float32:
@@ -95,10 +198,13 @@ def matmul(x: torch.Tensor, parts: list[tuple[torch.Tensor, torch.Tensor]], n: i
         x2 = torch.cat([hi, (x2 - hi.float()).to(compute)])
     else:
         x2 = x2.to(compute)
-    y = None
-    for packed, sz in parts:
-        part = torch.ops.aten._weight_int4pack_mm_for_cpu(x2, packed, GROUP, sz).float()
-        y = part if y is None else y.add_(part)
+    widened = {None: x2}
+    outs = []
+    for packed, sz, layout in segments:
+        if layout not in widened:
+            widened[layout] = widen(x2, layout)
+        outs.append(torch.ops.aten._weight_int4pack_mm_for_cpu(widened[layout], packed, GROUP, sz))
+    y = (outs[0] if len(outs) == 1 else torch.cat(outs, dim=-1)).float()
     if x.dtype == torch.float32:
         y = y[:rows] + y[rows:]
     return y.to(x.dtype).reshape(*x.shape[:-1], n)
