@@ -1,7 +1,6 @@
 """Sweep the 4-bit matmul's launch configs on this GPU (a tuning aid: the winners go into the config
 tables of anygpu/kernels/matmul_4bit.py).  Full grid on N = K = 8192 fp16, then the best few on every
-shape.  Usage: python3 tools/sweep_matmul_4bit.py [--gemv | --gemm | --rows | ROWS...] (--rows: the 4-row GEMV
-against the GEMM at 2 to 8 rows)"""
+shape.  Usage: python3 tools/sweep_matmul_4bit.py [--gemv | --gemm | ROWS...]"""
 
 import itertools
 import sys
@@ -33,15 +32,7 @@ def t(fn):
 
 
 def plans(m):
-    if "--rows" in sys.argv:
-        cfg = K.gemm_config(m, K.device_target(dev))
-        yield K.Plan("gemm", cfg, cfg.constexprs["SPLIT_K"])  # the GEMM these rows took before
-        for bn, chunk, warps, split in itertools.product((16, 32, 64), (128, 256, 512), (1, 2, 4), (1, 2, 4, 8)):
-            if bn * chunk // 8 < 32 * warps:
-                continue
-            yield K.Plan("gemv_rows", LaunchConfig({"BLOCK_N": bn, "CHUNK": chunk, "DECODE_PTX": True},
-                                                   num_warps=warps), split)
-    elif m == 1 and "--gemv" in sys.argv:
+    if m == 1 and "--gemv" in sys.argv:
         for bn, chunk, warps, half2, split in itertools.product((16, 32, 64), (128, 256, 512), (2, 4, 8), (False, True),
                                                                 (2, 4, 8)):
             yield K.Plan("gemv", LaunchConfig({"BLOCK_N": bn, "CHUNK": chunk, "PREFETCH": False, "LUT_GATHER": True,
@@ -104,7 +95,7 @@ def run(n, k, m, dtype, nested, candidates):
 
 
 ROWS = [int(a) for a in sys.argv[1:] if a.isdigit()] or ([16] if "--gemm" in sys.argv else [1] if "--gemv" in sys.argv
-                                                          else [4] if "--rows" in sys.argv else [1, 16])
+                                                          else [1, 16])
 for m in ROWS:
     baseline_plan = K.plan(m, 8192, 8192, 64, torch.float16, dev)
     ranked = run(8192, 8192, m, torch.float16, False, [baseline_plan] + list(plans(m)))

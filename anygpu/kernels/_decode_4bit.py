@@ -21,15 +21,6 @@ def _block_scales(absmax_ptr, nested_code_ptr, nested_absmax_ptr, nested_offset_
 
 
 @triton.jit
-def _gemv_load(w_rows, k0, K, n_mask, CHUNK: tl.constexpr, PER_WORD: tl.constexpr, EVEN_K: tl.constexpr):
-    """One step's packed weights: [BLOCK_N, CHUNK / PER_WORD] words (int32 for the PTX decoder, else bytes)."""
-    j = tl.arange(0, CHUNK // PER_WORD)
-    if EVEN_K:
-        return tl.load(w_rows + k0 // PER_WORD, mask=n_mask[:, None], other=0)
-    return tl.load(w_rows + k0 // PER_WORD, mask=n_mask[:, None] & (k0 + PER_WORD * j < K)[None, :], other=0)
-
-
-@triton.jit
 def _lookup(code_ptr, lut, idx, LUT_GATHER: tl.constexpr):
     """code[idx] in lut's dtype: from a copy of the 16-entry table held by the program (tl.gather), or from
     global memory (all 16 entries share one cache line, so a warp's lookups are one L1 transaction)."""
@@ -196,46 +187,3 @@ def _decode_pairs(packed, t0, t1, t2, t3, u0, u1, u2, u3, BF16: tl.constexpr):
         hi, lo = tl.inline_asm_elementwise(DECODE_PAIRS, PAIRS_CONSTRAINTS, [packed, t0, t1, t2, t3, u0, u1, u2, u3],
                                            dtype=(tl.float16, tl.float16), is_pure=True, pack=4)
     return hi, lo
-
-
-# ROWS rows of x against one word of codes: the word is decoded once (as in _DOT8) and each pair of decoded
-# values meets the matching pair of every row, so the decode (the GEMV's bound) is shared by ROWS rows.
-# Operands: $0..$ROWS-1 the fp32 outputs, then 4 activation pairs per row, the word, the 8 tables.
-ROWS = 4
-
-
-def _dot8_rows(rows: int, bf16: bool) -> str:
-    t, x, w = "bf16" if bf16 else "f16", rows, rows + 4 * rows
-    accs = ", ".join(f"c{r}" for r in range(rows))
-    body = [f"""
-        {{
-        .reg .b32 b, sl, sh, ml, mh, a0, a1, ll, hh, o0, o1, z, lo, hi, {accs};
-        .reg .b16 h0, h1;
-        mov.b32 z, 0x80008000;""", _decode_setup(w), _lookup_half(w + 1, "sl", "ml", ELEMENT_ORDER)]
-    body += [f"\n        fma.rn.{t}x2 c{r}, o0, ${x + 4 * r}, z;\n        fma.rn.{t}x2 c{r}, o1, ${x + 4 * r + 1}, c{r};"
-             for r in range(rows)]
-    body.append(_lookup_half(w + 1, "sh", "mh", ELEMENT_ORDER))
-    body += [f"\n        fma.rn.{t}x2 c{r}, o0, ${x + 4 * r + 2}, c{r};\n        fma.rn.{t}x2 c{r}, o1, ${x + 4 * r + 3}, c{r};"
-             for r in range(rows)]
-    for r in range(rows):
-        widen = (_WIDEN_BF16 if bf16 else _WIDEN_F16).replace("acc", f"c{r}")
-        body.append(f"\n        {widen}\n        add.f32 ${r}, lo, hi;")
-    return "".join(body) + "\n        }\n"
-
-
-DOT8_ROWS_F16 = tl.constexpr(_dot8_rows(ROWS, False))
-DOT8_ROWS_BF16 = tl.constexpr(_dot8_rows(ROWS, True))
-DOT8_ROWS_CONSTRAINTS = tl.constexpr(",".join(["=f"] * ROWS + ["r"] * (4 * ROWS + 9)))
-
-
-@triton.jit
-def _dot8_rows4(w, a0, b0, c0, d0, a1, b1, c1, d1, a2, b2, c2, d2, a3, b3, c3, d3, t0, t1, t2, t3, u0, u1, u2, u3,
-                BF16: tl.constexpr):
-    """NVIDIA only: for each int32 word of codes, the sums over its 8 codes of value x activation for 4 rows
-    of x (4 fp32 tensors).  a_r..d_r: row r's activation pairs, as ``_dot8`` takes them."""
-    args = [a0, b0, c0, d0, a1, b1, c1, d1, a2, b2, c2, d2, a3, b3, c3, d3, w, t0, t1, t2, t3, u0, u1, u2, u3]
-    if BF16:
-        return tl.inline_asm_elementwise(DOT8_ROWS_BF16, DOT8_ROWS_CONSTRAINTS, args, dtype=(tl.float32,) * 4,
-                                         is_pure=True, pack=1)
-    return tl.inline_asm_elementwise(DOT8_ROWS_F16, DOT8_ROWS_CONSTRAINTS, args, dtype=(tl.float32,) * 4,
-                                     is_pure=True, pack=1)

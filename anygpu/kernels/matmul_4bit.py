@@ -25,12 +25,20 @@ import torch
 import triton
 import triton.language as tl
 
-from ._decode_4bit import _block_scales, _decode8, _decode_pairs, _dot8, _gemv_load, _lookup, _tables
+from ._decode_4bit import _block_scales, _decode8, _decode_pairs, _dot8, _lookup, _tables
 from ._program_order import grouped_tile
 from ._split_k import reduce_partials
-from .gemv_rows_4bit import _gemv_rows_4bit_kernel
 from .launch import (TRITON_DTYPE, KernelSpec, LaunchConfig, cached_options, device_target, on_device, plan_hook,
                      register, select)
+
+
+@triton.jit
+def _gemv_load(w_rows, k0, K, n_mask, CHUNK: tl.constexpr, PER_WORD: tl.constexpr, EVEN_K: tl.constexpr):
+    """One step's packed weights: [BLOCK_N, CHUNK / PER_WORD] words (int32 for the PTX decoder, else bytes)."""
+    j = tl.arange(0, CHUNK // PER_WORD)
+    if EVEN_K:
+        return tl.load(w_rows + k0 // PER_WORD, mask=n_mask[:, None], other=0)
+    return tl.load(w_rows + k0 // PER_WORD, mask=n_mask[:, None] & (k0 + PER_WORD * j < K)[None, :], other=0)
 
 
 @triton.jit
@@ -229,14 +237,6 @@ GEMV_CONFIGS = {
     "nvidia": (LaunchConfig({"BLOCK_N": 32, "CHUNK": 512, "PREFETCH": False, "LUT_GATHER": True, "MAX_SPLIT": 4,
                              "SPLIT_MIN_CHUNKS": 2, "DECODE_PTX": True, "HALF2": True}, num_warps=2),),
 }
-# GEMV_ROWS (2 to 8 rows: each weight word decoded once for 4 rows of x, gemv_rows_4bit.py): the GEMV's
-# tiling, K split alike.  Only NVIDIA selects it (PATH_LIMITS), where tools/sweep_matmul_4bit.py measured it
-# against the GEMM; the portable decode is what Triton's interpreter checks.
-GEMV_ROWS_CONFIGS = {
-    "default": (LaunchConfig({"BLOCK_N": 32, "CHUNK": 128, "MAX_SPLIT": 8}, num_warps=4),),
-    "nvidia": (LaunchConfig({"BLOCK_N": 32, "CHUNK": 256, "MAX_SPLIT": 4, "SPLIT_MIN_CHUNKS": 2,
-                             "DECODE_PTX": True}, num_warps=2),),
-}
 # GEMM: one config per bucket of rows (MAX_M: the most rows it takes), tried in order.  A weight tile is
 # decoded once per BLOCK_M rows, so BLOCK_M grows with M; split K keeps enough programs in flight when
 # N / BLOCK_N tiles alone do not fill the GPU.  FOLD_SCALE: steps of BLOCK_K columns span several 4-bit blocks,
@@ -267,13 +267,12 @@ GEMM_CONFIGS = {
 # (docs/perf/2026-12-01-nf4-gemm.md).
 PATH_LIMITS = {
     "default": {"gemv": 1, "gemm": 64},
-    "nvidia": {"gemv": 1, "gemv_rows": 8, "gemm": 64},
 }
 
 
 @dataclass(frozen=True)
 class Plan:
-    path: str  # "gemv" | "gemv_rows" | "gemm" | "dequant"
+    path: str  # "gemv" | "gemm" | "dequant"
     config: LaunchConfig | None = None
     split_k: int = 1
 
@@ -293,10 +292,13 @@ def plan(m: int, n: int, k: int, blocksize: int, dtype: torch.dtype, device: tor
     limits = select(PATH_LIMITS, target)
     if m <= limits["gemv"]:
         cfg = select(GEMV_CONFIGS, target)[0]
-        return Plan("gemv", cfg, gemv_split(cfg, k))
-    if m <= limits.get("gemv_rows", 0):
-        cfg = select(GEMV_ROWS_CONFIGS, target)[0]
-        return Plan("gemv_rows", cfg, gemv_split(cfg, k))
+        # Split K (up to MAX_SPLIT) while each split keeps >= SPLIT_MIN_CHUNKS chunks (default 4): more programs
+        # in flight hide the latency of the loads, and narrow layers (TP shards, small models) need them.
+        split, chunks = 1, -(-k // cfg.constexprs["CHUNK"])
+        least = cfg.constexprs.get("SPLIT_MIN_CHUNKS", 4)
+        while split < cfg.constexprs["MAX_SPLIT"] and chunks // (2 * split) >= least:
+            split *= 2
+        return Plan("gemv", cfg, split)
     if limits["gemm"] is None or m <= limits["gemm"]:
         cfg = gemm_config(m, target)
         split = cfg.constexprs["SPLIT_K"]
@@ -304,17 +306,6 @@ def plan(m: int, n: int, k: int, blocksize: int, dtype: torch.dtype, device: tor
             split //= 2
         return Plan("gemm", cfg, split)
     return Plan("dequant")
-
-
-def gemv_split(cfg: LaunchConfig, k: int) -> int:
-    """The GEMV paths split K (up to MAX_SPLIT) while each split keeps >= SPLIT_MIN_CHUNKS chunks (default 4):
-    more programs in flight hide the latency of the loads, and narrow layers (TP shards, small models) need
-    them."""
-    split, chunks = 1, -(-k // cfg.constexprs["CHUNK"])
-    least = cfg.constexprs.get("SPLIT_MIN_CHUNKS", 4)
-    while split < cfg.constexprs["MAX_SPLIT"] and chunks // (2 * split) >= least:
-        split *= 2
-    return split
 
 
 def gemm_config(m: int, target) -> LaunchConfig:
@@ -400,20 +391,6 @@ def matmul_4bit(x: torch.Tensor, weight: torch.Tensor, absmax: torch.Tensor, cod
             if p.split_k > 1:
                 reduce_partials(partials, out2, bias)
             return out
-        elif p.path == "gemv_rows":
-            partials = torch.empty(p.split_k, m, n, dtype=torch.float32, device=x.device) if p.split_k > 1 else out2
-            ptx = (c.get("DECODE_PTX", False) and ptx_words and x.dtype in (torch.float16, torch.bfloat16)
-                   and x2.data_ptr() % 4 == 0 and x2.stride(0) % 2 == 0)  # x read as int32 pairs
-            chunk = c["CHUNK"]
-            grid = (-(-n // c["BLOCK_N"]), -(-m // 4), p.split_k)
-            _gemv_rows_4bit_kernel[grid](x2, w, absmax, code, b, partials, *nest, m, n, k, x2.stride(0),
-                                         out2.stride(0), k // 8 if ptx else k // 2, p.split_k, BLOCKSIZE=blocksize,
-                                         BLOCK_N=c["BLOCK_N"], CHUNK=chunk, SEG=min(chunk, blocksize),
-                                         EVEN_K=k % chunk == 0, PARTIAL=p.split_k > 1, NESTED=nested,
-                                         HAS_BIAS=bias is not None, DECODE_PTX=ptx, **options)
-            if p.split_k > 1:
-                reduce_partials(partials, out2, bias)
-            return out
         else:
             # A step stays inside one 4-bit block, or (FOLD_SCALE) spans whole blocks when K allows.
             block_k = min(c["BLOCK_K"], blocksize)
@@ -442,20 +419,16 @@ def _signature(kernel: str):
         s = {"x_ptr": f"*{t}", "w_ptr": "*u8", "absmax_ptr": "*fp32", "code_ptr": "*fp32", "bias_ptr": f"*{t}",
              "out_ptr": f"*{t}", "nested_code_ptr": "*fp32", "nested_absmax_ptr": "*fp32",
              "nested_offset_ptr": "*fp32"}
-        s.update({"M": "i32"} if kernel in ("gemm", "gemv_rows") else {})
+        s.update({"M": "i32"} if kernel == "gemm" else {})
         s.update({"N": "i32", "K": "i32", "stride_xm": "i32", "stride_om": "i32"})
         s["stride_w"] = "i32"
-        s.update({"SPLITS": "i32"} if kernel != "gemm" else {})
+        s.update({"SPLITS": "i32"} if kernel == "gemv" else {})
         s["BLOCKSIZE"] = "constexpr"
         if kernel == "gemm":
             s.update({"BLOCK_M": "constexpr", "BLOCK_N": "constexpr", "BLOCK_K": "constexpr",
                       "NESTED": "constexpr", "HAS_BIAS": "constexpr", "GROUP_M": "constexpr",
                       "DOT_IN_FP32": "constexpr", "LUT_GATHER": "constexpr",
                       "SPLIT_K": "constexpr", "DECODE_PTX": "constexpr"})
-        elif kernel == "gemv_rows":
-            s.update({"BLOCK_N": "constexpr", "CHUNK": "constexpr", "SEG": "constexpr", "EVEN_K": "constexpr",
-                      "PARTIAL": "constexpr", "NESTED": "constexpr", "HAS_BIAS": "constexpr",
-                      "DECODE_PTX": "constexpr"})
         else:
             s.update({"BLOCK_N": "constexpr", "CHUNK": "constexpr", "SEG": "constexpr",
                       "EVEN_K": "constexpr", "PARTIAL": "constexpr", "PREFETCH": "constexpr",
@@ -486,9 +459,3 @@ GEMM_SPEC = register(KernelSpec(
                                             "GROUP_M": 8, "DOT_IN_FP32": False, "SPLIT_K": 1,
                                             "DECODE_PTX": c.constexprs.get("DECODE_PTX", False)},
                    drop=("MAX_M", "FOLD_SCALE"))))
-GEMV_ROWS_SPEC = register(KernelSpec(
-    "gemv_rows_4bit", _gemv_rows_4bit_kernel, _signature("gemv_rows"), DTYPES,
-    _with_defaults(GEMV_ROWS_CONFIGS, lambda c: {"BLOCKSIZE": 64, "SEG": min(64, c.constexprs["CHUNK"]), "EVEN_K": True,
-                                                 "PARTIAL": True, "NESTED": True, "HAS_BIAS": False,
-                                                 "DECODE_PTX": c.constexprs.get("DECODE_PTX", False)},
-                   drop=("MAX_SPLIT", "SPLIT_MIN_CHUNKS"))))
