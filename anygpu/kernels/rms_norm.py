@@ -75,9 +75,11 @@ def _fused_add_rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, n_co
 # No waves_per_eu: one program per row needs no occupancy hint.  Rows past 16384 (no LLM's hidden size
 # so far) would need a looped kernel; the op refuses them.
 MAX_HIDDEN = 16384
+# 8192 (Llama-70B's hidden size) has a class of its own: at 16 warps its rows ran 20 % slower than at 8
+# (docs/perf/2026-12-02-elementwise-and-quantize.md).
 CONFIGS = {
     "default": (LaunchConfig({"BLOCK": 1024}, num_warps=4), LaunchConfig({"BLOCK": 4096}, num_warps=8),
-                LaunchConfig({"BLOCK": MAX_HIDDEN}, num_warps=16)),
+                LaunchConfig({"BLOCK": 8192}, num_warps=8), LaunchConfig({"BLOCK": MAX_HIDDEN}, num_warps=16)),
 }
 
 DTYPES = (torch.float16, torch.bfloat16, torch.float32)
