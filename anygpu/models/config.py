@@ -3,11 +3,11 @@
     ModelConfig.from_hf(json.load(open("config.json")))      # transformers 4.x or 5.x keys
     ModelConfig.from_gguf(metadata, tensor_names=names)      # llama.cpp's "<arch>.block_count"... keys
 
-One frozen dataclass for every supported family (Llama 2/3, Mistral, Qwen2, SmolLM2, and from config.json Qwen3,
-Gemma 2, Gemma 3 text, Phi-3 / Phi-4-mini),
-so the model code reads the same fields whatever the file format.  What a family changes in the model is declared
-in ``families.py`` (``ModelConfig.family``); the numbers that vary within a family are fields here.  Anything
-else is refused here, with the name of the architecture, before a single weight is read.
+One frozen dataclass for every supported family (Llama 2/3, Mistral, Qwen2, SmolLM2, Qwen3, Gemma 2, Gemma 3 text,
+Phi-3 / Phi-4-mini; from config.json or GGUF), so the model code reads the same fields whatever the file format.
+What a family changes in the model is declared in ``families.py`` (``ModelConfig.family``); the numbers that vary
+within a family are fields here.  Anything else is refused here, with the name of the architecture, before a
+single weight is read.
 """
 
 from __future__ import annotations
@@ -31,11 +31,27 @@ from .config_checks import (
     check_model_config,
     check_rope_scaling,
 )
-from .families import FAMILIES, HF_CLASSES, MODEL_TYPES, Family, family_hf_fields, gemma3_rope, phi3_rope
+from .families import (
+    FAMILIES,
+    HF_CLASSES,
+    MODEL_TYPES,
+    SOFTCAP_RANGE,
+    Family,
+    family_hf_fields,
+    gemma3_rope,
+    phi3_rope,
+)
 
 SUPPORTED_ARCHITECTURES = tuple(dict.fromkeys(HF_CLASSES.values()))
 _HF_CLASSES = HF_CLASSES
-_GGUF_ARCHITECTURES = ("llama", "qwen2")  # Mistral GGUFs say "llama": same tensors, same permutation
+# general.architecture values that load (each is also the family).  Mistral GGUFs say "llama": same tensors,
+# same permutation.
+_GGUF_ARCHITECTURES = ("llama", "qwen2", "qwen3", "gemma2", "gemma3", "phi3")
+# llama.cpp's sliding-window period of each Gemma (no key says it): every pattern-th layer is global.
+_GGUF_SWA_PATTERN = {"gemma2": 2, "gemma3": 6}
+# llama.cpp picks the 27B Gemmas by their layer count and scales their attention by hidden / heads instead of
+# head_dim (their query_pre_attn_scalar).
+_GGUF_GEMMA_27B_LAYERS = {"gemma2": 46, "gemma3": 62}
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
@@ -52,7 +68,10 @@ GGUF_KEYS = {"vocab_size": "vocab_size", "hidden_size": "embedding_length", "int
               "num_layers": "block_count", "num_heads": "attention.head_count",
               "num_kv_heads": "attention.head_count_kv", "head_dim": "attention.key_length",
               "rms_norm_eps": "attention.layer_norm_rms_epsilon", "rope_theta": "rope.freq_base",
-              "max_position": "context_length", "sliding_window": "attention.sliding_window"}
+              "max_position": "context_length", "sliding_window": "attention.sliding_window",
+              "attn_softcap": "attn_logit_softcapping",
+              "final_softcap": "final_logit_softcapping", "rope_local_theta": "rope.freq_base_swa",
+              "partial_rotary_factor": "rope.dimension_count", "sliding_layers": "attention.sliding_window_pattern"}
 
 
 def _checked(cls, fields: dict, where: str, names: dict[str, str]):
@@ -172,11 +191,16 @@ class ModelConfig:
 
     @classmethod
     def from_gguf(cls, metadata: dict, tensor_names: Iterable[str] | None = None,
-                  where: str = "GGUF metadata", rope_freqs: list[float] | None = None) -> ModelConfig:
-        """From GGUF metadata (``reader.fields[key].contents()`` by key).  Tied embeddings and Llama biases are
-        not in the metadata but in which tensors exist: pass ``tensor_names`` (None: tied, no Llama bias).
+                  where: str = "GGUF metadata", rope_freqs: list[float] | None = None,
+                  rope_factors: tuple[list[float], list[float]] | None = None) -> ModelConfig:
+        """From GGUF metadata (``reader.fields[key].contents()`` by key), as llama.cpp reads it for each
+        architecture (what it hard-codes per family rather than storing, too: Gemma's sliding-window period and
+        attention scale, Gemma 3's local rope base).  Tied embeddings and Llama biases are not in the metadata
+        but in which tensors exist: pass ``tensor_names`` (None: tied, no Llama bias).
         ``rope_freqs``: the values of a ``rope_freqs.weight`` tensor (llama.cpp's Llama 3.1+ rope scaling: each
         rotated frequency divided by its factor), kept as rope_scaling ``{"rope_type": "freq_factors", ...}``.
+        ``rope_factors``: the values of Phi-3's ``rope_factors_long.weight`` and ``rope_factors_short.weight``
+        (LongRoPE), kept as rope_scaling ``{"rope_type": "longrope", ...}``.
         Every value is type- and range-checked; an error names ``where`` (the file) and the key."""
         arch = metadata.get("general.architecture")
         if arch not in _GGUF_ARCHITECTURES:
@@ -211,15 +235,27 @@ class ModelConfig:
                 raise ValueError(f"{where}: {arch}.rope.scaling.type: {scaling_type!r} and a rope_freqs.weight tensor "
                                  "both scale the rotary frequencies; expected one of them")
             rope_scaling = {"rope_type": "freq_factors", "freq_factors": [float(v) for v in rope_freqs]}
+        if rope_factors is not None:
+            if rope_scaling is not None:
+                raise ValueError(f"{where}: rope_factors_long.weight: the rotary frequencies are already scaled "
+                                 f"({rope_scaling['rope_type']}); expected one scaling")
+            rope_scaling = {"rope_type": "longrope", "long_factor": [float(v) for v in rope_factors[0]],
+                            "short_factor": [float(v) for v in rope_factors[1]],
+                            "original_max_position_embeddings": f.int("rope.scaling.original_context_length",
+                                                                      LIMITS["max_position"])}
+            if f.raw("rope.scaling.attn_factor", None) is not None:  # the converter's; cos and sin are scaled by it
+                rope_scaling["attention_factor"] = f.float("rope.scaling.attn_factor", SCALING_FACTOR_RANGE)
         # llama.cpp stops on eos and on the end-of-turn / end-of-message tokens (Llama 3's <|eot_id|>).
         eos = [metadata.get(f"tokenizer.ggml.{k}_token_id") for k in ("eos", "eot", "eom")]
         bos = metadata.get("tokenizer.ggml.bos_token_id")
+        num_layers = f.int("block_count", LIMITS["num_layers"])
+        window = f.int("attention.sliding_window", (0, LIMITS["sliding_window"][1]), None) or None  # 0: none
         fields = dict(
             architecture=arch,
             vocab_size=vocab,
             hidden_size=hidden,
             intermediate_size=f.int("feed_forward_length", LIMITS["intermediate_size"]),
-            num_layers=f.int("block_count", LIMITS["num_layers"]),
+            num_layers=num_layers,
             num_heads=heads,
             num_kv_heads=f.int("attention.head_count_kv", LIMITS["num_kv_heads"], heads),
             head_dim=head_dim,
@@ -228,14 +264,51 @@ class ModelConfig:
             rope_scaling=rope_scaling,
             max_position=f.int("context_length", LIMITS["max_position"], 2048),
             tie_word_embeddings=tensor_names is None or "output.weight" not in names,
-            attention_bias=arch == "qwen2" or "blk.0.attn_q.bias" in names,
-            sliding_window=f.int("attention.sliding_window", LIMITS["sliding_window"], None),
+            attention_bias=arch == "qwen2" or "blk.0.attn_q.bias" in names or "blk.0.attn_qkv.bias" in names,
+            sliding_window=window,
             bos_token_id=None if bos is None else check_int(bos, "tokenizer.ggml.bos_token_id", LIMITS["token_id"],
                                                             where),
             eos_token_ids=check_eos_ids([e for e in eos if e is not None], "tokenizer.ggml.eos_token_id", where),
             dtype=None,
+            **_gguf_family_fields(arch, f, head_dim, hidden // heads, num_layers, window),
         )
         return _checked(cls, fields, where, {k: f"{arch}.{v}" for k, v in GGUF_KEYS.items()})
+
+
+def _gguf_family_fields(arch: str, f: Fields, head_dim: int, embd_per_head: int, num_layers: int,
+                        window: int | None) -> dict:
+    """The ModelConfig fields only some families set, from GGUF metadata and llama.cpp's per-architecture rules:
+    the rotated part of each head (``rope.dimension_count``: Phi-3.5 / Phi-4-mini rotate 3/4), and Gemma's
+    activation, attention scale, soft-caps (Gemma 2), sliding / global layers and local rope base (Gemma 3)."""
+    out: dict = {}
+    n_rot = f.int("rope.dimension_count", (2, head_dim), None)
+    if n_rot is not None and n_rot != head_dim:
+        out["partial_rotary_factor"] = n_rot / head_dim
+        if int(head_dim * out["partial_rotary_factor"]) != n_rot:
+            raise ValueError(f"{f.where}: {f.prefix}rope.dimension_count: {n_rot} of head_dim {head_dim} values is "
+                             "not a fraction this engine can represent exactly")
+    if arch not in _GGUF_SWA_PATTERN:
+        return out
+    out["hidden_act"] = "gelu_tanh"
+    # llama.cpp: 1/sqrt(head_dim), but 1/sqrt(hidden / heads) for the 27B models (query_pre_attn_scalar 144, 168)
+    scale_dim = embd_per_head if num_layers == _GGUF_GEMMA_27B_LAYERS[arch] else head_dim
+    out["attn_scale"] = scale_dim ** -0.5
+    if arch == "gemma2":  # llama.cpp reads the soft-caps for Gemma 2 only
+        for key, field in (("attn_logit_softcapping", "attn_softcap"), ("final_logit_softcapping", "final_softcap")):
+            out[field] = None if f.raw(key, None) is None else f.float(key, SOFTCAP_RANGE)
+    else:
+        out["rope_local_theta"] = f.float("rope.freq_base_swa", THETA_RANGE, 10000.0)
+    if window is not None:
+        key = f"{f.prefix}attention.sliding_window_pattern"
+        pattern = f.raw("attention.sliding_window_pattern", _GGUF_SWA_PATTERN[arch])
+        if isinstance(pattern, (list, tuple)):  # one bool a layer, True: the layer slides
+            if len(pattern) != num_layers or not all(isinstance(b, bool) for b in pattern):
+                raise ValueError(f"{f.where}: {key}: expected {num_layers} (block_count) bools, got {pattern!r:.200}")
+            out["sliding_layers"] = tuple(pattern)
+        else:  # a period: every pattern-th layer is global (0: all slide)
+            period = check_int(pattern, key, (0, LIMITS["num_layers"][1]), f.where)
+            out["sliding_layers"] = tuple(period == 0 or bool((i + 1) % period) for i in range(num_layers))
+    return out
 
 
 def _hf_rope(f: Fields) -> tuple[float, dict | None, float]:
