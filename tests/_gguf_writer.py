@@ -1,6 +1,7 @@
 """Write a transformers model as llama.cpp's converter (``convert_hf_to_gguf.py``) would, for the tests.
 
-    path = write_hf_as_gguf(tmp_path / "m.gguf", hf_model)      # F32 tensors, a 258-token byte-level vocabulary
+    path = write_hf_as_gguf(tmp_path / "m.gguf", hf_model)      # F32 tensors (or matrix_type="Q8_0"...), a
+                                                                # 258-token byte-level vocabulary
 
 Tensor names come from the ``gguf`` package's own map (``gguf.get_tensor_name_map``), not from anygpu's loader,
 and the converter's conversions are applied here: Llama's q/k rows permuted, Gemma's RMSNorm weights stored as
@@ -34,9 +35,10 @@ def add_byte_vocab(w) -> None:
     w.add_eos_token_id(257)
 
 
-def write_gguf(path, arch: str, meta: dict, tensors: dict[str, np.ndarray]) -> str:
+def write_gguf(path, arch: str, meta: dict, tensors: dict[str, np.ndarray], matrix_type: str = "F32") -> str:
     """A GGUF of ``arch`` with ``meta`` ({key without the "<arch>." prefix: int, float, str or list of bools}),
-    the byte vocabulary, and ``tensors`` (GGUF name -> fp32 or fp16 array, written as F32 / F16)."""
+    the byte vocabulary, and ``tensors`` (GGUF name -> fp32 or fp16 array, written as F32 / F16; the matrices
+    quantized by ``gguf.quants`` to ``matrix_type`` when it is another type, e.g. "Q8_0")."""
     import gguf
 
     w = gguf.GGUFWriter(str(path), arch)
@@ -49,7 +51,11 @@ def write_gguf(path, arch: str, meta: dict, tensors: dict[str, np.ndarray]) -> s
             w.add_key_value(f"{arch}.{key}", value, types[type(value)])
     add_byte_vocab(w)
     for name, array in tensors.items():
-        w.add_tensor(name, np.ascontiguousarray(array))
+        if matrix_type in ("F32", "F16") or array.ndim != 2:
+            w.add_tensor(name, np.ascontiguousarray(array))
+        else:
+            qtype = gguf.GGMLQuantizationType[matrix_type]
+            w.add_tensor(name, gguf.quants.quantize(np.ascontiguousarray(array), qtype), raw_dtype=qtype)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
@@ -126,8 +132,9 @@ def gguf_tensors(arch: str, hf) -> dict[str, np.ndarray]:
     return out
 
 
-def write_hf_as_gguf(path, hf) -> str:
-    """``hf`` (a transformers CausalLM of llama, qwen2, qwen3, gemma2, gemma3_text or phi3) as a GGUF at ``path``."""
+def write_hf_as_gguf(path, hf, matrix_type: str = "F32") -> str:
+    """``hf`` (a transformers CausalLM of llama, qwen2, qwen3, gemma2, gemma3_text or phi3) as a GGUF at ``path``,
+    its matrices in ``matrix_type`` (norms and rope factors stay F32)."""
     arch = _ARCH[hf.config.model_type]
     assert hf.config.vocab_size == BYTE_VOCAB, "the file's vocabulary is the 258 byte-level tokens"
-    return write_gguf(path, arch, gguf_metadata(arch, hf.config), gguf_tensors(arch, hf))
+    return write_gguf(path, arch, gguf_metadata(arch, hf.config), gguf_tensors(arch, hf), matrix_type)

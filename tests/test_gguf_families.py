@@ -12,7 +12,9 @@ keys the converter writes).  Then, in fp32:
   and pad token), and our logits from the HF folder;
 - the engine, from the GGUF path, generates transformers' greedy tokens (windows shorter than the sequence).
 Phi-3's LongRoPE (rope factor tensors, which transformers' GGUF reader ignores) is checked against our own
-safetensors path and transformers' model the file was written from.  Files of an architecture or with tensors
+safetensors path and transformers' model the file was written from.  Q8_0 files: dequantized at load against
+transformers' GGUF loading, and on the CPU's packed path (which projections stay packed, each against its
+dequantized layer).  Files of an architecture or with tensors
 this loader does not know are refused, naming the file and what is unknown.
 """
 
@@ -227,3 +229,48 @@ def test_unsupported_architecture_and_tensors(tmp_path):
                       _tiny_tensors(["rope_factors_long.weight"]))
     with pytest.raises(ValueError, match=r"half\.gguf: tensor rope_factors_short\.weight is missing"):
         GGUFCheckpoint(path)
+
+
+@pytest.mark.parametrize("arch", ["qwen3", "gemma3", "phi3"])
+def test_q8_0_file_dequantized_and_cpu_packed(tmp_path_factory, arch):
+    """Q8_0 matrices: dequantized at load, our logits equal transformers' GGUF loading (which dequantizes the file
+    itself); on the CPU's packed path the projections stored as Llama stores them run from their blocks (Phi-3's
+    fused attn_qkv and ffn_up are dequantized at load), within the packed path's rounding of the dequantized
+    logits, with the same greedy tokens."""
+    from anygpu.models import gguf_packed
+    from anygpu.nn.linear_gguf import GGUFLinear
+    from anygpu.quant import gguf_int4pack
+
+    cls, config, missing_from_gguf = _family(arch)
+    _, hf = save_tiny(tmp_path_factory, cls, config)
+    out = tmp_path_factory.mktemp(f"{arch}-q8")
+    path = write_hf_as_gguf(out / f"{arch}.gguf", hf, matrix_type="Q8_0")
+    ckpt = GGUFCheckpoint(path)
+    assert {t.type_name for t in ckpt.tensors} == {"Q8_0", "F32"}
+    reference = build_model(ckpt.config, ckpt.weights(progress=False))
+    dequantized = full_logits(reference, IDS)
+    tf_gguf = cls.from_pretrained(str(out), gguf_file=f"{arch}.gguf", dtype=torch.float32, **missing_from_gguf).eval()
+    with torch.inference_mode():
+        expected = tf_gguf(torch.tensor([IDS])).logits[0].float()
+    _check_close(dequantized, expected)
+
+    if not gguf_int4pack.supported():
+        pytest.skip("this torch has no CPU int4 matmul")
+    model = build_model(ckpt.config, ckpt.weights(progress=False, skip=gguf_packed.packed_tensors(ckpt)),
+                        prepare=lambda m: gguf_packed.pack_linears(m, ckpt))
+    # (the head's 258 rows are not the packed layout's multiple of 16: it stays dequantized here)
+    packed = {name: m for name, m in model.named_modules() if isinstance(m, GGUFLinear)}
+    if arch == "phi3":
+        assert {n.split(".", 2)[-1] for n in packed} == {"self_attn.o_proj", "mlp.down_proj"}
+    else:
+        assert {n.split(".", 2)[-1] for n in packed} == {"self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj",
+                                                         "mlp.down_proj"}
+    references = dict(reference.named_modules())
+    for name, layer in packed.items():  # each packed projection is its dequantized one (to the layout's bf16 scales)
+        x = torch.randn(3, layer.in_features)
+        with torch.inference_mode():
+            want = references[name](x)
+            assert (layer(x) - want).norm() / want.norm() < 4e-3, name
+    got = full_logits(model, IDS)
+    torch.testing.assert_close(got, dequantized, atol=0.03 * dequantized.abs().max().item(), rtol=0)
+    assert torch.equal(got.argmax(-1), dequantized.argmax(-1))
