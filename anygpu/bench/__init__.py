@@ -5,7 +5,7 @@
     >>> print(report.table())          # ours vs each baseline, GB/s, % of the copy bandwidth measured now
     >>> report.write_json("bench-results/elementwise.json"); report.write_png("bench-results/elementwise.png")
 
-Timing is GPU-side (``triton.testing.do_bench`` or CUDA events) and reports medians.  Tests never
+Timing is GPU-side (CUDA events, the L2 flushed and the host given a head start) and reports medians.  Tests never
 assert on times: they vary with the machine and its neighbours.
 """
 

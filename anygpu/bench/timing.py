@@ -1,15 +1,15 @@
 """Median wall time of one call, in milliseconds, on a GPU or the CPU.
 
-GPUs: ``triton.testing.do_bench`` (CUDA/HIP events, the L2 flushed before every call), else CUDA
-events around each call with the same flush.  CPU: ``torch.utils.benchmark.Timer`` (blocks of calls at torch's
+GPUs: CUDA/HIP events around each call, the L2 flushed before every call (as ``triton.testing.do_bench``
+does), then a short GPU spin before the start event, so the host is ahead of the GPU when timing starts: without
+it a call whose Python costs more than its kernel (the op wrapper, a mid-sized launch) is timed as the host's
+launch cost, not the GPU's work.  CPU: ``torch.utils.benchmark.Timer`` (blocks of calls at torch's
 thread count; the spread of the blocks is kept in ``last_cpu_spread``, with a warning when it is large).
 The median, not the mean: one preempted call or clock ramp should not move the result.
 """
 
 from __future__ import annotations
 
-import functools
-import inspect
 import statistics
 import time
 import warnings
@@ -39,9 +39,6 @@ def measure(fn: Callable[[], object], *, device: torch.device, warmup_ms: float 
     if device.type != "cuda":  # ROCm GPUs are "cuda" devices in torch too
         raise ValueError(f"device: expected a cpu or cuda device, got {device}")
     with torch.cuda.device(device):
-        do_bench = _do_bench()
-        if do_bench is not None:
-            return float(do_bench(fn, warmup_ms, rep_ms))
         return _measure_cuda_events(fn, warmup_ms, rep_ms)
 
 
@@ -67,21 +64,6 @@ def measure_graph(fn: Callable[[], object], *, device: torch.device, warmup_ms: 
             for _ in range(calls):
                 fn()
         return measure(graph.replay, device=device, warmup_ms=warmup_ms, rep_ms=rep_ms) / calls
-
-
-@functools.lru_cache(maxsize=1)
-def _do_bench():
-    """A ``do_bench(fn, warmup, rep) -> median ms`` over whichever triton is installed, or None."""
-    try:
-        from triton.testing import do_bench
-    except Exception:  # noqa: BLE001 - triton is optional; any import failure means "use CUDA events"
-        return None
-    params = inspect.signature(do_bench).parameters
-    if "return_mode" in params:  # triton >= 2.1, including 3.6 .. 3.9
-        return lambda fn, warmup, rep: do_bench(fn, warmup=warmup, rep=rep, return_mode="median")
-    if "quantiles" in params:
-        return lambda fn, warmup, rep: do_bench(fn, warmup=warmup, rep=rep, quantiles=[0.5])[0]
-    return None  # an interface we do not know: CUDA events are always right
 
 
 # A CPU timing whose interquartile range passes this fraction of its median gets a warning: a busy machine (two
@@ -118,6 +100,11 @@ def _measure_cpu(fn, warmup_ms: float, rep_ms: float) -> float:
     return mid * 1e3
 
 
+# The spin before each timed call: longer than the host needs to enqueue a call (tens of microseconds for an op
+# with its checks), short next to the flush.
+HEAD_START_CYCLES = 200_000
+
+
 def _measure_cuda_events(fn, warmup_ms: float, rep_ms: float) -> float:
     flush = torch.empty(FLUSH_BYTES, dtype=torch.uint8, device="cuda")
     fn()
@@ -136,8 +123,11 @@ def _measure_cuda_events(fn, warmup_ms: float, rep_ms: float) -> float:
     n = max(3, int(rep_ms / estimate_ms))
     starts = [torch.cuda.Event(enable_timing=True) for _ in range(n)]
     ends = [torch.cuda.Event(enable_timing=True) for _ in range(n)]
+    spin = getattr(torch.cuda, "_sleep", None)
     for s, e in zip(starts, ends):
         flush.zero_()  # every call starts from a cold cache, as on a real model's step
+        if spin is not None:
+            spin(HEAD_START_CYCLES)
         s.record()
         fn()
         e.record()
