@@ -64,8 +64,8 @@ def test_unsupported_architecture():
         ModelConfig.from_hf({**LLAMA31, "architectures": ["GPT2LMHeadModel"]})
     with pytest.raises(ValueError, match="'gemma'"):
         ModelConfig.from_hf({**LLAMA31, "architectures": None, "model_type": "gemma"})
-    with pytest.raises(ValueError, match="'phi3'.*llama, qwen2"):
-        ModelConfig.from_gguf({"general.architecture": "phi3"})
+    with pytest.raises(ValueError, match="'phi2'.*llama, qwen2"):
+        ModelConfig.from_gguf({"general.architecture": "phi2"})
 
 
 def test_from_gguf_metadata():

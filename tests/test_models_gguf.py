@@ -168,8 +168,8 @@ def test_unsupported_tensor_and_architecture(tmp_path):
     path = _write(tmp_path / "r.gguf", tensors={"rope_factors_long.weight": (np.ones(8, np.float32), "F32")})
     with pytest.raises(ValueError, match="rope_factors_long.weight"):
         GGUFCheckpoint(path)
-    with pytest.raises(ValueError, match="'gemma2'.*llama"):
-        GGUFCheckpoint(_write(tmp_path / "g.gguf", arch="gemma2"))
+    with pytest.raises(ValueError, match="'phi2'.*llama"):
+        GGUFCheckpoint(_write(tmp_path / "g.gguf", arch="phi2"))
 
 
 def test_bad_files(tmp_path, smollm_path):
