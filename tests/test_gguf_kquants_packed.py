@@ -1,4 +1,4 @@
-"""GGUF K-quants (Q4_K, Q5_K, Q6_K) kept packed on the CPU (``anygpu.quant.gguf_int4pack``, ``GGUFLinear``):
+"""GGUF K-quants (Q2_K .. Q6_K) and IQ4_NL / IQ4_XS kept packed on the CPU (``anygpu.quant.gguf_int4pack``, ``GGUFLinear``):
 the decoded codes rebuild ``gguf.quants.dequantize``'s weights, the packed product matches ``x @ W.T`` on them
 under the accuracy rule (bf16 compute), stacked projections of mixed types (llama.cpp's Q4_K_M keeps v and down in
 Q6_K) run as segments, and a tiny random Llama of mixed K-quants runs through the engine packed as it does with
@@ -23,7 +23,7 @@ from .test_gguf_types import _random_blocks, _tensors, write_llama  # noqa: E402
 
 pytestmark = pytest.mark.skipif(not P.supported(), reason="this torch has no CPU int4 matmul")
 
-KQUANTS = ("Q4_K", "Q5_K", "Q6_K")
+KQUANTS = ("Q4_K", "Q5_K", "Q6_K", "Q2_K", "Q3_K", "IQ4_NL", "IQ4_XS")  # the packed types gguf-py cannot encode
 
 
 def _weight(name: str, n: int, k: int, rng) -> tuple[torch.Tensor, torch.Tensor]:
@@ -105,14 +105,28 @@ def test_mixed_types_stack_as_segments(types):
         GGUFLinear(segments, k, w.shape[0] + 16)
 
 
-def _mixed_tensors(seed: int) -> dict:
-    """A Q4_K_M-like tiny Llama: Q4_K, with v and down in Q6_K in layer 0 (as llama.cpp's use_more_bits), the
-    up projection of layer 1 in Q5_K and the head in Q6_K (dequantized: its 258 rows are no multiple of 16)."""
-    out = _tensors("Q4_K", seed)
-    q6, q5 = _tensors("Q6_K", seed + 1), _tensors("Q5_K", seed + 2)
-    for name in ("blk.0.attn_v.weight", "blk.0.ffn_down.weight", "output.weight"):
-        out[name] = q6[name]
-    out["blk.1.ffn_up.weight"] = q5["blk.1.ffn_up.weight"]
+# Tiny Llamas of mixed types: (base type, {tensor: type}, expected layouts of some packed layers)
+MIXES = {
+    # llama.cpp's Q4_K_M: v and down in Q6_K on some layers (use_more_bits), here layer 0; up of layer 1 in Q5_K
+    "Q4_K_M": ("Q4_K", {"blk.0.attn_v.weight": "Q6_K", "blk.0.ffn_down.weight": "Q6_K", "output.weight": "Q6_K",
+                        "blk.1.ffn_up.weight": "Q5_K"},
+               {"layers.0.self_attn.qkv_proj": [None, (16, 8)], "layers.1.mlp.gate_up_proj": [None, (32, 16)],
+                "layers.0.mlp.down_proj": [(16, 8)], "layers.1.self_attn.qkv_proj": [None]}),
+    # the small types: Q3_K, with Q2_K and the IQ4s where llama.cpp's Q3_K / IQ mixes put other types
+    "Q3_K_mix": ("Q3_K", {"blk.0.attn_v.weight": "IQ4_NL", "blk.0.ffn_down.weight": "Q2_K",
+                          "blk.1.ffn_up.weight": "IQ4_XS"},
+                 {"layers.0.self_attn.qkv_proj": [(16, 8), (32, 16)], "layers.1.mlp.gate_up_proj": [(16, 8), (32, 16)],
+                  "layers.0.mlp.down_proj": [(16, 8)]}),
+}
+
+
+def _mixed_tensors(mix: str, seed: int) -> dict:
+    """The tiny Llama of ``test_gguf_types`` in the mix's base type, with the mix's tensors in other types (the
+    head, 258 rows, is no multiple of 16: it stays dequantized whatever its type)."""
+    base, types, _ = MIXES[mix]
+    out = _tensors(base, seed)
+    for i, (name, qtype) in enumerate(types.items()):
+        out[name] = _tensors(qtype, seed + 1 + i)[name]
     return out
 
 
@@ -136,7 +150,8 @@ def _to_bf16(module: torch.nn.Module, packed: set[str], prefix: str = "") -> Non
             _to_bf16(child, packed, f"{prefix}{name}.")
 
 
-def test_tiny_llama_mixed_kquants_packed_equals_dequantized(tmp_path, monkeypatch):
+@pytest.mark.parametrize("mix", MIXES)
+def test_tiny_llama_mixed_kquants_packed_equals_dequantized(tmp_path, monkeypatch, mix):
     """Packed on against ``ANYGPU_CPU_GGUF_PACKED=0`` (fp32 on gguf's values): the same greedy tokens, and
     logits within 4x the error of torch's bf16 product on the same layers (a random model amplifies any
     rounding: bf16 alone moves its logits by about 2% of their largest; the packed layers' bf16 scales and
@@ -148,7 +163,7 @@ def test_tiny_llama_mixed_kquants_packed_equals_dequantized(tmp_path, monkeypatc
     from .test_gguf_types import IDS
     from .test_models_llama import full_logits, greedy
 
-    path = write_llama(tmp_path / "tiny.Q4_K_M.gguf", _mixed_tensors(seed=21))
+    path = write_llama(tmp_path / f"tiny.{mix}.gguf", _mixed_tensors(mix, seed=21))
     results = {}
     for packed in ("1", "0"):
         monkeypatch.setenv("ANYGPU_CPU_GGUF_PACKED", packed)
@@ -157,10 +172,8 @@ def test_tiny_llama_mixed_kquants_packed_equals_dequantized(tmp_path, monkeypatc
         layers = {n: m for n, m in model.named_modules() if isinstance(m, GGUFLinear)}
         if packed == "1":
             assert len(layers) == 4 * 2  # every projection; not the head: 258 rows, not a multiple of 16
-            assert layers["layers.0.self_attn.qkv_proj"].layouts == [None, (16, 8)]  # q, k Q4_K; v Q6_K
-            assert layers["layers.1.mlp.gate_up_proj"].layouts == [None, (32, 16)]  # gate Q4_K; up Q5_K
-            assert layers["layers.0.mlp.down_proj"].layouts == [(16, 8)]
-            assert isinstance(model.embed_tokens, GGUFEmbedding) and model.embed_tokens.type_name == "Q4_K"
+            assert {name: layers[name].layouts for name in MIXES[mix][2]} == MIXES[mix][2]
+            assert isinstance(model.embed_tokens, GGUFEmbedding) and model.embed_tokens.type_name == MIXES[mix][0]
             packed_names = set(layers)
         else:
             assert not layers

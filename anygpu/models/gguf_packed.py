@@ -1,13 +1,12 @@
-"""Keep a GGUF model's projections packed on the CPU: each ``nn.Linear`` whose source tensors are Q4_0, Q4_1, Q5_0,
-Q5_1, Q8_0, Q4_K, Q5_K or Q6_K (``gguf_int4pack.TYPES``; mixed, as in llama.cpp's Q4_K_M, where q/k are Q4_K and
-v Q6_K) becomes an ``anygpu.nn.GGUFLinear`` built from the file's own blocks (nothing is re-quantized), and the
-embedding table keeps its blocks too (``GGUFEmbedding``, any GGUF type, rows decoded on lookup) where no tied
-head needs its dequantized weight.  Q2_K, Q3_K, IQ4_NL and IQ4_XS projections are dequantized at load (not
-done yet, though they fit: Q2_K/Q3_K the Q6_K layout with idle h codes, IQ4 the Q8_0 one through its table;
-docs/perf/2026-12-02-cpu-kquants-packed.md).
+"""Keep a GGUF model's projections packed on the CPU: each ``nn.Linear`` whose source tensors are quantized (any
+of ``gguf_int4pack.TYPES``: Q4_0 .. Q8_0, Q2_K .. Q6_K, IQ4_NL, IQ4_XS; mixed too, as in llama.cpp's Q4_K_M, where
+q/k are Q4_K and v Q6_K) becomes an ``anygpu.nn.GGUFLinear`` built from the file's own blocks (nothing is
+re-quantized), and the embedding table keeps its blocks too (``GGUFEmbedding``, any GGUF type, rows decoded on
+lookup) where no tied head needs its dequantized weight.  F32 / F16 / BF16 tensors, and a projection whose rows
+cannot be cut in multiples of 16 per layout, are loaded as fp32.
 
 Why: a decode step on the CPU is bound by reading the weights; the packed layer reads 0.625 bytes a weight
-(1.25 for the types of two codes a weight: Q5_*, Q8_0, Q6_K) against fp32's 4, and the dequantized copy is
+(1.25 for the types that take two codes a weight, ``gguf_int4pack``'s layouts) against fp32's 4, and the dequantized copy is
 never made (``packed_tensors`` names the tensors the weights iterator skips; ``pack_linears`` swaps the layers
 before the rest is loaded, while the model's own weights are still unwritten, so never resident).  ``ANYGPU_CPU_GGUF_PACKED=0`` keeps the dequantized fp32 layers
 (bit-for-bit the GGUF's values, computed in fp32: what tests against transformers' fp32 logits want).

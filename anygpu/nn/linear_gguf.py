@@ -1,8 +1,8 @@
 """``GGUFLinear``: a linear layer whose weight stays in GGUF's packed form on the CPU.
 
-Built from Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K or Q6_K blocks by ``anygpu.quant.gguf_int4pack``
-(PyTorch's CPU int4 layout, whose matmul reads a quarter of fp32's bytes, or about a third for the types that
-take two codes a weight).  The weight is held as segments of rows, one op call each (a fused projection whose
+Built from quantized GGUF blocks (``anygpu.quant.gguf_int4pack.TYPES``) by ``anygpu.quant.gguf_int4pack``
+(PyTorch's CPU int4 layout, whose matmul reads a sixth of fp32's bytes, or a third for the types that take two
+codes a weight).  The weight is held as segments of rows, one op call each (a fused projection whose
 tensors have different types: q and k in Q4_K, v in Q6_K); their outputs are concatenated.  Inference only:
 the weight is buffers, not parameters.  It computes in bf16 (the CPU op's fast path) and returns x's dtype.
 """

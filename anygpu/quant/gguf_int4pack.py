@@ -1,5 +1,5 @@
-"""GGUF Q4_0 / Q4_1 / Q5_0 / Q5_1 / Q8_0 / Q4_K / Q5_K / Q6_K weights in PyTorch's CPU int4 layout
-(``aten._weight_int4pack_mm_for_cpu``).
+"""GGUF weights in PyTorch's CPU int4 layout (``aten._weight_int4pack_mm_for_cpu``): Q4_0, Q4_1, Q5_0, Q5_1, Q8_0,
+Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, IQ4_NL and IQ4_XS (``TYPES``: every quantized type the loader reads).
 
 That op computes ``x @ W.T`` with W held as 4-bit codes c in [0, 15] and, per group of 32 input columns and
 output row, a scale s and a zero z: ``w = (c - 8) * s + z``.  Its group is 32, 64, 128 or 256 (16 is refused).
@@ -12,18 +12,22 @@ The GGUF types map onto it exactly, up to the rounding of s and z to x's 16-bit 
   ``widen`` repeats each run of ``sub`` inputs as ``[x_run, f * x_run]`` (f a power of two, so exact in bf16),
   and the codes of that run are ``[l codes, h codes]``, so the h codes' products carry the factor f.
   - layout (32, 16), the group-32 types: the l and h codes of a GGUF group are two op groups of their own.
-    Q8_0 ``w = d q``, u = q + 128: l: s = d, z = 8 d; h: c = h, s = d, z = 0.
+    Q8_0 ``w = d q``, u = q + 128: l: s = d, z = 8 d; h: c = h, s = d, z = 0.  IQ4_NL / IQ4_XS likewise with
+    q their table's value (``IQ4_KVALUES``, 8 bits) and s = d or the group's d (ls - 32).
     Q5_0 ``w = d (q - 16)``: l: s = d, z = 8 d; h: c = h + 7, s = d, z = 0.
     Q5_1 ``w = d q + m``: l: s = d, z = 8 d + m; h: c = h + 8, s = d, z = 0.
     Q5_K ``w = (d sc) q - dmin m``: l: s = d sc, z = 8 s - dmin m; h: c = h + 8, s = d sc, z = 0.
-  - layout (16, 8), Q6_K ``w = (d sc) (q - 32)`` with one scale per 16 weights, h in [0, 3]: a run of 16
-    inputs and its l and h codes fill one op group with the run's scale s = d sc and z = 0, h as c = 2 h + 5:
-    (l - 8) s + 8 (2 h + 5 - 8) s = s (16 h + l - 32).  Group 16 is not accepted by the op, and a shared zero
-    would land on the h codes too: hence the factor 8 and the odd codes.
+  - layout (16, 8), the types with one scale per 16 weights: a run of 16 inputs and its l and h codes fill one
+    op group with the run's scale s and one zero z, which lands on both halves (x_run + 8 x_run).
+    Q6_K ``w = (d sc) (q - 32)``, h in [0, 3]: c_h = 2 h + 5, z = 0: (l - 8) s + 8 (2 h + 5 - 8) s =
+    s (16 h + l - 32) (factor 8 and odd codes, because a zero would land on the h half too).
+    Q3_K ``w = (d sc) q``, q in [-4, 3]: c_l = q + 8, c_h = 8 (idle), z = 0.
+    Q2_K ``w = (d sc) q - dmin m``, q in [0, 3]: c_l = q + 8, c_h = 8, z = -dmin m / 9 (taken 1 + 8 times).
 
-Why: on the CPU the weights then stay packed (0.625 bytes a weight with the scales for the 4-bit types, 1.25
-for the two-code ones, against 4 for fp32) and the GEMV reads that many bytes.  One call over the widened x
+Why: on the CPU the weights then stay packed (0.625 bytes a weight with the scales for the one-code types,
+1.25 for the two-code ones, against 4 for fp32) and the GEMV reads that many bytes.  One call over the widened x
 reads the same bytes as two calls over x and costs no more (docs/perf/2026-12-02-cpu-kquants-packed.md).
+Q2_K / Q3_K / IQ4 take more bytes packed than in the file (1.25 against 0.33-0.56), still a third of fp32's.
 
 A projection stacked from several tensors (q, k and v) of different layouts (llama.cpp's Q4_K_M keeps some in
 Q6_K) becomes several segments: adjacent sources of one layout are stacked into one call, and the segments'
@@ -37,12 +41,13 @@ from typing import NamedTuple
 
 import torch
 
-from .gguf_blocks import BLOCK_SHAPES, _bits, _k_scale_min, _nibbles, _q5_high
+from .gguf_blocks import BLOCK_SHAPES, IQ4_KVALUES, _bits, _k_scale_min, _nibbles, _q5_high
 
 GROUP = 32
 # type -> layout: None (one code a weight) or (sub, f): each run of ``sub`` inputs widened to [x, f x]
 LAYOUTS = {"Q4_0": None, "Q4_1": None, "Q4_K": None, "Q5_0": (32, 16), "Q5_1": (32, 16), "Q8_0": (32, 16),
-           "Q5_K": (32, 16), "Q6_K": (16, 8)}
+           "Q5_K": (32, 16), "IQ4_NL": (32, 16), "IQ4_XS": (32, 16), "Q6_K": (16, 8), "Q3_K": (16, 8),
+           "Q2_K": (16, 8)}
 TYPES = tuple(LAYOUTS)
 _ROWS_PER_CONVERT = 4096  # converts a few thousand rows at a time: the int32 codes it takes are 8 bytes a weight
 
@@ -89,6 +94,13 @@ def _pair(low, high, s_low, s_high, z_low, z_high) -> tuple[torch.Tensor, torch.
     return codes, torch.stack([s_low, s_high], -1).reshape(n, -1), torch.stack([z_low, z_high], -1).reshape(n, -1)
 
 
+def _u8_pair(v: torch.Tensor, s: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Signed 8-bit values v [N, g, 32] (Q8_0, IQ4's table values) with scales s [N, g]: u = v + 128 = 16 h + l;
+    l: scale s, zero 8 s; h (x times 16): code h, zero 0."""
+    u = v.to(torch.int16) + 128
+    return _pair((u & 15).to(torch.uint8), (u >> 4).to(torch.uint8), s, s, 8 * s, torch.zeros_like(s))
+
+
 def _decode_blocks(b: torch.Tensor, type_name: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """[N, bytes] blocks -> codes [N, k' per block], scale and zero [N, k' per block / 32]."""
     n = b.shape[0]
@@ -108,12 +120,30 @@ def _decode_blocks(b: torch.Tensor, type_name: str) -> tuple[torch.Tensor, torch
         low = _bits(ql.reshape(n, 2, 64), 4, 2).reshape(n, 16, 16)
         high = _bits(qh.reshape(n, 2, 32), 2, 4).reshape(n, 16, 16)
         return _pair(low, 2 * high + 5, s, None, torch.zeros_like(s), None)
+    if type_name == "Q3_K":  # Q6_K's layout with idle h codes (8: a zero product), q in [-4, 3] as c = q + 8
+        hmask, qs, sc = b[:, :32], b[:, 32:96], b[:, 96:108]
+        low, high = _bits(sc[:, :8], 4, 2).reshape(n, 16), _bits(sc[:, 8:], 2, 4).reshape(n, 16)
+        s = _f16(b[:, 108:110]).unsqueeze(-1) * ((low | (high << 4)).to(torch.int8) - 32).float()
+        ql = _bits(qs.reshape(n, 2, 32), 2, 4).reshape(n, 16, 16)
+        qh = _bits(hmask, 1, 8).reshape(n, 16, 16) ^ 1  # a set mask bit means no -4 offset
+        return _pair(ql + 8 - 4 * qh, torch.full_like(ql, 8), s, None, torch.zeros_like(s), None)
+    if type_name == "Q2_K":  # as Q3_K; the min -dmin m is a zero, which the idle h half (x times 8) takes too
+        sc, qs = b[:, :16], b[:, 16:80]
+        s = _f16(b[:, 80:82]).unsqueeze(-1) * (sc & 0xF).float()
+        z = _f16(b[:, 82:84]).unsqueeze(-1) * (sc >> 4).float() / -9
+        q = _bits(qs.reshape(n, 2, 32), 2, 4).reshape(n, 16, 16)
+        return _pair(q + 8, torch.full_like(q, 8), s, None, z, None)
     zeros = torch.zeros(n, 1)
     if type_name == "Q8_0":
-        d = _f16(b[:, :2]).unsqueeze(-1)
-        u = b[:, 2:].contiguous().view(torch.int8).to(torch.int16) + 128
-        return _pair((u & 15).to(torch.uint8).view(n, 1, 32), (u >> 4).to(torch.uint8).view(n, 1, 32),
-                     d, d, 8 * d, zeros)
+        return _u8_pair(b[:, 2:].contiguous().view(torch.int8).view(n, 1, 32), _f16(b[:, :2]).unsqueeze(-1))
+    if type_name == "IQ4_NL":
+        return _u8_pair(_kvalues(_nibbles(b[:, 2:])).view(n, 1, 32), _f16(b[:, :2]).unsqueeze(-1))
+    if type_name == "IQ4_XS":
+        sh = b[:, 2:4].contiguous().view(torch.int16).to(torch.int32)  # 8 two-bit fields: the scales' high bits
+        high = ((sh >> torch.arange(0, 16, 2, dtype=torch.int32).view(1, 8)) & 3).to(torch.uint8)
+        low = _bits(b[:, 4:8], 4, 2).transpose(1, 2).reshape(n, 8)  # byte j: group 2j (low), 2j + 1 (high)
+        s = _f16(b[:, :2]).unsqueeze(-1) * ((low | (high << 4)).to(torch.int8) - 32).float()
+        return _u8_pair(_kvalues(_nibbles(b[:, 8:].reshape(n, 8, 16))), s)
     if type_name in ("Q5_0", "Q5_1"):
         d = _f16(b[:, :2]).unsqueeze(-1)
         at = 2 if type_name == "Q5_0" else 4
@@ -129,6 +159,10 @@ def _decode_blocks(b: torch.Tensor, type_name: str) -> tuple[torch.Tensor, torch
         high = _bits(b[:, 16:48], 1, 8)  # [N, 8, 32]: group g takes bit g of each of the 32 bytes
         return _pair(low, high + 8, s, s, 8 * s - _f16(b[:, 2:4]).unsqueeze(-1) * m.float(), torch.zeros_like(s))
     raise AssertionError(type_name)
+
+
+def _kvalues(q: torch.Tensor) -> torch.Tensor:
+    return torch.tensor(IQ4_KVALUES, dtype=torch.int16)[q.long()]
 
 
 def decode(raw: torch.Tensor, type_name: str, n: int, k: int, row_order: torch.Tensor | None = None) -> Codes:
