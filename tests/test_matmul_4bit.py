@@ -41,6 +41,7 @@ CASES = [  # m, n, k, blocksize, nested, bias
     (1, 33, 256, 32, True, False),
     (1, 8, 4096, 4096, False, False),
     (3, 24, 384, 128, True, True),
+    (8, 50, 320, 64, True, True),  # the MMA path's 8 rows; rows past a warp's 16 and a program's 64
     (16, 64, 128, 64, False, True),
     (17, 70, 256, 64, True, False),
     (40, 96, 576, 64, True, True),  # partial row and column tiles, odd K / 64
@@ -52,7 +53,7 @@ CASES = [  # m, n, k, blocksize, nested, bias
 @pytest.mark.parametrize("m,n,k,bs,nested,bias", CASES)
 def test_kernel_paths_match_reference(kdevice, dtype, m, n, k, bs, nested, bias):
     from anygpu.kernels.launch import LaunchConfig, device_target
-    from anygpu.kernels.matmul_4bit import GEMM_CONFIGS, GEMV_CONFIGS, Plan, matmul_4bit as kernel, select
+    from anygpu.kernels.matmul_4bit import GEMM_CONFIGS, GEMV_CONFIGS, MMA_CONFIGS, Plan, matmul_4bit as kernel, select
 
     target = device_target(kdevice)  # None under the interpreter: the portable configs
     w, absmax, code, nest = make_weight(n, k, bs, nested, kdevice)
@@ -62,6 +63,8 @@ def test_kernel_paths_match_reference(kdevice, dtype, m, n, k, bs, nested, bias)
     # Also a step of one block or less, without prefetch, whatever the table's choice.
     small_steps = LaunchConfig({**gemv.constexprs, "CHUNK": 32, "PREFETCH": False}, gemv.num_warps)
     plans = [Plan("gemv", gemv, s) for s in (1, 3)] + [Plan("gemv", small_steps, 2)] if m <= 3 else []
+    if m <= 8 and bs % 64 == 0 and k % 64 == 0:
+        plans += [Plan("mma", select(MMA_CONFIGS, target)[0], s) for s in (1, 3)]
     plans += [Plan("gemm", cfg, s) for cfg in select(GEMM_CONFIGS, target) for s in (1, 2)] + [Plan("dequant")]
     # Steps of several 4-bit blocks with the scales folded into the decoded values (the NVIDIA tables' choice),
     # wherever K allows (else the launcher keeps one block per step).

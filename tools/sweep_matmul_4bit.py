@@ -1,6 +1,7 @@
 """Sweep the 4-bit matmul's launch configs on this GPU (a tuning aid: the winners go into the config
 tables of anygpu/kernels/matmul_4bit.py).  Full grid on N = K = 8192 fp16, then the best few on every
-shape.  Usage: python3 tools/sweep_matmul_4bit.py [--gemv | --gemm | ROWS...]"""
+shape.  Usage: python3 tools/sweep_matmul_4bit.py [--gemv | --gemm | --mma | ROWS...] (--mma: the tensor-core
+path's warps and splits at 1 to 8 rows, against the GEMV and GEMM)"""
 
 import itertools
 import sys
@@ -32,7 +33,13 @@ def t(fn):
 
 
 def plans(m):
-    if m == 1 and "--gemv" in sys.argv:
+    if "--mma" in sys.argv:
+        target = K.device_target(dev)
+        gemv = K.select(K.GEMV_CONFIGS, target)[0]
+        yield K.Plan("gemv", gemv, 4) if m == 1 else K.Plan("gemm", K.gemm_config(m, target), 4)
+        for warps, split in itertools.product((1, 2, 4, 8), (1, 2, 4, 8, 16)):
+            yield K.Plan("mma", LaunchConfig({"WARPS": warps, "DECODE_PTX": True}, num_warps=warps), split)
+    elif m == 1 and "--gemv" in sys.argv:
         for bn, chunk, warps, half2, split in itertools.product((16, 32, 64), (128, 256, 512), (2, 4, 8), (False, True),
                                                                 (2, 4, 8)):
             yield K.Plan("gemv", LaunchConfig({"BLOCK_N": bn, "CHUNK": chunk, "PREFETCH": False, "LUT_GATHER": True,
@@ -95,7 +102,7 @@ def run(n, k, m, dtype, nested, candidates):
 
 
 ROWS = [int(a) for a in sys.argv[1:] if a.isdigit()] or ([16] if "--gemm" in sys.argv else [1] if "--gemv" in sys.argv
-                                                          else [1, 16])
+                                                          else [1, 4, 8] if "--mma" in sys.argv else [1, 16])
 for m in ROWS:
     baseline_plan = K.plan(m, 8192, 8192, 64, torch.float16, dev)
     ranked = run(8192, 8192, m, torch.float16, False, [baseline_plan] + list(plans(m)))

@@ -52,19 +52,21 @@ def _tables(code_ptr, BF16: tl.constexpr = False):
 # ``prmt`` picks bytes of the table's low and high halves by the codes' low 3 bits, a ``lop3`` chooses
 # between them by bit 3 (turned into byte masks by prmt's sign mode), two more ``prmt`` interleave low and
 # high bytes into 16-bit values, two to a register.  ``$w``: the word's operand; ``$t``..``$t+7``: the tables.
-def _decode_setup(w: int) -> str:
+def _decode_setup(w: int | str) -> str:
+    """``w``: the word's operand number, or a register's name."""
+    w = f"${w}" if isinstance(w, int) else w
     return f"""
-        shl.b32 b, ${w}, 4;
-        and.b32 sl, ${w}, 0x7777;
-        shr.u32 sh, ${w}, 16;
+        shl.b32 b, {w}, 4;
+        and.b32 sl, {w}, 0x7777;
+        shr.u32 sh, {w}, 16;
         and.b32 sh, sh, 0x7777;
-        prmt.b32 ml, b, ${w}, 0xD9C8;
-        prmt.b32 mh, b, ${w}, 0xFBEA;"""
+        prmt.b32 ml, b, {w}, 0xD9C8;
+        prmt.b32 mh, b, {w}, 0xFBEA;"""
 
 
-def _lookup_half(t: int, sel: str, mask: str, pairs: tuple) -> str:
-    """o0, o1 = the half's 4 values as 16-bit pairs; ``pairs``: the interleave selectors (which element goes
-    in the low and which in the high half of each register)."""
+def _lookup_half(t: int, sel: str, mask: str, pairs: tuple, out: tuple = ("o0", "o1")) -> str:
+    """out[0], out[1] = the half's 4 values as 16-bit pairs; ``pairs``: the interleave selectors (which element
+    goes in the low and which in the high half of each register)."""
     return f"""
         prmt.b32 a0, ${t}, ${t + 1}, {sel};
         prmt.b32 a1, ${t + 2}, ${t + 3}, {sel};
@@ -72,8 +74,8 @@ def _lookup_half(t: int, sel: str, mask: str, pairs: tuple) -> str:
         prmt.b32 a0, ${t + 4}, ${t + 5}, {sel};
         prmt.b32 a1, ${t + 6}, ${t + 7}, {sel};
         lop3.b32 hh, a0, a1, {mask}, 0xD8;
-        prmt.b32 o0, ll, hh, {pairs[0]};
-        prmt.b32 o1, ll, hh, {pairs[1]};"""
+        prmt.b32 {out[0]}, ll, hh, {pairs[0]};
+        prmt.b32 {out[1]}, ll, hh, {pairs[1]};"""
 
 
 NIBBLE_ORDER = ("0x5140", "0x7362")  # pairs (1, 0), (3, 2): the nibbles' order in the word

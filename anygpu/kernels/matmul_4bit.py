@@ -28,6 +28,7 @@ import triton.language as tl
 from ._decode_4bit import _block_scales, _decode8, _decode_pairs, _dot8, _lookup, _tables
 from ._program_order import grouped_tile
 from ._split_k import reduce_partials
+from .gemv_mma_4bit import _gemv_mma_4bit_kernel
 from .launch import (TRITON_DTYPE, KernelSpec, LaunchConfig, cached_options, device_target, on_device, plan_hook,
                      register, select)
 
@@ -237,6 +238,13 @@ GEMV_CONFIGS = {
     "nvidia": (LaunchConfig({"BLOCK_N": 32, "CHUNK": 512, "PREFETCH": False, "LUT_GATHER": True, "MAX_SPLIT": 4,
                              "SPLIT_MIN_CHUNKS": 2, "DECODE_PTX": True, "HALF2": True}, num_warps=2),),
 }
+# MMA (1 to 8 rows on NVIDIA tensor cores, gemv_mma_4bit.py): WARPS warps of 16 weight rows a program, K split
+# up to MAX_SPLIT ways while each split keeps >= SPLIT_MIN_STEPS steps of 64 columns.  The portable entry is what
+# Triton's interpreter runs (AMD selects the GEMV and GEMM: PATH_LIMITS).
+MMA_CONFIGS = {
+    "default": (LaunchConfig({"WARPS": 4, "MAX_SPLIT": 8, "SPLIT_MIN_STEPS": 4}, num_warps=4),),
+    "nvidia": (LaunchConfig({"WARPS": 4, "MAX_SPLIT": 8, "SPLIT_MIN_STEPS": 4, "DECODE_PTX": True}, num_warps=4),),
+}
 # GEMM: one config per bucket of rows (MAX_M: the most rows it takes), tried in order.  A weight tile is
 # decoded once per BLOCK_M rows, so BLOCK_M grows with M; split K keeps enough programs in flight when
 # N / BLOCK_N tiles alone do not fill the GPU.  FOLD_SCALE: steps of BLOCK_K columns span several 4-bit blocks,
@@ -267,12 +275,13 @@ GEMM_CONFIGS = {
 # (docs/perf/2026-12-01-nf4-gemm.md).
 PATH_LIMITS = {
     "default": {"gemv": 1, "gemm": 64},
+    "nvidia": {"gemv": 1, "mma": 8, "gemm": 64},
 }
 
 
 @dataclass(frozen=True)
 class Plan:
-    path: str  # "gemv" | "gemm" | "dequant"
+    path: str  # "gemv" | "mma" | "gemm" | "dequant"
     config: LaunchConfig | None = None
     split_k: int = 1
 
@@ -299,6 +308,12 @@ def plan(m: int, n: int, k: int, blocksize: int, dtype: torch.dtype, device: tor
         while split < cfg.constexprs["MAX_SPLIT"] and chunks // (2 * split) >= least:
             split *= 2
         return Plan("gemv", cfg, split)
+    if m <= limits.get("mma", 0) and blocksize % 64 == 0 and k % 64 == 0 and dtype in DTYPES:
+        cfg = select(MMA_CONFIGS, target)[0]
+        split, steps = 1, k // 64
+        while split < cfg.constexprs["MAX_SPLIT"] and steps // (2 * split) >= cfg.constexprs["SPLIT_MIN_STEPS"]:
+            split *= 2
+        return Plan("mma", cfg, split)
     if limits["gemm"] is None or m <= limits["gemm"]:
         cfg = gemm_config(m, target)
         split = cfg.constexprs["SPLIT_K"]
@@ -391,6 +406,25 @@ def matmul_4bit(x: torch.Tensor, weight: torch.Tensor, absmax: torch.Tensor, cod
             if p.split_k > 1:
                 reduce_partials(partials, out2, bias)
             return out
+        elif p.path == "mma":
+            if blocksize % 64 or k % 64 or m > 8:
+                raise ValueError(f"the mma path takes up to 8 rows, K and the block size multiples of 64; got "
+                                 f"{m} rows, K = {k}, block size {blocksize}")
+            partials = torch.empty(p.split_k, m, n, dtype=torch.float32, device=x.device) if p.split_k > 1 else out2
+            # PTX: int32 words of codes and of x pairs (rows 4-byte aligned)
+            ptx = (c.get("DECODE_PTX", False) and ptx_words and x.dtype in DTYPES and x2.data_ptr() % 4 == 0
+                   and x2.stride(0) % 2 == 0)
+            if c.get("DECODE_PTX", False) and not ptx:
+                return matmul_4bit(x, weight, absmax, code, blocksize, n, k, bias, nested_absmax, nested_code,
+                                   nested_offset, plan_=Plan("gemm", gemm_config(m, device_target(x.device)), 1))
+            grid = (-(-n // (16 * c["WARPS"])), p.split_k)
+            _gemv_mma_4bit_kernel[grid](x2, w, absmax, code, b, partials, *nest, m, n, k, x2.stride(0),
+                                        out2.stride(0), k // 8, p.split_k, BLOCKSIZE=blocksize, WARPS=c["WARPS"],
+                                        PARTIAL=p.split_k > 1, NESTED=nested, HAS_BIAS=bias is not None,
+                                        DECODE_PTX=ptx, **options)
+            if p.split_k > 1:
+                reduce_partials(partials, out2, bias)
+            return out
         else:
             # A step stays inside one 4-bit block, or (FOLD_SCALE) spans whole blocks when K allows.
             block_k = min(c["BLOCK_K"], blocksize)
@@ -419,16 +453,19 @@ def _signature(kernel: str):
         s = {"x_ptr": f"*{t}", "w_ptr": "*u8", "absmax_ptr": "*fp32", "code_ptr": "*fp32", "bias_ptr": f"*{t}",
              "out_ptr": f"*{t}", "nested_code_ptr": "*fp32", "nested_absmax_ptr": "*fp32",
              "nested_offset_ptr": "*fp32"}
-        s.update({"M": "i32"} if kernel == "gemm" else {})
+        s.update({"M": "i32"} if kernel in ("gemm", "mma") else {})
         s.update({"N": "i32", "K": "i32", "stride_xm": "i32", "stride_om": "i32"})
         s["stride_w"] = "i32"
-        s.update({"SPLITS": "i32"} if kernel == "gemv" else {})
+        s.update({"SPLITS": "i32"} if kernel != "gemm" else {})
         s["BLOCKSIZE"] = "constexpr"
         if kernel == "gemm":
             s.update({"BLOCK_M": "constexpr", "BLOCK_N": "constexpr", "BLOCK_K": "constexpr",
                       "NESTED": "constexpr", "HAS_BIAS": "constexpr", "GROUP_M": "constexpr",
                       "DOT_IN_FP32": "constexpr", "LUT_GATHER": "constexpr",
                       "SPLIT_K": "constexpr", "DECODE_PTX": "constexpr"})
+        elif kernel == "mma":
+            s.update({"WARPS": "constexpr", "PARTIAL": "constexpr", "NESTED": "constexpr", "HAS_BIAS": "constexpr",
+                      "DECODE_PTX": "constexpr"})
         else:
             s.update({"BLOCK_N": "constexpr", "CHUNK": "constexpr", "SEG": "constexpr",
                       "EVEN_K": "constexpr", "PARTIAL": "constexpr", "PREFETCH": "constexpr",
@@ -459,3 +496,8 @@ GEMM_SPEC = register(KernelSpec(
                                             "GROUP_M": 8, "DOT_IN_FP32": False, "SPLIT_K": 1,
                                             "DECODE_PTX": c.constexprs.get("DECODE_PTX", False)},
                    drop=("MAX_M", "FOLD_SCALE"))))
+MMA_SPEC = register(KernelSpec(
+    "gemv_mma_4bit", _gemv_mma_4bit_kernel, _signature("mma"), DTYPES,
+    _with_defaults(MMA_CONFIGS, lambda c: {"BLOCKSIZE": 64, "PARTIAL": True, "NESTED": True, "HAS_BIAS": False,
+                                           "DECODE_PTX": c.constexprs.get("DECODE_PTX", False)},
+                   drop=("MAX_SPLIT", "SPLIT_MIN_STEPS"))))

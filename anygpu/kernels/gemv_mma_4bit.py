@@ -1,0 +1,174 @@
+"""4-bit matmul for 1 to 8 rows of x on NVIDIA tensor cores, from bitsandbytes' own row-major layout.
+
+Why: the CUDA-core GEMV spends most of its instructions on the products after decoding (16-bit pair
+multiply-adds, widening, adding), one set per row of x, and the tiled GEMM moves every decoded tile through
+shared memory into the MMA operand layout.  Here each lane decodes its codes straight into the registers of an
+``mma.sync.m16n8k16`` A fragment (16 weight rows x 16 columns a warp) and the tensor core does the products for
+up to 8 rows of x at once (x is the B fragment, 8 columns), in fp32: 8 rows cost what 1 costs.
+
+No repacking: the columns of a 16-column MMA step may be any 16 columns, as long as A and B agree.  Lane
+(g, q) (g = lane / 4, q = lane % 4) takes, over a step of 64 columns (4 MMAs), its rows' columns 16q .. 16q + 15:
+8 bytes of weight row g and 8 of row g + 8 in bitsandbytes' layout, and x's row g over the same 16 columns.  MMA s
+gives the lane's fragment slots k = 2q, 2q + 1, 2q + 8, 2q + 9 the columns 16q + 4s + 0, 1, 2, 3, so its A
+registers are the nibbles of bytes 2s and 2s + 1 of each row's 8 (one byte permute makes the word the decoder
+takes) and its B registers are two pairs of x.  The 64 columns of a step lie in one 4-bit block (the block size
+is a multiple of 64), so each row's scale multiplies the step's sums once.
+
+Grid: (N / (16 * warps), SPLITS): each warp 16 output features over 1/SPLITS of K.  NVIDIA only (inline PTX);
+Triton's interpreter runs the same steps with the table lookup and a broadcast product in place of the MMA.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from ._decode_4bit import ELEMENT_ORDER, _block_scales, _decode_setup, _lookup_half, _tables
+
+
+def _mma_steps(bf16: bool) -> str:
+    """One 64-column step of a lane: $0..$3 the fp32 C fragment (rows g, g + 8 x columns 2q, 2q + 1);
+    $4, $5: row g's 8 bytes (low, high word); $6, $7: row g + 8's; $8..$15: x's 16 values as pairs; $16..$23:
+    the tables."""
+    t = "bf16" if bf16 else "f16"
+    body = ["""
+        {
+        .reg .b32 b, sl, sh, ml, mh, a0, a1, ll, hh, w, f0, f1, f2, f3;
+        mov.f32 $0, 0f00000000;
+        mov.f32 $1, 0f00000000;
+        mov.f32 $2, 0f00000000;
+        mov.f32 $3, 0f00000000;"""]
+    for s in range(4):
+        g, g8 = ("$4", "$6") if s < 2 else ("$5", "$7")
+        # bytes 2s and 2s + 1 of each row (within its word) -> (row g, row g + 8, row g, row g + 8)
+        body.append(f"\n        prmt.b32 w, {g}, {g8}, {'0x5140' if s % 2 == 0 else '0x7362'};")
+        body.append(_decode_setup("w"))
+        body.append(_lookup_half(16, "sl", "ml", ELEMENT_ORDER, ("f0", "f1")))
+        body.append(_lookup_half(16, "sh", "mh", ELEMENT_ORDER, ("f2", "f3")))
+        body.append(f"""
+        mma.sync.aligned.m16n8k16.row.col.f32.{t}.{t}.f32 {{$0, $1, $2, $3}}, {{f0, f1, f2, f3}},
+            {{${8 + 2 * s}, ${9 + 2 * s}}}, {{$0, $1, $2, $3}};""")
+    return "".join(body) + "\n        }\n"
+
+
+MMA_F16 = tl.constexpr(_mma_steps(False))
+MMA_BF16 = tl.constexpr(_mma_steps(True))
+MMA_CONSTRAINTS = tl.constexpr(",".join(["=f"] * 4 + ["r"] * 20))
+
+
+@triton.jit
+def _mma_step(r0lo, r0hi, r1lo, r1hi, x0, x1, x2, x3, x4, x5, x6, x7, t0, t1, t2, t3, u0, u1, u2, u3,
+              BF16: tl.constexpr):
+    args = [r0lo, r0hi, r1lo, r1hi, x0, x1, x2, x3, x4, x5, x6, x7, t0, t1, t2, t3, u0, u1, u2, u3]
+    if BF16:
+        return tl.inline_asm_elementwise(MMA_BF16, MMA_CONSTRAINTS, args, dtype=(tl.float32,) * 4, is_pure=True,
+                                         pack=1)
+    return tl.inline_asm_elementwise(MMA_F16, MMA_CONSTRAINTS, args, dtype=(tl.float32,) * 4, is_pure=True, pack=1)
+
+
+@triton.jit
+def _gemv_mma_4bit_kernel(x_ptr, w_ptr, absmax_ptr, code_ptr, bias_ptr, out_ptr,
+                          nested_code_ptr, nested_absmax_ptr, nested_offset_ptr,
+                          M, N, K, stride_xm, stride_om, stride_w, SPLITS,
+                          BLOCKSIZE: tl.constexpr, WARPS: tl.constexpr, PARTIAL: tl.constexpr,
+                          NESTED: tl.constexpr, HAS_BIAS: tl.constexpr, DECODE_PTX: tl.constexpr):
+    tl.static_assert(BLOCKSIZE % 64 == 0)
+    lane = tl.arange(0, 32 * WARPS)  # one element per thread: element i is lane i % 32 of warp i // 32
+    g = (lane % 32) // 4
+    q = lane % 4
+    r0 = (tl.program_id(0) * WARPS + lane // 32) * 16 + g
+    r1 = r0 + 8
+    steps = K // 64
+    per_split = tl.cdiv(steps, SPLITS)
+    s_begin = tl.program_id(1) * per_split
+    s_end = tl.minimum(s_begin + per_split, steps)
+    blocks_per_row = K // BLOCKSIZE
+    # rows past N and x's rows past M read as zeros (n < where(...): a scalar & a vector trips the interpreter)
+    m0 = r0 < N
+    m1 = r1 < N
+    mx = g < M
+    c0 = tl.zeros((32 * WARPS,), dtype=tl.float32)
+    c1 = tl.zeros((32 * WARPS,), dtype=tl.float32)
+    c2 = tl.zeros((32 * WARPS,), dtype=tl.float32)
+    c3 = tl.zeros((32 * WARPS,), dtype=tl.float32)
+    if DECODE_PTX:
+        t0, t1, t2, t3, u0, u1, u2, u3 = _tables(code_ptr, x_ptr.dtype.element_ty == tl.bfloat16)
+        words = w_ptr.to(tl.pointer_type(tl.int32))
+        p0 = words + r0.to(tl.int64) * stride_w + 2 * q  # the lane's 8 bytes of a step: words 2q, 2q + 1
+        p1 = words + r1.to(tl.int64) * stride_w + 2 * q
+        px = x_ptr.to(tl.pointer_type(tl.int32)) + g.to(tl.int64) * (stride_xm // 2) + 8 * q
+        for s in range(s_begin, s_end):
+            w0 = s * 8  # a step is 64 columns: 8 words of codes, 32 words of x pairs
+            xs = px + s * 32
+            y0, y1 = tl.load(xs, mask=mx, other=0), tl.load(xs + 1, mask=mx, other=0)
+            y2, y3 = tl.load(xs + 2, mask=mx, other=0), tl.load(xs + 3, mask=mx, other=0)
+            y4, y5 = tl.load(xs + 4, mask=mx, other=0), tl.load(xs + 5, mask=mx, other=0)
+            y6, y7 = tl.load(xs + 6, mask=mx, other=0), tl.load(xs + 7, mask=mx, other=0)
+            d0, d1, d2, d3 = _mma_step(tl.load(p0 + w0, mask=m0, other=0), tl.load(p0 + w0 + 1, mask=m0, other=0),
+                                       tl.load(p1 + w0, mask=m1, other=0), tl.load(p1 + w0 + 1, mask=m1, other=0),
+                                       y0, y1, y2, y3, y4, y5, y6, y7, t0, t1, t2, t3, u0, u1, u2, u3,
+                                       x_ptr.dtype.element_ty == tl.bfloat16)
+            block = s * 64 // BLOCKSIZE
+            s0 = _block_scales(absmax_ptr, nested_code_ptr, nested_absmax_ptr, nested_offset_ptr,
+                               r0.to(tl.int64) * blocks_per_row + block, m0, NESTED)
+            s1 = _block_scales(absmax_ptr, nested_code_ptr, nested_absmax_ptr, nested_offset_ptr,
+                               r1.to(tl.int64) * blocks_per_row + block, m1, NESTED)
+            c0 += d0 * s0
+            c1 += d1 * s0
+            c2 += d2 * s1
+            c3 += d3 * s1
+    else:
+        # The same sums without the MMA: rows r0 / r1 of W against x's rows 2q and 2q + 1, 16 columns at a time.
+        lut = tl.load(code_ptr + tl.arange(0, 16))
+        for s in range(s_begin, s_end):
+            block = s * 64 // BLOCKSIZE
+            s0 = _block_scales(absmax_ptr, nested_code_ptr, nested_absmax_ptr, nested_offset_ptr,
+                               r0.to(tl.int64) * blocks_per_row + block, m0, NESTED)
+            s1 = _block_scales(absmax_ptr, nested_code_ptr, nested_absmax_ptr, nested_offset_ptr,
+                               r1.to(tl.int64) * blocks_per_row + block, m1, NESTED)
+            for j in tl.static_range(4):
+                col = s * 64 + 16 * j
+                v0 = _decoded(w_ptr, r0, m0, K, col, lut)
+                v1 = _decoded(w_ptr, r1, m1, K, col, lut)
+                xa = _x_cols(x_ptr, 2 * q, M, stride_xm, col)
+                xb = _x_cols(x_ptr, 2 * q + 1, M, stride_xm, col)
+                c0 += tl.sum(v0 * xa, axis=1) * s0
+                c1 += tl.sum(v0 * xb, axis=1) * s0
+                c2 += tl.sum(v1 * xa, axis=1) * s1
+                c3 += tl.sum(v1 * xb, axis=1) * s1
+    # The C fragment: lane (g, q) holds rows r0, r1 of the output's columns (rows of x) 2q and 2q + 1.
+    _store(out_ptr, bias_ptr, c0, 2 * q, r0, M, N, stride_om, PARTIAL, HAS_BIAS)
+    _store(out_ptr, bias_ptr, c1, 2 * q + 1, r0, M, N, stride_om, PARTIAL, HAS_BIAS)
+    _store(out_ptr, bias_ptr, c2, 2 * q, r1, M, N, stride_om, PARTIAL, HAS_BIAS)
+    _store(out_ptr, bias_ptr, c3, 2 * q + 1, r1, M, N, stride_om, PARTIAL, HAS_BIAS)
+
+
+@triton.jit
+def _x_cols(x_ptr, row, M, stride_xm, col):
+    """Row ``row`` (one per element) of x at columns col .. col + 15, fp32 [elements, 16] (rows past M: zeros)."""
+    k = tl.arange(0, 16)
+    x = tl.load(x_ptr + row.to(tl.int64)[:, None] * stride_xm + col + k[None, :], mask=(row < M)[:, None], other=0.0)
+    return x.to(tl.float32)
+
+
+@triton.jit
+def _decoded(w_ptr, row, ok, K, col, lut):
+    """Row ``row`` (one per element) of W at columns col .. col + 15, decoded (unscaled), fp32 [elements, 16]."""
+    packed = tl.load(w_ptr + row.to(tl.int64)[:, None] * (K // 2) + col // 2 + tl.arange(0, 8)[None, :],
+                     mask=ok[:, None], other=0).to(tl.int32)
+    hi = tl.gather(lut, (packed >> 4).reshape(packed.numel), 0).reshape(packed.shape)
+    lo = tl.gather(lut, (packed & 15).reshape(packed.numel), 0).reshape(packed.shape)
+    return tl.interleave(hi, lo)  # column order: the high nibble is the even column
+
+
+@triton.jit
+def _store(out_ptr, bias_ptr, acc, col, row, M, N, stride_om, PARTIAL: tl.constexpr, HAS_BIAS: tl.constexpr):
+    """acc (one per element) to out[col, row] where col < M and row < N; PARTIAL: this split's slice of the
+    [SPLITS, M, N] fp32 partials (kernels/_split_k.py adds them and the bias)."""
+    mask = (row < N) & (col < M)
+    if PARTIAL:
+        tl.store(out_ptr + (tl.program_id(1) * M + col).to(tl.int64) * N + row, acc, mask=mask)
+    else:
+        if HAS_BIAS:
+            acc += tl.load(bias_ptr + row, mask=row < N, other=0.0).to(tl.float32)
+        tl.store(out_ptr + col.to(tl.int64) * stride_om + row, acc.to(out_ptr.dtype.element_ty), mask=mask)
