@@ -1,7 +1,7 @@
-"""GGUF Q4_0 / Q4_1 / Q5_0 / Q5_1 / Q8_0 kept packed on the CPU (``anygpu.quant.gguf_int4pack``, ``anygpu.nn.GGUFLinear``):
-products against ``gguf.quants``' dequantized weights under the accuracy rule (bf16 compute), stacking and
-row orders, errors, and the engine's default model running on packed layers.  The K-quants (random blocks:
-gguf-py cannot encode them) are in tests/test_gguf_kquants_packed.py."""
+"""GGUF Q4_0 / Q4_1 / Q5_0 / Q5_1 / Q8_0 kept packed on the CPU (``anygpu.quant.gguf_int4pack``,
+``anygpu.nn.GGUFLinear``): products against ``gguf.quants``' dequantized weights under the accuracy rule (bf16
+compute), stacking and row orders, errors, and the engine's default model running on packed layers.  The
+K-quants and IQ4 (random blocks: gguf-py cannot encode them) are in tests/test_gguf_kquants_packed.py."""
 
 import numpy as np
 import pytest

@@ -1,11 +1,11 @@
-"""GGUF K-quants (Q2_K .. Q6_K) and IQ4_NL / IQ4_XS kept packed on the CPU (``anygpu.quant.gguf_int4pack``, ``GGUFLinear``):
-the decoded codes rebuild ``gguf.quants.dequantize``'s weights, the packed product matches ``x @ W.T`` on them
-under the accuracy rule (bf16 compute), stacked projections of mixed types (llama.cpp's Q4_K_M keeps v and down in
-Q6_K) run as segments, and a tiny random Llama of mixed K-quants runs through the engine packed as it does with
-``ANYGPU_CPU_GGUF_PACKED=0``.
+"""GGUF K-quants (Q2_K .. Q6_K) and IQ4_NL / IQ4_XS kept packed on the CPU (``anygpu.quant.gguf_int4pack``,
+``GGUFLinear``): the decoded codes rebuild ``gguf.quants.dequantize``'s weights, the packed product matches
+``x @ W.T`` on them under the accuracy rule (bf16 compute), stacked projections of mixed types (llama.cpp's
+Q4_K_M keeps v and down in Q6_K) run as segments, and tiny random Llamas of mixed types run through the engine
+packed as they do with ``ANYGPU_CPU_GGUF_PACKED=0``.
 
-Valid K-quant blocks are random bits with sized fp16 scales (``test_gguf_types._random_blocks``): gguf-py decodes
-K-quants but cannot encode them.
+Valid K-quant and IQ4 blocks are random bits with sized fp16 scales (``test_gguf_types._random_blocks``): gguf-py
+decodes them but cannot encode them.
 """
 
 import numpy as np

@@ -6,10 +6,11 @@ lookup) where no tied head needs its dequantized weight.  F32 / F16 / BF16 tenso
 cannot be cut in multiples of 16 per layout, are loaded as fp32.
 
 Why: a decode step on the CPU is bound by reading the weights; the packed layer reads 0.625 bytes a weight
-(1.25 for the types that take two codes a weight, ``gguf_int4pack``'s layouts) against fp32's 4, and the dequantized copy is
-never made (``packed_tensors`` names the tensors the weights iterator skips; ``pack_linears`` swaps the layers
-before the rest is loaded, while the model's own weights are still unwritten, so never resident).  ``ANYGPU_CPU_GGUF_PACKED=0`` keeps the dequantized fp32 layers
-(bit-for-bit the GGUF's values, computed in fp32: what tests against transformers' fp32 logits want).
+(1.25 for the types that take two codes a weight, ``gguf_int4pack``'s layouts) against fp32's 4, and the
+dequantized copy is never made (``packed_tensors`` names the tensors the weights iterator skips;
+``pack_linears`` swaps the layers before the rest is loaded, while the model's own weights are still unwritten,
+so never resident).  ``ANYGPU_CPU_GGUF_PACKED=0`` keeps the dequantized fp32 layers (bit-for-bit the GGUF's
+values, computed in fp32: what tests against transformers' fp32 logits want).
 """
 
 from __future__ import annotations
