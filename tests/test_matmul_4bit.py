@@ -172,3 +172,43 @@ def test_bad_arguments_name_the_argument():
         matmul_4bit(x, w, absmax, code, 64, 24, 128, None, torch.rand(1))
     with pytest.raises(ValueError, match=r"bias: expected torch.float16 of shape \(24,\)"):
         matmul_4bit(x, w, absmax, code, 64, 24, 128, torch.randn(24))
+
+
+def test_mma_path_fragments_cover_each_column_once():
+    """The tensor-core path's lane plan, replayed on the CPU from its PTX text: each lane's byte permutes give
+    mma.sync.m16n8k16's A fragment (PTX ISA layout: a0..a7 = rows g, g, g+8, g+8, g, g, g+8, g+8 at slots 2q,
+    2q+1, 2q, 2q+1, 2q+8, 2q+9, 2q+8, 2q+9), x gives the B fragment, and the four MMAs of a step add up to
+    W x^T over the step's 64 columns."""
+    import re
+
+    from anygpu.kernels.gemv_mma_4bit import _mma_steps
+
+    ptx = _mma_steps(bf16=True)
+    permutes = re.findall(r"prmt\.b32 w, \$(\d), \$(\d), (0x[0-9A-F]+);", ptx)
+    b_regs = re.findall(r"\{\$(\d+), \$(\d+)\}, \{\$0", ptx)
+    assert len(permutes) == 4 and len(b_regs) == 4
+    g = torch.Generator().manual_seed(0)
+    codes = torch.randint(0, 16, (16, 64), generator=g)  # one warp's 16 rows x one step's 64 columns
+    packed = (codes[:, 0::2] << 4) | codes[:, 1::2]  # bitsandbytes: the even column in the high nibble
+    x = torch.randint(-4, 5, (8, 64), generator=g)  # 8 rows of x (the B fragment's columns)
+    c = torch.zeros(16, 8, dtype=torch.long)
+    for s in range(4):
+        a = torch.zeros(16, 16, dtype=torch.long)  # rows x the MMA's 16 slots
+        b = torch.zeros(16, 8, dtype=torch.long)
+        for lane in range(32):
+            gg, q = lane // 4, lane % 4
+            regs = {4: packed[gg, 8 * q: 8 * q + 4], 5: packed[gg, 8 * q + 4: 8 * q + 8],
+                    6: packed[gg + 8, 8 * q: 8 * q + 4], 7: packed[gg + 8, 8 * q + 4: 8 * q + 8]}
+            first, second, sel = permutes[s]
+            pool = torch.cat([regs[int(first)], regs[int(second)]])
+            word = [int(pool[(int(sel, 16) >> (4 * i)) & 7]) for i in range(4)]
+            elements = [v for byte in word for v in (byte >> 4, byte & 15)]  # the decoder's element order
+            rows = (gg, gg, gg + 8, gg + 8, gg, gg, gg + 8, gg + 8)
+            slots = (2 * q, 2 * q + 1, 2 * q, 2 * q + 1, 2 * q + 8, 2 * q + 9, 2 * q + 8, 2 * q + 9)
+            for r, k, v in zip(rows, slots, elements):
+                a[r, k] = v
+            pairs = x[gg, 16 * q: 16 * q + 16].reshape(8, 2)  # the lane's x words $8..$15
+            lo, hi = (int(r) - 8 for r in b_regs[s])
+            b[2 * q: 2 * q + 2, gg], b[2 * q + 8: 2 * q + 10, gg] = pairs[lo], pairs[hi]
+        c += a @ b
+    assert torch.equal(c, codes @ x.T)
