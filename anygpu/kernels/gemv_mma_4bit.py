@@ -97,35 +97,32 @@ def _gemv_mma_4bit_kernel(x_ptr, w_ptr, absmax_ptr, code_ptr, bias_ptr, out_ptr,
         p0 = words + r0.to(tl.int64) * stride_w + 2 * q  # the lane's 8 bytes of a step: words 2q, 2q + 1
         p1 = words + r1.to(tl.int64) * stride_w + 2 * q
         px = x_ptr.to(tl.pointer_type(tl.int32)) + g.to(tl.int64) * (stride_xm // 2) + 8 * q
-        for s in range(s_begin, s_end):
-            w0 = s * 8  # a step is 64 columns: 8 words of codes, 32 words of x pairs
-            xs = px + s * 32
-            y0, y1 = tl.load(xs, mask=mx, other=0), tl.load(xs + 1, mask=mx, other=0)
-            y2, y3 = tl.load(xs + 2, mask=mx, other=0), tl.load(xs + 3, mask=mx, other=0)
-            y4, y5 = tl.load(xs + 4, mask=mx, other=0), tl.load(xs + 5, mask=mx, other=0)
-            y6, y7 = tl.load(xs + 6, mask=mx, other=0), tl.load(xs + 7, mask=mx, other=0)
-            d0, d1, d2, d3 = _mma_step(tl.load(p0 + w0, mask=m0, other=0), tl.load(p0 + w0 + 1, mask=m0, other=0),
-                                       tl.load(p1 + w0, mask=m1, other=0), tl.load(p1 + w0 + 1, mask=m1, other=0),
-                                       y0, y1, y2, y3, y4, y5, y6, y7, t0, t1, t2, t3, u0, u1, u2, u3,
+        # Two steps an iteration, every load of both issued before either MMA: a lane's loads are small (8 bytes
+        # of each row), so keeping more of them in flight is what feeds the memory system.
+        for s in range(s_begin, s_end, 2):
+            more = s + 1 < s_end  # the second step exists (else its loads are masked off and add zeros)
+            a0, a1, a2, a3, y0, y1, y2, y3, y4, y5, y6, y7 = _step_loads(p0, p1, px, s, m0, m1, mx)
+            b0, b1, b2, b3, z0, z1, z2, z3, z4, z5, z6, z7 = _step_loads(
+                p0, p1, px, s + 1, r0 < tl.where(more, N, 0), r1 < tl.where(more, N, 0), g < tl.where(more, M, 0))
+            s0, s1 = _step_scales(absmax_ptr, nested_code_ptr, nested_absmax_ptr, nested_offset_ptr, r0, r1, m0, m1,
+                                  s * 64 // BLOCKSIZE, blocks_per_row, NESTED)
+            e0, e1 = _step_scales(absmax_ptr, nested_code_ptr, nested_absmax_ptr, nested_offset_ptr, r0, r1,
+                                  r0 < tl.where(more, N, 0), r1 < tl.where(more, N, 0), (s + 1) * 64 // BLOCKSIZE,
+                                  blocks_per_row, NESTED)
+            d0, d1, d2, d3 = _mma_step(a0, a1, a2, a3, y0, y1, y2, y3, y4, y5, y6, y7, t0, t1, t2, t3, u0, u1, u2, u3,
                                        x_ptr.dtype.element_ty == tl.bfloat16)
-            block = s * 64 // BLOCKSIZE
-            s0 = _block_scales(absmax_ptr, nested_code_ptr, nested_absmax_ptr, nested_offset_ptr,
-                               r0.to(tl.int64) * blocks_per_row + block, m0, NESTED)
-            s1 = _block_scales(absmax_ptr, nested_code_ptr, nested_absmax_ptr, nested_offset_ptr,
-                               r1.to(tl.int64) * blocks_per_row + block, m1, NESTED)
-            c0 += d0 * s0
-            c1 += d1 * s0
-            c2 += d2 * s1
-            c3 += d3 * s1
+            f0, f1, f2, f3 = _mma_step(b0, b1, b2, b3, z0, z1, z2, z3, z4, z5, z6, z7, t0, t1, t2, t3, u0, u1, u2, u3,
+                                       x_ptr.dtype.element_ty == tl.bfloat16)
+            c0 += d0 * s0 + f0 * e0
+            c1 += d1 * s0 + f1 * e0
+            c2 += d2 * s1 + f2 * e1
+            c3 += d3 * s1 + f3 * e1
     else:
         # The same sums without the MMA: rows r0 / r1 of W against x's rows 2q and 2q + 1, 16 columns at a time.
         lut = tl.load(code_ptr + tl.arange(0, 16))
         for s in range(s_begin, s_end):
-            block = s * 64 // BLOCKSIZE
-            s0 = _block_scales(absmax_ptr, nested_code_ptr, nested_absmax_ptr, nested_offset_ptr,
-                               r0.to(tl.int64) * blocks_per_row + block, m0, NESTED)
-            s1 = _block_scales(absmax_ptr, nested_code_ptr, nested_absmax_ptr, nested_offset_ptr,
-                               r1.to(tl.int64) * blocks_per_row + block, m1, NESTED)
+            s0, s1 = _step_scales(absmax_ptr, nested_code_ptr, nested_absmax_ptr, nested_offset_ptr, r0, r1, m0, m1,
+                                  s * 64 // BLOCKSIZE, blocks_per_row, NESTED)
             for j in tl.static_range(4):
                 col = s * 64 + 16 * j
                 v0 = _decoded(w_ptr, r0, m0, K, col, lut)
@@ -141,6 +138,28 @@ def _gemv_mma_4bit_kernel(x_ptr, w_ptr, absmax_ptr, code_ptr, bias_ptr, out_ptr,
     _store(out_ptr, bias_ptr, c1, 2 * q + 1, r0, M, N, stride_om, PARTIAL, HAS_BIAS)
     _store(out_ptr, bias_ptr, c2, 2 * q, r1, M, N, stride_om, PARTIAL, HAS_BIAS)
     _store(out_ptr, bias_ptr, c3, 2 * q + 1, r1, M, N, stride_om, PARTIAL, HAS_BIAS)
+
+
+@triton.jit
+def _step_loads(p0, p1, px, s, m0, m1, mx):
+    """A lane's operands of step s: rows g and g + 8's 8 bytes each (two words a row), x's 8 words of pairs."""
+    w0 = s * 8  # a step is 64 columns: 8 words of codes a row, 32 words of x pairs
+    xs = px + s * 32
+    return (tl.load(p0 + w0, mask=m0, other=0), tl.load(p0 + w0 + 1, mask=m0, other=0),
+            tl.load(p1 + w0, mask=m1, other=0), tl.load(p1 + w0 + 1, mask=m1, other=0),
+            tl.load(xs, mask=mx, other=0), tl.load(xs + 1, mask=mx, other=0), tl.load(xs + 2, mask=mx, other=0),
+            tl.load(xs + 3, mask=mx, other=0), tl.load(xs + 4, mask=mx, other=0), tl.load(xs + 5, mask=mx, other=0),
+            tl.load(xs + 6, mask=mx, other=0), tl.load(xs + 7, mask=mx, other=0))
+
+
+@triton.jit
+def _step_scales(absmax_ptr, nested_code_ptr, nested_absmax_ptr, nested_offset_ptr, r0, r1, m0, m1, block,
+                 blocks_per_row, NESTED: tl.constexpr):
+    s0 = _block_scales(absmax_ptr, nested_code_ptr, nested_absmax_ptr, nested_offset_ptr,
+                       r0.to(tl.int64) * blocks_per_row + block, m0, NESTED)
+    s1 = _block_scales(absmax_ptr, nested_code_ptr, nested_absmax_ptr, nested_offset_ptr,
+                       r1.to(tl.int64) * blocks_per_row + block, m1, NESTED)
+    return s0, s1
 
 
 @triton.jit
