@@ -411,9 +411,9 @@ def matmul_4bit(x: torch.Tensor, weight: torch.Tensor, absmax: torch.Tensor, cod
                 raise ValueError(f"the mma path takes up to 8 rows, K and the block size multiples of 64; got "
                                  f"{m} rows, K = {k}, block size {blocksize}")
             partials = torch.empty(p.split_k, m, n, dtype=torch.float32, device=x.device) if p.split_k > 1 else out2
-            # PTX: vector loads of 8 bytes of codes and 16 of x (rows 16-byte aligned)
-            ptx = (c.get("DECODE_PTX", False) and ptx_words and w.data_ptr() % 8 == 0 and x.dtype in DTYPES
-                   and x2.data_ptr() % 16 == 0 and x2.stride(0) % 8 == 0)
+            # PTX: int32 words of codes and of x pairs (rows 4-byte aligned)
+            ptx = (c.get("DECODE_PTX", False) and ptx_words and x.dtype in DTYPES and x2.data_ptr() % 4 == 0
+                   and x2.stride(0) % 2 == 0)
             if c.get("DECODE_PTX", False) and not ptx:
                 return matmul_4bit(x, weight, absmax, code, blocksize, n, k, bias, nested_absmax, nested_code,
                                    nested_offset, plan_=Plan("gemm", gemm_config(m, device_target(x.device)), 1))
