@@ -239,8 +239,10 @@ GEMV_CONFIGS = {
                              "SPLIT_MIN_CHUNKS": 2, "DECODE_PTX": True, "HALF2": True}, num_warps=2),),
 }
 # MMA (1 to 8 rows on NVIDIA tensor cores, gemv_mma_4bit.py): WARPS warps of 16 weight rows a program, K split
-# up to MAX_SPLIT ways while each split keeps >= SPLIT_MIN_STEPS steps of 64 columns.  The portable entry is what
-# Triton's interpreter runs (AMD selects the GEMV and GEMM: PATH_LIMITS).
+# up to MAX_SPLIT ways while each split keeps >= SPLIT_MIN_STEPS steps of 64 columns.  NVIDIA takes it for 2 to 4
+# rows, where tools/sweep_matmul_4bit.py --mma measured it ahead of the GEMM; at 1 row the CUDA-core GEMV and at
+# 8 the GEMM were faster (docs/perf/2026-12-02-nf4-tensor-core-gemv.md).  The portable entry is what Triton's
+# interpreter runs (AMD selects the GEMV and GEMM: PATH_LIMITS).
 MMA_CONFIGS = {
     "default": (LaunchConfig({"WARPS": 4, "MAX_SPLIT": 8, "SPLIT_MIN_STEPS": 4}, num_warps=4),),
     "nvidia": (LaunchConfig({"WARPS": 4, "MAX_SPLIT": 8, "SPLIT_MIN_STEPS": 4, "DECODE_PTX": True}, num_warps=4),),
@@ -275,7 +277,7 @@ GEMM_CONFIGS = {
 # (docs/perf/2026-12-01-nf4-gemm.md).
 PATH_LIMITS = {
     "default": {"gemv": 1, "gemm": 64},
-    "nvidia": {"gemv": 1, "mma": 8, "gemm": 64},
+    "nvidia": {"gemv": 1, "mma": 4, "gemm": 64},
 }
 
 
