@@ -68,6 +68,10 @@ def _plans_4bit(problem, device) -> dict:
         gemv = select(K4.GEMV_CONFIGS, target)[0]
         for split in (1, 2, 4, 8, 16):
             offered[f"Gemv_sk{split}"] = K4.Plan("gemv", gemv, split)
+    if m <= 8 and k % 64 == 0 and blocksize % 64 == 0:  # the tensor-core path: 8 rows for the decode of 1
+        mma = select(K4.MMA_CONFIGS, target)[0]
+        for split in (1, 2, 4, 8, 16):
+            offered[f"Mma_sk{split}"] = K4.Plan("mma", mma, split)
     for i, cfg in enumerate(select(K4.GEMM_CONFIGS, target)):
         for split in (1, 2, 4, 8):
             if k // split >= cfg.constexprs["BLOCK_K"]:
