@@ -121,7 +121,7 @@ def _tensors(qtype: str, seed: int) -> dict[str, tuple[np.ndarray, str]]:
 
 
 def write_llama(path, tensors) -> str:
-    from tokenizers import pre_tokenizers
+    from tests._gguf_writer import add_byte_vocab
 
     w = gguf.GGUFWriter(str(path), "llama")
     w.add_block_count(LAYERS)
@@ -134,12 +134,7 @@ def write_llama(path, tensors) -> str:
     w.add_rope_freq_base(10000.0)
     w.add_layer_norm_rms_eps(1e-5)
     w.add_vocab_size(VOCAB)
-    w.add_tokenizer_model("gpt2")
-    w.add_token_list(sorted(pre_tokenizers.ByteLevel.alphabet()) + ["<s>", "</s>"])
-    w.add_token_types([1] * 256 + [3, 3])
-    w.add_token_merges([])
-    w.add_bos_token_id(256)
-    w.add_eos_token_id(257)
+    add_byte_vocab(w)
     for name, (array, qtype) in tensors.items():
         w.add_tensor(name, array, raw_dtype=None if qtype == "F32" else QT[qtype])
     w.write_header_to_file()
