@@ -33,7 +33,7 @@ for n, k in SHAPES:
     for bn, warps, chunk, split in itertools.product((16, 32, 64), (2, 4), (256, 512), (1, 2, 4, 8, 16)):
         if k // chunk < split:
             continue
-        p = K.Plan("gemv", LaunchConfig({"BLOCK_N": bn, "CHUNK": chunk, "PREFETCH": False, "LUT_GATHER": True,
+        p = K.Plan("gemv", LaunchConfig({"BLOCK_N": bn, "CHUNK": chunk, "PREFETCH": False,
                                          "MAX_SPLIT": 16, "DECODE_PTX": True, "HALF2": True}, num_warps=warps), split)
         res.append((t(lambda: K.matmul_4bit(x, w, am, code, 64, n, k, None, *nest, plan_=p)), bn, warps, chunk, split))
     res.sort()

@@ -42,17 +42,17 @@ def plans(m):
     elif m == 1 and "--gemv" in sys.argv:
         for bn, chunk, warps, half2, split in itertools.product((16, 32, 64), (128, 256, 512), (2, 4, 8), (False, True),
                                                                 (2, 4, 8)):
-            yield K.Plan("gemv", LaunchConfig({"BLOCK_N": bn, "CHUNK": chunk, "PREFETCH": False, "LUT_GATHER": True,
+            yield K.Plan("gemv", LaunchConfig({"BLOCK_N": bn, "CHUNK": chunk, "PREFETCH": False,
                                                "DECODE_PTX": True, "HALF2": half2}, num_warps=warps), split)
         for bn, split in itertools.product((32, 64), (4, 8, 16)):  # the table-lookup decoder, for reference
-            yield K.Plan("gemv", LaunchConfig({"BLOCK_N": bn, "CHUNK": 128, "PREFETCH": True, "LUT_GATHER": True},
+            yield K.Plan("gemv", LaunchConfig({"BLOCK_N": bn, "CHUNK": 128, "PREFETCH": True},
                                               num_warps=4), split)
     else:
         bms = (16,) if m <= 16 else (32,) if m <= 32 else (64,) if m <= 64 else (64, 128)
         for bm, bn, bk, warps, split in itertools.product(bms, (32, 64, 128), (64, 128, 256), (2, 4, 8), (2, 4, 8)):
             if (bm >= 128 and bn >= 128 and warps < 8) or (bn == 32 and warps == 8) or (bn == 128 and warps == 2):
                 continue
-            yield K.Plan("gemm", LaunchConfig({"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "LUT_GATHER": True,
+            yield K.Plan("gemm", LaunchConfig({"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk,
                                                "DECODE_PTX": True, "FOLD_SCALE": bk > 64}, num_warps=warps,
                                               num_stages=3), split)
 

@@ -21,14 +21,9 @@ def _block_scales(absmax_ptr, nested_code_ptr, nested_absmax_ptr, nested_offset_
 
 
 @triton.jit
-def _lookup(code_ptr, lut, idx, LUT_GATHER: tl.constexpr):
-    """code[idx] in lut's dtype: from a copy of the 16-entry table held by the program (tl.gather), or from
-    global memory (all 16 entries share one cache line, so a warp's lookups are one L1 transaction)."""
-    if LUT_GATHER:
-        value = tl.gather(lut, idx.reshape(idx.numel), 0).reshape(idx.shape)
-    else:
-        value = tl.load(code_ptr + idx).to(lut.dtype)
-    return value
+def _lookup(lut, idx):
+    """code[idx] in lut's dtype, from the program's copy of the 16-entry table (``tl.gather``)."""
+    return tl.gather(lut, idx.reshape(idx.numel), 0).reshape(idx.shape)
 
 
 @triton.jit

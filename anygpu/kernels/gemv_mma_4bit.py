@@ -23,7 +23,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from ._decode_4bit import ELEMENT_ORDER, _block_scales, _decode_setup, _lookup_half, _tables
+from ._decode_4bit import ELEMENT_ORDER, _block_scales, _decode_setup, _lookup, _lookup_half, _tables
 
 
 def _mma_steps(bf16: bool) -> str:
@@ -175,9 +175,7 @@ def _decoded(w_ptr, row, ok, K, col, lut):
     """Row ``row`` (one per element) of W at columns col .. col + 15, decoded (unscaled), fp32 [elements, 16]."""
     packed = tl.load(w_ptr + row.to(tl.int64)[:, None] * (K // 2) + col // 2 + tl.arange(0, 8)[None, :],
                      mask=ok[:, None], other=0).to(tl.int32)
-    hi = tl.gather(lut, (packed >> 4).reshape(packed.numel), 0).reshape(packed.shape)
-    lo = tl.gather(lut, (packed & 15).reshape(packed.numel), 0).reshape(packed.shape)
-    return tl.interleave(hi, lo)  # column order: the high nibble is the even column
+    return tl.interleave(_lookup(lut, packed >> 4), _lookup(lut, packed & 15))  # the high nibble: even columns
 
 
 @triton.jit

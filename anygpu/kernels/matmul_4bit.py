@@ -7,7 +7,7 @@ is ``code[c] * absmax[block]``.  Three paths, chosen by ``plan`` (the single pla
 
 * ``gemv``: one row of x at a time (decode).  Bound by the instructions that decode each weight
   element, not by memory: each thread owns whole 4-bit blocks, looks codes up in the 16-entry table
-  (64 bytes: every lane's lookup hits the same cache line), sums code x activation over the block and
+  (held by the program, gathered from registers), sums code x activation over the block and
   applies the block's scale once, so the per-element cost is a shift or mask, a lookup and an FMA.
 * ``gemm``: a dequant-fused tensor-core GEMM for a few dozen to a few hundred rows: each weight tile is
   decoded once into registers and fed to ``tl.dot``.
@@ -56,7 +56,7 @@ def _gemv_4bit_kernel(x_ptr, w_ptr, absmax_ptr, code_ptr, bias_ptr, out_ptr,
                       BLOCKSIZE: tl.constexpr, BLOCK_N: tl.constexpr, CHUNK: tl.constexpr, SEG: tl.constexpr,
                       EVEN_K: tl.constexpr, PARTIAL: tl.constexpr, PREFETCH: tl.constexpr,
                       NESTED: tl.constexpr, HAS_BIAS: tl.constexpr,
-                      LUT_GATHER: tl.constexpr, DECODE_PTX: tl.constexpr, HALF2: tl.constexpr):
+                      DECODE_PTX: tl.constexpr, HALF2: tl.constexpr):
     # One program: BLOCK_N output features of one row of x, over 1/SPLITS of K, CHUNK elements of each
     # row per step.  stride_w (a row's packed length in words or bytes) is an argument, not K // 8,
     # so that Triton sees it is a multiple of 16 and emits 16-byte loads.  A step covers CHUNK / SEG
@@ -128,8 +128,8 @@ def _gemv_4bit_kernel(x_ptr, w_ptr, absmax_ptr, code_ptr, bias_ptr, out_ptr,
             # Activations split into the even and the odd elements, matching the high and low nibbles.
             x_even, x_odd = tl.split(tl.reshape(_load_x(x_row, k0, K, kx, EVEN_K), (CHUNK // 2, 2)))
             codes = packed.to(tl.int32)
-            hi = _lookup(code_ptr, lut, codes >> 4, LUT_GATHER)
-            lo = _lookup(code_ptr, lut, codes & 15, LUT_GATHER)
+            hi = _lookup(lut, codes >> 4)
+            lo = _lookup(lut, codes & 15)
             prod = hi * x_even[None, :] + lo * x_odd[None, :]
         block = k0 // BLOCKSIZE + seg * SEG // BLOCKSIZE
         seg_mask = n_mask[:, None] & (k0 + seg * SEG < K)[None, :]
@@ -157,7 +157,7 @@ def _gemm_4bit_kernel(x_ptr, w_ptr, absmax_ptr, code_ptr, bias_ptr, out_ptr,
                       M, N, K, stride_xm, stride_om, stride_w,
                       BLOCKSIZE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                       NESTED: tl.constexpr, HAS_BIAS: tl.constexpr, GROUP_M: tl.constexpr,
-                      DOT_IN_FP32: tl.constexpr, LUT_GATHER: tl.constexpr, SPLIT_K: tl.constexpr,
+                      DOT_IN_FP32: tl.constexpr, SPLIT_K: tl.constexpr,
                       DECODE_PTX: tl.constexpr):
     # A step's BLOCK_K columns lie in one 4-bit block (the launcher caps BLOCK_K at the block size, and K is a
     # multiple of it), so the codes are decoded to unscaled 16-bit values and the block's scale multiplies
@@ -195,8 +195,8 @@ def _gemm_4bit_kernel(x_ptr, w_ptr, absmax_ptr, code_ptr, bias_ptr, out_ptr,
             codes = packed.to(tl.int32)
             # DOT_IN_FP32: Triton's interpreter (how Triton runs on CPU tensors) gets bf16 tl.dot wrong, as
             # numpy has no bf16; the launcher sets it there, and fp32 tiles are exact for bf16 values.
-            hi = _lookup(code_ptr, lut, codes >> 4, LUT_GATHER).to(dot_dtype)  # lut holds x's dtype
-            lo = _lookup(code_ptr, lut, codes & 15, LUT_GATHER).to(dot_dtype)
+            hi = _lookup(lut, codes >> 4).to(dot_dtype)  # lut holds x's dtype
+            lo = _lookup(lut, codes & 15).to(dot_dtype)
         if BLOCK_K > BLOCKSIZE:
             # A step of several 4-bit blocks: each block's scale multiplies its decoded values (in x's dtype),
             # so the dots accumulate straight into acc.
@@ -229,13 +229,13 @@ def _gemm_4bit_kernel(x_ptr, w_ptr, absmax_ptr, code_ptr, bias_ptr, out_ptr,
 # (tools/sweep_matmul_4bit.py and tools/sweep_gemv_shapes.py on the H200 pick them; the measurements are in
 # docs/perf/2026-12-01-nf4-gemm.md and docs/perf/2026-11-30-h200-log.md).
 GEMV_CONFIGS = {
-    "default": (LaunchConfig({"BLOCK_N": 32, "CHUNK": 128, "PREFETCH": True, "LUT_GATHER": True,
+    "default": (LaunchConfig({"BLOCK_N": 32, "CHUNK": 128, "PREFETCH": True,
                               "MAX_SPLIT": 8}, num_warps=4),),
     # NVIDIA: the PTX decoder with 16-bit pair math and no prefetch: the loop is bound by the instructions that
     # decode each weight element (byte permutes and selects) and the table moves, not by memory, so
     # prefetching and wider accumulators did not help.  32 rows with split 4 keeps enough programs on narrow
     # (K = 4096) layers, where 64 rows left the GPU underfilled.
-    "nvidia": (LaunchConfig({"BLOCK_N": 32, "CHUNK": 512, "PREFETCH": False, "LUT_GATHER": True, "MAX_SPLIT": 4,
+    "nvidia": (LaunchConfig({"BLOCK_N": 32, "CHUNK": 512, "PREFETCH": False, "MAX_SPLIT": 4,
                              "SPLIT_MIN_CHUNKS": 2, "DECODE_PTX": True, "HALF2": True}, num_warps=2),),
 }
 # MMA (1 to 8 rows on NVIDIA tensor cores, gemv_mma_4bit.py): WARPS warps of 16 weight rows a program, K split
@@ -255,21 +255,21 @@ MMA_CONFIGS = {
 # layout, which ncu shows as the busiest unit).  NVIDIA: the PTX pair decoder; the decoded tile is the dot's
 # B operand, which tools/sweep_matmul_4bit.py found at least as fast as feeding it to wgmma from registers
 # (W x^T, dropped).  RDNA3: wave32 WMMA and 64 KiB of LDS.
-_NV = {"LUT_GATHER": True, "DECODE_PTX": True}
+_NV = {"DECODE_PTX": True}
 GEMM_CONFIGS = {
-    "default": (LaunchConfig({"MAX_M": 64, "BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 64, "LUT_GATHER": True,
+    "default": (LaunchConfig({"MAX_M": 64, "BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 64,
                               "SPLIT_K": 2}, num_warps=4),),
     "nvidia": tuple(LaunchConfig({"MAX_M": rows, "BLOCK_M": rows, "BLOCK_N": 64, "BLOCK_K": 128, "SPLIT_K": 4,
                                   "FOLD_SCALE": True, **_NV}, num_warps=4, num_stages=3) for rows in (16, 32, 64)),
-    "cdna3": (LaunchConfig({"MAX_M": 32, "BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 64, "LUT_GATHER": True,
+    "cdna3": (LaunchConfig({"MAX_M": 32, "BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 64,
                             "SPLIT_K": 4}, num_warps=4, num_stages=2, matrix_instr_nonkdim=16),
-              LaunchConfig({"MAX_M": 64, "BLOCK_M": 64, "BLOCK_N": 128, "BLOCK_K": 64, "LUT_GATHER": True,
+              LaunchConfig({"MAX_M": 64, "BLOCK_M": 64, "BLOCK_N": 128, "BLOCK_K": 64,
                             "SPLIT_K": 2}, num_warps=8, num_stages=2, matrix_instr_nonkdim=16)),
-    "amd": (LaunchConfig({"MAX_M": 32, "BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 64, "LUT_GATHER": True,
+    "amd": (LaunchConfig({"MAX_M": 32, "BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 64,
                           "SPLIT_K": 4}, num_warps=4, num_stages=2),
-            LaunchConfig({"MAX_M": 64, "BLOCK_M": 64, "BLOCK_N": 64, "BLOCK_K": 64, "LUT_GATHER": True,
+            LaunchConfig({"MAX_M": 64, "BLOCK_M": 64, "BLOCK_N": 64, "BLOCK_K": 64,
                           "SPLIT_K": 2}, num_warps=4, num_stages=2)),
-    "rdna3": (LaunchConfig({"MAX_M": 64, "BLOCK_M": 16, "BLOCK_N": 32, "BLOCK_K": 64, "LUT_GATHER": True,
+    "rdna3": (LaunchConfig({"MAX_M": 64, "BLOCK_M": 16, "BLOCK_N": 32, "BLOCK_K": 64,
                             "SPLIT_K": 4}, num_warps=4, num_stages=1),),
 }
 # The most rows of x each path takes.  Past the GEMM's, dequantizing W once and calling the vendor GEMM wins:
@@ -403,7 +403,7 @@ def matmul_4bit(x: torch.Tensor, weight: torch.Tensor, absmax: torch.Tensor, cod
                                     BLOCK_N=c["BLOCK_N"], CHUNK=chunk,
                                     SEG=min(chunk, blocksize), EVEN_K=k % chunk == 0, PARTIAL=p.split_k > 1,
                                     PREFETCH=c["PREFETCH"], NESTED=nested, HAS_BIAS=bias is not None,
-                                    LUT_GATHER=c["LUT_GATHER"], DECODE_PTX=ptx, HALF2=half2,
+                                    DECODE_PTX=ptx, HALF2=half2,
                                     **options)
             if p.split_k > 1:
                 reduce_partials(partials, out2, bias)
@@ -437,7 +437,7 @@ def matmul_4bit(x: torch.Tensor, weight: torch.Tensor, absmax: torch.Tensor, cod
             _gemm_4bit_kernel[grid](x2, w, absmax, code, b, target, *nest, m, n, k, x2.stride(0), out2.stride(0),
                                     k // 2, BLOCKSIZE=blocksize, NESTED=nested,
                                     HAS_BIAS=bias is not None, GROUP_M=8, BLOCK_M=c["BLOCK_M"],
-                                    BLOCK_N=c["BLOCK_N"], BLOCK_K=block_k, LUT_GATHER=c["LUT_GATHER"],
+                                    BLOCK_N=c["BLOCK_N"], BLOCK_K=block_k,
                                     SPLIT_K=p.split_k,
                                     DECODE_PTX=c.get("DECODE_PTX", False) and x.device.type == "cuda",
                                     DOT_IN_FP32=x.device.type == "cpu" and x.dtype == torch.bfloat16, **options)
@@ -463,7 +463,7 @@ def _signature(kernel: str):
         if kernel == "gemm":
             s.update({"BLOCK_M": "constexpr", "BLOCK_N": "constexpr", "BLOCK_K": "constexpr",
                       "NESTED": "constexpr", "HAS_BIAS": "constexpr", "GROUP_M": "constexpr",
-                      "DOT_IN_FP32": "constexpr", "LUT_GATHER": "constexpr",
+                      "DOT_IN_FP32": "constexpr",
                       "SPLIT_K": "constexpr", "DECODE_PTX": "constexpr"})
         elif kernel == "mma":
             s.update({"WARPS": "constexpr", "PARTIAL": "constexpr", "NESTED": "constexpr", "HAS_BIAS": "constexpr",
@@ -471,7 +471,7 @@ def _signature(kernel: str):
         else:
             s.update({"BLOCK_N": "constexpr", "CHUNK": "constexpr", "SEG": "constexpr",
                       "EVEN_K": "constexpr", "PARTIAL": "constexpr", "PREFETCH": "constexpr",
-                      "NESTED": "constexpr", "HAS_BIAS": "constexpr", "LUT_GATHER": "constexpr",
+                      "NESTED": "constexpr", "HAS_BIAS": "constexpr",
                       "DECODE_PTX": "constexpr", "HALF2": "constexpr"})
         return s
     return sig
