@@ -3,12 +3,14 @@
 W [N, K] is stored as bitsandbytes stores it: row-major, two codes per byte (element 2i in the high
 nibble, 2i+1 in the low one), one fp32 absmax per ``blocksize`` consecutive elements (or, with double
 quantization, one uint8 code per block decoded as ``code2[q] * absmax2[b // 256] + offset``).  A value
-is ``code[c] * absmax[block]``.  Three paths, chosen by ``plan`` (the single place the choice is made):
+is ``code[c] * absmax[block]``.  Four paths, chosen by ``plan`` (the single place the choice is made):
 
 * ``gemv``: one row of x at a time (decode).  Bound by the instructions that decode each weight
   element, not by memory: each thread owns whole 4-bit blocks, looks codes up in the 16-entry table
   (held by the program, gathered from registers), sums code x activation over the block and
   applies the block's scale once, so the per-element cost is a shift or mask, a lookup and an FMA.
+* ``mma`` (NVIDIA, a few rows): the weight as the A operand of ``mma.sync`` decoded straight into its
+  fragments, x as the B operand (``gemv_mma_4bit.py``).
 * ``gemm``: a dequant-fused tensor-core GEMM for a few dozen to a few hundred rows: each weight tile is
   decoded once into registers and fed to ``tl.dot``.
 * ``dequant``: dequantize W to x's dtype and call the vendor GEMM: for long prompts the GEMM's FLOPs
