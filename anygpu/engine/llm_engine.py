@@ -186,7 +186,9 @@ class LLMEngine:
         self._workers: TPWorkers | None = None
         if not isinstance(tp, int) or isinstance(tp, bool) or tp < 1:
             raise ValueError(f"tp: expected a positive int (the number of GPUs to shard the model over), got {tp!r}")
-        self.device = torch.device(device) if device is not None else backend.current().device
+        # backend.device(), not current().device: the full description imports Triton to report its version,
+        # a large library a CPU engine never runs.
+        self.device = torch.device(device) if device is not None else backend.device()
         if tp > 1:
             self.device = _tp_device(self.device, tp)
         if config is None:

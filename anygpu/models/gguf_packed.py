@@ -2,8 +2,9 @@
 of ``gguf_int4pack.TYPES``: Q4_0 .. Q8_0, Q2_K .. Q6_K, IQ4_NL, IQ4_XS; mixed too, as in llama.cpp's Q4_K_M, where
 q/k are Q4_K and v Q6_K) becomes an ``anygpu.nn.GGUFLinear`` built from the file's own blocks (nothing is
 re-quantized), and the embedding table keeps its blocks too (``GGUFEmbedding``, any GGUF type, rows decoded on
-lookup) where no tied head needs its dequantized weight.  F32 / F16 / BF16 tensors, and a projection whose rows
-cannot be cut in multiples of 16 per layout, are loaded as fp32.
+lookup, over a private mapping of the file: only the rows looked up are ever read in) where no tied head needs
+its dequantized weight.  F32 / F16 / BF16 tensors, and a projection whose rows cannot be cut in multiples of 16
+per layout, are loaded as fp32.
 
 Why: a decode step on the CPU is bound by reading the weights; the packed layer reads 0.625 bytes a weight
 (1.25 for the types that take two codes a weight, ``gguf_int4pack``'s layouts) against fp32's 4, and the
@@ -15,6 +16,9 @@ values, computed in fp32: what tests against transformers' fp32 logits want).
 
 from __future__ import annotations
 
+import ctypes
+import functools
+import math
 import mmap
 import os
 
@@ -25,7 +29,8 @@ from ..nn.linear_gguf import GGUFLinear
 from ..quant import gguf_int4pack
 from .gguf import GGUFCheckpoint, _release, unpermute_qk
 
-_CHUNK_ROWS = 4096  # a multiple of the CPU layout's 64-row tile
+_TILE = 64  # rows of the CPU int4 layout's tile: packing rows in slices of whole tiles gives the same bytes
+_SLICE_ROWS = 1024  # rows packed at a time (whole tiles)
 
 _SOURCES = {  # the model's fused projection <- the GGUF tensors stacked into it, in order
     "self_attn.qkv_proj": ("attn_q", "attn_k", "attn_v"),
@@ -82,14 +87,16 @@ def pack_linears(model: torch.nn.Module, checkpoint: GGUFCheckpoint) -> int:
     tensors = {t.name: t for t in checkpoint.tensors}
     plan = _plan(checkpoint)
     with open(checkpoint.path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY) as mm:
-        def parts_of(name: str, rows: tuple[int, int] | None = None):
+        def parts_of(name: str, rows: tuple[int, int]):
             t = tensors[name]
             n, k = t.shape
+            first, last = rows
             order = None
             if cfg.architecture == "llama" and (".attn_q." in name or ".attn_k." in name):
+                # the permutation stays inside each head, and slices are whole heads: its rows of the slice
                 order = unpermute_qk(torch.arange(n), cfg.num_heads if ".attn_q." in name else cfg.num_kv_heads)
+                order = order[first:last] - first
             row_bytes = t.nbytes // n
-            first, last = rows or (0, n)
             raw = torch.frombuffer(mm, dtype=torch.uint8, count=(last - first) * row_bytes,
                                    offset=t.offset + first * row_bytes)
             parts = gguf_int4pack.decode(raw, t.type_name, last - first, k, order)
@@ -97,25 +104,52 @@ def pack_linears(model: torch.nn.Module, checkpoint: GGUFCheckpoint) -> int:
             _release(mm, t.offset + first * row_bytes, (last - first) * row_bytes)
             return parts
 
+        def slices(name: str):
+            """Row ranges of one source: whole 64-row tiles (the layout's tiles are independent) and whole heads
+            of a permuted q/k; one range when its rows allow no cut."""
+            t = tensors[name]
+            n = t.shape[0]
+            step = _SLICE_ROWS
+            if cfg.architecture == "llama" and (".attn_q." in name or ".attn_k." in name):
+                step -= step % math.lcm(_TILE, cfg.head_dim)
+            if n % _TILE or step < _TILE or n <= step:
+                return [(0, n)]
+            return [(i, min(i + step, n)) for i in range(0, n, step)]
+
         def packed(names: list[str]):
-            n = tensors[names[0]].shape[0]
-            if len(names) > 1 or n <= _CHUNK_ROWS:
-                return gguf_int4pack.pack([parts_of(name) for name in names])
-            # A large single tensor (the head) in slices of rows: the layout's 64-row tiles are independent,
-            # and the decoded codes of a slice are all that is ever held.
-            slices = [gguf_int4pack.pack([parts_of(names[0], (i, min(i + _CHUNK_ROWS, n)))])
-                      for i in range(0, n, _CHUNK_ROWS)]
-            return [(torch.cat([s[0][0] for s in slices]), torch.cat([s[0][1] for s in slices], dim=1),
-                     slices[0][0][2])]
+            """The segments of one projection.  Each segment is allocated once, whole, and filled a slice of rows
+            at a time: the decoded codes and their int32 copy (8 bytes a weight) exist for one slice only, and no
+            kept buffer is allocated between two slices' temporaries, where it would pin their freed heap pages
+            (the packed weights, a fraction of those temporaries, would otherwise hold the process's resident set
+            at several times their size)."""
+            if any(tensors[n].shape[0] % _TILE for n in names):  # stacked before packing, as the layout needs
+                return gguf_int4pack.pack([parts_of(n, (0, tensors[n].shape[0])) for n in names])
+            rows = gguf_int4pack.segment_rows([(tensors[n].type_name, tensors[n].shape[0]) for n in names])
+            out: list[tuple] = []
+            layout, at = object(), 0
+            for name in names:
+                if gguf_int4pack.LAYOUTS[tensors[name].type_name] != layout:  # pack's runs: a new segment
+                    layout, at = gguf_int4pack.LAYOUTS[tensors[name].type_name], 0
+                    out.append(None)
+                for first, last in slices(name):
+                    (codes, sz, _), = gguf_int4pack.pack([parts_of(name, (first, last))])
+                    if out[-1] is None:
+                        total = rows[len(out) - 1]
+                        out[-1] = (codes.new_empty((total, *codes.shape[1:])),
+                                   sz.new_empty((sz.shape[0], total, *sz.shape[2:])), layout)
+                    out[-1][0][at: at + last - first].copy_(codes)
+                    out[-1][1][:, at: at + last - first].copy_(sz)
+                    at += last - first
+                    del codes, sz
+                    release_free_heap()
+            return out
 
         for (layer, path), names in plan.items():
             if path == "embed_tokens":
                 t = tensors[names[0]]
-                blocks = torch.frombuffer(mm, dtype=torch.uint8, count=t.nbytes, offset=t.offset).clone()
-                _release(mm, t.offset, t.nbytes)
                 old = model.embed_tokens
-                model.embed_tokens = GGUFEmbedding(blocks, t.type_name, old.num_embeddings, old.embedding_dim,
-                                                   old.weight.dtype)
+                model.embed_tokens = GGUFEmbedding(_mapped(f, t), t.type_name, old.num_embeddings,
+                                                   old.embedding_dim, old.weight.dtype)
                 continue
             parent = model if layer is None else model.layers[layer]
             *owner, attr = path.split(".")
@@ -123,4 +157,33 @@ def pack_linears(model: torch.nn.Module, checkpoint: GGUFCheckpoint) -> int:
                 parent = getattr(parent, o)
             old = getattr(parent, attr)
             setattr(parent, attr, GGUFLinear(packed(names), old.in_features, old.out_features, old.bias))
+    release_free_heap()
     return len(plan)
+
+
+def _mapped(f, t) -> torch.Tensor:
+    """Tensor ``t``'s bytes (uint8) over a private mapping of the file that the tensor keeps open: the embedding
+    table, of which a step reads a few rows, so only their pages are ever read in, and they are the page cache's
+    (clean: the kernel can drop them and read them again) rather than a private copy of the whole table."""
+    start = t.offset - t.offset % mmap.ALLOCATIONGRANULARITY
+    mm = mmap.mmap(f.fileno(), t.offset + t.nbytes - start, offset=start, access=mmap.ACCESS_COPY)
+    return torch.frombuffer(mm, dtype=torch.uint8, count=t.nbytes, offset=t.offset - start)
+
+
+@functools.cache
+def _malloc_trim():
+    """glibc's ``malloc_trim``, or None (another C library, another OS)."""
+    try:
+        return ctypes.CDLL(None).malloc_trim
+    except (AttributeError, OSError, TypeError):  # TypeError: Windows has no CDLL(None)
+        return None
+
+
+def release_free_heap() -> None:
+    """Give the pages of freed heap chunks back to the OS (glibc; elsewhere nothing).  Packing allocates and frees
+    temporaries of several MiB per projection; once freed blocks of that size have raised glibc's mmap threshold,
+    they come from the heap, between the small packed buffers that stay, and their freed pages would stay in the
+    resident set (the process's peak) for good."""
+    trim = _malloc_trim()
+    if trim is not None:
+        trim(0)

@@ -189,12 +189,16 @@ class LlamaForCausalLM(nn.Module):
         self.tp = tp = tp if tp is not None else TensorParallel()
         self.shard = shard = LlamaShard.of(cfg, tp)
         device = torch.device(device)
-        with torch.device("meta"):  # no memory until to_empty; load_weights fills it
-            self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)  # replicated: lookups only
+        with torch.device("meta"):  # no memory until _materialize; load_weights fills it
+            # Replicated: lookups only.  Given its (meta) weight, the embedding skips its normal_ init: on meta
+            # that op runs PyTorch's Python reference, which imports torch._dynamo and sympy (about 900 modules)
+            # into every process that builds a model, for values load_weights overwrites anyway.
+            self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size,
+                                             _weight=torch.empty(cfg.vocab_size, cfg.hidden_size))
             self.layers = nn.ModuleList(DecoderLayer(cfg, shard, tp, i) for i in range(cfg.num_layers))
             self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
             self.lm_head = nn.Linear(cfg.hidden_size, shard.vocab_rows, bias=False)
-        # The dtype is set while on meta, so to_empty allocates each weight once, in it (not fp32, then a copy).
+        # The dtype is set while on meta, so _materialize allocates each weight once, in it (not fp32, then a copy).
         self.to(dtype)
         # Gemma scales embeddings by sqrt(hidden) rounded to the model's dtype, as transformers does (bf16: 55.5
         # for sqrt(3072) = 55.43): the checkpoint was trained with the rounded factor.
@@ -202,13 +206,13 @@ class LlamaForCausalLM(nn.Module):
                             if cfg.family.scaled_embeddings else None)
         # Sized from the config on the meta device: refuse here, naming the field, what would not fit.
         check_model_fits(cfg, sum(p.numel() * p.element_size() for p in self.parameters()), max_position, device)
-        self.to_empty(device=device)
+        _materialize(self, device)
         if cfg.tie_word_embeddings and tp.world_size == 1:
             self.lm_head.weight = self.embed_tokens.weight
         # (Tied under tp > 1: lm_head is this rank's rows of the embedding, a copy that load_weights fills.)
         if shard.vocab_real < shard.vocab_rows:
             self.lm_head.weight.data[shard.vocab_real:].zero_()  # padding rows: their logits are cut off anyway
-        # Made after to_empty (which would leave it uninitialised) and kept fp32 whatever the model's dtype.
+        # Made after _materialize (which would leave it uninitialised) and kept fp32 whatever the model's dtype.
         self.build_rotary(max_position, device)
 
     def build_rotary(self, max_position: int, device: torch.device) -> None:
@@ -318,6 +322,13 @@ class LlamaForCausalLM(nn.Module):
         if offset and target.endswith("norm.weight"):  # Gemma's norms scale by (1 + weight): fold the 1 in once
             tensor = tensor.float() + offset
         dest.copy_(tensor if cut is None else tensor.narrow(cut.dim, cut.start, cut.size))
+
+
+def _materialize(module: nn.Module, device: torch.device) -> None:
+    """``module.to_empty(device=device)`` without its ``torch.empty_like``: on a meta tensor that runs PyTorch's
+    Python reference (``torch._refs``), whose import pulls in sympy and the symbolic-shape machinery, hundreds of
+    modules held for the life of the process.  ``torch.empty`` from the shape and dtype is a plain factory call."""
+    module._apply(lambda t: torch.empty(t.shape, dtype=t.dtype, device=device))
 
 
 def split_fused(weights: Iterable[tuple[str, torch.Tensor]], cfg: ModelConfig):
