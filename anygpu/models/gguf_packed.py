@@ -31,6 +31,7 @@ from .gguf import GGUFCheckpoint, _release, unpermute_qk
 
 _TILE = 64  # rows of the CPU int4 layout's tile: packing rows in slices of whole tiles gives the same bytes
 _SLICE_ROWS = 1024  # rows packed at a time (whole tiles)
+_TRIM_EVERY = 1 << 22  # weights packed between two release_free_heap calls (about one layer of a small model)
 
 _SOURCES = {  # the model's fused projection <- the GGUF tensors stacked into it, in order
     "self_attn.qkv_proj": ("attn_q", "attn_k", "attn_v"),
@@ -116,12 +117,13 @@ def pack_linears(model: torch.nn.Module, checkpoint: GGUFCheckpoint) -> int:
                 return [(0, n)]
             return [(i, min(i + step, n)) for i in range(0, n, step)]
 
+        churn = [0]  # weights packed since the last release_free_heap
+
         def packed(names: list[str]):
             """The segments of one projection.  Each segment is allocated once, whole, and filled a slice of rows
             at a time: the decoded codes and their int32 copy (8 bytes a weight) exist for one slice only, and no
             kept buffer is allocated between two slices' temporaries, where it would pin their freed heap pages
-            (the packed weights, a fraction of those temporaries, would otherwise hold the process's resident set
-            at several times their size)."""
+            in the resident set."""
             if any(tensors[n].shape[0] % _TILE for n in names):  # stacked before packing, as the layout needs
                 return gguf_int4pack.pack([parts_of(n, (0, tensors[n].shape[0])) for n in names])
             rows = gguf_int4pack.segment_rows([(tensors[n].type_name, tensors[n].shape[0]) for n in names])
@@ -141,7 +143,10 @@ def pack_linears(model: torch.nn.Module, checkpoint: GGUFCheckpoint) -> int:
                     out[-1][1][:, at: at + last - first].copy_(sz)
                     at += last - first
                     del codes, sz
-                    release_free_heap()
+                    churn[0] += (last - first) * tensors[name].shape[1]
+                    if churn[0] >= _TRIM_EVERY:  # not every slice: a trim walks the heap, and its pages fault in again
+                        churn[0] = 0
+                        release_free_heap()
             return out
 
         for (layer, path), names in plan.items():
