@@ -121,6 +121,27 @@ def test_errors(tmp_path, smollm):
         Tokenizer.from_gguf({**smollm.metadata, "tokenizer.ggml.model": "llama"})
 
 
+def test_gguf_pre_tokenizer_splits_are_transformers(smollm):
+    """Every "tokenizer.ggml.pre" name we know splits as transformers' GGUF table says (its regexes are the
+    oracle), and the name changes how text is cut before the merges: GPT-4o's keeps a contraction on its word
+    and groups digits by three, Tekken's cuts digits one by one, Llama 3's cuts the contraction off."""
+    from transformers.integrations.gguf.gguf_tokenizer_mapping import GGUF_PRE_TOKENIZER_SPLITS
+
+    from anygpu.models import tokenizer as T
+
+    for name, split in T._GGUF_SPLITS.items():
+        assert split == GGUF_PRE_TOKENIZER_SPLITS[name], name
+    assert {"gpt-4o", "llama4", "tekken", "llama-bpe", "qwen2"} <= set(T._GGUF_SPLITS)
+
+    def pieces(pre):
+        backend = Tokenizer.from_gguf({**smollm.metadata, "tokenizer.ggml.pre": pre}).backend
+        return [p for p, _ in backend.pre_tokenizer.pre_tokenize_str("WE'VE don't 12345")]
+
+    assert pieces("gpt-4o") == ["WE'VE", "Ġdon't", "Ġ", "123", "45"]
+    assert pieces("tekken") == ["WE", "'VE", "Ġdon", "'t", "Ġ", "1", "2", "3", "4", "5"]
+    assert pieces("llama-bpe") == ["WE", "'VE", "Ġdon", "'t", "Ġ", "123", "45"]
+
+
 def _stream(tok, ids, prompt=()):
     detok = IncrementalDetokenizer(tok, list(prompt))
     deltas = [detok.add(i) for i in ids]
