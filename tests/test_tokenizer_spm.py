@@ -263,3 +263,37 @@ def test_cli_generate(hf_tok):
         out = hf.generate(torch.tensor([prompt]), max_new_tokens=8, do_sample=False, pad_token_id=0)
     text, before = (hf_tok.decode(x, skip_special_tokens=True) for x in (out[0], prompt))
     assert proc.stdout.rstrip("\n") == text[len(before):]  # the text after "Hello", its first space kept
+
+
+def _with_architecture(src: Path, dst: Path, arch: str) -> None:
+    """A copy of the GGUF at ``src`` declaring ``arch`` (its ``<arch>.*`` keys renamed): the same vocabulary read
+    by another family's tokenizer rules."""
+    import gguf
+    import numpy as np
+
+    reader = gguf.GGUFReader(str(src))
+    old = reader.fields["general.architecture"].contents()
+    writer = gguf.GGUFWriter(str(dst), arch)
+    for name, field in reader.fields.items():
+        if name.startswith("GGUF.") or name == "general.architecture":
+            continue
+        key = arch + name[len(old):] if name.startswith(old + ".") else name
+        if field.types[0] == gguf.GGUFValueType.ARRAY:
+            writer.add_array(key, field.contents())
+        else:
+            writer.add_key_value(key, field.contents(), field.types[0])
+    for t in reader.tensors:
+        writer.add_tensor(t.name, np.array(t.data))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
+@pytest.mark.parametrize("arch", ["gemma2", "phi3"])
+def test_family_rules_equal_transformers(tmp_path, arch):
+    """Gemma's SentencePiece files (spaces spelled as spaces, merges in file order, no prefix space) and Phi-3's
+    (the prefix space from a normalizer) tokenize as transformers' GGUF loading builds them for that family."""
+    _with_architecture(FILE, tmp_path / "t.gguf", arch)
+    tok = Tokenizer.from_gguf(read_gguf(tmp_path / "t.gguf").metadata)
+    _same_as_transformers(tok, _hf_tokenizer(tmp_path, "t.gguf"), TEXTS + RANDOM_TEXTS[:100])

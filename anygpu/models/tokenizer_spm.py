@@ -1,5 +1,5 @@
 """A GGUF's SentencePiece vocabulary (``tokenizer.ggml.model == "llama"``: Llama-2, Mistral v0.1, TinyLlama,
-CodeLlama...) as a ``tokenizers`` backend.
+CodeLlama, Gemma, Phi-3...) as a ``tokenizers`` backend.
 
     backend = spm_backend(metadata)       # used by Tokenizer.from_gguf
 
@@ -17,6 +17,11 @@ Why BPE from scores and not ``Unigram``: SentencePiece BPE models (all of these 
 merging the adjacent pair whose merged piece scores highest; merges ranked by that score do the same.  Unigram
 would pick the best-scoring segmentation instead, which differs on many words.
 
+Two families differ, as transformers builds them from their files: Gemma stores a token of spaces as spaces (its
+tokenizer looks "▁▁" up), ranks merges by the tokens' order in the file (its scores do not follow the merge
+order), turns spaces into "▁" with a normalizer and prepends none; Phi-3 prepends its "▁" with a normalizer, so
+leading spaces all stay.
+
 Known difference from sentencepiece (and llama.cpp) that transformers has too: text that starts with a space gets
 no extra "▁" (sentencepiece's dummy prefix would make "  x" three "▁"s, here two).  Elsewhere the ids equal
 sentencepiece's on the tests' texts.
@@ -24,7 +29,7 @@ sentencepiece's on the tests' texts.
 
 from __future__ import annotations
 
-from tokenizers import AddedToken, decoders, models, pre_tokenizers
+from tokenizers import AddedToken, decoders, models, normalizers, pre_tokenizers
 from tokenizers import Tokenizer as _Backend
 
 # llama.cpp's token types (gguf.TokenType)
@@ -78,14 +83,34 @@ def generate_merges(vocab: dict[str, int], scores: dict[str, float]) -> list[tup
     return [(left, right) for left, right, _ in merges]
 
 
+_GEMMA = ("gemma", "gemma2", "gemma3")
+
+
 def spm_backend(metadata: dict) -> _Backend:
     tokens, scores, types = spm_vocab(metadata)
+    arch = metadata.get("general.architecture")
+    if arch in _GEMMA:
+        # Gemma files store a token of spaces as spaces (its tokenizer looks "▁▁" up), and their merge order is
+        # the order of the tokens in the file, not their scores; no space is prepended, none stripped.
+        tokens = ["\u2581" * len(t) if t and not t.strip(" ") else t for t in tokens]
+        ranks = {t: -i for i, t in enumerate(tokens)}
+    else:
+        ranks = dict(zip(tokens, scores))
     vocab = {t: i for i, t in enumerate(tokens)}
-    merges = generate_merges(vocab, dict(zip(tokens, scores)))
-    backend = _Backend(models.BPE(vocab, merges, dropout=None, fuse_unk=True, byte_fallback=True))
-    backend.pre_tokenizer = pre_tokenizers.Metaspace(replacement="\u2581", prepend_scheme="first", split=False)
-    backend.decoder = decoders.Sequence([decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse(),
-                                         decoders.Strip(content=" ", left=1, right=0)])
+    backend = _Backend(models.BPE(vocab, generate_merges(vocab, ranks), dropout=None, fuse_unk=True,
+                                  byte_fallback=True))
+    bytes_back = [decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse()]
+    if arch in _GEMMA:
+        backend.normalizer = normalizers.Replace(" ", "\u2581")
+        backend.pre_tokenizer = pre_tokenizers.Split(" ", behavior="merged_with_previous")
+        backend.decoder = decoders.Sequence(bytes_back)
+    else:
+        if arch == "phi3":  # the prefix space comes from a normalizer: "  hi" keeps all its spaces ("▁▁▁hi")
+            backend.normalizer = normalizers.Sequence([normalizers.Prepend("\u2581"),
+                                                       normalizers.Replace(" ", "\u2581")])
+        else:
+            backend.pre_tokenizer = pre_tokenizers.Metaspace(replacement="\u2581", prepend_scheme="first", split=False)
+        backend.decoder = decoders.Sequence(bytes_back + [decoders.Strip(content=" ", left=1, right=0)])
     # Special, as in transformers: the control tokens, the file's bos / eos / unknown / padding tokens, and the
     # names LlamaTokenizer gives them by default (when the vocabulary has them: transformers would append them).
     named = [metadata.get(f"tokenizer.ggml.{k}_token_id") for k in ("unknown", "bos", "eos", "padding")]
