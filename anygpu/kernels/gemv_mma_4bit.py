@@ -101,14 +101,15 @@ def _gemv_mma_4bit_kernel(x_ptr, w_ptr, absmax_ptr, code_ptr, bias_ptr, out_ptr,
         # of each row), so keeping more of them in flight is what feeds the memory system.
         for s in range(s_begin, s_end, 2):
             more = s + 1 < s_end  # the second step exists (else its loads are masked off and add zeros)
+            n0 = r0 < tl.where(more, N, 0)
+            n1 = r1 < tl.where(more, N, 0)
             a0, a1, a2, a3, y0, y1, y2, y3, y4, y5, y6, y7 = _step_loads(p0, p1, px, s, m0, m1, mx)
-            b0, b1, b2, b3, z0, z1, z2, z3, z4, z5, z6, z7 = _step_loads(
-                p0, p1, px, s + 1, r0 < tl.where(more, N, 0), r1 < tl.where(more, N, 0), g < tl.where(more, M, 0))
+            b0, b1, b2, b3, z0, z1, z2, z3, z4, z5, z6, z7 = _step_loads(p0, p1, px, s + 1, n0, n1,
+                                                                         g < tl.where(more, M, 0))
             s0, s1 = _step_scales(absmax_ptr, nested_code_ptr, nested_absmax_ptr, nested_offset_ptr, r0, r1, m0, m1,
                                   s * 64 // BLOCKSIZE, blocks_per_row, NESTED)
-            e0, e1 = _step_scales(absmax_ptr, nested_code_ptr, nested_absmax_ptr, nested_offset_ptr, r0, r1,
-                                  r0 < tl.where(more, N, 0), r1 < tl.where(more, N, 0), (s + 1) * 64 // BLOCKSIZE,
-                                  blocks_per_row, NESTED)
+            e0, e1 = _step_scales(absmax_ptr, nested_code_ptr, nested_absmax_ptr, nested_offset_ptr, r0, r1, n0, n1,
+                                  (s + 1) * 64 // BLOCKSIZE, blocks_per_row, NESTED)
             d0, d1, d2, d3 = _mma_step(a0, a1, a2, a3, y0, y1, y2, y3, y4, y5, y6, y7, t0, t1, t2, t3, u0, u1, u2, u3,
                                        x_ptr.dtype.element_ty == tl.bfloat16)
             f0, f1, f2, f3 = _mma_step(b0, b1, b2, b3, z0, z1, z2, z3, z4, z5, z6, z7, t0, t1, t2, t3, u0, u1, u2, u3,

@@ -243,7 +243,7 @@ GEMV_CONFIGS = {
 # MMA (1 to 8 rows on NVIDIA tensor cores, gemv_mma_4bit.py): WARPS warps of 16 weight rows a program, K split
 # up to MAX_SPLIT ways while each split keeps >= SPLIT_MIN_STEPS steps of 64 columns.  NVIDIA takes it for 2 to 4
 # rows, where tools/sweep_matmul_4bit.py --mma measured it ahead of the GEMM; at 1 row the CUDA-core GEMV and at
-# 8 the GEMM were faster (docs/perf/2026-12-02-nf4-tensor-core-gemv.md).  The portable entry is what Triton's
+# 8 the GEMM were faster (docs/perf/2026-12-02-quantized-speed-s4.md).  The portable entry is what Triton's
 # interpreter runs (AMD selects the GEMV and GEMM: PATH_LIMITS).
 MMA_CONFIGS = {
     "default": (LaunchConfig({"WARPS": 4, "MAX_SPLIT": 8, "SPLIT_MIN_STEPS": 4}, num_warps=4),),
@@ -305,19 +305,12 @@ def plan(m: int, n: int, k: int, blocksize: int, dtype: torch.dtype, device: tor
     limits = select(PATH_LIMITS, target)
     if m <= limits["gemv"]:
         cfg = select(GEMV_CONFIGS, target)[0]
-        # Split K (up to MAX_SPLIT) while each split keeps >= SPLIT_MIN_CHUNKS chunks (default 4): more programs
-        # in flight hide the latency of the loads, and narrow layers (TP shards, small models) need them.
-        split, chunks = 1, -(-k // cfg.constexprs["CHUNK"])
-        least = cfg.constexprs.get("SPLIT_MIN_CHUNKS", 4)
-        while split < cfg.constexprs["MAX_SPLIT"] and chunks // (2 * split) >= least:
-            split *= 2
-        return Plan("gemv", cfg, split)
+        c = cfg.constexprs
+        return Plan("gemv", cfg, _split(-(-k // c["CHUNK"]), c["MAX_SPLIT"], c.get("SPLIT_MIN_CHUNKS", 4)))
     if m <= limits.get("mma", 0) and blocksize % 64 == 0 and k % 64 == 0 and dtype in DTYPES:
         cfg = select(MMA_CONFIGS, target)[0]
-        split, steps = 1, k // 64
-        while split < cfg.constexprs["MAX_SPLIT"] and steps // (2 * split) >= cfg.constexprs["SPLIT_MIN_STEPS"]:
-            split *= 2
-        return Plan("mma", cfg, split)
+        c = cfg.constexprs
+        return Plan("mma", cfg, _split(k // 64, c["MAX_SPLIT"], c["SPLIT_MIN_STEPS"]))
     if limits["gemm"] is None or m <= limits["gemm"]:
         cfg = gemm_config(m, target)
         split = cfg.constexprs["SPLIT_K"]
@@ -325,6 +318,16 @@ def plan(m: int, n: int, k: int, blocksize: int, dtype: torch.dtype, device: tor
             split //= 2
         return Plan("gemm", cfg, split)
     return Plan("dequant")
+
+
+def _split(steps: int, most: int, least: int) -> int:
+    """How many ways the GEMV and MMA paths split K's ``steps``: doubling (up to ``most``) while each split keeps
+    >= ``least`` steps: more programs in flight hide the latency of the loads, and narrow layers (TP shards, small
+    models) need them."""
+    split = 1
+    while split < most and steps // (2 * split) >= least:
+        split *= 2
+    return split
 
 
 def gemm_config(m: int, target) -> LaunchConfig:
