@@ -1,0 +1,122 @@
+"""The engine's host (Python) time per decode step, by part, on the CPU with a tiny random Llama.
+
+    python3 tools/profile_engine_host.py [--batch 1 64] [--repeats 5] [--cprofile]
+
+A model of hidden size 64 and 2 layers makes the forward nearly free, so what a step costs is the host work the
+GPU would wait on: the scheduler, ``ModelRunner.pack``, the forward (``execute``), the sampler, and the engine's
+bookkeeping (``Scheduler.update``, detokenization, stop checks, building the outputs).  Each batch size runs
+``batch`` prompts of ``--input-len`` tokens for ``--output-len`` greedy tokens (EOS ignored) with the synthetic
+word-per-id tokenizer (``anygpu bench model --random-config``'s), and times the decode steps only.  The parts are
+timed by wrapping the engine's methods here (nothing is timed inside the engine); a run reports the mean per
+step, and the table the best of ``--repeats`` runs per part (the machine may be shared).  ``--cprofile`` prints
+the functions with the most own time over one more run of each batch size.
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import pstats
+import time
+
+import torch
+
+from anygpu.bench.model import random_prompts
+from anygpu.engine import LLMEngine, SamplingParams
+from anygpu.models import ModelConfig
+from anygpu.models.tokenizer import Tokenizer
+
+CONFIG = ModelConfig(architecture="llama", vocab_size=1024, hidden_size=64, intermediate_size=128, num_layers=2,
+                     num_heads=4, num_kv_heads=2, head_dim=16, rms_norm_eps=1e-5, rope_theta=10000.0,
+                     rope_scaling=None, max_position=2048, tie_word_embeddings=False, attention_bias=False,
+                     sliding_window=None, bos_token_id=1, eos_token_ids=(2,), dtype=None)
+PARTS = ("schedule", "pack", "execute", "sample", "update", "output")
+
+
+def build(batch: int, input_len: int, output_len: int) -> LLMEngine:
+    torch.manual_seed(0)
+    return LLMEngine("tiny-host", config=CONFIG, tokenizer=Tokenizer.synthetic(CONFIG.vocab_size, 2),
+                     device="cpu", max_num_seqs=batch, max_num_batched_tokens=max(2048, batch * input_len),
+                     max_model_len=input_len + output_len + 16, progress=False)
+
+
+def _wrap(obj, name: str, totals: dict, part: str) -> None:
+    fn = getattr(obj, name)
+
+    def timed(*args, **kwargs):
+        t = time.perf_counter()
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            totals[part] += time.perf_counter() - t
+
+    setattr(obj, name, timed)  # an instance attribute: the engine's own calls (self.pack(...)) go through it
+
+
+def run_once(batch: int, input_len: int, output_len: int, profiler: cProfile.Profile | None = None) -> dict:
+    """Host µs per decode step by part (``other``: the rest of ``ModelRunner.run``), and the step total."""
+    engine = build(batch, input_len, output_len)
+    totals = dict.fromkeys(PARTS + ("step",), 0.0)
+    _wrap(engine.scheduler, "schedule", totals, "schedule")
+    _wrap(engine.scheduler, "update", totals, "update")
+    _wrap(engine.runner, "pack", totals, "pack")
+    _wrap(engine.runner, "execute", totals, "execute")
+    _wrap(engine.runner.sampler, "sample_each", totals, "sample")
+    params = SamplingParams(max_tokens=output_len, temperature=0, ignore_eos=True)
+    for i, prompt in enumerate(random_prompts(batch, input_len, CONFIG.vocab_size)):
+        engine.add_request(str(i), prompt, params)
+    engine.step()  # the prefill: every prompt fits the token budget
+    for _ in range(3):  # warm up the decode path
+        engine.step()
+    for k in totals:
+        totals[k] = 0.0
+    steps, tokens = 0, 0
+    if profiler is not None:
+        profiler.enable()
+    while engine.has_unfinished():
+        t = time.perf_counter()
+        outs = engine.step()
+        totals["step"] += time.perf_counter() - t
+        steps += 1
+        tokens += sum(len(o.delta_token_ids) for o in outs)
+    if profiler is not None:
+        profiler.disable()
+    engine.close()
+    if tokens != steps * batch:
+        raise RuntimeError(f"expected {batch} new tokens in each decode step, got {tokens} over {steps} steps")
+    per_step = {k: 1e6 * v / steps for k, v in totals.items()}
+    inner = sum(per_step[k] for k in ("schedule", "update"))
+    run_total = per_step["step"] - inner  # runner.run + the engine's output processing
+    # What the wrappers do not cover: the engine's output processing, and runner.run beyond pack/execute/sample.
+    per_step["output"] = run_total - per_step["pack"] - per_step["execute"] - per_step["sample"]
+    return per_step
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--batch", type=int, nargs="+", default=[1, 64])
+    ap.add_argument("--input-len", type=int, default=32)
+    ap.add_argument("--output-len", type=int, default=128)
+    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--threads", type=int, default=1, help="torch threads (the forward is tiny; 1 is steadiest)")
+    ap.add_argument("--cprofile", action="store_true")
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    cols = PARTS + ("step",)
+    print("host µs per decode step (best of %d runs per part; 'output' = step - the others)" % args.repeats)
+    print("| batch | " + " | ".join(cols) + " | µs per token |")
+    print("|---" * (len(cols) + 2) + "|")
+    for b in args.batch:
+        runs = [run_once(b, args.input_len, args.output_len) for _ in range(args.repeats)]
+        best = {k: min(r[k] for r in runs) for k in cols}
+        print(f"| {b} | " + " | ".join(f"{best[k]:.0f}" for k in cols) + f" | {best['step'] / b:.1f} |")
+    if args.cprofile:
+        for b in args.batch:
+            prof = cProfile.Profile()
+            run_once(b, args.input_len, args.output_len, prof)
+            print(f"\n-- batch {b}: functions by own time over the decode steps --")
+            pstats.Stats(prof).sort_stats("tottime").print_stats(25)
+
+
+if __name__ == "__main__":
+    main()
