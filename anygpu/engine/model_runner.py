@@ -32,6 +32,7 @@ parallelism rank 0 hands the message to ``workers.send`` before executing it, an
 from __future__ import annotations
 
 import time
+from array import array
 
 import torch
 import torch.distributed as dist
@@ -149,22 +150,38 @@ class ModelRunner:
         """The step as one host int64 message (see HEADER), the index of each sequence's last token if it needs
         logits, and the prompt positions whose logits give prompt log-probabilities: (sequence index, index of the
         first token, count).  One tensor: a single host-to-device copy (a decode step would otherwise pay five
-        small synchronous copies) and a single message to each tensor-parallel worker."""
+        small synchronous copies) and a single message to each tensor-parallel worker.
+
+        Host time here delays every step, so the loop works a sequence at a time, never a token at a time: a
+        one-token chunk (every decode) takes its id, position and slot directly, a longer chunk its slots a block
+        at a time; and the message goes through an ``array`` (``torch.tensor`` on a list is several times slower)."""
         ids, positions, slots, q_lens, k_lens, logit_rows, prompt_rows = [], [], [], [], [], [], []
         bs = self.block_size
+        t = 0  # tokens so far
         for i, (seq, n, needs_logits) in enumerate(zip(batch.seqs, batch.num_tokens, batch.needs_logits)):
             start = seq.num_computed_tokens
-            if seq.needs_prompt_logprobs and start == len(seq.prompt_logprobs):  # this chunk's prompt positions
-                count = min(start + n, seq.num_prompt_tokens - 1) - start
+            end = start + n
+            if seq.params.prompt_logprobs is not None and seq.needs_prompt_logprobs \
+                    and start == len(seq.prompt_logprobs):  # this chunk's prompt positions
+                count = min(end, seq.num_prompt_tokens - 1) - start
                 if count > 0:
-                    prompt_rows.append((i, len(ids), count))
-            ids.extend(seq.token_range(start, start + n))
-            positions.extend(range(start, start + n))
+                    prompt_rows.append((i, t, count))
             table = seq.block_table
-            slots.extend(table[p // bs] * bs + p % bs for p in range(start, start + n))
+            if n == 1:
+                prompt = seq.prompt_token_ids
+                ids.append(prompt[start] if start < len(prompt) else seq.output_token_ids[start - len(prompt)])
+                positions.append(start)
+                slots.append(table[start // bs] * bs + start % bs)
+            else:
+                ids.extend(seq.token_range(start, end))
+                positions.extend(range(start, end))
+                for b in range(start // bs, (end - 1) // bs + 1):  # the chunk's part of each block it touches
+                    first = table[b] * bs
+                    slots.extend(range(first + max(start - b * bs, 0), first + min(end - b * bs, bs)))
+            t += n
             q_lens.append(n)
-            k_lens.append(start + n)
-            logit_rows.append(len(ids) - 1 if needs_logits else None)
+            k_lens.append(end)
+            logit_rows.append(t - 1 if needs_logits else None)
         if all(n == 1 for n in q_lens):
             mode = "decode"
         elif all(s.num_computed_tokens == 0 for s in batch.seqs):
@@ -176,17 +193,25 @@ class ModelRunner:
             cu.append(cu[-1] + n)
         tables, width = [], 0
         if mode != "prefill":  # a plain prefill attends to its new K/V only: no block tables
-            width = max(-(-k // bs) for k in k_lens)
+            width = (max(k_lens) + bs - 1) // bs
+            pad = [0] * width
             for seq in batch.seqs:
                 row = seq.block_table[:width]
-                tables += row + [0] * (width - len(row))
-        rows = sorted({r for r in logit_rows if r is not None}.union(
-            *(range(first, first + count) for _, first, count in prompt_rows)))
-        header = [MODES.index(mode), len(ids), len(q_lens), width, max(q_lens), max(k_lens), len(rows)]
-        if len(rows) == len(ids):  # a decode step: every token needs its logits, no gather
+                tables += row
+                if len(row) < width:
+                    tables += pad[len(row):]
+        if prompt_rows:
+            rows = sorted({r for r in logit_rows if r is not None}.union(
+                *(range(first, first + count) for _, first, count in prompt_rows)))
+        else:  # one row per sequence that needs logits: already in order and distinct
+            rows = [r for r in logit_rows if r is not None]
+        header = [MODES.index(mode), t, len(q_lens), width, max(q_lens), max(k_lens), len(rows)]
+        if len(rows) == t:  # a decode step: every token needs its logits, no gather
             rows = []
-        message = torch.tensor(header + ids + positions + slots + cu + k_lens + tables + rows, dtype=torch.long)
-        return message, logit_rows, prompt_rows
+        message = array("q", header)
+        for part in (ids, positions, slots, cu, k_lens, tables, rows):
+            message.extend(part)
+        return torch.frombuffer(message, dtype=torch.long), logit_rows, prompt_rows
 
     @torch.inference_mode()
     def execute(self, message: torch.Tensor) -> torch.Tensor | None:
