@@ -3,7 +3,8 @@
 W [N, K] is stored as bitsandbytes stores it: row-major, two codes per byte (element 2i in the high
 nibble, 2i+1 in the low one), one fp32 absmax per ``blocksize`` consecutive elements (or, with double
 quantization, one uint8 code per block decoded as ``code2[q] * absmax2[b // 256] + offset``).  A value
-is ``code[c] * absmax[block]``.  Four paths, chosen by ``plan`` (the single place the choice is made):
+is ``code[c] * absmax[block]``, plus ``offset[block]`` where the weight has a per-block offset (GGUF's Q4_1 and
+Q4_K minimums, ``anygpu/quant/gguf_4bit.py``; never with double quantization).  Four paths, chosen by ``plan`` (the single place the choice is made):
 
 * ``gemv``: one row of x at a time (decode).  Bound by the instructions that decode each weight
   element, not by memory: each thread owns whole 4-bit blocks, looks codes up in the 16-entry table
@@ -53,12 +54,12 @@ def _load_x(x_row, k0, K, kx, EVEN_K: tl.constexpr):
 
 @triton.jit
 def _gemv_4bit_kernel(x_ptr, w_ptr, absmax_ptr, code_ptr, bias_ptr, out_ptr,
-                      nested_code_ptr, nested_absmax_ptr, nested_offset_ptr,
+                      nested_code_ptr, nested_absmax_ptr, nested_offset_ptr, offset_ptr,
                       N, K, stride_xm, stride_om, stride_w, SPLITS,
                       BLOCKSIZE: tl.constexpr, BLOCK_N: tl.constexpr, CHUNK: tl.constexpr, SEG: tl.constexpr,
                       EVEN_K: tl.constexpr, PARTIAL: tl.constexpr, PREFETCH: tl.constexpr,
                       NESTED: tl.constexpr, HAS_BIAS: tl.constexpr,
-                      DECODE_PTX: tl.constexpr, HALF2: tl.constexpr):
+                      DECODE_PTX: tl.constexpr, HALF2: tl.constexpr, HAS_OFFSET: tl.constexpr):
     # One program: BLOCK_N output features of one row of x, over 1/SPLITS of K, CHUNK elements of each
     # row per step.  stride_w (a row's packed length in words or bytes) is an argument, not K // 8,
     # so that Triton sees it is a multiple of 16 and emits 16-byte loads.  A step covers CHUNK / SEG
@@ -142,6 +143,13 @@ def _gemv_4bit_kernel(x_ptr, w_ptr, absmax_ptr, code_ptr, bias_ptr, out_ptr,
         else:
             per_seg = tl.sum(tl.reshape(prod, (BLOCK_N, CHUNK // SEG, SEG // PER_WORD)), axis=2)
             acc += tl.sum(per_seg * scale, axis=1)
+        if HAS_OFFSET:
+            # sum over a segment of (code * scale + offset) * x = scale * sum(code * x) + offset * sum(x): x's
+            # per-segment sums serve all BLOCK_N rows.  x is loaded again as floats (the HALF2 path holds it as
+            # int32 pairs; the step's x is in L1 either way), outside the PTX decoders.
+            xs = tl.sum(tl.reshape(_load_x(x_row, k0, K, kx, EVEN_K), (CHUNK // SEG, SEG)), axis=1)
+            off = tl.load(offset_ptr + n64[:, None] * blocks_per_row + block[None, :], mask=seg_mask, other=0.0)
+            acc += tl.sum(off * xs[None, :], axis=1)
         if PREFETCH:
             packed = following
     if PARTIAL:  # this split's slice of the [SPLITS, M, N] fp32 partials (kernels/_split_k.py adds them)
@@ -155,12 +163,12 @@ def _gemv_4bit_kernel(x_ptr, w_ptr, absmax_ptr, code_ptr, bias_ptr, out_ptr,
 
 @triton.jit
 def _gemm_4bit_kernel(x_ptr, w_ptr, absmax_ptr, code_ptr, bias_ptr, out_ptr,
-                      nested_code_ptr, nested_absmax_ptr, nested_offset_ptr,
+                      nested_code_ptr, nested_absmax_ptr, nested_offset_ptr, offset_ptr,
                       M, N, K, stride_xm, stride_om, stride_w,
                       BLOCKSIZE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                       NESTED: tl.constexpr, HAS_BIAS: tl.constexpr, GROUP_M: tl.constexpr,
                       DOT_IN_FP32: tl.constexpr, SPLIT_K: tl.constexpr,
-                      DECODE_PTX: tl.constexpr):
+                      DECODE_PTX: tl.constexpr, HAS_OFFSET: tl.constexpr):
     # A step's BLOCK_K columns lie in one 4-bit block (the launcher caps BLOCK_K at the block size, and K is a
     # multiple of it), so the codes are decoded to unscaled 16-bit values and the block's scale multiplies
     # the step's partial dot: BLOCK_M multiplies per weight row instead of one per weight element.
@@ -206,14 +214,27 @@ def _gemm_4bit_kernel(x_ptr, w_ptr, absmax_ptr, code_ptr, bias_ptr, out_ptr,
             blk = n64[:, None] * blocks_per_row + k0 // BLOCKSIZE + tl.arange(0, SUB)[None, :]
             sc = _block_scales(absmax_ptr, nested_code_ptr, nested_absmax_ptr, nested_offset_ptr, blk,
                                n_mask[:, None], NESTED).to(dot_dtype)[:, :, None]
-            hi = tl.reshape(tl.reshape(hi, (BLOCK_N, SUB, BLOCKSIZE // 2)) * sc, (BLOCK_N, BLOCK_K // 2))
-            lo = tl.reshape(tl.reshape(lo, (BLOCK_N, SUB, BLOCKSIZE // 2)) * sc, (BLOCK_N, BLOCK_K // 2))
+            hi = tl.reshape(hi, (BLOCK_N, SUB, BLOCKSIZE // 2)) * sc
+            lo = tl.reshape(lo, (BLOCK_N, SUB, BLOCKSIZE // 2)) * sc
+            if HAS_OFFSET:
+                # Each decoded value is already multiplied by its block's scale here, so its offset is added in
+                # the same pass (value * scale + offset), in x's dtype as the scaled values are.
+                off = tl.load(offset_ptr + blk, mask=n_mask[:, None], other=0.0).to(dot_dtype)[:, :, None]
+                hi += off
+                lo += off
+            hi = tl.reshape(hi, (BLOCK_N, BLOCK_K // 2))
+            lo = tl.reshape(lo, (BLOCK_N, BLOCK_K // 2))
             acc = tl.dot(x_odd, tl.trans(lo), tl.dot(x_even, tl.trans(hi), acc))
         else:
             scale = _block_scales(absmax_ptr, nested_code_ptr, nested_absmax_ptr, nested_offset_ptr,
                                   n64 * blocks_per_row + k0 // BLOCKSIZE, n_mask, NESTED)
             part = tl.dot(x_odd, tl.trans(lo), tl.dot(x_even, tl.trans(hi)))
             acc += part * scale[None, :]
+            if HAS_OFFSET:
+                # One block per step: its offset times the row's sum of x over the step (BLOCK_M + BLOCK_N values
+                # and an outer product), rather than a pass over the decoded tile.
+                off = tl.load(offset_ptr + n64 * blocks_per_row + k0 // BLOCKSIZE, mask=n_mask, other=0.0)
+                acc += tl.sum(x.to(tl.float32), axis=1)[:, None] * off[None, :]
     if SPLIT_K == 1:
         if HAS_BIAS:
             acc += tl.load(bias_ptr + n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
@@ -312,12 +333,16 @@ def plan(m: int, n: int, k: int, blocksize: int, dtype: torch.dtype, device: tor
         c = cfg.constexprs
         return Plan("mma", cfg, _split(k // 64, c["MAX_SPLIT"], c["SPLIT_MIN_STEPS"]))
     if limits["gemm"] is None or m <= limits["gemm"]:
-        cfg = gemm_config(m, target)
-        split = cfg.constexprs["SPLIT_K"]
-        while split > 1 and k // split < cfg.constexprs["BLOCK_K"]:
-            split //= 2
-        return Plan("gemm", cfg, split)
+        return _gemm_plan(m, k, target)
     return Plan("dequant")
+
+
+def _gemm_plan(m: int, k: int, target) -> Plan:
+    cfg = gemm_config(m, target)
+    split = cfg.constexprs["SPLIT_K"]
+    while split > 1 and k // split < cfg.constexprs["BLOCK_K"]:
+        split //= 2
+    return Plan("gemm", cfg, split)
 
 
 def _split(steps: int, most: int, least: int) -> int:
@@ -337,22 +362,27 @@ def gemm_config(m: int, target) -> LaunchConfig:
 
 
 def dequantize_weight(w, absmax, code, blocksize, n, k, dtype, nested_absmax=None, nested_code=None,
-                      nested_offset=None) -> torch.Tensor:
+                      nested_offset=None, offset=None) -> torch.Tensor:
     """W [n, k] in ``dtype`` (for the vendor-GEMM path): the dequantize kernel of ``quant_4bit`` with this
-    weight's own table; double quantization is undone first (a few small ops on [blocks] values)."""
+    weight's own table; double quantization is undone first (a few small ops on [blocks] values).  A per-block
+    ``offset`` is added to the fp32 values before the one rounding to ``dtype``, as the reference does (the
+    dequantize kernel writes fp32 then: its tile stays the bitsandbytes one, with no offset variant)."""
     from .quant_4bit import DEQUANTIZE_CONFIGS, _dequantize_4bit_kernel
     from .quant_blockwise import tile_for
 
     if nested_absmax is not None:
         idx = torch.arange(absmax.shape[0], device=absmax.device) // 256
         absmax = nested_code[absmax.long()] * nested_absmax[idx] + nested_offset.reshape(())
-    out = torch.empty(n, k, dtype=dtype, device=w.device)
+    out = torch.empty(n, k, dtype=dtype if offset is None else torch.float32, device=w.device)
     numel = n * k
     blocks, options = tile_for(DEQUANTIZE_CONFIGS, w.device, blocksize)
     with on_device(w.device):
         _dequantize_4bit_kernel[(-(-numel // (blocks * blocksize)),)](w.reshape(-1), absmax, code, out, numel,
                                                                       (numel + 1) // 2, BS=blocksize, BLOCKS=blocks,
                                                                       **options)
+    if offset is not None:
+        out.view(-1, blocksize).add_(offset[:, None])  # the op's check: k % blocksize == 0 with an offset
+        out = out.to(dtype)
     return out
 
 
@@ -363,9 +393,10 @@ def _unit_stride(t: torch.Tensor | None) -> torch.Tensor | None:
 def matmul_4bit(x: torch.Tensor, weight: torch.Tensor, absmax: torch.Tensor, code: torch.Tensor, blocksize: int,
                 n: int, k: int, bias: torch.Tensor | None = None, nested_absmax: torch.Tensor | None = None,
                 nested_code: torch.Tensor | None = None, nested_offset: torch.Tensor | None = None,
-                plan_: Plan | None = None) -> torch.Tensor:
+                offset: torch.Tensor | None = None, plan_: Plan | None = None) -> torch.Tensor:
     """Launch on x's device.  x: [..., k] fp16/bf16 (fp32 works); weight: the packed bytes (any shape and
-    storage dtype, viewed as uint8); the caller (the op) has checked every argument."""
+    storage dtype, viewed as uint8); ``offset``: fp32 per block, added to each value (GGUF's minimums); the
+    caller (the op) has checked every argument."""
     lead = x.shape[:-1]
     x2 = x.reshape(-1, k)
     if x2.stride(-1) != 1:
@@ -378,16 +409,20 @@ def matmul_4bit(x: torch.Tensor, weight: torch.Tensor, absmax: torch.Tensor, cod
         return out.zero_() if bias is None else out.copy_(bias.expand_as(out))
     w = weight.view(torch.uint8) if weight.dtype != torch.uint8 else weight
     # The kernels read these at flat offsets (the op checks shapes, not strides).
-    absmax, bias = _unit_stride(absmax), _unit_stride(bias)
+    absmax, bias, offset = _unit_stride(absmax), _unit_stride(bias), _unit_stride(offset)
     nested_absmax, nested_code = _unit_stride(nested_absmax), _unit_stride(nested_code)
     p = plan_ or plan(m, n, k, blocksize, x.dtype, x.device)
     nested = nested_absmax is not None
     dummy = absmax
     nest = (nested_code, nested_absmax, nested_offset) if nested else (dummy, dummy, dummy)
     b = bias if bias is not None else dummy
+    off = offset if offset is not None else dummy
     out2 = out.view(m, n)
+    if p.path == "mma" and offset is not None:  # the tensor-core path has no offset term: the GEMM takes it
+        p = _gemm_plan(m, k, device_target(x.device))
     if p.path == "dequant" or (p.path == "gemm" and x.dtype == torch.float32):
-        wd = dequantize_weight(w, absmax, code, blocksize, n, k, x.dtype, nested_absmax, nested_code, nested_offset)
+        wd = dequantize_weight(w, absmax, code, blocksize, n, k, x.dtype, nested_absmax, nested_code, nested_offset,
+                               offset)
         return torch.nn.functional.linear(x, wd, bias)
     cfg = p.config
     c = cfg.constexprs
@@ -403,12 +438,12 @@ def matmul_4bit(x: torch.Tensor, weight: torch.Tensor, absmax: torch.Tensor, cod
             # 16-bit pair math reads x as int32 pairs: rows must start 4-byte aligned.
             half2 = (ptx and c.get("HALF2", False) and x.dtype in (torch.float16, torch.bfloat16)
                      and x2.data_ptr() % 4 == 0 and x2.stride(0) % 2 == 0)
-            _gemv_4bit_kernel[grid](x2, w, absmax, code, b, partials, *nest, n, k, x2.stride(0), out2.stride(0),
+            _gemv_4bit_kernel[grid](x2, w, absmax, code, b, partials, *nest, off, n, k, x2.stride(0), out2.stride(0),
                                     k // 8 if ptx else k // 2, p.split_k, BLOCKSIZE=blocksize,
                                     BLOCK_N=c["BLOCK_N"], CHUNK=chunk,
                                     SEG=min(chunk, blocksize), EVEN_K=k % chunk == 0, PARTIAL=p.split_k > 1,
                                     PREFETCH=c["PREFETCH"], NESTED=nested, HAS_BIAS=bias is not None,
-                                    DECODE_PTX=ptx, HALF2=half2,
+                                    DECODE_PTX=ptx, HALF2=half2, HAS_OFFSET=offset is not None,
                                     **options)
             if p.split_k > 1:
                 reduce_partials(partials, out2, bias)
@@ -439,13 +474,13 @@ def matmul_4bit(x: torch.Tensor, weight: torch.Tensor, absmax: torch.Tensor, cod
                 block_k = c["BLOCK_K"]
             target = out2 if p.split_k == 1 else torch.empty(p.split_k, m, n, dtype=torch.float32, device=x.device)
             grid = (-(-m // c["BLOCK_M"]) * -(-n // c["BLOCK_N"]), p.split_k)
-            _gemm_4bit_kernel[grid](x2, w, absmax, code, b, target, *nest, m, n, k, x2.stride(0), out2.stride(0),
+            _gemm_4bit_kernel[grid](x2, w, absmax, code, b, target, *nest, off, m, n, k, x2.stride(0), out2.stride(0),
                                     k // 2, BLOCKSIZE=blocksize, NESTED=nested,
                                     HAS_BIAS=bias is not None, GROUP_M=8, BLOCK_M=c["BLOCK_M"],
                                     BLOCK_N=c["BLOCK_N"], BLOCK_K=block_k,
                                     SPLIT_K=p.split_k,
                                     DECODE_PTX=c.get("DECODE_PTX", False) and x.device.type == "cuda",
-                                    DOT_IN_FP32=x.device.type == "cpu" and x.dtype == torch.bfloat16, **options)
+                                    HAS_OFFSET=offset is not None, DOT_IN_FP32=x.device.type == "cpu" and x.dtype == torch.bfloat16, **options)
         if p.split_k > 1:
             reduce_partials(target, out2, bias)
     return out
@@ -460,6 +495,7 @@ def _signature(kernel: str):
         s = {"x_ptr": f"*{t}", "w_ptr": "*u8", "absmax_ptr": "*fp32", "code_ptr": "*fp32", "bias_ptr": f"*{t}",
              "out_ptr": f"*{t}", "nested_code_ptr": "*fp32", "nested_absmax_ptr": "*fp32",
              "nested_offset_ptr": "*fp32"}
+        s.update({"offset_ptr": "*fp32"} if kernel != "mma" else {})
         s.update({"M": "i32"} if kernel in ("gemm", "mma") else {})
         s.update({"N": "i32", "K": "i32", "stride_xm": "i32", "stride_om": "i32"})
         s["stride_w"] = "i32"
@@ -469,7 +505,7 @@ def _signature(kernel: str):
             s.update({"BLOCK_M": "constexpr", "BLOCK_N": "constexpr", "BLOCK_K": "constexpr",
                       "NESTED": "constexpr", "HAS_BIAS": "constexpr", "GROUP_M": "constexpr",
                       "DOT_IN_FP32": "constexpr",
-                      "SPLIT_K": "constexpr", "DECODE_PTX": "constexpr"})
+                      "SPLIT_K": "constexpr", "DECODE_PTX": "constexpr", "HAS_OFFSET": "constexpr"})
         elif kernel == "mma":
             s.update({"WARPS": "constexpr", "PARTIAL": "constexpr", "NESTED": "constexpr", "HAS_BIAS": "constexpr",
                       "DECODE_PTX": "constexpr"})
@@ -477,16 +513,20 @@ def _signature(kernel: str):
             s.update({"BLOCK_N": "constexpr", "CHUNK": "constexpr", "SEG": "constexpr",
                       "EVEN_K": "constexpr", "PARTIAL": "constexpr", "PREFETCH": "constexpr",
                       "NESTED": "constexpr", "HAS_BIAS": "constexpr",
-                      "DECODE_PTX": "constexpr", "HALF2": "constexpr"})
+                      "DECODE_PTX": "constexpr", "HALF2": "constexpr", "HAS_OFFSET": "constexpr"})
         return s
     return sig
 
 
-def _with_defaults(table, extra, drop=()):
-    """Cross-compile with the common 4-bit layout: blocksize 64 (and nested, or with a bias)."""
-    return {key: tuple(LaunchConfig({**{k: v for k, v in cfg.constexprs.items() if k not in drop}, **extra(cfg)},
-                                    cfg.num_warps, cfg.num_stages, cfg.waves_per_eu,
-                                    cfg.matrix_instr_nonkdim, cfg.kpack) for cfg in cfgs)
+def _with_defaults(table, extra, drop=(), gguf=None):
+    """Cross-compile with the common 4-bit layout: blocksize 64 (and nested, or with a bias), and where ``gguf``
+    is given, one more config per target: the first with GGUF's layout (blocksize 32, an offset, not nested)."""
+    def build(cfg, more):
+        return LaunchConfig({**{k: v for k, v in cfg.constexprs.items() if k not in drop}, **extra(cfg), **more},
+                            cfg.num_warps, cfg.num_stages, cfg.waves_per_eu, cfg.matrix_instr_nonkdim, cfg.kpack)
+
+    return {key: tuple(build(cfg, {"HAS_OFFSET": False} if gguf else {}) for cfg in cfgs)
+            + ((build(cfgs[0], {**gguf(cfgs[0]), "HAS_OFFSET": True}),) if gguf else ())
             for key, cfgs in table.items()}
 
 
@@ -496,13 +536,14 @@ GEMV_SPEC = register(KernelSpec(
                                             "PARTIAL": True, "NESTED": False, "HAS_BIAS": True,
                                             "DECODE_PTX": c.constexprs.get("DECODE_PTX", False),
                                             "HALF2": c.constexprs.get("HALF2", False)},
-                   drop=("MAX_SPLIT", "SPLIT_MIN_CHUNKS"))))
+                   drop=("MAX_SPLIT", "SPLIT_MIN_CHUNKS"),
+                   gguf=lambda c: {"BLOCKSIZE": 32, "SEG": min(32, c.constexprs["CHUNK"]), "PARTIAL": False})))
 GEMM_SPEC = register(KernelSpec(
     "gemm_4bit", _gemm_4bit_kernel, _signature("gemm"), DTYPES,
     _with_defaults(GEMM_CONFIGS, lambda c: {"BLOCKSIZE": 64, "NESTED": True, "HAS_BIAS": False,
                                             "GROUP_M": 8, "DOT_IN_FP32": False, "SPLIT_K": 1,
                                             "DECODE_PTX": c.constexprs.get("DECODE_PTX", False)},
-                   drop=("MAX_M", "FOLD_SCALE"))))
+                   drop=("MAX_M", "FOLD_SCALE"), gguf=lambda c: {"BLOCKSIZE": 32, "NESTED": False})))
 MMA_SPEC = register(KernelSpec(
     "gemv_mma_4bit", _gemv_mma_4bit_kernel, _signature("mma"), DTYPES,
     _with_defaults(MMA_CONFIGS, lambda c: {"BLOCKSIZE": 64, "PARTIAL": True, "NESTED": True, "HAS_BIAS": False,

@@ -3,6 +3,8 @@
 The weight arguments are a QuantState's fields: the packed codes (any storage dtype; two codes per
 byte, high nibble first), absmax (fp32 per block, or uint8 with the nested_* triple of double
 quantization: ``nested_code[q] * nested_absmax[b // 256] + nested_offset``) and the 16-entry code table.
+``offset`` (optional, fp32 per block, never with double quantization) is added to each value of its block:
+``code[q] * absmax[b] + offset[b]``, the form GGUF's Q4_1 and Q4_K take (``anygpu/quant/gguf_4bit.py``).
 Gradients flow to x (and bias) through the frozen weight: QLoRA.
 
 Kernels: ``anygpu/kernels/matmul_4bit.py`` (GEMV for decode, a dequant-fused GEMM for mid-sized
@@ -22,7 +24,7 @@ NESTED_BLOCKSIZE = 256
 
 
 def check(x, weight, absmax, code, blocksize, out_features, in_features, bias=None, nested_absmax=None,
-          nested_code=None, nested_offset=None) -> None:
+          nested_code=None, nested_offset=None, offset=None) -> None:
     if x.dtype not in DTYPES:
         raise ValueError(f"x: expected dtype float16, bfloat16 or float32, got {x.dtype}")
     if x.dim() < 1 or x.shape[-1] != in_features:
@@ -58,10 +60,18 @@ def check(x, weight, absmax, code, blocksize, out_features, in_features, bias=No
         if nested_offset.dtype != torch.float32 or nested_offset.numel() != 1:
             raise ValueError(f"nested_offset: expected a float32 scalar tensor, got {nested_offset.dtype} "
                              f"{tuple(nested_offset.shape)}")
+    if offset is not None:
+        if nested:
+            raise ValueError("offset: a per-block offset does not combine with double quantization (nested_absmax)")
+        if offset.dtype != torch.float32 or offset.dim() != 1 or offset.shape[0] != blocks:
+            raise ValueError(f"offset: expected float32 of shape ({blocks},) (one per block, as absmax), got "
+                             f"{offset.dtype} {tuple(offset.shape)}")
+        if in_features % blocksize:
+            raise ValueError(f"offset: needs in_features ({in_features}) to be a multiple of blocksize ({blocksize})")
     if bias is not None and (bias.shape != (out_features,) or bias.dtype != x.dtype):
         raise ValueError(f"bias: expected {x.dtype} of shape ({out_features},), got {bias.dtype} {tuple(bias.shape)}")
     tensors = {"weight": weight, "absmax": absmax, "code": code, "bias": bias, "nested_absmax": nested_absmax,
-               "nested_code": nested_code, "nested_offset": nested_offset}
+               "nested_code": nested_code, "nested_offset": nested_offset, "offset": offset}
     for name, t in tensors.items():
         if t is not None and t.device != x.device:
             raise ValueError(f"{name}: expected a tensor on x's device {x.device}, got {t.device}")
@@ -76,50 +86,54 @@ def block_absmax(absmax, nested_absmax=None, nested_code=None, nested_offset=Non
 
 
 def dequantize_weight(weight, absmax, code, blocksize, out_features, in_features, dtype, nested_absmax=None,
-                      nested_code=None, nested_offset=None) -> torch.Tensor:
-    """W [N, K] in ``dtype``: ``code[c] * absmax[block]`` in fp32, rounded once (bitsandbytes' rule)."""
+                      nested_code=None, nested_offset=None, offset=None) -> torch.Tensor:
+    """W [N, K] in ``dtype``: ``code[c] * absmax[block]`` (``+ offset[block]``) in fp32, rounded once (bitsandbytes'
+    rule)."""
     numel = out_features * in_features
     packed = weight.reshape(-1).view(torch.uint8)
     codes = torch.stack([packed >> 4, packed & 15], dim=-1).reshape(-1)[:numel].long()
     scale = block_absmax(absmax, nested_absmax, nested_code, nested_offset)
     values = code[codes] * scale.repeat_interleave(blocksize)[:numel]
+    if offset is not None:
+        values = values + offset.repeat_interleave(blocksize)[:numel]
     return values.reshape(out_features, in_features).to(dtype)
 
 
 def reference(x, weight, absmax, code, blocksize, out_features, in_features, bias=None, nested_absmax=None,
-              nested_code=None, nested_offset=None):
+              nested_code=None, nested_offset=None, offset=None):
     w = dequantize_weight(weight, absmax, code, blocksize, out_features, in_features, x.dtype, nested_absmax,
-                          nested_code, nested_offset)
+                          nested_code, nested_offset, offset)
     return F.linear(x, w, bias)
 
 
 def fake(x, weight, absmax, code, blocksize, out_features, in_features, bias=None, nested_absmax=None,
-         nested_code=None, nested_offset=None):
+         nested_code=None, nested_offset=None, offset=None):
     return x.new_empty(*x.shape[:-1], out_features)
 
 
 def _setup_context(ctx, inputs, output):
-    x, weight, absmax, code, blocksize, n, k, bias, nested_absmax, nested_code, nested_offset = inputs
-    ctx.save_for_backward(weight, absmax, code, nested_absmax, nested_code, nested_offset)
+    x, weight, absmax, code, blocksize, n, k, bias, nested_absmax, nested_code, nested_offset, offset = inputs
+    ctx.save_for_backward(weight, absmax, code, nested_absmax, nested_code, nested_offset, offset)
     ctx.meta = (blocksize, n, k, x.dtype, bias is not None)
 
 
 def _backward(ctx, grad):
-    weight, absmax, code, nested_absmax, nested_code, nested_offset = ctx.saved_tensors
+    weight, absmax, code, nested_absmax, nested_code, nested_offset, offset = ctx.saved_tensors
     blocksize, n, k, dtype, has_bias = ctx.meta
     grad_x = grad_bias = None
     if ctx.needs_input_grad[0]:
-        w = dequantize_weight(weight, absmax, code, blocksize, n, k, dtype, nested_absmax, nested_code, nested_offset)
+        w = dequantize_weight(weight, absmax, code, blocksize, n, k, dtype, nested_absmax, nested_code, nested_offset,
+                              offset)
         grad_x = grad @ w
     if has_bias and ctx.needs_input_grad[7]:
         grad_bias = grad.reshape(-1, n).sum(0)
-    return grad_x, None, None, None, None, None, None, grad_bias, None, None, None
+    return grad_x, None, None, None, None, None, None, grad_bias, None, None, None, None
 
 
 matmul_4bit = define_op(
     "matmul_4bit(Tensor x, Tensor weight, Tensor absmax, Tensor code, int blocksize, int out_features, "
     "int in_features, Tensor? bias=None, Tensor? nested_absmax=None, Tensor? nested_code=None, "
-    "Tensor? nested_offset=None) -> Tensor",
+    "Tensor? nested_offset=None, Tensor? offset=None) -> Tensor",
     check=check,
     reference=reference,
     fake=fake,
