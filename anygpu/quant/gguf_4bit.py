@@ -1,0 +1,184 @@
+"""GGUF's 4-bit types as the 4-bit matmul's layout: ``code[q] * absmax[b] + offset[b]`` per block of 32.
+
+    w = convert(raw, "Q4_K", n, k)       # raw: the tensor's GGUF blocks (uint8), for an [n, k] weight
+    y = anygpu.ops.matmul_4bit(x, w.packed, w.absmax, w.code, 32, n, k, offset=w.offset)
+
+The kernels (``anygpu/kernels/matmul_4bit.py``) read bitsandbytes' layout: row-major, two codes a byte, element 2i
+in the high nibble and 2i + 1 in the low one, an fp32 scale (absmax) per block, any 16-entry fp32 table, and an
+optional fp32 offset per block.  Each GGUF type maps onto it exactly (no value changes; ``tests/test_gguf_4bit.py``
+holds every one to ``gguf.quants.dequantize`` bit for bit):
+
+| type   | GGUF value               | code table     | absmax          | offset      |
+|--------|--------------------------|----------------|-----------------|-------------|
+| Q4_0   | d * (q - 8)              | (q - 8) / 8    | 8 d             | none        |
+| Q4_1   | d * q + m                | q / 16         | 16 d            | m           |
+| Q4_K   | d sc_j * q - dmin m_j    | q / 16         | 16 d sc_j       | -dmin m_j   |
+| IQ4_NL | d * kv[q]                | kv[q] / 128    | 128 d           | none        |
+| IQ4_XS | d (s_j - 32) * kv[q]     | kv[q] / 128    | 128 d (s_j - 32)| none        |
+
+Why the tables are scaled into [-1, 1]: the NVIDIA GEMV sums four code x activation products in 16-bit pair
+arithmetic (fp16 tops out at 65504), and the GEMM decodes codes to fp16/bf16; codes of bitsandbytes' size (NF4's
+lie in [-1, 1]) keep the same headroom for large activations that raw codes up to 15 (or IQ4's 127) would eat.
+Scaling by a power of two is exact both ways, and each product ``code * absmax`` is the GGUF product (fp16 d
+times small integers needs at most 21 bits of fp32's 24), so the values are the file's, bit for bit.
+
+GGUF's order inside a block: Q4_0 / Q4_1 / IQ4_NL's byte j holds element j (low nibble) and j + 16 (high); a Q4_K
+super-block's 128 bytes are 4 runs of 32, run r holding group 2r's element i in byte i's low nibble and group
+2r + 1's in its high nibble; IQ4_XS's are 8 runs of 16, each one group in Q4_0's order.
+
+``quantize_q4_0`` / ``quantize_q4_k``: float weights to GGUF blocks in torch, on any device (the model bench
+quantizes random models with them).
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+
+from .gguf_blocks import BLOCK_SHAPES, IQ4_KVALUES, QK_K, _k_scale_min
+
+TYPES = ("Q4_0", "Q4_1", "IQ4_NL", "IQ4_XS", "Q4_K")
+BLOCKSIZE = 32
+# Which code table each type's codes index (types of one table can share a layer's rows).
+TABLES = {"Q4_0": "signed", "Q4_1": "unsigned", "Q4_K": "unsigned", "IQ4_NL": "iq4", "IQ4_XS": "iq4"}
+
+
+class Packed4bit(NamedTuple):
+    packed: torch.Tensor  # uint8 [n * k / 2], bitsandbytes' nibble order
+    absmax: torch.Tensor  # fp32 [n * k / 32]
+    offset: torch.Tensor | None  # fp32 [n * k / 32], or None
+    code: torch.Tensor  # fp32 [16]
+    table: str  # "signed" | "unsigned" | "iq4"
+
+
+def code_table(table: str, device=None) -> torch.Tensor:
+    if table == "signed":
+        return (torch.arange(16, dtype=torch.float32, device=device) - 8) / 8
+    if table == "unsigned":
+        return torch.arange(16, dtype=torch.float32, device=device) / 16
+    if table == "iq4":
+        return torch.tensor(IQ4_KVALUES, dtype=torch.float32, device=device) / 128
+    raise ValueError(f"table: expected 'signed', 'unsigned' or 'iq4', got {table!r}")
+
+
+def _f16(b: torch.Tensor) -> torch.Tensor:
+    """[..., 2] bytes -> fp32 [...] (the fp16 value, widened exactly)."""
+    return b.contiguous().view(torch.float16).float().squeeze(-1)
+
+
+def _halves(qs: torch.Tensor) -> torch.Tensor:
+    """[..., 16] bytes -> [..., 32] codes: the low nibbles (elements 0..15), then the high ones (16..31)."""
+    return torch.cat([qs & 15, qs >> 4], dim=-1)
+
+
+def _groups(raw: torch.Tensor, type_name: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """(codes [G, 32] in element order, absmax [G], offset [G] or None) of whole blocks of ``type_name``."""
+    block, size = BLOCK_SHAPES[type_name]
+    b = raw.reshape(-1, size)
+    nb = b.shape[0]
+    if type_name == "Q4_0":
+        return _halves(b[:, 2:]), 8 * _f16(b[:, :2]), None
+    if type_name == "Q4_1":
+        return _halves(b[:, 4:]), 16 * _f16(b[:, :2]), _f16(b[:, 2:4])
+    if type_name == "IQ4_NL":
+        return _halves(b[:, 2:]), 128 * _f16(b[:, :2]), None
+    if type_name == "Q4_K":
+        qs = b[:, 16:].reshape(nb, 4, 1, 32)
+        codes = torch.cat([qs & 15, qs >> 4], dim=2).reshape(nb * 8, 32)
+        sc, m = _k_scale_min(b[:, 4:16])
+        scale = _f16(b[:, :2])[:, None] * sc.float()  # GGUF's d * sc, exact in fp32
+        return codes, (16 * scale).reshape(-1), (-(_f16(b[:, 2:4])[:, None] * m.float())).reshape(-1)
+    # IQ4_XS: 8 groups, 6-bit scales (low 4 bits in scales_l's nibbles, high 2 in scales_h's bit pairs) minus 32
+    sh = b[:, 2:4].contiguous().view(torch.int16).to(torch.int32)
+    high = (sh >> torch.arange(0, 16, 2, dtype=torch.int32, device=b.device)) & 3
+    low = torch.stack([b[:, 4:8] & 15, b[:, 4:8] >> 4], dim=-1).reshape(nb, 8).to(torch.int32)
+    scales = ((low | (high << 4)) - 32).float()
+    codes = _halves(b[:, 8:].reshape(nb, 8, 16)).reshape(nb * 8, 32)
+    return codes, (128 * (_f16(b[:, :2])[:, None] * scales)).reshape(-1), None
+
+
+def convert(raw: torch.Tensor, type_name: str, n: int, k: int) -> Packed4bit:
+    """An [n, k] GGUF tensor's raw blocks (uint8, any device) -> the 4-bit matmul's tensors, on that device."""
+    if type_name not in TYPES:
+        raise ValueError(f"type_name: expected one of {TYPES}, got {type_name!r}")
+    block, size = BLOCK_SHAPES[type_name]
+    if k % block:
+        raise ValueError(f"k: a {type_name} row is whole blocks of {block} elements, got k={k}")
+    if raw.dtype != torch.uint8 or raw.numel() != n * k // block * size:
+        raise ValueError(f"raw: expected {n * k // block * size} uint8 bytes of {type_name} blocks for [{n}, {k}], "
+                         f"got {raw.numel()} {raw.dtype}")
+    codes, absmax, offset = _groups(raw, type_name)
+    packed = ((codes[:, 0::2] << 4) | codes[:, 1::2]).reshape(-1)
+    return Packed4bit(packed, absmax.contiguous(), None if offset is None else offset.contiguous(),
+                      code_table(TABLES[type_name], raw.device), TABLES[type_name])
+
+
+def stackable(types) -> bool:
+    """Whether tensors of these types can share one layer (one code table): IQ4 only with IQ4."""
+    if not all(t in TYPES for t in types):
+        return False
+    tables = {TABLES[t] for t in types}
+    return tables <= {"iq4"} or "iq4" not in tables
+
+
+def _unsigned(p: Packed4bit) -> Packed4bit:
+    """Q4_0's form as the unsigned table's: d (q - 8) = (q / 16) 16 d + (-8 d), the same nibbles, exactly."""
+    if p.table != "signed":
+        return p
+    return Packed4bit(p.packed, 2 * p.absmax, -p.absmax, code_table("unsigned", p.absmax.device), "unsigned")
+
+
+def stack(parts: list[Packed4bit]) -> Packed4bit:
+    """Row blocks of one layer (q, k, v; gate, up) as one weight: their rows in order, one code table (Q4_0 next to
+    Q4_1 / Q4_K takes the unsigned table with an offset), an offset wherever one part has one (zeros elsewhere)."""
+    tables = {p.table for p in parts}
+    if "iq4" in tables and len(tables) > 1:
+        raise ValueError(f"parts: IQ4 codes cannot share a layer with {sorted(tables - {'iq4'})} codes")
+    if len(tables) > 1:
+        parts = [_unsigned(p) for p in parts]
+    if len(parts) == 1:
+        return parts[0]
+    offset = None
+    if any(p.offset is not None for p in parts):
+        offset = torch.cat([p.offset if p.offset is not None else torch.zeros_like(p.absmax) for p in parts])
+    return Packed4bit(torch.cat([p.packed for p in parts]), torch.cat([p.absmax for p in parts]), offset,
+                      parts[0].code, parts[0].table)
+
+
+def quantize_q4_0(w: torch.Tensor) -> torch.Tensor:
+    """[n, k] floats -> Q4_0 blocks (uint8 [n, k / 32 * 18]), gguf-py's ``Q4_0.quantize_blocks`` in torch (the same
+    bytes): d = the block's largest-magnitude value / -8, q = trunc(x / d + 8.5) clipped to 15."""
+    n, k = w.shape
+    x = w.float().reshape(-1, 32)
+    big = x.gather(1, x.abs().argmax(dim=1, keepdim=True))
+    d = big / -8
+    inv = torch.where(d == 0, torch.zeros_like(d), 1 / d)
+    q = torch.trunc(x * inv + 8.5).clamp(0, 15).to(torch.uint8)
+    qs = q[:, :16] | (q[:, 16:] << 4)
+    return torch.cat([d.half().view(torch.uint8), qs], dim=1).reshape(n, k // 32 * 18)
+
+
+def quantize_q4_k(w: torch.Tensor) -> torch.Tensor:
+    """[n, k] floats (k a multiple of 256) -> Q4_K blocks (uint8 [n, k / 256 * 144]), in llama.cpp's stored format
+    but not its search: each group of 32 takes scale (max - min) / 15 and min = min(group's min, 0) as they are, the
+    super-block's d / dmin are the largest of them / 63 (fp16), the 6-bit sc / m round against those, and the codes
+    round against the stored scale and min.  (llama.cpp's make_qkx2 also searches for a scale and min of lower
+    error; random benchmark weights do not need it.)"""
+    n, k = w.shape
+    if k % QK_K:
+        raise ValueError(f"w: Q4_K rows are whole super-blocks of {QK_K}, got k={k}")
+    x = w.float().reshape(-1, 8, 32)
+    lo = x.amin(dim=2).clamp(max=0)
+    scale = (x.amax(dim=2) - lo) / 15
+    d = (scale.amax(dim=1, keepdim=True) / 63).half()
+    dmin = ((-lo).amax(dim=1, keepdim=True) / 63).half()
+    sc = torch.where(d.float() > 0, scale / d.float(), 0).round().clamp(0, 63).to(torch.uint8)
+    mn = torch.where(dmin.float() > 0, -lo / dmin.float(), 0).round().clamp(0, 63).to(torch.uint8)
+    ds, dm = d.float() * sc.float(), dmin.float() * mn.float()
+    q = torch.where(ds[..., None] > 0, (x + dm[..., None]) / ds[..., None], 0).round().clamp(0, 15).to(torch.uint8)
+    scales = torch.cat([(sc[:, :4] & 63) | ((sc[:, 4:] >> 4) << 6), (mn[:, :4] & 63) | ((mn[:, 4:] >> 4) << 6),
+                        (sc[:, 4:] & 15) | ((mn[:, 4:] & 15) << 4)], dim=1)
+    q = q.reshape(-1, 4, 2, 32)
+    qs = (q[:, :, 0] | (q[:, :, 1] << 4)).reshape(-1, 128)
+    return torch.cat([d.view(torch.uint8), dmin.view(torch.uint8), scales, qs], dim=1).reshape(n, k // QK_K * 144)
