@@ -274,6 +274,14 @@ def test_paged_decode_kernel_split_path_equals_single_pass(kdevice):
     # max_seqlen only sizes the work: too low a bound is slower, never wrong (the last split runs to the end).
     torch.testing.assert_close(kernel(q, kc, vc, tables, lens, max_seqlen // 2, num_splits=4), single,
                                rtol=1e-5, atol=1e-5)
+    # A decode graph's bound: max_seqlen far above every sequence, many splits; each sequence cuts its own keys
+    # (with a sliding window: only the window's), so short ones use several splits and none is lost.
+    torch.testing.assert_close(kernel(q, kc, vc, tables, lens, 16 * max_seqlen, num_splits=16), single,
+                               rtol=1e-5, atol=1e-5)
+    windowed = kernel(q, kc, vc, tables, lens, 16 * max_seqlen, None, 37, num_splits=16)
+    torch.testing.assert_close(windowed, kernel(q, kc, vc, tables, lens, max_seqlen, None, 37, num_splits=1),
+                               rtol=1e-5, atol=1e-5)
+    check_decode(windowed, q, kc, vc, tables, lens, None, 37, what="split fp32, window, graph bound")
 
 
 def test_paged_decode_kernel_strided_q_and_empty_batch(kdevice):

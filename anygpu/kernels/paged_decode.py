@@ -13,10 +13,11 @@ arithmetic per byte.  The design follows from that:
 - Split-KV (flash-decoding): when batch x Hkv programs cannot fill the GPU, each sequence's context is cut
   into partitions (a multiple of the tile and the block size); each split writes its normalised partial
   output and log2-sum-exp (fp32) to a workspace and ``_paged_decode_reduce_kernel`` combines them.  The
-  split count is ``plan_splits``, a pure function of batch, Hkv, max_seqlen and the GPU's CU count.
+  split count is ``plan_splits``, a pure function of batch, Hkv, max_seqlen and the GPU's CU count; each
+  program cuts its own sequence's keys into that many equal partitions.
 - No host synchronisation: the grid comes from shapes and the caller's ``max_seqlen``; each program reads
-  its own sequence length.  The last split runs to the true sequence end, so a low max_seqlen costs speed,
-  never correctness.
+  its own sequence length, so a max_seqlen above the true one (a decode graph's) costs no speed, and a low one
+  never costs correctness.
 
 The reference and the op live in ``anygpu/ops/paged_decode.py``.
 """
@@ -90,7 +91,7 @@ def _attend_tile(q, m_i, l_i, acc, tile, lo, hi, table, k_head, v_head, dims, di
 @triton.jit
 def _paged_decode_kernel(q_ptr, key_cache_ptr, value_cache_ptr, block_tables_ptr, seqlens_ptr, out_ptr,
                          part_out_ptr, part_lse_ptr, scale_log2, softcap_scale, softcap_log2, window_left, group,
-                         num_q_heads, partition_size, num_splits, q_stride_b, q_stride_h,
+                         num_q_heads, granule, num_splits, q_stride_b, q_stride_h,
                          kc_stride_block, kc_stride_slot, kc_stride_head, vc_stride_block, vc_stride_slot,
                          vc_stride_head, bt_stride_b, HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
                          GROUP_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr, TILE_N: tl.constexpr,
@@ -99,10 +100,16 @@ def _paged_decode_kernel(q_ptr, key_cache_ptr, value_cache_ptr, block_tables_ptr
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
     seqlen = tl.load(seqlens_ptr + b)
-    # Keys [lo, hi) of this program: its partition, cut by the window; the last split runs to the end.
-    start = split * partition_size
-    hi = tl.where(split == num_splits - 1, seqlen, tl.minimum(start + partition_size, seqlen))
-    lo = tl.maximum(start, tl.where(window_left >= 0, seqlen - 1 - window_left, 0))
+    # Keys [lo, hi) of this program: its partition of this sequence's own keys (from the window's first tile
+    # to seqlen) in num_splits equal runs of whole granules.  Cut by the sequence's length, not by the grid's
+    # max_seqlen: a decode graph is captured for the longest context, and a short sequence must still spread
+    # its few tiles over the splits instead of leaving them all to the first.
+    first_key = tl.where(window_left >= 0, tl.maximum(seqlen - 1 - window_left, 0), 0)
+    span_lo = first_key // granule * granule
+    part = tl.cdiv(tl.cdiv(seqlen - span_lo, num_splits), granule) * granule
+    start = span_lo + split * part
+    hi = tl.minimum(start + part, seqlen)
+    lo = tl.maximum(start, first_key)
 
     rows = tl.arange(0, GROUP_PAD)
     dims = tl.arange(0, HEAD_DIM_PAD)
@@ -193,7 +200,9 @@ FILL = 4
 @dataclass(frozen=True)
 class SplitPlan:
     num_splits: int  # 1: the single-pass kernel writes the output directly
-    partition_size: int  # tokens per split, a multiple of the granule (0 when num_splits == 1)
+    # tokens per split of a max_seqlen-long sequence, a multiple of the granule (0 when num_splits == 1); the
+    # kernel cuts each sequence's own keys into num_splits partitions
+    partition_size: int
 
 
 def fixed_splits(max_seqlen: int, num_splits: int, granule: int) -> SplitPlan:
@@ -263,7 +272,7 @@ REDUCE_CONFIGS = {"default": (LaunchConfig({"HEAD_DIM": 128, "HEAD_DIM_PAD": 128
 AOT_DTYPES = (torch.float16, torch.bfloat16)
 AOT_DTYPES_D256 = (torch.bfloat16,)
 
-_INTS = ("window_left", "group", "num_q_heads", "partition_size", "num_splits", "q_stride_b", "q_stride_h",
+_INTS = ("window_left", "group", "num_q_heads", "granule", "num_splits", "q_stride_b", "q_stride_h",
          "kc_stride_block", "kc_stride_slot", "kc_stride_head", "vc_stride_block", "vc_stride_slot", "vc_stride_head",
          "bt_stride_b")
 
@@ -350,7 +359,7 @@ def paged_decode(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Te
         _paged_decode_kernel[(batch, kv_heads, plan.num_splits)](
             q, kc, vc, block_tables, seqlens, out, part_out, part_lse, scale * LOG2E,
             scale / softcap if softcap > 0 else 0.0, softcap * LOG2E, window_left, group, q_heads,
-            plan.partition_size, plan.num_splits, q.stride(0), q.stride(1), kc.stride(0), kc.stride(1), kc.stride(2),
+            granule, plan.num_splits, q.stride(0), q.stride(1), kc.stride(0), kc.stride(1), kc.stride(2),
             vc.stride(0), vc.stride(1), vc.stride(2), block_tables.stride(0), HEAD_DIM=head_dim,
             HEAD_DIM_PAD=head_dim_pad, GROUP_PAD=max(16, 1 << (group - 1).bit_length()), BLOCK_SIZE=block_size,
             TILE_N=tile, USE_SOFTCAP=softcap > 0, **options)
