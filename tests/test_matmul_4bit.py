@@ -110,15 +110,15 @@ def test_plan_picks_paths_and_takes_an_override():
         set_plan_hook("matmul_4bit", None)
 
 
-def test_nvidia_plan_takes_the_tensor_cores_for_two_to_four_rows(monkeypatch):
-    """NVIDIA (faked sm_90): 1 row the GEMV, 2-4 rows the MMA path where K and the block size allow it, then the
+def test_nvidia_plan_takes_the_tensor_cores_for_two_to_eight_rows(monkeypatch):
+    """NVIDIA (faked sm_90): 1 row the GEMV, 2-8 rows the MMA path where K and the block size allow it, then the
     GEMM; AMD (faked gfx942) never the MMA path (it is NVIDIA PTX)."""
     from anygpu.backend.targets import TARGETS
     from anygpu.kernels import matmul_4bit as K
 
     cuda, h = torch.device("cuda", 0), torch.float16
     monkeypatch.setattr(K, "device_target", lambda device: TARGETS["sm_90"])
-    assert [K.plan(m, 8192, 8192, 64, h, cuda).path for m in (1, 2, 4, 5, 64)] == ["gemv", "mma", "mma", "gemm", "gemm"]
+    assert [K.plan(m, 8192, 8192, 64, h, cuda).path for m in (1, 2, 8, 9, 64)] == ["gemv", "mma", "mma", "gemm", "gemm"]
     assert K.plan(4, 8192, 8192, 64, h, cuda).split_k == 8  # 128 steps of 64 columns
     assert K.plan(4, 64, 576, 64, h, cuda).split_k == 2  # 9 steps: split while each keeps 4
     assert K.plan(4, 8192, 8192, 32, h, cuda).path == "gemm"  # a step of 64 columns would span two blocks

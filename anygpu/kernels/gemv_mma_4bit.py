@@ -141,16 +141,44 @@ def _gemv_mma_4bit_kernel(x_ptr, w_ptr, absmax_ptr, code_ptr, bias_ptr, out_ptr,
     _store(out_ptr, bias_ptr, c3, 2 * q + 1, r1, M, N, stride_om, PARTIAL, HAS_BIAS)
 
 
+# Vector loads of a lane's operands, predicated (a lane past the weight's rows or x's rows loads zeros): Triton
+# gives one element a thread 4-byte loads, and x's 8 words a step were what the load unit spent its time on.
+LD2 = tl.constexpr("""
+        {
+        .reg .pred p;
+        setp.ne.b32 p, $3, 0;
+        mov.b32 $0, 0;
+        mov.b32 $1, 0;
+        @p ld.global.v2.b32 {$0, $1}, [$2];
+        }
+""")
+LD4 = tl.constexpr("""
+        {
+        .reg .pred p;
+        setp.ne.b32 p, $5, 0;
+        mov.b32 $0, 0;
+        mov.b32 $1, 0;
+        mov.b32 $2, 0;
+        mov.b32 $3, 0;
+        @p ld.global.v4.b32 {$0, $1, $2, $3}, [$4];
+        }
+""")
+
+
 @triton.jit
 def _step_loads(p0, p1, px, s, m0, m1, mx):
     """A lane's operands of step s: rows g and g + 8's 8 bytes each (two words a row), x's 8 words of pairs."""
     w0 = s * 8  # a step is 64 columns: 8 words of codes a row, 32 words of x pairs
     xs = px + s * 32
-    return (tl.load(p0 + w0, mask=m0, other=0), tl.load(p0 + w0 + 1, mask=m0, other=0),
-            tl.load(p1 + w0, mask=m1, other=0), tl.load(p1 + w0 + 1, mask=m1, other=0),
-            tl.load(xs, mask=mx, other=0), tl.load(xs + 1, mask=mx, other=0), tl.load(xs + 2, mask=mx, other=0),
-            tl.load(xs + 3, mask=mx, other=0), tl.load(xs + 4, mask=mx, other=0), tl.load(xs + 5, mask=mx, other=0),
-            tl.load(xs + 6, mask=mx, other=0), tl.load(xs + 7, mask=mx, other=0))
+    a0, a1 = tl.inline_asm_elementwise(LD2, "=r,=r,l,r", [p0 + w0, m0.to(tl.int32)], dtype=(tl.int32, tl.int32),
+                                       is_pure=True, pack=1)
+    a2, a3 = tl.inline_asm_elementwise(LD2, "=r,=r,l,r", [p1 + w0, m1.to(tl.int32)], dtype=(tl.int32, tl.int32),
+                                       is_pure=True, pack=1)
+    y0, y1, y2, y3 = tl.inline_asm_elementwise(LD4, "=r,=r,=r,=r,l,r", [xs, mx.to(tl.int32)],
+                                               dtype=(tl.int32,) * 4, is_pure=True, pack=1)
+    y4, y5, y6, y7 = tl.inline_asm_elementwise(LD4, "=r,=r,=r,=r,l,r", [xs + 4, mx.to(tl.int32)],
+                                               dtype=(tl.int32,) * 4, is_pure=True, pack=1)
+    return a0, a1, a2, a3, y0, y1, y2, y3, y4, y5, y6, y7
 
 
 @triton.jit

@@ -262,13 +262,14 @@ GEMV_CONFIGS = {
                              "SPLIT_MIN_CHUNKS": 2, "DECODE_PTX": True, "HALF2": True}, num_warps=2),),
 }
 # MMA (1 to 8 rows on NVIDIA tensor cores, gemv_mma_4bit.py): WARPS warps of 16 weight rows a program, K split
-# up to MAX_SPLIT ways while each split keeps >= SPLIT_MIN_STEPS steps of 64 columns.  NVIDIA takes it for 2 to 4
-# rows, where tools/sweep_matmul_4bit.py --mma measured it ahead of the GEMM; at 1 row the CUDA-core GEMV and at
-# 8 the GEMM were faster (docs/perf/2026-12-02-quantized-speed-s4.md).  The portable entry is what Triton's
-# interpreter runs (AMD selects the GEMV and GEMM: PATH_LIMITS).
+# up to MAX_SPLIT ways while each split keeps >= SPLIT_MIN_STEPS steps of 64 columns.  NVIDIA takes it for 2 to 8
+# rows, where tools/sweep_matmul_4bit.py --mma measured it ahead of the GEMM (a lane's operands in vector loads,
+# 8 rows cost about what 2 do); at 1 row the CUDA-core GEMV was faster, and a second B fragment for 9-16 rows
+# lost to the GEMM (docs/perf/2026-12-02-quantized-speed-s5.md).  One warp a program: more programs, each
+# independent.  The portable entry is what Triton's interpreter runs (AMD selects the GEMV and GEMM: PATH_LIMITS).
 MMA_CONFIGS = {
     "default": (LaunchConfig({"WARPS": 4, "MAX_SPLIT": 8, "SPLIT_MIN_STEPS": 4}, num_warps=4),),
-    "nvidia": (LaunchConfig({"WARPS": 4, "MAX_SPLIT": 8, "SPLIT_MIN_STEPS": 4, "DECODE_PTX": True}, num_warps=4),),
+    "nvidia": (LaunchConfig({"WARPS": 1, "MAX_SPLIT": 8, "SPLIT_MIN_STEPS": 4, "DECODE_PTX": True}, num_warps=1),),
 }
 # GEMM: one config per bucket of rows (MAX_M: the most rows it takes), tried in order.  A weight tile is
 # decoded once per BLOCK_M rows, so BLOCK_M grows with M; split K keeps enough programs in flight when
@@ -300,7 +301,7 @@ GEMM_CONFIGS = {
 # (docs/perf/2026-12-01-nf4-gemm.md).
 PATH_LIMITS = {
     "default": {"gemv": 1, "gemm": 64},
-    "nvidia": {"gemv": 1, "mma": 4, "gemm": 64},
+    "nvidia": {"gemv": 1, "mma": 8, "gemm": 64},
 }
 
 
@@ -453,9 +454,9 @@ def matmul_4bit(x: torch.Tensor, weight: torch.Tensor, absmax: torch.Tensor, cod
                 raise ValueError(f"the mma path takes up to 8 rows, K and the block size multiples of 64; got "
                                  f"{m} rows, K = {k}, block size {blocksize}")
             partials = torch.empty(p.split_k, m, n, dtype=torch.float32, device=x.device) if p.split_k > 1 else out2
-            # PTX: int32 words of codes and of x pairs (rows 4-byte aligned)
-            ptx = (c.get("DECODE_PTX", False) and ptx_words and x.dtype in DTYPES and x2.data_ptr() % 4 == 0
-                   and x2.stride(0) % 2 == 0)
+            # PTX: vector loads of 8 bytes of codes and 16 of x (rows 16-byte aligned)
+            ptx = (c.get("DECODE_PTX", False) and ptx_words and w.data_ptr() % 8 == 0 and x.dtype in DTYPES
+                   and x2.data_ptr() % 16 == 0 and x2.stride(0) % 8 == 0)
             if c.get("DECODE_PTX", False) and not ptx:
                 return matmul_4bit(x, weight, absmax, code, blocksize, n, k, bias, nested_absmax, nested_code,
                                    nested_offset, plan_=Plan("gemm", gemm_config(m, device_target(x.device)), 1))
