@@ -118,21 +118,34 @@ def prompt_logprobs(logits: torch.Tensor, targets: list[int], k: int) -> list[tu
     return entries
 
 
+def _plain_greedy(seqs: list[Sequence]) -> bool:
+    """Every row greedy with nothing that changes its logits or asks for more than the token: no penalty, no
+    grammar, no log-probabilities.  The general path gives such a batch the argmax of its raw logits."""
+    for s in seqs:
+        p = s.params
+        if (p.temperature >= SAMPLING_EPS or p.logprobs is not None or s.guide is not None
+                or p.repetition_penalty != 1.0 or p.frequency_penalty != 0.0 or p.presence_penalty != 0.0):
+            return False
+    return True
+
+
 class Sampler:
     def sample_each(self, logits: torch.Tensor, seqs: list[Sequence]) -> list[int | Exception]:
         """``sample``, except that a row whose sampling fails gets its exception instead of a token, and the
         other rows still get theirs (the batch is retried row by row only after a failure)."""
         states = [(s, s.generator.get_state()) for s in seqs if s.generator is not None]
-        fresh = [s for s in seqs if s.generator is None]
         try:
             return list(self.sample(logits, seqs))
         except Exception:
             pass
-        # Back to the generators' states before the failed batch: rows before the failing one may have drawn.
+        # Back to the generators' states before the failed batch: rows before the failing one may have drawn,
+        # and rows that had none may have made one.
         for seq, state in states:
             seq.generator.set_state(state)
-        for seq in fresh:
-            seq.generator = None
+        had = {id(seq) for seq, _ in states}
+        for seq in seqs:
+            if id(seq) not in had:
+                seq.generator = None
         results: list[int | Exception] = []
         for i, seq in enumerate(seqs):
             try:
@@ -146,6 +159,8 @@ class Sampler:
         if logits.dim() != 2 or logits.shape[0] != len(seqs):
             raise ValueError(f"logits: expected shape [{len(seqs)}, vocab] (one row per sequence), "
                              f"got {tuple(logits.shape)}")
+        if _plain_greedy(seqs):  # the usual batch: one argmax, one read back (what the general path gives)
+            return logits.float().argmax(dim=-1).tolist()
         raw = logits.float()
         # Guided rows (structured output) sample only what their grammar allows next: greedy and sampled alike.
         logits = mask_logits(apply_penalties(raw, seqs), seqs)
