@@ -7,8 +7,9 @@ GPU would wait on: the scheduler, ``ModelRunner.pack``, the forward (``execute``
 bookkeeping (``Scheduler.update``, detokenization, stop checks, building the outputs).  Each batch size runs
 ``batch`` prompts of ``--input-len`` tokens for ``--output-len`` greedy tokens (EOS ignored) with the synthetic
 word-per-id tokenizer (``anygpu bench model --random-config``'s), and times the decode steps only.  The parts are
-timed by wrapping the engine's methods here (nothing is timed inside the engine); a run reports the mean per
-step, and the table the best of ``--repeats`` runs per part (the machine may be shared).  ``--cprofile`` prints
+timed by wrapping the engine's methods here (nothing is timed inside the engine); the table gives each part's
+median over the decode steps of ``--repeats`` runs (medians: the machine may be shared, and a step that another
+process interrupted should not count), and the step less ``execute``: the host work a GPU step would wait on.  ``--cprofile`` prints
 the functions with the most own time over one more run of each batch size.
 """
 
@@ -17,6 +18,7 @@ from __future__ import annotations
 import argparse
 import cProfile
 import pstats
+import statistics
 import time
 
 import torch
@@ -53,8 +55,9 @@ def _wrap(obj, name: str, totals: dict, part: str) -> None:
     setattr(obj, name, timed)  # an instance attribute: the engine's own calls (self.pack(...)) go through it
 
 
-def run_once(batch: int, input_len: int, output_len: int, profiler: cProfile.Profile | None = None) -> dict:
-    """Host µs per decode step by part (``other``: the rest of ``ModelRunner.run``), and the step total."""
+def run_once(batch: int, input_len: int, output_len: int, profiler: cProfile.Profile | None = None) -> list[dict]:
+    """Per decode step, host µs by part (``output``: the step less the timed parts, i.e. the engine's output
+    processing and the rest of ``ModelRunner.run``) and the step's total."""
     engine = build(batch, input_len, output_len)
     totals = dict.fromkeys(PARTS + ("step",), 0.0)
     _wrap(engine.scheduler, "schedule", totals, "schedule")
@@ -68,28 +71,25 @@ def run_once(batch: int, input_len: int, output_len: int, profiler: cProfile.Pro
     engine.step()  # the prefill: every prompt fits the token budget
     for _ in range(3):  # warm up the decode path
         engine.step()
-    for k in totals:
-        totals[k] = 0.0
-    steps, tokens = 0, 0
+    steps, tokens = [], 0
     if profiler is not None:
         profiler.enable()
     while engine.has_unfinished():
+        for k in totals:
+            totals[k] = 0.0
         t = time.perf_counter()
         outs = engine.step()
-        totals["step"] += time.perf_counter() - t
-        steps += 1
+        totals["step"] = time.perf_counter() - t
         tokens += sum(len(o.delta_token_ids) for o in outs)
+        step = {k: 1e6 * v for k, v in totals.items()}
+        step["output"] = step["step"] - sum(step[k] for k in PARTS if k != "output")
+        steps.append(step)
     if profiler is not None:
         profiler.disable()
     engine.close()
-    if tokens != steps * batch:
-        raise RuntimeError(f"expected {batch} new tokens in each decode step, got {tokens} over {steps} steps")
-    per_step = {k: 1e6 * v / steps for k, v in totals.items()}
-    inner = sum(per_step[k] for k in ("schedule", "update"))
-    run_total = per_step["step"] - inner  # runner.run + the engine's output processing
-    # What the wrappers do not cover: the engine's output processing, and runner.run beyond pack/execute/sample.
-    per_step["output"] = run_total - per_step["pack"] - per_step["execute"] - per_step["sample"]
-    return per_step
+    if tokens != len(steps) * batch:
+        raise RuntimeError(f"expected {batch} new tokens in each decode step, got {tokens} over {len(steps)} steps")
+    return steps
 
 
 def main():
@@ -103,13 +103,15 @@ def main():
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     cols = PARTS + ("step",)
-    print("host µs per decode step (best of %d runs per part; 'output' = step - the others)" % args.repeats)
-    print("| batch | " + " | ".join(cols) + " | µs per token |")
+    print(f"host µs per decode step, median over the decode steps of {args.repeats} runs ('output': the step "
+          f"less the other parts; medians, so the parts need not add up to the step)")
+    print("| batch | " + " | ".join(cols) + " | step less execute |")
     print("|---" * (len(cols) + 2) + "|")
     for b in args.batch:
-        runs = [run_once(b, args.input_len, args.output_len) for _ in range(args.repeats)]
-        best = {k: min(r[k] for r in runs) for k in cols}
-        print(f"| {b} | " + " | ".join(f"{best[k]:.0f}" for k in cols) + f" | {best['step'] / b:.1f} |")
+        steps = [s for _ in range(args.repeats) for s in run_once(b, args.input_len, args.output_len)]
+        med = {k: statistics.median(s[k] for s in steps) for k in cols}
+        host = statistics.median(s["step"] - s["execute"] for s in steps)
+        print(f"| {b} | " + " | ".join(f"{med[k]:.0f}" for k in cols) + f" | {host:.0f} |")
     if args.cprofile:
         for b in args.batch:
             prof = cProfile.Profile()

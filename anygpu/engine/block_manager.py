@@ -133,8 +133,10 @@ class BlockManager:
         if not self.enable_prefix_caching:
             return
         bs = self.block_size
-        full = min(seq.num_computed_tokens, seq.num_tokens) // bs
-        for i in range(len(seq.block_hashes), min(full, len(seq.block_table))):
+        full = min(seq.num_computed_tokens, seq.num_tokens, len(seq.block_table) * bs) // bs
+        if full <= len(seq.block_hashes):  # most steps: no block filled up
+            return
+        for i in range(len(seq.block_hashes), full):
             parent = seq.block_hashes[-1] if seq.block_hashes else b""
             tokens = tuple(seq.token_range(i * bs, (i + 1) * bs))
             h = hash_block(parent, tokens)

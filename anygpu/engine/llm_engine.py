@@ -371,10 +371,11 @@ class LLMEngine:
         # skip_special_tokens.
         if seq.finish_reason == "stop" and (token in self.scheduler.eos_token_ids or token in params.stop_token_ids):
             delta = ""
-        if seq.is_finished:
+        finished = seq.is_finished
+        if finished:
             delta += req.detok.flush()  # bytes held back for an incomplete character: nothing more will come
         req.text += delta
-        if params.stop and not seq.is_finished:
+        if params.stop and not finished:
             # Only the new text and the req.hold characters before it can hold a stop string that was not
             # there at the previous token: each search covers that tail, whatever the length of the text.
             start = max(0, before - req.hold)
@@ -387,21 +388,24 @@ class LLMEngine:
                 self.scheduler.finish(seq, "stop")
 
     def _output(self, request_id: str, req: _Request) -> RequestOutput:
-        seq = req.seq
+        seq, params = req.seq, req.seq.params
+        finished = seq.is_finished
         # Hold back what could still turn out to be the start of a stop string.
-        hold = 0 if seq.is_finished else req.hold
-        visible = max(req.emitted_chars, len(req.text) - hold)
-        completion = CompletionOutput(0, req.text[:visible], list(seq.output_token_ids),
-                                      *self._logprobs(req), finish_reason=seq.finish_reason,
-                                      stop_reason=req.stop_reason,
-                                      delta_text=req.text[req.emitted_chars: visible],
-                                      delta_token_ids=list(seq.output_token_ids[req.emitted_tokens:]))
-        out = RequestOutput(request_id, seq.prompt_token_ids, [completion], finished=seq.is_finished,
+        text = req.text
+        visible = max(req.emitted_chars, len(text) - (0 if finished else req.hold))
+        tokens = seq.output_token_ids
+        # The log-probability helpers are only called for the requests that asked (a call per request per step).
+        cumulative, logprobs = (None, None) if params.logprobs is None else self._logprobs(req)
+        completion = CompletionOutput(0, text[:visible], tokens[:], cumulative,
+                                      logprobs, finish_reason=seq.finish_reason, stop_reason=req.stop_reason,
+                                      delta_text=text[req.emitted_chars: visible],
+                                      delta_token_ids=tokens[req.emitted_tokens:])
+        out = RequestOutput(request_id, seq.prompt_token_ids, [completion], finished=finished,
                             arrival_time=seq.arrival_time, first_token_time=seq.first_token_time,
                             finish_time=seq.finish_time,
                             num_cached_tokens=seq.num_cached_tokens, error=req.error, error_type=req.error_type,
-                            prompt_logprobs=self._prompt_logprobs(req))
-        req.emitted_chars, req.emitted_tokens = visible, len(seq.output_token_ids)
+                            prompt_logprobs=None if params.prompt_logprobs is None else self._prompt_logprobs(req))
+        req.emitted_chars, req.emitted_tokens = visible, len(tokens)
         return out
 
     def _entry(self, token: int, logprob: float, rank: int, top: list) -> dict[int, Logprob]:

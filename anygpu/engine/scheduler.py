@@ -154,18 +154,32 @@ class Scheduler:
         batch = ScheduledBatch()
         budget = self.max_num_batched_tokens
         scheduled: set[int] = set()
-        for decodes in (True, False):
-            for seq in list(self.running):
-                if budget == 0:
-                    break
-                left = seq.num_tokens - seq.num_computed_tokens
-                if (left == 1) != decodes or seq.status is not SequenceStatus.RUNNING:
-                    continue  # the other pass's, or preempted / finished earlier in this loop
-                n = _chunk(seq, left, budget)
-                if self._reserve(seq, n, batch, scheduled):
-                    scheduled.add(seq.seq_id)
-                    self._add(batch, seq, n)
-                    budget -= n
+        # Each running sequence's tokens left, read once: the decode pass can only preempt or finish sequences
+        # (which leave self.running), never change what a sequence still running has left.
+        lefts = [(seq, seq.num_tokens - seq.num_computed_tokens) for seq in self.running]
+        bs, running = self.block_manager.block_size, SequenceStatus.RUNNING
+        for seq, left in lefts:  # decodes: one token each, needing logits
+            if budget == 0:
+                break
+            if left != 1 or seq.status is not running:
+                continue  # the prefill pass's, or preempted / finished earlier in this loop
+            # The table usually holds the slot already; else reserve a block (perhaps preempting).
+            if seq.num_computed_tokens < len(seq.block_table) * bs or self._reserve(seq, 1, batch, scheduled):
+                scheduled.add(seq.seq_id)
+                batch.seqs.append(seq)
+                batch.num_tokens.append(1)
+                batch.needs_logits.append(True)
+                budget -= 1
+        for seq, left in lefts:  # part-way through their prefill, as many tokens as the budget allows
+            if budget == 0:
+                break
+            if left == 1 or seq.status is not running:
+                continue
+            n = _chunk(seq, left, budget)
+            if self._reserve(seq, n, batch, scheduled):
+                scheduled.add(seq.seq_id)
+                self._add(batch, seq, n)
+                budget -= n
         bm = self.block_manager
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs and not batch.preempted:
             seq = self.waiting[0]
@@ -191,11 +205,12 @@ class Scheduler:
         if len(sampled) != len(batch.seqs):
             raise ValueError(f"sampled: expected {len(batch.seqs)} entries (one per sequence), got {len(sampled)}")
         finished = list(batch.finished)
+        running = SequenceStatus.RUNNING
         for seq, n, token in zip(batch.seqs, batch.num_tokens, sampled):
-            if seq.status is not SequenceStatus.RUNNING:
+            if seq.status is not running:
                 continue  # aborted or finished between schedule() and update()
             seq.num_computed_tokens += n
-            if seq.num_computed_tokens < seq.num_tokens:
+            if seq.num_computed_tokens < len(seq.prompt_token_ids) + len(seq.output_token_ids):
                 if token is not None:  # sampling it would also advance a seeded generator
                     raise ValueError(f"sampled: sequence {seq.seq_id} is mid-prefill, expected None, got {token}")
                 self.block_manager.commit(seq)
@@ -214,8 +229,9 @@ class Scheduler:
         params = seq.params
         if (token in self.eos_token_ids and not params.ignore_eos) or token in params.stop_token_ids:
             return "stop"
-        if params.max_tokens is not None and seq.num_output_tokens >= params.max_tokens:
+        outputs = len(seq.output_token_ids)
+        if params.max_tokens is not None and outputs >= params.max_tokens:
             return "length"
-        if seq.num_tokens >= self.max_model_len:
+        if len(seq.prompt_token_ids) + outputs >= self.max_model_len:
             return "length"
         return None
