@@ -12,6 +12,12 @@ dequantized copy is never made (``packed_tensors`` names the tensors the weights
 ``pack_linears`` swaps the layers before the rest is loaded, while the model's own weights are still unwritten,
 so never resident).  ``ANYGPU_CPU_GGUF_PACKED=0`` keeps the dequantized fp32 layers (bit-for-bit the GGUF's
 values, computed in fp32: what tests against transformers' fp32 logits want).
+
+On a GPU (CUDA / ROCm, one process) the same projections are loaded by ``pack_4bit``: those whose tensors are all
+GGUF 4-bit types (``anygpu.quant.gguf_4bit.TYPES``: Q4_0, Q4_1, Q4_K, IQ4_NL, IQ4_XS) become ``GGUF4bitLinear``
+layers, the file's blocks re-laid for the 4-bit matmul kernels (the GEMV for decode, the GEMM for batches, the
+vendor GEMM for prompts); the others (a Q6_K or Q8_0 among their tensors) and the embedding are dequantized
+there into the model's dtype, as the weights iterator would.  ``ANYGPU_GPU_GGUF_PACKED=0`` dequantizes them all.
 """
 
 from __future__ import annotations
@@ -26,8 +32,9 @@ import torch
 
 from ..nn.embedding_gguf import GGUFEmbedding
 from ..nn.linear_gguf import GGUFLinear
-from ..quant import gguf_int4pack
-from .gguf import GGUFCheckpoint, _release, unpermute_qk
+from ..nn.linear_gguf_4bit import GGUF4bitLinear
+from ..quant import gguf_4bit, gguf_int4pack
+from .gguf import GGUFCheckpoint, _release, dequantize, unpermute_qk
 
 _TILE = 64  # rows of the CPU int4 layout's tile: packing rows in slices of whole tiles gives the same bytes
 _SLICE_ROWS = 1024  # rows packed at a time (whole tiles)
@@ -42,7 +49,10 @@ _SOURCES = {  # the model's fused projection <- the GGUF tensors stacked into it
 
 
 def enabled(device: torch.device, tp_world_size: int = 1) -> bool:
-    """The default: on for one CPU process where this torch has the int4 op, off with ANYGPU_CPU_GGUF_PACKED=0."""
+    """The default: on for one CPU process where this torch has the int4 op, off with ANYGPU_CPU_GGUF_PACKED=0;
+    on for one GPU process (``pack_4bit``), off with ANYGPU_GPU_GGUF_PACKED=0."""
+    if device.type == "cuda":
+        return tp_world_size == 1 and os.environ.get("ANYGPU_GPU_GGUF_PACKED", "1") != "0"
     return (device.type == "cpu" and tp_world_size == 1 and gguf_int4pack.supported()
             and os.environ.get("ANYGPU_CPU_GGUF_PACKED", "1") != "0")
 
@@ -83,7 +93,10 @@ def packed_tensors(checkpoint: GGUFCheckpoint) -> frozenset[str]:
 
 def pack_linears(model: torch.nn.Module, checkpoint: GGUFCheckpoint) -> int:
     """Swap every projection ``_plan`` allows for a GGUFLinear; returns how many.  Call it before the other
-    weights are loaded (``build_model(prepare=...)``) or after; a bias stays the model's parameter."""
+    weights are loaded (``build_model(prepare=...)``) or after; a bias stays the model's parameter.  A model on a
+    GPU goes to ``pack_4bit`` instead."""
+    if next(model.parameters()).device.type != "cpu":
+        return pack_4bit(model, checkpoint)
     cfg = checkpoint.config
     tensors = {t.name: t for t in checkpoint.tensors}
     plan = _plan(checkpoint)
@@ -164,6 +177,62 @@ def pack_linears(model: torch.nn.Module, checkpoint: GGUFCheckpoint) -> int:
             setattr(parent, attr, GGUFLinear(packed(names), old.in_features, old.out_features, old.bias))
     release_free_heap()
     return len(plan)
+
+
+def _rows(mm, t, cfg) -> torch.Tensor:
+    """Tensor ``t``'s raw bytes as [rows, row bytes] uint8 (a copy), rows in HF's order (q/k of arch "llama"
+    un-permuted: a row of blocks moves whole)."""
+    n = t.shape[0]
+    raw = torch.frombuffer(mm, dtype=torch.uint8, count=t.nbytes, offset=t.offset).view(n, t.nbytes // n)
+    if cfg.architecture == "llama" and (".attn_q." in t.name or ".attn_k." in t.name):
+        raw = raw[unpermute_qk(torch.arange(n), cfg.num_heads if ".attn_q." in t.name else cfg.num_kv_heads)]
+    else:
+        raw = raw.clone()
+    _release(mm, t.offset, t.nbytes)
+    return raw
+
+
+def pack_4bit(model: torch.nn.Module, checkpoint: GGUFCheckpoint) -> int:
+    """The GPU loader of ``_plan``'s projections, on the model's device (any: tests run it on the CPU): each whose
+    tensors are all GGUF 4-bit types (of one code table: ``gguf_4bit.stackable``) becomes a GGUF4bitLinear; the
+    rest of the plan (other types, the embedding) is dequantized into the model's weights, which then turn into
+    buffers: the weights iterator skips their tensors (``packed_tensors``), so the loader must not expect them as
+    parameters.  Returns how many layers stay 4-bit."""
+    cfg = checkpoint.config
+    tensors = {t.name: t for t in checkpoint.tensors}
+    device = next(model.parameters()).device
+    written: set[int] = set()  # ids of the parameters filled here
+    kept = 0
+    with open(checkpoint.path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY) as mm:
+        for (layer, path), names in _plan(checkpoint).items():
+            parent = model if layer is None else model.layers[layer]
+            *owner, attr = path.split(".")
+            for o in owner:
+                parent = getattr(parent, o)
+            old = getattr(parent, attr)
+            types = [tensors[n].type_name for n in names]
+            if path != "embed_tokens" and gguf_4bit.stackable(types):
+                parts = [gguf_4bit.convert(_rows(mm, tensors[n], cfg).to(device).reshape(-1), tensors[n].type_name,
+                                           *tensors[n].shape) for n in names]
+                setattr(parent, attr, GGUF4bitLinear(gguf_4bit.stack(parts), old.in_features, old.out_features,
+                                                     old.bias))
+                kept += 1
+                continue
+            row = 0
+            for n in names:  # a fused projection's sources fill its rows in order
+                t = tensors[n]
+                raw = _rows(mm, t, cfg)
+                w = dequantize(raw.reshape(-1), t.type_name, t.shape)
+                old.weight.data[row: row + t.shape[0]].copy_(w)
+                row += t.shape[0]
+                del raw, w
+            written.add(id(old.weight))
+    for module in model.modules():
+        w = module._parameters.get("weight")
+        if w is not None and id(w) in written:
+            del module._parameters["weight"]
+            module.register_buffer("weight", w.data)
+    return kept
 
 
 def _mapped(f, t) -> torch.Tensor:

@@ -1,0 +1,62 @@
+"""``GGUF4bitLinear``: a linear layer whose weight stays in a GGUF 4-bit type's blocks (Q4_0, Q4_1, Q4_K, IQ4_NL,
+IQ4_XS), computed by the 4-bit matmul (``anygpu.ops.matmul_4bit``: Triton GEMV / GEMM on GPUs, the reference on
+the CPU).
+
+The blocks are re-laid as ``anygpu.quant.gguf_4bit`` describes (nothing is re-quantized): packed codes in
+bitsandbytes' nibble order, an fp32 scale and (Q4_1, Q4_K) offset per 32 weights, a 16-entry table, so a weight
+reads 0.5 byte plus 4 or 8 bytes per 32.  A fused projection (q/k/v, gate/up) is its sources' rows stacked.
+Inference only: the weight is buffers, not parameters; a bias stays a parameter (the loader fills it).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from ..ops import matmul_4bit
+from ..quant import gguf_4bit
+
+BLOCKSIZE = gguf_4bit.BLOCKSIZE
+
+
+class GGUF4bitLinear(nn.Module):
+    def __init__(self, weight: gguf_4bit.Packed4bit, in_features: int, out_features: int,
+                 bias: torch.Tensor | None = None):
+        super().__init__()
+        if in_features % BLOCKSIZE or weight.packed.numel() * 2 != in_features * out_features:
+            raise ValueError(f"weight: expected {in_features * out_features // 2} packed bytes for [{out_features}, "
+                             f"{in_features}] (in_features a multiple of {BLOCKSIZE}), got {weight.packed.numel()}")
+        self.in_features, self.out_features, self.table = in_features, out_features, weight.table
+        self.register_buffer("packed", weight.packed)
+        self.register_buffer("absmax", weight.absmax)
+        self.register_buffer("offset", weight.offset)
+        self.register_buffer("code", weight.code)
+        self.bias = None if bias is None else nn.Parameter(bias.detach(), requires_grad=False)
+
+    @classmethod
+    def from_linear(cls, linear: nn.Linear, type_name: str, device=None) -> GGUF4bitLinear:
+        """``linear``'s weight quantized to ``type_name`` ("Q4_0" or "Q4_K", ``gguf_4bit``'s torch quantizers) on
+        ``device`` (default: the weight's)."""
+        quantizers = {"Q4_0": gguf_4bit.quantize_q4_0, "Q4_K": gguf_4bit.quantize_q4_k}
+        if type_name not in quantizers:
+            raise ValueError(f"type_name: expected one of {tuple(quantizers)}, got {type_name!r}")
+        w = linear.weight.detach().to(device or linear.weight.device)
+        n, k = w.shape
+        raw = quantizers[type_name](w).reshape(-1)
+        bias = None if linear.bias is None else linear.bias.detach().to(w.device)
+        return cls(gguf_4bit.convert(raw, type_name, n, k), k, n, bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        bias = None if self.bias is None else self.bias.to(x.dtype)
+        return matmul_4bit(x, self.packed, self.absmax, self.code, BLOCKSIZE, self.out_features, self.in_features,
+                           bias, offset=self.offset)
+
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        from ..ops.matmul_4bit import dequantize_weight
+
+        return dequantize_weight(self.packed, self.absmax, self.code, BLOCKSIZE, self.out_features,
+                                 self.in_features, dtype, offset=self.offset)
+
+    def extra_repr(self) -> str:
+        return (f"in_features={self.in_features}, out_features={self.out_features}, table={self.table}, "
+                f"offset={self.offset is not None}, bias={self.bias is not None}")

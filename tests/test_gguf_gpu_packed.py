@@ -1,0 +1,111 @@
+"""GGUF 4-bit projections kept packed for the GPU (``gguf_packed.pack_4bit`` -> ``GGUF4bitLinear``), run here on the
+CPU (the op's reference; the kernels are tests/test_matmul_4bit_offset.py's): a tiny Llama whose tensors mix Q4_0,
+Q4_1, Q4_K and Q8_0 loads with the 4-bit projections packed, the others dequantized, and gives the logits of the
+fully dequantized model; the layer equals F.linear with gguf-py's dequantized weight."""
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+
+gguf = pytest.importorskip("gguf")
+transformers = pytest.importorskip("transformers")
+
+from ._gguf_writer import BYTE_VOCAB, add_byte_vocab, gguf_metadata, gguf_tensors  # noqa: E402
+from .test_models_llama import full_logits  # noqa: E402
+
+from anygpu.models import GGUFCheckpoint, gguf_packed  # noqa: E402
+from anygpu.models.registry import build_model  # noqa: E402
+from anygpu.nn.linear_gguf_4bit import GGUF4bitLinear  # noqa: E402
+from anygpu.quant import gguf_4bit  # noqa: E402
+
+# GGUF tensor -> type (the rest of the matrices Q8_0, which stays dequantized)
+TYPES = {"blk.0.attn_q": "Q4_K", "blk.0.attn_k": "Q4_K",  # v Q8_0: qkv mixed, dequantized
+         "blk.0.attn_output": "Q4_0", "blk.0.ffn_gate": "Q4_K", "blk.0.ffn_up": "Q4_0", "blk.0.ffn_down": "Q4_1",
+         "blk.1.attn_q": "Q4_0", "blk.1.attn_k": "Q4_0", "blk.1.attn_v": "Q4_0", "blk.1.attn_output": "Q4_1",
+         "blk.1.ffn_gate": "Q4_K", "blk.1.ffn_up": "Q4_K", "blk.1.ffn_down": "Q4_K"}
+
+
+def quantized(array: np.ndarray, type_name: str) -> np.ndarray:
+    if type_name == "Q4_K":  # gguf-py has no Q4_K quantizer
+        return gguf_4bit.quantize_q4_k(torch.from_numpy(array)).numpy()
+    return gguf.quants.quantize(array, gguf.GGMLQuantizationType[type_name])
+
+
+@pytest.fixture(scope="module")
+def mixed_file(tmp_path_factory):
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(vocab_size=BYTE_VOCAB, hidden_size=256, intermediate_size=512,
+                                      num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                                      max_position_embeddings=128, tie_word_embeddings=False)
+    hf = transformers.LlamaForCausalLM(config).eval()
+    path = str(tmp_path_factory.mktemp("gguf4") / "mixed.gguf")
+    w = gguf.GGUFWriter(path, "llama")
+    types = {bool: gguf.GGUFValueType.BOOL, int: gguf.GGUFValueType.UINT32, float: gguf.GGUFValueType.FLOAT32,
+             str: gguf.GGUFValueType.STRING}
+    for key, value in gguf_metadata("llama", config).items():
+        w.add_key_value(f"llama.{key}", value, types[type(value)])
+    add_byte_vocab(w)
+    for name, array in gguf_tensors("llama", hf).items():
+        array = np.ascontiguousarray(array)
+        if array.ndim != 2:
+            w.add_tensor(name, array)
+            continue
+        type_name = TYPES.get(name.removesuffix(".weight"), "Q8_0")
+        w.add_tensor(name, quantized(array, type_name), raw_dtype=gguf.GGMLQuantizationType[type_name])
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
+
+
+def test_mixed_file_loads_packed_and_gives_the_dequantized_logits(mixed_file):
+    ckpt = GGUFCheckpoint(mixed_file)
+    reference = build_model(ckpt.config, ckpt.weights(progress=False))  # every tensor dequantized (fp32)
+    counts = []
+    model = build_model(ckpt.config, ckpt.weights(progress=False, skip=gguf_packed.packed_tensors(ckpt)),
+                        prepare=lambda m: counts.append(gguf_packed.pack_4bit(m, ckpt)))
+    packed = {name: m for name, m in model.named_modules() if isinstance(m, GGUF4bitLinear)}
+    assert sorted(packed) == ["layers.0.mlp.down_proj", "layers.0.mlp.gate_up_proj", "layers.0.self_attn.o_proj",
+                              "layers.1.mlp.down_proj", "layers.1.mlp.gate_up_proj", "layers.1.self_attn.o_proj",
+                              "layers.1.self_attn.qkv_proj"] and counts == [7]
+    assert packed["layers.0.mlp.gate_up_proj"].table == "unsigned"  # Q4_K next to Q4_0: one table, with offsets
+    assert packed["layers.1.self_attn.qkv_proj"].offset is None  # Q4_0 alone: no offset
+    # the dequantized rest of the plan (qkv with a Q8_0 v, the Q8_0 embedding) is buffers the loader did not expect
+    assert "layers.0.self_attn.qkv_proj.weight" in dict(model.named_buffers())
+    references = dict(reference.named_modules())
+    for name, layer in packed.items():  # bit for bit the file's values, q/k rows in HF's order
+        assert torch.equal(layer.dequantize(), references[name].weight), name
+    ids = [256, 72, 101, 108, 108, 111, 44, 32, 119]
+    torch.testing.assert_close(full_logits(model, ids), full_logits(reference, ids))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("type_name", ["Q4_0", "Q4_K"])
+def test_layer_equals_linear_with_the_gguf_dequantized_weight(type_name, dtype):
+    linear = torch.nn.Linear(256, 48)
+    layer = GGUF4bitLinear.from_linear(linear, type_name)
+    raw = (gguf_4bit.quantize_q4_0 if type_name == "Q4_0" else gguf_4bit.quantize_q4_k)(linear.weight.detach())
+    w = torch.from_numpy(gguf.quants.dequantize(raw.numpy(), gguf.GGMLQuantizationType[type_name]).copy())
+    x = torch.randn(3, 256).to(dtype)
+    want = F.linear(x.float(), w, linear.bias.detach())
+    torch.testing.assert_close(layer(x).float(), want, **({} if dtype == torch.float32 else
+                                                           {"atol": 0.02 * want.abs().max().item(), "rtol": 0}))
+    assert not list(layer.parameters())[1:] and layer.bias is not None  # the weight is buffers
+
+
+def test_enabled_on_gpus_unless_turned_off(monkeypatch):
+    gpu = torch.device("cuda", 0)
+    monkeypatch.delenv("ANYGPU_GPU_GGUF_PACKED", raising=False)
+    assert gguf_packed.enabled(gpu) and not gguf_packed.enabled(gpu, tp_world_size=2)
+    monkeypatch.setenv("ANYGPU_GPU_GGUF_PACKED", "0")
+    assert not gguf_packed.enabled(gpu)
+
+
+def test_bad_layer_arguments_name_them():
+    with pytest.raises(ValueError, match="type_name: expected one of"):
+        GGUF4bitLinear.from_linear(torch.nn.Linear(64, 4), "Q6_K")
+    w = gguf_4bit.convert(gguf_4bit.quantize_q4_0(torch.randn(4, 64)).reshape(-1), "Q4_0", 4, 64)
+    with pytest.raises(ValueError, match="weight: expected 160 packed bytes"):
+        GGUF4bitLinear(w, 64, 5)
