@@ -109,3 +109,31 @@ def test_bad_layer_arguments_name_them():
     w = gguf_4bit.convert(gguf_4bit.quantize_q4_0(torch.randn(4, 64)).reshape(-1), "Q4_0", 4, 64)
     with pytest.raises(ValueError, match="weight: expected 160 packed bytes"):
         GGUF4bitLinear(w, 64, 5)
+
+
+@pytest.mark.parametrize("quant_type", ["q4_0", "q4_k"])
+def test_quantize_model_to_gguf_types(quant_type):
+    """What ``anygpu bench model --quantize q4_k`` builds: the bench's tiny random Llama with every projection (not
+    the head) in GGUF blocks, each layer equal to F.linear with gguf-py's dequantization of its blocks."""
+    from anygpu.bench.model import random_config
+    from anygpu.nn import quantize_model
+
+    config = random_config("tiny")
+    model = build_model(config, "random", progress=False)
+    weights = {name: m.weight.detach().clone() for name, m in model.named_modules()
+               if isinstance(m, torch.nn.Linear) and name != "lm_head"}
+    report = quantize_model(model, quant_type, progress=False)
+    assert sorted(report.replaced) == sorted(weights) and report.skipped == ["lm_head"]
+    type_name = quant_type.upper()
+    quantize = gguf_4bit.quantize_q4_0 if type_name == "Q4_0" else gguf_4bit.quantize_q4_k
+    for name, w in weights.items():
+        layer = model.get_submodule(name)
+        assert isinstance(layer, GGUF4bitLinear)
+        raw = quantize(w).numpy()
+        want = torch.from_numpy(gguf.quants.dequantize(raw, gguf.GGMLQuantizationType[type_name]).copy())
+        assert torch.equal(layer.dequantize(), want.reshape(w.shape)), name
+    assert full_logits(model, [1, 5, 9]).isfinite().all()
+    with pytest.raises(ValueError, match="compute_dtype: not used by quant_type='q4_k'"):
+        quantize_model(torch.nn.Sequential(torch.nn.Linear(256, 8)), "q4_k", compute_dtype=torch.float16)
+    with pytest.raises(ValueError, match="model: q4_k needs in_features a multiple of 256"):
+        quantize_model(torch.nn.Sequential(torch.nn.Linear(96, 8)), "q4_k")

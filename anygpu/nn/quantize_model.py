@@ -1,10 +1,13 @@
-"""``quantize_model(model, "nf4" | "fp4" | "int8", skip=...)``: every ``nn.Linear`` of a model, quantized in place.
+"""``quantize_model(model, "nf4" | "fp4" | "int8" | "q4_0" | "q4_k", skip=...)``: every ``nn.Linear`` of a model,
+quantized in place.
 
 Works on any ``nn.Module`` (a transformers model, a hand-built one): it walks ``named_modules()`` and
 replaces each ``nn.Linear`` in its parent by a ``Linear4bit`` (``"nf4"``, ``"fp4"``) or an int8
 ``Linear8bitLt`` (``"int8"``, LLM.int8() with outlier ``threshold``) holding the quantized weight, one layer at a
 time, so the full-precision weight of a layer is released as soon as it is replaced (unless something
-else, such as a tied embedding, still holds it).  Left alone:
+else, such as a tied embedding, still holds it).  ``"q4_0"`` / ``"q4_k"``: GGUF's Q4_0 / Q4_K blocks (quantized in
+torch by ``anygpu.quant.gguf_4bit``, Q4_K without llama.cpp's search), held as ``GGUF4bitLinear``, what a GGUF file of
+that type loads as on a GPU (in_features a multiple of 32, or 256 for Q4_K).  Left alone:
 
 - modules matched by ``skip`` (default ``("lm_head",)``: the output projection is usually tied to the
   embedding and is the most sensitive layer).  A pattern is a module name or a glob (``fnmatch``) and
@@ -42,6 +45,7 @@ from .._progress import disabled
 from .int8params import Int8Params
 from .linear4bit import Linear4bit, check_compute_dtype
 from .linear8bit import Linear8bitLt, check_threshold
+from .linear_gguf_4bit import GGUF4bitLinear
 from .params4bit import Params4bit, check_4bit_options
 
 logger = logging.getLogger(__name__)
@@ -83,6 +87,21 @@ def _to_linear8bit(linear: nn.Linear, options: QuantizeOptions) -> nn.Module:
     return Linear8bitLt.from_linear(linear, options.threshold, device=options.device)
 
 
+def _check_gguf(options: QuantizeOptions) -> None:
+    for name, value, default in (("compute_dtype", options.compute_dtype, None), ("threshold", options.threshold, 0.0)):
+        if value != default:
+            raise ValueError(f"{name}: not used by quant_type={options.quant_type!r} (blocks of 32, the input's "
+                             f"dtype), got {value!r}")
+
+
+def _to_gguf(linear: nn.Linear, options: QuantizeOptions) -> nn.Module:
+    step = 256 if options.quant_type == "q4_k" else 32
+    if linear.in_features % step:
+        raise ValueError(f"model: {options.quant_type} needs in_features a multiple of {step}, got a "
+                         f"{linear.in_features}-input nn.Linear (skip it)")
+    return GGUF4bitLinear.from_linear(linear, options.quant_type.upper(), device=options.device)
+
+
 def _to_linear4bit(linear: nn.Linear, options: QuantizeOptions) -> nn.Module:
     return Linear4bit.from_linear(linear, options.quant_type, compute_dtype=options.compute_dtype,
                                   compress_statistics=options.compress_statistics,
@@ -94,6 +113,8 @@ LINEAR_QUANTIZERS: dict[str, LinearQuantizer] = {
     "nf4": LinearQuantizer(_check_4bit, _to_linear4bit),
     "fp4": LinearQuantizer(_check_4bit, _to_linear4bit),
     "int8": LinearQuantizer(_check_int8, _to_linear8bit),
+    "q4_0": LinearQuantizer(_check_gguf, _to_gguf),
+    "q4_k": LinearQuantizer(_check_gguf, _to_gguf),
 }
 # Layers that are already quantized (subclasses of nn.Linear): never quantized again.
 QUANTIZED_LINEARS: tuple[type, ...] = (Linear4bit, Linear8bitLt)
