@@ -9,18 +9,18 @@ from anygpu.ops import matmul_4bit
 from anygpu.ops.matmul_4bit import dequantize_weight
 from anygpu.testing import assert_accurate
 
-# GGUF's unsigned 4-bit codes as anygpu/quant/gguf_4bit.py scales them (q / 16)
-CODE = torch.arange(16, dtype=torch.float32) / 16
+# GGUF's Q4_0 / Q4_1 / Q4_K codes as anygpu/quant/gguf_4bit.py centres and scales them ((q - 8) / 8)
+CODE = (torch.arange(16, dtype=torch.float32) - 8) / 8
 
 
 def make_weight(n, k, blocksize, device="cpu"):
-    """Random codes, scales and offsets like a Q4_1 / Q4_K weight's: offset ~ -8 * scale / 16, so the block's
-    values straddle zero and the offset term cancels most of the codes' (what stresses the arithmetic)."""
+    """Random codes, scales and offsets like a Q4_1 / Q4_K weight's in gguf_4bit's form: offsets up to half the
+    block's scale either way (a block's minimum a little off -8 d), some blocks all one sign."""
     g = torch.Generator().manual_seed(n * 7 + k + blocksize)
     w = torch.randint(0, 256, (n * k // 2,), dtype=torch.uint8, generator=g)
     blocks = n * k // blocksize
-    absmax = torch.rand(blocks, generator=g) * 0.16 + 0.016
-    offset = -absmax * (0.4 + 0.2 * torch.rand(blocks, generator=g))
+    absmax = torch.rand(blocks, generator=g) * 0.08 + 0.008
+    offset = absmax * (torch.rand(blocks, generator=g) - 0.5)
     return w.to(device), absmax.to(device), CODE.to(device), offset.to(device)
 
 
@@ -29,8 +29,8 @@ def check_close(y, x, w, absmax, code, bs, n, k, bias, offset, what):
     oracle = F.linear(x.float(), wd, None if bias is None else bias.float())
     if x.dtype == torch.float32:
         # fp32: torch's own result is the oracle, so the 2x-its-error rule would ask for bit equality; the kernels
-        # sum scale * sum(code * x) + offset * sum(x) in another order than sum(w * x), a few fp32 ulps of the
-        # terms, which the offset's cancellation (|offset| ~ half the block's range) makes up to ~10 output ulps.
+        # sum scale * sum(code * x) + offset * sum(x) in another order than sum(w * x): a few fp32 ulps of the
+        # terms, which cancel partly, so up to ~10 ulps of the output.
         torch.testing.assert_close(y, oracle, rtol=1e-5, atol=1e-5, msg=what)
         return
     torch_same = F.linear(x, wd.to(x.dtype), bias)

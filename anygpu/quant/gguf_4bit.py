@@ -5,22 +5,27 @@
 
 The kernels (``anygpu/kernels/matmul_4bit.py``) read bitsandbytes' layout: row-major, two codes a byte, element 2i
 in the high nibble and 2i + 1 in the low one, an fp32 scale (absmax) per block, any 16-entry fp32 table, and an
-optional fp32 offset per block.  Each GGUF type maps onto it exactly (no value changes; ``tests/test_gguf_4bit.py``
-holds every one to ``gguf.quants.dequantize`` bit for bit):
+optional fp32 offset per block.  Each GGUF type maps onto it (``tests/test_gguf_4bit.py`` holds every one to
+``gguf.quants.dequantize``):
 
-| type   | GGUF value               | code table     | absmax          | offset      |
-|--------|--------------------------|----------------|-----------------|-------------|
-| Q4_0   | d * (q - 8)              | (q - 8) / 8    | 8 d             | none        |
-| Q4_1   | d * q + m                | q / 16         | 16 d            | m           |
-| Q4_K   | d sc_j * q - dmin m_j    | q / 16         | 16 d sc_j       | -dmin m_j   |
-| IQ4_NL | d * kv[q]                | kv[q] / 128    | 128 d           | none        |
-| IQ4_XS | d (s_j - 32) * kv[q]     | kv[q] / 128    | 128 d (s_j - 32)| none        |
+| type   | GGUF value               | code table     | absmax          | offset             |
+|--------|--------------------------|----------------|-----------------|--------------------|
+| Q4_0   | d * (q - 8)              | (q - 8) / 8    | 8 d             | none               |
+| Q4_1   | d * q + m                | (q - 8) / 8    | 8 d             | m + 8 d            |
+| Q4_K   | d sc_j * q - dmin m_j    | (q - 8) / 8    | 8 d sc_j        | 8 d sc_j - dmin m_j|
+| IQ4_NL | d * kv[q]                | kv[q] / 128    | 128 d           | none               |
+| IQ4_XS | d (s_j - 32) * kv[q]     | kv[q] / 128    | 128 d (s_j - 32)| none               |
 
 Why the tables are scaled into [-1, 1]: the NVIDIA GEMV sums four code x activation products in 16-bit pair
 arithmetic (fp16 tops out at 65504), and the GEMM decodes codes to fp16/bf16; codes of bitsandbytes' size (NF4's
 lie in [-1, 1]) keep the same headroom for large activations that raw codes up to 15 (or IQ4's 127) would eat.
 Scaling by a power of two is exact both ways, and each product ``code * absmax`` is the GGUF product (fp16 d
-times small integers needs at most 21 bits of fp32's 24), so the values are the file's, bit for bit.
+times small integers needs at most 21 bits of fp32's 24).  Why Q4_1 / Q4_K codes are centred (q - 8, the offset
+taking the 8 d back): the 16-bit products then straddle zero like the weights, and the offset term cancels less
+of them; a simulation of the GEMV's fp16x2 sums gave half the error of codes q / 16.  The three types share a
+table, so a layer may stack their rows.  Exactness: Q4_0 and IQ4 are the file's values bit for bit; for Q4_1 /
+Q4_K the offset (two exact fp32 terms) is rounded once when its terms' exponents lie far apart, so a value can
+differ from gguf's by that half ulp of the offset (and the final rounding), never more.
 
 GGUF's order inside a block: Q4_0 / Q4_1 / IQ4_NL's byte j holds element j (low nibble) and j + 16 (high); a Q4_K
 super-block's 128 bytes are 4 runs of 32, run r holding group 2r's element i in byte i's low nibble and group
@@ -41,7 +46,7 @@ from .gguf_blocks import BLOCK_SHAPES, IQ4_KVALUES, QK_K, _k_scale_min
 TYPES = ("Q4_0", "Q4_1", "IQ4_NL", "IQ4_XS", "Q4_K")
 BLOCKSIZE = 32
 # Which code table each type's codes index (types of one table can share a layer's rows).
-TABLES = {"Q4_0": "signed", "Q4_1": "unsigned", "Q4_K": "unsigned", "IQ4_NL": "iq4", "IQ4_XS": "iq4"}
+TABLES = {"Q4_0": "q4", "Q4_1": "q4", "Q4_K": "q4", "IQ4_NL": "iq4", "IQ4_XS": "iq4"}
 
 
 class Packed4bit(NamedTuple):
@@ -49,17 +54,15 @@ class Packed4bit(NamedTuple):
     absmax: torch.Tensor  # fp32 [n * k / 32]
     offset: torch.Tensor | None  # fp32 [n * k / 32], or None
     code: torch.Tensor  # fp32 [16]
-    table: str  # "signed" | "unsigned" | "iq4"
+    table: str  # "q4" | "iq4"
 
 
 def code_table(table: str, device=None) -> torch.Tensor:
-    if table == "signed":
+    if table == "q4":
         return (torch.arange(16, dtype=torch.float32, device=device) - 8) / 8
-    if table == "unsigned":
-        return torch.arange(16, dtype=torch.float32, device=device) / 16
     if table == "iq4":
         return torch.tensor(IQ4_KVALUES, dtype=torch.float32, device=device) / 128
-    raise ValueError(f"table: expected 'signed', 'unsigned' or 'iq4', got {table!r}")
+    raise ValueError(f"table: expected 'q4' or 'iq4', got {table!r}")
 
 
 def _f16(b: torch.Tensor) -> torch.Tensor:
@@ -80,7 +83,8 @@ def _groups(raw: torch.Tensor, type_name: str) -> tuple[torch.Tensor, torch.Tens
     if type_name == "Q4_0":
         return _halves(b[:, 2:]), 8 * _f16(b[:, :2]), None
     if type_name == "Q4_1":
-        return _halves(b[:, 4:]), 16 * _f16(b[:, :2]), _f16(b[:, 2:4])
+        d = _f16(b[:, :2])
+        return _halves(b[:, 4:]), 8 * d, _f16(b[:, 2:4]) + 8 * d
     if type_name == "IQ4_NL":
         return _halves(b[:, 2:]), 128 * _f16(b[:, :2]), None
     if type_name == "Q4_K":
@@ -88,7 +92,7 @@ def _groups(raw: torch.Tensor, type_name: str) -> tuple[torch.Tensor, torch.Tens
         codes = torch.cat([qs & 15, qs >> 4], dim=2).reshape(nb * 8, 32)
         sc, m = _k_scale_min(b[:, 4:16])
         scale = _f16(b[:, :2])[:, None] * sc.float()  # GGUF's d * sc, exact in fp32
-        return codes, (16 * scale).reshape(-1), (-(_f16(b[:, 2:4])[:, None] * m.float())).reshape(-1)
+        return codes, (8 * scale).reshape(-1), (8 * scale - _f16(b[:, 2:4])[:, None] * m.float()).reshape(-1)
     # IQ4_XS: 8 groups, 6-bit scales (low 4 bits in scales_l's nibbles, high 2 in scales_h's bit pairs) minus 32
     sh = b[:, 2:4].contiguous().view(torch.int16).to(torch.int32)
     high = (sh >> torch.arange(0, 16, 2, dtype=torch.int32, device=b.device)) & 3
@@ -116,27 +120,15 @@ def convert(raw: torch.Tensor, type_name: str, n: int, k: int) -> Packed4bit:
 
 def stackable(types) -> bool:
     """Whether tensors of these types can share one layer (one code table): IQ4 only with IQ4."""
-    if not all(t in TYPES for t in types):
-        return False
-    tables = {TABLES[t] for t in types}
-    return tables <= {"iq4"} or "iq4" not in tables
-
-
-def _unsigned(p: Packed4bit) -> Packed4bit:
-    """Q4_0's form as the unsigned table's: d (q - 8) = (q / 16) 16 d + (-8 d), the same nibbles, exactly."""
-    if p.table != "signed":
-        return p
-    return Packed4bit(p.packed, 2 * p.absmax, -p.absmax, code_table("unsigned", p.absmax.device), "unsigned")
+    return all(t in TYPES for t in types) and len({TABLES[t] for t in types}) == 1
 
 
 def stack(parts: list[Packed4bit]) -> Packed4bit:
-    """Row blocks of one layer (q, k, v; gate, up) as one weight: their rows in order, one code table (Q4_0 next to
-    Q4_1 / Q4_K takes the unsigned table with an offset), an offset wherever one part has one (zeros elsewhere)."""
+    """Row blocks of one layer (q, k, v; gate, up) as one weight: their rows in order, one code table, an offset
+    wherever one part has one (zeros for the others)."""
     tables = {p.table for p in parts}
-    if "iq4" in tables and len(tables) > 1:
-        raise ValueError(f"parts: IQ4 codes cannot share a layer with {sorted(tables - {'iq4'})} codes")
     if len(tables) > 1:
-        parts = [_unsigned(p) for p in parts]
+        raise ValueError(f"parts: codes of the tables {sorted(tables)} cannot share a layer (IQ4 only with IQ4)")
     if len(parts) == 1:
         return parts[0]
     offset = None
