@@ -256,10 +256,11 @@ GEMV_CONFIGS = {
                               "MAX_SPLIT": 8}, num_warps=4),),
     # NVIDIA: the PTX decoder with 16-bit pair math and no prefetch: the loop is bound by the instructions that
     # decode each weight element (byte permutes and selects) and the table moves, not by memory, so
-    # prefetching and wider accumulators did not help.  32 rows with split 4 keeps enough programs on narrow
-    # (K = 4096) layers, where 64 rows left the GPU underfilled.
-    "nvidia": (LaunchConfig({"BLOCK_N": 32, "CHUNK": 512, "PREFETCH": False, "MAX_SPLIT": 4,
-                             "SPLIT_MIN_CHUNKS": 2, "DECODE_PTX": True, "HALF2": True}, num_warps=2),),
+    # prefetching and wider accumulators did not help.  16 rows, one warp, split 4: the most programs (each
+    # independent) without a second reduce pass; 32 and 64 rows left narrow (K = 4096) layers underfilled
+    # (docs/perf/2026-12-02-quantized-speed-s5.md).
+    "nvidia": (LaunchConfig({"BLOCK_N": 16, "CHUNK": 512, "PREFETCH": False, "MAX_SPLIT": 4,
+                             "SPLIT_MIN_CHUNKS": 2, "DECODE_PTX": True, "HALF2": True}, num_warps=1),),
 }
 # MMA (1 to 8 rows on NVIDIA tensor cores, gemv_mma_4bit.py): WARPS warps of 16 weight rows a program, K split
 # up to MAX_SPLIT ways while each split keeps >= SPLIT_MIN_STEPS steps of 64 columns.  NVIDIA takes it for 2 to 8
