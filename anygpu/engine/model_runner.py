@@ -72,6 +72,7 @@ class ModelRunner:
         self.max_model_len = max_model_len
         self.max_blocks_per_seq = -(-max_model_len // block_size)
         self.sampler = Sampler()
+        self._table_copies: dict[int, tuple[list[int], array]] = {}  # pack's: seq_id -> (block_table, its int64 copy)
         cfg = self.config
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         if self.tp.world_size > 1:  # first: its setup is collective, and the warmup below all-reduces already
@@ -191,15 +192,8 @@ class ModelRunner:
         cu = [0]
         for n in q_lens:
             cu.append(cu[-1] + n)
-        tables, width = [], 0
-        if mode != "prefill":  # a plain prefill attends to its new K/V only: no block tables
-            width = (max(k_lens) + bs - 1) // bs
-            pad = [0] * width
-            for seq in batch.seqs:
-                row = seq.block_table[:width]
-                tables += row
-                if len(row) < width:
-                    tables += pad[len(row):]
+        # A plain prefill attends to its new K/V only: no block tables.
+        width = 0 if mode == "prefill" else (max(k_lens) + bs - 1) // bs
         if prompt_rows:
             rows = sorted({r for r in logit_rows if r is not None}.union(
                 *(range(first, first + count) for _, first, count in prompt_rows)))
@@ -209,9 +203,34 @@ class ModelRunner:
         if len(rows) == t:  # a decode step: every token needs its logits, no gather
             rows = []
         message = array("q", header)
-        for part in (ids, positions, slots, cu, k_lens, tables, rows):
+        for part in (ids, positions, slots, cu, k_lens):
             message.extend(part)
+        if width:
+            self._extend_tables(message, batch.seqs, width)
+        message.extend(rows)
         return torch.frombuffer(message, dtype=torch.long), logit_rows, prompt_rows
+
+    def _extend_tables(self, message: array, seqs, width: int) -> None:
+        """Append each sequence's block table, cut or zero-padded to ``width``.  The tables come from int64 copies
+        kept from the previous step (a table only grows while its sequence holds it, and a new one is a new list:
+        BlockManager's rule), so a decode step converts only the blocks added since, not every table's ints."""
+        old, kept = self._table_copies, {}
+        for seq in seqs:
+            table = seq.block_table
+            entry = old.get(seq.seq_id)
+            if entry is None or entry[0] is not table or len(entry[1]) > len(table):
+                entry = (table, array("q", table))
+            elif len(entry[1]) < len(table):
+                entry[1].extend(table[len(entry[1]):])
+            kept[seq.seq_id] = entry  # the tables of this step's sequences only: finished ones drop out
+            row = entry[1]
+            if len(row) > width:
+                message.extend(row[:width])
+            else:
+                message.extend(row)
+                if len(row) < width:
+                    message.extend(array("q", bytes(8 * (width - len(row)))))
+        self._table_copies = kept
 
     @torch.inference_mode()
     def execute(self, message: torch.Tensor) -> torch.Tensor | None:

@@ -205,7 +205,7 @@ class Scheduler:
         if len(sampled) != len(batch.seqs):
             raise ValueError(f"sampled: expected {len(batch.seqs)} entries (one per sequence), got {len(sampled)}")
         finished = list(batch.finished)
-        running = SequenceStatus.RUNNING
+        running, bs = SequenceStatus.RUNNING, self.block_manager.block_size
         for seq, n, token in zip(batch.seqs, batch.num_tokens, sampled):
             if seq.status is not running:
                 continue  # aborted or finished between schedule() and update()
@@ -218,7 +218,8 @@ class Scheduler:
             if token is None:
                 raise ValueError(f"sampled: sequence {seq.seq_id} finished its prefill or decoded, expected a token")
             seq.append_token(token)
-            self.block_manager.commit(seq)
+            if seq.num_computed_tokens // bs > len(seq.block_hashes):  # a block filled up (else nothing to commit)
+                self.block_manager.commit(seq)
             reason = self._finish_reason(seq, token)
             if reason is not None:
                 self.finish(seq, reason)
