@@ -123,3 +123,23 @@ def test_decode_message_layout():
     assert body[6:9] == [s.block_table[p // 4] * 4 + p % 4 for s, p in zip(batch.seqs, (6, 7, 8))]
     assert len(body) == 3 * 3 + 4 + 3 + 3 * 3 and logit_rows == [0, 1, 2] and prompt_rows == []
     engine.close()
+
+
+def test_pack_matches_reference_through_preemptions():
+    """Preempted sequences lose their tables and come back with new ones: pack's kept copies must follow."""
+    seen, preempted = [], []
+    engine = checked(random_engine("tiny", max_num_seqs=4, block_size=4, max_model_len=64, num_kv_blocks=24,
+                                   progress=False), seen)
+    schedule = engine.scheduler.schedule
+
+    def noting():
+        batch = schedule()
+        preempted.extend(s.seq_id for s in batch.preempted)
+        return batch
+
+    engine.scheduler.schedule = noting
+    params = SamplingParams(max_tokens=30, temperature=0, ignore_eos=True)
+    out = run(engine, random_prompts(4, 20, 1024, seed=6), lambda i: params, stagger=1)
+    assert sorted(out) == ["0", "1", "2", "3"] and all(len(t) == 30 for t in out.values())
+    assert preempted and "decode" in {m for m, _ in seen}
+    engine.close()
