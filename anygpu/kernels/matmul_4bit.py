@@ -4,7 +4,8 @@ W [N, K] is stored as bitsandbytes stores it: row-major, two codes per byte (ele
 nibble, 2i+1 in the low one), one fp32 absmax per ``blocksize`` consecutive elements (or, with double
 quantization, one uint8 code per block decoded as ``code2[q] * absmax2[b // 256] + offset``).  A value
 is ``code[c] * absmax[block]``, plus ``offset[block]`` where the weight has a per-block offset (GGUF's Q4_1 and
-Q4_K minimums, ``anygpu/quant/gguf_4bit.py``; never with double quantization).  Four paths, chosen by ``plan`` (the single place the choice is made):
+Q4_K minimums, ``anygpu/quant/gguf_4bit.py``; never with double quantization).  Four paths, chosen by ``plan``
+(the single place the choice is made):
 
 * ``gemv``: one row of x at a time (decode).  Bound by the instructions that decode each weight
   element, not by memory: each thread owns whole 4-bit blocks, looks codes up in the 16-entry table
@@ -366,25 +367,22 @@ def gemm_config(m: int, target) -> LaunchConfig:
 def dequantize_weight(w, absmax, code, blocksize, n, k, dtype, nested_absmax=None, nested_code=None,
                       nested_offset=None, offset=None) -> torch.Tensor:
     """W [n, k] in ``dtype`` (for the vendor-GEMM path): the dequantize kernel of ``quant_4bit`` with this
-    weight's own table; double quantization is undone first (a few small ops on [blocks] values).  A per-block
-    ``offset`` is added to the fp32 values before the one rounding to ``dtype``, as the reference does (the
-    dequantize kernel writes fp32 then: its tile stays the bitsandbytes one, with no offset variant)."""
+    weight's own table (and per-block ``offset``, added in fp32 before the one rounding); double quantization is
+    undone first (a few small ops on [blocks] values)."""
     from .quant_4bit import DEQUANTIZE_CONFIGS, _dequantize_4bit_kernel
     from .quant_blockwise import tile_for
 
     if nested_absmax is not None:
         idx = torch.arange(absmax.shape[0], device=absmax.device) // 256
         absmax = nested_code[absmax.long()] * nested_absmax[idx] + nested_offset.reshape(())
-    out = torch.empty(n, k, dtype=dtype if offset is None else torch.float32, device=w.device)
+    out = torch.empty(n, k, dtype=dtype, device=w.device)
     numel = n * k
     blocks, options = tile_for(DEQUANTIZE_CONFIGS, w.device, blocksize)
     with on_device(w.device):
-        _dequantize_4bit_kernel[(-(-numel // (blocks * blocksize)),)](w.reshape(-1), absmax, code, out, numel,
+        _dequantize_4bit_kernel[(-(-numel // (blocks * blocksize)),)](w.reshape(-1), absmax, code, out,
+                                                                      absmax if offset is None else offset, numel,
                                                                       (numel + 1) // 2, BS=blocksize, BLOCKS=blocks,
-                                                                      **options)
-    if offset is not None:
-        out.view(-1, blocksize).add_(offset[:, None])  # the op's check: k % blocksize == 0 with an offset
-        out = out.to(dtype)
+                                                                      HAS_OFFSET=offset is not None, **options)
     return out
 
 
@@ -482,7 +480,8 @@ def matmul_4bit(x: torch.Tensor, weight: torch.Tensor, absmax: torch.Tensor, cod
                                     BLOCK_N=c["BLOCK_N"], BLOCK_K=block_k,
                                     SPLIT_K=p.split_k,
                                     DECODE_PTX=c.get("DECODE_PTX", False) and x.device.type == "cuda",
-                                    HAS_OFFSET=offset is not None, DOT_IN_FP32=x.device.type == "cpu" and x.dtype == torch.bfloat16, **options)
+                                    HAS_OFFSET=offset is not None,
+                                    DOT_IN_FP32=x.device.type == "cpu" and x.dtype == torch.bfloat16, **options)
         if p.split_k > 1:
             reduce_partials(target, out2, bias)
     return out

@@ -16,7 +16,8 @@ in a partial last block (we divide there, as the reference; NF4 alike).  The til
 [BLOCKS, BS/2, 2] and split, so the two codes of a byte come from adjacent elements without strided
 loads; twice more, and 8 codes make a 32-bit word, stored straight from registers.
 Dequantize: one byte gives two codes; each looks up the 16-entry table (64 bytes: one cache line, L1
-resident) and is multiplied by its block's absmax in fp32; the pair is interleaved back, one rounding.
+resident) and is multiplied by its block's absmax in fp32 (plus, with HAS_OFFSET, the block's offset: GGUF's
+Q4_1 / Q4_K minimums, for the 4-bit matmul's vendor-GEMM path); the pair is interleaved back, one rounding.
 """
 
 from __future__ import annotations
@@ -116,8 +117,8 @@ def _quantize_4bit_kernel(a_ptr, q_ptr, absmax_ptr, n, n_words, n_full_blocks, Q
 
 
 @triton.jit
-def _dequantize_4bit_kernel(q_ptr, absmax_ptr, table_ptr, out_ptr, n, n_bytes, BS: tl.constexpr,
-                            BLOCKS: tl.constexpr):
+def _dequantize_4bit_kernel(q_ptr, absmax_ptr, table_ptr, out_ptr, offset_ptr, n, n_bytes, BS: tl.constexpr,
+                            BLOCKS: tl.constexpr, HAS_OFFSET: tl.constexpr):
     first = tl.program_id(0).to(tl.int64) * BLOCKS
     rows = tl.arange(0, BLOCKS)
     byte_local = rows[:, None] * (BS // 2) + tl.arange(0, BS // 2)[None, :]
@@ -126,6 +127,10 @@ def _dequantize_4bit_kernel(q_ptr, absmax_ptr, table_ptr, out_ptr, n, n_bytes, B
     absmax = tl.load(absmax_ptr + first + rows, mask=rows * (BS // 2) < byte_left, other=0.0)[:, None]
     high = tl.load(table_ptr + (packed >> 4)) * absmax
     low = tl.load(table_ptr + (packed & 15)) * absmax
+    if HAS_OFFSET:
+        offset = tl.load(offset_ptr + first + rows, mask=rows * (BS // 2) < byte_left, other=0.0)[:, None]
+        high += offset
+        low += offset
     values = tl.interleave(high, low)  # [BLOCKS, BS]: element 2i from the high nibble
     local = rows[:, None] * BS + tl.arange(0, BS)[None, :]
     left = tl.minimum(n - first * BS, BLOCKS * BS).to(tl.int32)
@@ -140,9 +145,14 @@ QUANTIZE_CONFIGS = {"default": _QUANTIZE_WAVE32, "rdna3": _QUANTIZE_WAVE32, "rdn
                     "amd": (LaunchConfig(_NF4_TILE, num_warps=2),),
                     # tools/sweep_quantize.py on the H200: one warp per 16 blocks (the search is instruction bound)
                     "nvidia": (LaunchConfig(_NF4_TILE, num_warps=1),)}
-_DEQUANTIZE_WAVE32 = (LaunchConfig({"BS": 64, "BLOCKS": 128}, num_warps=8),)  # 16 bytes, 32 values per thread
+# 16 bytes, 32 values per thread; AMD: LDS for the interleave's stages
+_DEQUANTIZE_WAVE32 = (LaunchConfig({"BS": 64, "BLOCKS": 128, "HAS_OFFSET": False}, num_warps=8),)
 DEQUANTIZE_CONFIGS = {"default": _DEQUANTIZE_WAVE32, "rdna3": _DEQUANTIZE_WAVE32, "rdna4": _DEQUANTIZE_WAVE32,
-                      "amd": (LaunchConfig({"BS": 64, "BLOCKS": 64}, num_warps=4),)}  # LDS: the interleave stages
+                      "amd": (LaunchConfig({"BS": 64, "BLOCKS": 64, "HAS_OFFSET": False}, num_warps=4),)}
+# Cross-compiled besides: each target's tile in GGUF's layout (blocks of 32 with an offset, quant/gguf_4bit.py).
+_DEQUANTIZE_SPEC_CONFIGS = {key: cfgs + (LaunchConfig({**cfgs[0].constexprs, "BS": 32, "HAS_OFFSET": True},
+                                                      cfgs[0].num_warps),)
+                            for key, cfgs in DEQUANTIZE_CONFIGS.items()}
 
 DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
@@ -155,13 +165,14 @@ def _quantize_signature(dtype: torch.dtype) -> dict:
 
 def _dequantize_signature(dtype: torch.dtype) -> dict:
     return {"q_ptr": "*u8", "absmax_ptr": "*fp32", "table_ptr": "*fp32", "out_ptr": f"*{TRITON_DTYPE[dtype]}",
-            "n": "i32", "n_bytes": "i32", "BS": "constexpr", "BLOCKS": "constexpr"}
+            "offset_ptr": "*fp32", "n": "i32", "n_bytes": "i32", "BS": "constexpr", "BLOCKS": "constexpr",
+            "HAS_OFFSET": "constexpr"}
 
 
 QUANTIZE_SPEC = register(KernelSpec("quantize_4bit", _quantize_4bit_kernel, _quantize_signature, DTYPES,
                                     QUANTIZE_CONFIGS))
 DEQUANTIZE_SPEC = register(KernelSpec("dequantize_4bit", _dequantize_4bit_kernel, _dequantize_signature, DTYPES,
-                                      DEQUANTIZE_CONFIGS))
+                                      _DEQUANTIZE_SPEC_CONFIGS))
 
 
 def quantize_4bit(A: torch.Tensor, blocksize: int, quant_type: str, quant_storage: torch.dtype,
@@ -194,6 +205,8 @@ def dequantize_4bit(A: torch.Tensor, absmax: torch.Tensor, blocksize: int, quant
     table = code_4bit(quant_type, A.device)
     blocks, options = tile_for(DEQUANTIZE_CONFIGS, A.device, blocksize)
     with on_device(A.device):
-        _dequantize_4bit_kernel[(-(-n // (blocks * blocksize)),)](packed, absmax.contiguous(), table, out, n,
-                                                                 (n + 1) // 2, BS=blocksize, BLOCKS=blocks, **options)
+        absmax = absmax.contiguous()
+        _dequantize_4bit_kernel[(-(-n // (blocks * blocksize)),)](packed, absmax, table, out, absmax, n, (n + 1) // 2,
+                                                                 BS=blocksize, BLOCKS=blocks, HAS_OFFSET=False,
+                                                                 **options)
     return out
