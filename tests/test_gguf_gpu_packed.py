@@ -12,7 +12,7 @@ gguf = pytest.importorskip("gguf")
 transformers = pytest.importorskip("transformers")
 
 from ._gguf_writer import BYTE_VOCAB, add_byte_vocab, gguf_metadata, gguf_tensors  # noqa: E402
-from .test_models_llama import full_logits  # noqa: E402
+from .test_models_llama import full_logits, greedy  # noqa: E402
 
 from anygpu.models import GGUFCheckpoint, gguf_packed  # noqa: E402
 from anygpu.models.registry import build_model  # noqa: E402
@@ -79,6 +79,32 @@ def test_mixed_file_loads_packed_and_gives_the_dequantized_logits(mixed_file):
         torch.testing.assert_close(layer.dequantize(), references[name].weight, rtol=2.0 ** -22, atol=1e-8, msg=name)
     ids = [256, 72, 101, 108, 108, 111, 44, 32, 119]
     torch.testing.assert_close(full_logits(model, ids), full_logits(reference, ids))
+
+
+@pytest.mark.gpu
+def test_engine_on_a_gpu_keeps_the_4bit_projections_packed(mixed_file, monkeypatch):
+    """The engine's own loading on a GPU (one process): the 4-bit projections are GGUF4bitLinear, each within
+    bf16's rounding of its dequantized layer on every path of the plan (1 row: GEMV, 4: GEMM where NVIDIA would
+    take the MMA path, 16: GEMM, 100: dequantize + vendor GEMM), and greedy decoding runs (CUDA graphs)."""
+    from anygpu.engine import LLMEngine
+    from anygpu.testing import assert_accurate
+
+    monkeypatch.delenv("ANYGPU_GPU_GGUF_PACKED", raising=False)
+    engine = LLMEngine(mixed_file, progress=False, block_size=16, max_model_len=64, device="cuda")
+    try:
+        packed = {n: m for n, m in engine.model.named_modules() if isinstance(m, GGUF4bitLinear)}
+        assert len(packed) == 7 and all(m.packed.is_cuda for m in packed.values())
+        ckpt = GGUFCheckpoint(mixed_file)
+        reference = dict(build_model(ckpt.config, ckpt.weights(progress=False)).named_modules())
+        for name, layer in packed.items():
+            w = reference[name].weight.cuda()
+            for m in (1, 4, 16, 100):
+                x = torch.randn(m, layer.in_features, device="cuda", dtype=torch.bfloat16)
+                oracle = F.linear(x.float(), w)
+                assert_accurate(layer(x), F.linear(x, w.bfloat16()), oracle, what=f"{name} m={m}")
+        assert len(greedy(engine, [256, 72, 101, 108], 8)) == 8
+    finally:
+        engine.close()
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
