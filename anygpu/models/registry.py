@@ -31,7 +31,7 @@ from .shape_check import expected_shapes
 # Every family shares one implementation: what each changes is declared in families.py and read from the config
 # (a Family's switches, ModelConfig's values), not coded per class.
 ARCHITECTURES = {arch: LlamaForCausalLM for arch in SUPPORTED_ARCHITECTURES}
-QUANT_TYPES = ("nf4", "fp4", "int8")
+QUANT_TYPES = ("nf4", "fp4", "int8", "q4_0", "q4_k")  # q4_*: GGUF blocks (nn.GGUF4bitLinear)
 
 
 def model_class(config: ModelConfig):
