@@ -37,9 +37,13 @@ CLOCKS = {"wall": time.perf_counter, "cpu": time.thread_time}
 clock = time.perf_counter
 
 
+TOKENIZER = True  # --no-tokenizer: no text, to see what detokenization costs
+
+
 def build(batch: int, input_len: int, output_len: int) -> LLMEngine:
     torch.manual_seed(0)
-    return LLMEngine("tiny-host", config=CONFIG, tokenizer=Tokenizer.synthetic(CONFIG.vocab_size, 2),
+    tokenizer = Tokenizer.synthetic(CONFIG.vocab_size, 2) if TOKENIZER else None
+    return LLMEngine("tiny-host", config=CONFIG, tokenizer=tokenizer,
                      device="cpu", max_num_seqs=batch, max_num_batched_tokens=max(2048, batch * input_len),
                      max_model_len=input_len + output_len + 16, progress=False)
 
@@ -104,9 +108,10 @@ def main():
     ap.add_argument("--clock", choices=sorted(CLOCKS), default="wall",
                     help="cpu: this thread's CPU time (steadier on a busy machine; each reading costs a system call)")
     ap.add_argument("--cprofile", action="store_true")
+    ap.add_argument("--no-tokenizer", action="store_true", help="token ids only: the engine detokenizes nothing")
     args = ap.parse_args()
-    global clock
-    clock = CLOCKS[args.clock]
+    global clock, TOKENIZER
+    clock, TOKENIZER = CLOCKS[args.clock], not args.no_tokenizer
     torch.set_num_threads(args.threads)
     cols = PARTS + ("step",)
     print(f"host µs per decode step, median over the decode steps of {args.repeats} runs ('output': the step "
