@@ -348,6 +348,13 @@ def _gemm_plan(m: int, k: int, target) -> Plan:
     return Plan("gemm", cfg, split)
 
 
+def _mma_ptx_fits(x2: torch.Tensor, w: torch.Tensor, k: int) -> bool:
+    """The tensor-core path's PTX can run: a GPU, 16-bit x, and vector loads of 8 bytes of codes and 16 of x
+    (code rows 8-byte and x rows 16-byte aligned)."""
+    return (x2.device.type == "cuda" and x2.dtype in DTYPES and w.data_ptr() % 8 == 0 and k % 8 == 0
+            and x2.data_ptr() % 16 == 0 and x2.stride(0) % 8 == 0)
+
+
 def _split(steps: int, most: int, least: int) -> int:
     """How many ways the GEMV and MMA paths split K's ``steps``: doubling (up to ``most``) while each split keeps
     >= ``least`` steps: more programs in flight hide the latency of the loads, and narrow layers (TP shards, small
@@ -418,7 +425,9 @@ def matmul_4bit(x: torch.Tensor, weight: torch.Tensor, absmax: torch.Tensor, cod
     b = bias if bias is not None else dummy
     off = offset if offset is not None else dummy
     out2 = out.view(m, n)
-    if p.path == "mma" and offset is not None:  # the tensor-core path has no offset term: the GEMM takes it
+    if p.path == "mma" and (offset is not None or (p.config.constexprs.get("DECODE_PTX", False)
+                                                   and not _mma_ptx_fits(x2, w, k))):
+        # The tensor-core path has no offset term, and its PTX needs aligned rows: the GEMM takes those calls.
         p = _gemm_plan(m, k, device_target(x.device))
     if p.path == "dequant" or (p.path == "gemm" and x.dtype == torch.float32):
         wd = dequantize_weight(w, absmax, code, blocksize, n, k, x.dtype, nested_absmax, nested_code, nested_offset,
@@ -453,12 +462,7 @@ def matmul_4bit(x: torch.Tensor, weight: torch.Tensor, absmax: torch.Tensor, cod
                 raise ValueError(f"the mma path takes up to 8 rows, K and the block size multiples of 64; got "
                                  f"{m} rows, K = {k}, block size {blocksize}")
             partials = torch.empty(p.split_k, m, n, dtype=torch.float32, device=x.device) if p.split_k > 1 else out2
-            # PTX: vector loads of 8 bytes of codes and 16 of x (rows 16-byte aligned)
-            ptx = (c.get("DECODE_PTX", False) and ptx_words and w.data_ptr() % 8 == 0 and x.dtype in DTYPES
-                   and x2.data_ptr() % 16 == 0 and x2.stride(0) % 8 == 0)
-            if c.get("DECODE_PTX", False) and not ptx:
-                return matmul_4bit(x, weight, absmax, code, blocksize, n, k, bias, nested_absmax, nested_code,
-                                   nested_offset, plan_=Plan("gemm", gemm_config(m, device_target(x.device)), 1))
+            ptx = c.get("DECODE_PTX", False)  # _mma_ptx_fits held, or the GEMM took the call
             grid = (-(-n // (16 * c["WARPS"])), p.split_k)
             _gemv_mma_4bit_kernel[grid](x2, w, absmax, code, b, partials, *nest, m, n, k, x2.stride(0),
                                         out2.stride(0), k // 8, p.split_k, BLOCKSIZE=blocksize, WARPS=c["WARPS"],
