@@ -113,6 +113,14 @@ def unpermute_qk(w: torch.Tensor, num_heads: int) -> torch.Tensor:
     return w.reshape(num_heads, head_dim // 2, 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
 
 
+def permuted_heads(cfg, name: str) -> int | None:
+    """The heads whose rows llama.cpp's converter permuted in tensor ``name`` (a Llama-architecture q or k, for
+    ``unpermute_qk``), or None for every other tensor."""
+    if cfg.architecture != "llama" or (".attn_q." not in name and ".attn_k." not in name):
+        return None
+    return cfg.num_heads if ".attn_q." in name else cfg.num_kv_heads
+
+
 class GGUFCheckpoint:
     def __init__(self, path: str | Path):
         self.path = Path(path)
@@ -175,8 +183,9 @@ class GGUFCheckpoint:
                 w = dequantize(raw, t.type_name, t.shape, torch.float32 if shift else dtype)
                 del raw  # the mapping cannot close while a view exports it
                 _release(mm, t.offset, t.nbytes)
-                if cfg.architecture == "llama" and (".attn_q." in t.name or ".attn_k." in t.name):
-                    w = unpermute_qk(w, cfg.num_heads if ".attn_q." in t.name else cfg.num_kv_heads)
+                heads = permuted_heads(cfg, t.name)
+                if heads is not None:
+                    w = unpermute_qk(w, heads)
                 if shift:  # back to HF's w, in fp32 (a small vector): the model adds the offset back once
                     w -= shift_norms
                 yield hf_name(t.name, cfg.architecture), w

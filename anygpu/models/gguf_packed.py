@@ -34,7 +34,7 @@ from ..nn.embedding_gguf import GGUFEmbedding
 from ..nn.linear_gguf import GGUFLinear
 from ..nn.linear_gguf_4bit import GGUF4bitLinear
 from ..quant import gguf_4bit, gguf_int4pack
-from .gguf import GGUFCheckpoint, _release, dequantize, unpermute_qk
+from .gguf import GGUFCheckpoint, _release, dequantize, permuted_heads, unpermute_qk
 
 _TILE = 64  # rows of the CPU int4 layout's tile: packing rows in slices of whole tiles gives the same bytes
 _SLICE_ROWS = 1024  # rows packed at a time (whole tiles)
@@ -106,10 +106,10 @@ def pack_linears(model: torch.nn.Module, checkpoint: GGUFCheckpoint) -> int:
             n, k = t.shape
             first, last = rows
             order = None
-            if cfg.architecture == "llama" and (".attn_q." in name or ".attn_k." in name):
+            heads = permuted_heads(cfg, name)
+            if heads is not None:
                 # the permutation stays inside each head, and slices are whole heads: its rows of the slice
-                order = unpermute_qk(torch.arange(n), cfg.num_heads if ".attn_q." in name else cfg.num_kv_heads)
-                order = order[first:last] - first
+                order = unpermute_qk(torch.arange(n), heads)[first:last] - first
             row_bytes = t.nbytes // n
             raw = torch.frombuffer(mm, dtype=torch.uint8, count=(last - first) * row_bytes,
                                    offset=t.offset + first * row_bytes)
@@ -124,7 +124,7 @@ def pack_linears(model: torch.nn.Module, checkpoint: GGUFCheckpoint) -> int:
             t = tensors[name]
             n = t.shape[0]
             step = _SLICE_ROWS
-            if cfg.architecture == "llama" and (".attn_q." in name or ".attn_k." in name):
+            if permuted_heads(cfg, name) is not None:
                 step -= step % math.lcm(_TILE, cfg.head_dim)
             if n % _TILE or step < _TILE or n <= step:
                 return [(0, n)]
@@ -169,14 +169,21 @@ def pack_linears(model: torch.nn.Module, checkpoint: GGUFCheckpoint) -> int:
                 model.embed_tokens = GGUFEmbedding(_mapped(f, t), t.type_name, old.num_embeddings,
                                                    old.embedding_dim, old.weight.dtype)
                 continue
-            parent = model if layer is None else model.layers[layer]
-            *owner, attr = path.split(".")
-            for o in owner:
-                parent = getattr(parent, o)
+            parent, attr = _owner(model, layer, path)
             old = getattr(parent, attr)
             setattr(parent, attr, GGUFLinear(packed(names), old.in_features, old.out_features, old.bias))
     release_free_heap()
     return len(plan)
+
+
+def _owner(model: torch.nn.Module, layer: int | None, path: str) -> tuple[torch.nn.Module, str]:
+    """The module holding ``_plan``'s entry (layer index or None for the model's own, dotted path) and the
+    attribute name under which it holds it."""
+    parent = model if layer is None else model.layers[layer]
+    *owner, attr = path.split(".")
+    for o in owner:
+        parent = getattr(parent, o)
+    return parent, attr
 
 
 def _rows(mm, t, cfg) -> torch.Tensor:
@@ -184,8 +191,9 @@ def _rows(mm, t, cfg) -> torch.Tensor:
     un-permuted: a row of blocks moves whole)."""
     n = t.shape[0]
     raw = torch.frombuffer(mm, dtype=torch.uint8, count=t.nbytes, offset=t.offset).view(n, t.nbytes // n)
-    if cfg.architecture == "llama" and (".attn_q." in t.name or ".attn_k." in t.name):
-        raw = raw[unpermute_qk(torch.arange(n), cfg.num_heads if ".attn_q." in t.name else cfg.num_kv_heads)]
+    heads = permuted_heads(cfg, t.name)
+    if heads is not None:
+        raw = raw[unpermute_qk(torch.arange(n), heads)]
     else:
         raw = raw.clone()
     _release(mm, t.offset, t.nbytes)
@@ -205,10 +213,7 @@ def pack_4bit(model: torch.nn.Module, checkpoint: GGUFCheckpoint) -> int:
     kept = 0
     with open(checkpoint.path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY) as mm:
         for (layer, path), names in _plan(checkpoint).items():
-            parent = model if layer is None else model.layers[layer]
-            *owner, attr = path.split(".")
-            for o in owner:
-                parent = getattr(parent, o)
+            parent, attr = _owner(model, layer, path)
             old = getattr(parent, attr)
             types = [tensors[n].type_name for n in names]
             if path != "embed_tokens" and gguf_4bit.stackable(types):

@@ -42,6 +42,7 @@ from tqdm.auto import tqdm
 
 from .. import backend
 from .._progress import disabled
+from ..quant.gguf_blocks import BLOCK_SHAPES
 from .int8params import Int8Params
 from .linear4bit import Linear4bit, check_compute_dtype
 from .linear8bit import Linear8bitLt, check_threshold
@@ -95,7 +96,7 @@ def _check_gguf(options: QuantizeOptions) -> None:
 
 
 def _to_gguf(linear: nn.Linear, options: QuantizeOptions) -> nn.Module:
-    step = 256 if options.quant_type == "q4_k" else 32
+    step = BLOCK_SHAPES[options.quant_type.upper()][0]  # a row is whole GGUF blocks
     if linear.in_features % step:
         raise ValueError(f"model: {options.quant_type} needs in_features a multiple of {step}, got a "
                          f"{linear.in_features}-input nn.Linear (skip it)")
