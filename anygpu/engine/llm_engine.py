@@ -388,23 +388,21 @@ class LLMEngine:
                 self.scheduler.finish(seq, "stop")
 
     def _output(self, request_id: str, req: _Request) -> RequestOutput:
-        seq, params = req.seq, req.seq.params
+        seq = req.seq
         finished = seq.is_finished
         # Hold back what could still turn out to be the start of a stop string.
         text = req.text
         visible = max(req.emitted_chars, len(text) - (0 if finished else req.hold))
         tokens = seq.output_token_ids
-        # The log-probability helpers are only called for the requests that asked (a call per request per step).
-        cumulative, logprobs = (None, None) if params.logprobs is None else self._logprobs(req)
-        completion = CompletionOutput(0, text[:visible], tokens[:], cumulative,
-                                      logprobs, finish_reason=seq.finish_reason, stop_reason=req.stop_reason,
+        completion = CompletionOutput(0, text[:visible], tokens[:], *self._logprobs(req),
+                                      finish_reason=seq.finish_reason, stop_reason=req.stop_reason,
                                       delta_text=text[req.emitted_chars: visible],
                                       delta_token_ids=tokens[req.emitted_tokens:])
         out = RequestOutput(request_id, seq.prompt_token_ids, [completion], finished=finished,
                             arrival_time=seq.arrival_time, first_token_time=seq.first_token_time,
                             finish_time=seq.finish_time,
                             num_cached_tokens=seq.num_cached_tokens, error=req.error, error_type=req.error_type,
-                            prompt_logprobs=None if params.prompt_logprobs is None else self._prompt_logprobs(req))
+                            prompt_logprobs=self._prompt_logprobs(req))
         req.emitted_chars, req.emitted_tokens = visible, len(tokens)
         return out
 

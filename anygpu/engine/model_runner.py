@@ -162,15 +162,13 @@ class ModelRunner:
         for i, (seq, n, needs_logits) in enumerate(zip(batch.seqs, batch.num_tokens, batch.needs_logits)):
             start = seq.num_computed_tokens
             end = start + n
-            if seq.params.prompt_logprobs is not None and seq.needs_prompt_logprobs \
-                    and start == len(seq.prompt_logprobs):  # this chunk's prompt positions
+            if seq.needs_prompt_logprobs and start == len(seq.prompt_logprobs):  # this chunk's prompt positions
                 count = min(end, seq.num_prompt_tokens - 1) - start
                 if count > 0:
                     prompt_rows.append((i, t, count))
             table = seq.block_table
             if n == 1:
-                prompt = seq.prompt_token_ids
-                ids.append(prompt[start] if start < len(prompt) else seq.output_token_ids[start - len(prompt)])
+                ids.append(seq.token(start))
                 positions.append(start)
                 slots.append(table[start // bs] * bs + start % bs)
             else:

@@ -166,9 +166,7 @@ class Scheduler:
             # The table usually holds the slot already; else reserve a block (perhaps preempting).
             if seq.num_computed_tokens < len(seq.block_table) * bs or self._reserve(seq, 1, batch, scheduled):
                 scheduled.add(seq.seq_id)
-                batch.seqs.append(seq)
-                batch.num_tokens.append(1)
-                batch.needs_logits.append(True)
+                self._add(batch, seq, 1)
                 budget -= 1
         for seq, left in lefts:  # part-way through their prefill, as many tokens as the budget allows
             if budget == 0:
@@ -210,7 +208,7 @@ class Scheduler:
             if seq.status is not running:
                 continue  # aborted or finished between schedule() and update()
             seq.num_computed_tokens += n
-            if seq.num_computed_tokens < len(seq.prompt_token_ids) + len(seq.output_token_ids):
+            if seq.num_computed_tokens < seq.num_tokens:
                 if token is not None:  # sampling it would also advance a seeded generator
                     raise ValueError(f"sampled: sequence {seq.seq_id} is mid-prefill, expected None, got {token}")
                 self.block_manager.commit(seq)
@@ -230,9 +228,8 @@ class Scheduler:
         params = seq.params
         if (token in self.eos_token_ids and not params.ignore_eos) or token in params.stop_token_ids:
             return "stop"
-        outputs = len(seq.output_token_ids)
-        if params.max_tokens is not None and outputs >= params.max_tokens:
+        if params.max_tokens is not None and seq.num_output_tokens >= params.max_tokens:
             return "length"
-        if len(seq.prompt_token_ids) + outputs >= self.max_model_len:
+        if seq.num_tokens >= self.max_model_len:
             return "length"
         return None

@@ -61,6 +61,11 @@ class Sequence:
     def token_ids(self) -> list[int]:
         return self.prompt_token_ids + self.output_token_ids
 
+    def token(self, i: int) -> int:
+        """token_ids[i] (0 <= i < num_tokens) without building the whole list."""
+        p = len(self.prompt_token_ids)
+        return self.prompt_token_ids[i] if i < p else self.output_token_ids[i - p]
+
     def token_range(self, start: int, end: int) -> list[int]:
         """token_ids[start:end] without building the whole list."""
         p = len(self.prompt_token_ids)
