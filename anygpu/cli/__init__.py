@@ -51,7 +51,7 @@ def doctor(as_json, targets, no_probe):
 @click.option("--random-config", default=None, metavar="NAME",
               help="model suite: random weights in these shapes instead of --model (llama3-8b, tiny).")
 @click.option("--quantize", default=None, metavar="LIST",
-              help="model and serve suites: nf4, fp4, int8, q4_0 or q4_k (GGUF blocks); the model suite also takes a comma list with bf16 / "
+              help="model and serve suites: nf4, fp4, int8, q4_0, q4_k or q8_0 (GGUF blocks); the model suite also takes a comma list with bf16 / "
                    "none for the unquantized model (bf16,nf4,int8): each runs on the same workload, ratios in one run.")
 @click.option("--num-prompts", type=click.IntRange(min=1), default=64, show_default=True, help="model suite.")
 @click.option("--concurrency", type=click.IntRange(min=1), default=None, help="model suite (default: all prompts).")

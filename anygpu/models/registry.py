@@ -4,9 +4,9 @@
 ``ARCHITECTURES`` (one entry per supported ``ModelConfig.architecture``); weights are a checkpoint's
 ``weights()`` iterator or ``"random"`` (vLLM's dummy weights: uniform in [-1e-3, 1e-3], norms at 1, for
 benchmarks in real shapes without a download).  ``quantize`` re-quantizes every linear but the output head with
-``anygpu.nn.quantize_model`` (nf4, fp4, int8 = LLM.int8() at threshold 6.0), with a progress bar.  A
-bitsandbytes checkpoint (``config.quantization``) is not re-quantized: its stored layers load as they are
-(``bnb_load.py``).
+``anygpu.nn.quantize_model`` (nf4, fp4, int8 = LLM.int8() at threshold 6.0, q4_0 / q4_k / q8_0 = GGUF blocks),
+with a progress bar.  A bitsandbytes checkpoint (``config.quantization``) is not re-quantized: its stored layers
+load as they are (``bnb_load.py``).
 
 ``tp``: build one rank's shard of a tensor-parallel model.  Random weights are generated as full HF-named
 tensors, each from a seed derived from its name, and go through ``load_weights`` like a checkpoint's: every
@@ -31,7 +31,8 @@ from .shape_check import expected_shapes
 # Every family shares one implementation: what each changes is declared in families.py and read from the config
 # (a Family's switches, ModelConfig's values), not coded per class.
 ARCHITECTURES = {arch: LlamaForCausalLM for arch in SUPPORTED_ARCHITECTURES}
-QUANT_TYPES = ("nf4", "fp4", "int8", "q4_0", "q4_k")  # q4_*: GGUF blocks (nn.GGUF4bitLinear)
+# q4_*, q8_0: GGUF blocks (nn.GGUF4bitLinear, nn.GGUF8bitLinear)
+QUANT_TYPES = ("nf4", "fp4", "int8", "q4_0", "q4_k", "q8_0")
 
 
 def model_class(config: ModelConfig):

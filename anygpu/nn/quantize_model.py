@@ -1,4 +1,4 @@
-"""``quantize_model(model, "nf4" | "fp4" | "int8" | "q4_0" | "q4_k", skip=...)``: every ``nn.Linear`` of a model,
+"""``quantize_model(model, "nf4" | "fp4" | "int8" | "q4_0" | "q4_k" | "q8_0", skip=...)``: every ``nn.Linear`` of a model,
 quantized in place.
 
 Works on any ``nn.Module`` (a transformers model, a hand-built one): it walks ``named_modules()`` and
@@ -7,7 +7,9 @@ replaces each ``nn.Linear`` in its parent by a ``Linear4bit`` (``"nf4"``, ``"fp4
 time, so the full-precision weight of a layer is released as soon as it is replaced (unless something
 else, such as a tied embedding, still holds it).  ``"q4_0"`` / ``"q4_k"``: GGUF's Q4_0 / Q4_K blocks (quantized in
 torch by ``anygpu.quant.gguf_4bit``, Q4_K without llama.cpp's search), held as ``GGUF4bitLinear``, what a GGUF file of
-that type loads as on a GPU (in_features a multiple of 32, or 256 for Q4_K).  Left alone:
+that type loads as on a GPU (in_features a multiple of 32, or 256 for Q4_K).  ``"q8_0"``: GGUF's Q8_0 blocks
+(``anygpu.quant.gguf_8bit.quantize_q8_0``, gguf-py's bytes), held as ``GGUF8bitLinear`` (int8 codes, an fp32 scale
+per 32), what a Q8_0 file loads as on a GPU (in_features a multiple of 32).  Left alone:
 
 - modules matched by ``skip`` (default ``("lm_head",)``: the output projection is usually tied to the
   embedding and is the most sensitive layer).  A pattern is a module name or a glob (``fnmatch``) and
@@ -47,6 +49,7 @@ from .int8params import Int8Params
 from .linear4bit import Linear4bit, check_compute_dtype
 from .linear8bit import Linear8bitLt, check_threshold
 from .linear_gguf_4bit import GGUF4bitLinear
+from .linear_gguf_8bit import GGUF8bitLinear
 from .params4bit import Params4bit, check_4bit_options
 
 logger = logging.getLogger(__name__)
@@ -100,6 +103,8 @@ def _to_gguf(linear: nn.Linear, options: QuantizeOptions) -> nn.Module:
     if linear.in_features % step:
         raise ValueError(f"model: {options.quant_type} needs in_features a multiple of {step}, got a "
                          f"{linear.in_features}-input nn.Linear (skip it)")
+    if options.quant_type == "q8_0":
+        return GGUF8bitLinear.from_linear(linear, "Q8_0", device=options.device)
     return GGUF4bitLinear.from_linear(linear, options.quant_type.upper(), device=options.device)
 
 
@@ -116,6 +121,7 @@ LINEAR_QUANTIZERS: dict[str, LinearQuantizer] = {
     "int8": LinearQuantizer(_check_int8, _to_linear8bit),
     "q4_0": LinearQuantizer(_check_gguf, _to_gguf),
     "q4_k": LinearQuantizer(_check_gguf, _to_gguf),
+    "q8_0": LinearQuantizer(_check_gguf, _to_gguf),
 }
 # Layers that are already quantized (subclasses of nn.Linear): never quantized again.
 QUANTIZED_LINEARS: tuple[type, ...] = (Linear4bit, Linear8bitLt)

@@ -1,0 +1,69 @@
+"""``GGUF8bitLinear``: a linear layer whose weight stays in GGUF blocks of the 5-, 6- and 8-bit types (Q8_0, Q6_K,
+Q5_K, Q5_0, Q5_1; any mix of them, and with 4-, 3- and 2-bit types in one fused projection), computed by the
+int8-block matmul (``anygpu.ops.matmul_int8_block``: Triton GEMV / GEMM on GPUs, the reference on the CPU).
+
+The blocks are re-laid as ``anygpu.quant.gguf_8bit`` describes (nothing is re-quantized; the values are the file's
+bit for bit): int8 codes [out, in], an fp32 scale and (Q5_K, Q5_1, ...) offset per block of 16 or 32, so a weight
+reads 1 byte plus 4 or 8 bytes per block, against 2 for the bf16 copy the GPU loader made of these types before.
+A fused projection (q/k/v, gate/up) is its sources' rows stacked at the smallest block among them.  Inference only:
+the weight is buffers, not parameters; a bias stays a parameter (the loader fills it).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from ..ops import matmul_int8_block
+from ..quant import gguf_8bit
+
+
+class GGUF8bitLinear(nn.Module):
+    def __init__(self, weight: gguf_8bit.PackedInt8Block, in_features: int, out_features: int,
+                 bias: torch.Tensor | None = None):
+        super().__init__()
+        codes = weight.codes
+        if codes.dtype != torch.int8 or tuple(codes.shape) != (out_features, in_features):
+            raise ValueError(f"weight: expected int8 codes of shape ({out_features}, {in_features}), got "
+                             f"{codes.dtype} {tuple(codes.shape)}")
+        if weight.blocksize not in gguf_8bit.BLOCKSIZES or in_features % weight.blocksize:
+            raise ValueError(f"weight: expected a block of 16 or 32 dividing in_features={in_features}, got "
+                             f"{weight.blocksize}")
+        blocks = out_features * in_features // weight.blocksize
+        for name, t in (("scale", weight.scale), ("offset", weight.offset)):
+            if t is not None and (t.dtype != torch.float32 or tuple(t.shape) != (blocks,)):
+                raise ValueError(f"weight: expected the {name} as float32 of shape ({blocks},), got {t.dtype} "
+                                 f"{tuple(t.shape)}")
+        self.in_features, self.out_features, self.blocksize = in_features, out_features, weight.blocksize
+        self.register_buffer("codes", codes)
+        self.register_buffer("scale", weight.scale)
+        self.register_buffer("offset", weight.offset)
+        self.bias = None if bias is None else nn.Parameter(bias.detach(), requires_grad=False)
+
+    @classmethod
+    def from_linear(cls, linear: nn.Linear, type_name: str, device=None) -> GGUF8bitLinear:
+        """``linear``'s weight quantized to ``type_name`` ("Q8_0": ``gguf_8bit.quantize_q8_0``, gguf-py's bytes) on
+        ``device`` (default: the weight's)."""
+        quantizers = {"Q8_0": gguf_8bit.quantize_q8_0}
+        if type_name not in quantizers:
+            raise ValueError(f"type_name: expected one of {tuple(quantizers)}, got {type_name!r}")
+        w = linear.weight.detach().to(device or linear.weight.device)
+        n, k = w.shape
+        if k % 32:
+            raise ValueError(f"linear: {type_name} needs in_features a multiple of 32, got {k}")
+        raw = quantizers[type_name](w).reshape(-1)
+        bias = None if linear.bias is None else linear.bias.detach().to(w.device)
+        return cls(gguf_8bit.convert(raw, type_name, n, k), k, n, bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        bias = None if self.bias is None else self.bias.to(x.dtype)
+        return matmul_int8_block(x, self.codes, self.scale, self.blocksize, bias, self.offset)
+
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        from ..ops.matmul_int8_block import dequantize_weight
+
+        return dequantize_weight(self.codes, self.scale, self.blocksize, dtype, self.offset)
+
+    def extra_repr(self) -> str:
+        return (f"in_features={self.in_features}, out_features={self.out_features}, blocksize={self.blocksize}, "
+                f"offset={self.offset is not None}, bias={self.bias is not None}")
