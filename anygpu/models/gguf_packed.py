@@ -14,10 +14,16 @@ so never resident).  ``ANYGPU_CPU_GGUF_PACKED=0`` keeps the dequantized fp32 lay
 values, computed in fp32: what tests against transformers' fp32 logits want).
 
 On a GPU (CUDA / ROCm, one process) the same projections are loaded by ``pack_4bit``: those whose tensors are all
-GGUF 4-bit types (``anygpu.quant.gguf_4bit.TYPES``: Q4_0, Q4_1, Q4_K, IQ4_NL, IQ4_XS) become ``GGUF4bitLinear``
-layers, the file's blocks re-laid for the 4-bit matmul kernels (the GEMV for decode, the GEMM for batches, the
-vendor GEMM for prompts); the others (a Q6_K or Q8_0 among their tensors) and the embedding are dequantized
-there into the model's dtype, as the weights iterator would.  ``ANYGPU_GPU_GGUF_PACKED=0`` dequantizes them all.
+GGUF 4-bit types of one code table (``anygpu.quant.gguf_4bit.TYPES``: Q4_0, Q4_1, Q4_K, IQ4_NL, IQ4_XS) become
+``GGUF4bitLinear`` layers, the file's blocks re-laid for the 4-bit matmul kernels (the GEMV for decode, the GEMM
+for batches, the vendor GEMM for prompts); the others, with a Q8_0, Q6_K, Q5_K, Q5_0 or Q5_1 (or Q3_K / Q2_K) among
+their tensors, become ``GGUF8bitLinear`` layers (``anygpu.quant.gguf_8bit``: int8 codes, an fp32 scale and offset per
+block of 16 or 32, the int8-block matmul kernels).  A fused projection mixing the two classes, as llama.cpp's Q4_K_M
+does (q/k Q4_K, v Q6_K), goes whole to ``GGUF8bitLinear``: a 4-bit type fits that layout too (its codes are small
+integers), so the projection stays packed, and one layer runs one matmul; its 4-bit rows then read 1 byte a
+weight instead of 0.5, still less than the 2 of the bf16 copy made of such projections before.  Only the embedding
+is dequantized there into the model's dtype, as the weights iterator would.  ``ANYGPU_GPU_GGUF_PACKED=0``
+dequantizes them all.
 """
 
 from __future__ import annotations
@@ -33,7 +39,8 @@ import torch
 from ..nn.embedding_gguf import GGUFEmbedding
 from ..nn.linear_gguf import GGUFLinear
 from ..nn.linear_gguf_4bit import GGUF4bitLinear
-from ..quant import gguf_4bit, gguf_int4pack
+from ..nn.linear_gguf_8bit import GGUF8bitLinear
+from ..quant import gguf_4bit, gguf_8bit, gguf_int4pack
 from .gguf import GGUFCheckpoint, _release, dequantize, permuted_heads, unpermute_qk
 
 _TILE = 64  # rows of the CPU int4 layout's tile: packing rows in slices of whole tiles gives the same bytes
@@ -202,10 +209,11 @@ def _rows(mm, t, cfg) -> torch.Tensor:
 
 def pack_4bit(model: torch.nn.Module, checkpoint: GGUFCheckpoint) -> int:
     """The GPU loader of ``_plan``'s projections, on the model's device (any: tests run it on the CPU): each whose
-    tensors are all GGUF 4-bit types (of one code table: ``gguf_4bit.stackable``) becomes a GGUF4bitLinear; the
-    rest of the plan (other types, the embedding) is dequantized into the model's weights, which then turn into
-    buffers: the weights iterator skips their tensors (``packed_tensors``), so the loader must not expect them as
-    parameters.  Returns how many layers stay 4-bit."""
+    tensors are all GGUF 4-bit types (of one code table: ``gguf_4bit.stackable``) becomes a GGUF4bitLinear, each
+    other whose tensors all fit ``gguf_8bit`` (the 5/6/8-bit types, alone or mixed with 4-, 3- and 2-bit ones) a
+    GGUF8bitLinear; the rest of the plan (the embedding, any type neither takes) is dequantized into the model's
+    weights, which then turn into buffers: the weights iterator skips their tensors (``packed_tensors``), so the
+    loader must not expect them as parameters.  Returns how many layers stay packed (4-bit and int8-block)."""
     cfg = checkpoint.config
     tensors = {t.name: t for t in checkpoint.tensors}
     device = next(model.parameters()).device
@@ -220,6 +228,14 @@ def pack_4bit(model: torch.nn.Module, checkpoint: GGUFCheckpoint) -> int:
                 parts = [gguf_4bit.convert(_rows(mm, tensors[n], cfg).to(device).reshape(-1), tensors[n].type_name,
                                            *tensors[n].shape) for n in names]
                 setattr(parent, attr, GGUF4bitLinear(gguf_4bit.stack(parts), old.in_features, old.out_features,
+                                                     old.bias))
+                kept += 1
+                continue
+            if path != "embed_tokens" and all(t in gguf_8bit.TYPES for t in types):
+                blocksize = gguf_8bit.blocksize_for(types)  # the smallest block of the stacked sources
+                parts = [gguf_8bit.convert(_rows(mm, tensors[n], cfg).to(device).reshape(-1), tensors[n].type_name,
+                                           *tensors[n].shape, blocksize) for n in names]
+                setattr(parent, attr, GGUF8bitLinear(gguf_8bit.stack(parts), old.in_features, old.out_features,
                                                      old.bias))
                 kept += 1
                 continue
