@@ -50,9 +50,10 @@ CASES = [  # m, n, k, blocksize, offset, bias
     (1, 40, 576, 32, True, True),  # K not a multiple of the GEMV's step (odd N too)
     (1, 33, 256, 16, False, False),
     (1, 24, 96, 16, True, False),  # fewer columns than one GEMV step
-    (3, 24, 352, 32, True, True),  # the GEMM's one-block steps (K not a multiple of its BLOCK_K)
+    (3, 24, 352, 32, True, True),  # the GEMM's one-block steps (K an odd number of blocks)
     (17, 70, 512, 16, True, False),  # the GEMM's dequantized tiles of several blocks
-    (17, 48, 320, 32, False, True),
+    (17, 48, 320, 32, False, True),  # the GEMM's step halved to 2 blocks
+    (5, 40, 208, 16, False, True),  # Q6_K's blocks, an odd number of them
 ]
 
 
@@ -131,6 +132,16 @@ def test_plan_picks_paths_by_rows():
     assert plan(16, 4096, 4096, 16, torch.float16, cpu).path == "gemm"
     assert plan(16, 4096, 4096, 16, torch.float32, cpu).path == "dequant"
     assert plan(65, 4096, 4096, 32, torch.bfloat16, cpu).path == "dequant"
+
+
+def test_gemm_step_is_the_longest_that_divides_k():
+    from anygpu.kernels.launch import LaunchConfig
+    from anygpu.kernels.matmul_int8_block import gemm_block_k, gemm_split
+
+    cfg = LaunchConfig({"BLOCK_K": 128, "SPLIT_K": 4})
+    assert [gemm_block_k(cfg, k, 32) for k in (4096, 4160, 4128, 96)] == [128, 64, 32, 32]
+    assert gemm_block_k(cfg, 208, 16) == 16 and gemm_block_k(cfg, 224, 16) == 32
+    assert gemm_split(cfg, 4096, 32) == 4 and gemm_split(cfg, 256, 32) == 2 and gemm_split(cfg, 96, 32) == 2
 
 
 def test_opcheck_gradient_and_meta():

@@ -13,12 +13,12 @@ on AMD and NVIDIA.  Three paths, chosen by ``plan`` (the one place the choice is
   block)``, the sums of x shared by all BLOCK_N rows.  Where N alone gives too few programs to fill the GPU, K
   is split across up to MAX_SPLIT programs, whose fp32 partials ``kernels/_split_k.py`` adds in a fixed order
   (deterministic, no atomics), as the 4-bit GEMV does.
-* ``gemm`` (2..64 rows): a ``tl.dot`` GEMM whose weight tile is decoded in registers.  When a step of BLOCK_K
-  columns is one block (K not a multiple of the config's BLOCK_K), the codes are converted to x's dtype (the
-  integers of int8 are exact in fp16 and bf16), dotted unscaled, and the block's scale multiplies the partial
-  dot, the offset adding ``sum(x) * offset``.  Otherwise a step spans BLOCK_K / BLOCKSIZE blocks and the tile is
-  dequantized (``q * scale + offset`` in fp32, rounded once to x's dtype: the reference's weight) and fed to
-  ``tl.dot`` accumulating into one fp32 tile: fewer, fuller dots.  Split K as the 4-bit GEMM.
+* ``gemm`` (2..64 rows): a ``tl.dot`` GEMM whose weight tile is decoded in registers.  A step of BLOCK_K columns
+  (the config's, halved until it divides K) spanning several blocks dequantizes the tile (``q * scale + offset``
+  in fp32, rounded once to x's dtype: the reference's weight) and feeds it to ``tl.dot``, accumulating into one
+  fp32 tile.  A step of one block (K an odd number of blocks) converts the codes to x's dtype (int8's integers
+  are exact in fp16 and bf16), dots them unscaled and multiplies the partial dot by the block's scale, the offset
+  adding ``sum(x) * offset``.  Split K as the 4-bit GEMM.
 * ``dequant`` (more rows): dequantize W to x's dtype (a kernel, FP contraction off: the reference's values)
   and call the vendor GEMM, whose FLOPs then dwarf the one pass over W.
 
@@ -233,9 +233,12 @@ def gemm_config(m: int, target) -> LaunchConfig:
 
 
 def gemm_block_k(cfg: LaunchConfig, k: int, blocksize: int) -> int:
-    """The GEMM's step: the config's BLOCK_K where it divides K, else one block."""
+    """The GEMM's step: the config's BLOCK_K, halved until it divides K (one block at the least, which always
+    does)."""
     block_k = cfg.constexprs["BLOCK_K"]
-    return block_k if k % block_k == 0 and block_k % blocksize == 0 else blocksize
+    while block_k > blocksize and (k % block_k or block_k % blocksize):
+        block_k //= 2
+    return max(block_k, blocksize)
 
 
 def gemm_split(cfg: LaunchConfig, k: int, blocksize: int) -> int:
@@ -369,7 +372,8 @@ GEMV_SPEC = register(KernelSpec(
 GEMM_SPEC = register(KernelSpec(
     "gemm_int8_block", _gemm_int8_block_kernel, _signature("gemm"), DTYPES,
     _compiled(GEMM_CONFIGS, lambda c: {"GROUP_M": 8, "SPLIT_K": 1, "HAS_BIAS": True, "DOT_IN_FP32": False},
-              ("MAX_M",), _VARIANTS + ({"BLOCKSIZE": 32, "HAS_OFFSET": True, "BLOCK_K": 32, "SPLIT_K": 2},))))
+              ("MAX_M",), _VARIANTS + ({"BLOCKSIZE": 32, "HAS_OFFSET": True, "BLOCK_K": 32, "SPLIT_K": 2},
+                                       {"BLOCKSIZE": 16, "HAS_OFFSET": False, "BLOCK_K": 16, "SPLIT_K": 2}))))
 DEQUANTIZE_SPEC = register(KernelSpec(
     "dequantize_int8_block", _dequantize_int8_block_kernel, _signature("dequantize"), DTYPES,
     _compiled(DEQUANTIZE_CONFIGS, lambda c: {}, (), _VARIANTS)))
