@@ -365,10 +365,13 @@ def _compiled(table, extra, drop, variants):
 _VARIANTS = ({"BLOCKSIZE": 32, "HAS_OFFSET": False}, {"BLOCKSIZE": 16, "HAS_OFFSET": False},
              {"BLOCKSIZE": 32, "HAS_OFFSET": True})
 
+# The GEMV's variants also cover its split (PARTIAL) and whole-output forms, and a K that is not whole steps.
 GEMV_SPEC = register(KernelSpec(
     "gemv_int8_block", _gemv_int8_block_kernel, _signature("gemv"), DTYPES,
-    _compiled(GEMV_CONFIGS, lambda c: {"EVEN_K": True, "PARTIAL": False, "HAS_BIAS": True},
-              ("MAX_SPLIT", "SPLIT_MIN_CHUNKS", "SPLIT_BELOW_PROGRAMS"), _VARIANTS)))
+    _compiled(GEMV_CONFIGS, lambda c: {"EVEN_K": True, "PARTIAL": True, "HAS_BIAS": False},
+              ("MAX_SPLIT", "SPLIT_MIN_CHUNKS", "SPLIT_BELOW_PROGRAMS"),
+              ({**_VARIANTS[0]}, {**_VARIANTS[1], "PARTIAL": False, "HAS_BIAS": True},
+               {**_VARIANTS[2], "EVEN_K": False}))))
 GEMM_SPEC = register(KernelSpec(
     "gemm_int8_block", _gemm_int8_block_kernel, _signature("gemm"), DTYPES,
     _compiled(GEMM_CONFIGS, lambda c: {"GROUP_M": 8, "SPLIT_K": 1, "HAS_BIAS": True, "DOT_IN_FP32": False},
