@@ -165,10 +165,11 @@ def test_gemv_replays_in_a_cuda_graph():
     codes = torch.randint(-128, 128, (512, 4096), dtype=torch.int8, device="cuda")
     scale = torch.rand(512 * 4096 // 32, device="cuda") * 1e-3
     x = torch.randn(1, 4096, device="cuda", dtype=torch.bfloat16)
-    want = matmul_int8_block(x, codes, scale, 32)
     stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
         matmul_int8_block(x, codes, scale, 32)  # warm up (compile) outside the capture
+    torch.cuda.current_stream().wait_stream(stream)
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
