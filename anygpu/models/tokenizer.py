@@ -15,6 +15,7 @@ transformers gives them (``raise_exception``, ``strftime_now``, a ``tojson`` tha
 from __future__ import annotations
 
 import json
+import re
 from datetime import datetime
 from functools import lru_cache
 from pathlib import Path
@@ -92,6 +93,7 @@ class Tokenizer:
         adds = post is not None and post.num_special_tokens_to_add(False) > 0
         self._prepend = [self.bos_token_id] if add_bos_token and not adds and self.bos_token_id is not None else []
         self._append = [self.eos_token_ids[0]] if add_eos_token and not adds and self.eos_token_ids else []
+        self._windows: dict[bool, WindowDecoder] = {}  # window_decoder's, one per skip_special_tokens
 
     @classmethod
     def from_hf_folder(cls, path: str | Path) -> Tokenizer:
@@ -157,6 +159,14 @@ class Tokenizer:
 
     def decode(self, ids, skip_special_tokens: bool = True) -> str:
         return self.backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
+
+    def window_decoder(self, skip_special_tokens: bool = True) -> WindowDecoder:
+        """``decode`` for the short windows of ``IncrementalDetokenizer``, one per ``skip_special_tokens``, made on
+        first use (see ``WindowDecoder``)."""
+        window = self._windows.get(skip_special_tokens)
+        if window is None:
+            window = self._windows[skip_special_tokens] = WindowDecoder(self, skip_special_tokens)
+        return window
 
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
         if self.chat_template is None:
@@ -234,6 +244,186 @@ def _compile(template: str):
     return env.from_string(template)
 
 
+_CHAR_BYTES = {c: b for b, c in _byte_alphabet().items()}
+# The tokenizers library's ByteFallback reads a piece of 6 bytes "<0x" + 2 + ">" as a byte when Rust's
+# u8::from_str_radix(_, 16) takes the middle two (which allows a leading "+").
+_BYTE_PIECE = re.compile(r"<0x([0-9A-Fa-f]{2}|\+[0-9A-Fa-f])>")
+_SKIP = object()  # a piece decode leaves out: a skipped special token, or an id the vocabulary does not name
+_SPM_DECODER = [{"type": "Replace", "pattern": {"String": "\u2581"}, "content": " "}, {"type": "ByteFallback"},
+                {"type": "Fuse"}]
+_SPM_STRIP = {"type": "Strip", "content": " ", "start": 1, "stop": 0}
+
+
+class WindowDecoder:
+    """``decode(ids)``, equal to ``Tokenizer.decode(ids, skip_special_tokens)`` for every list of ids in
+    ``[0, limit)``, and the split of a window's text that ``IncrementalDetokenizer`` streams from: every running
+    sequence calls it every step.
+
+    The decoders this package builds are redone here on per-token pieces, each looked up once in the library and
+    kept (a table the size of the vocabulary, filled as ids come): byte-level BPE (``kind`` "bytes": GPT-2's
+    ``ByteLevel``, every piece's bytes joined and read as UTF-8, U+FFFD for bad bytes), SentencePiece ("spm":
+    tokenizer_spm.py's ``Replace("\u2581", " ")``, ``ByteFallback``, ``Fuse`` and, but for Gemma, ``Strip`` of one
+    leading space; Llama-2's and Mistral's tokenizer.json have the same) and none ("join": pieces joined by
+    spaces, ``Tokenizer.synthetic``).  Any other decoder (``kind`` None) calls the library, and ``limit`` 0
+    sends every id there.  Special tokens are skipped by their text, as the library does.
+
+    ``prefix(ids)`` and ``tail(ids, state)`` split a window prefix + tail without decoding it whole.  A prefix is
+    *clean* when its text cannot change whatever follows it: its bytes end on a whole character other than
+    U+FFFD (bytes), its last piece is not a byte piece (spm), always (join).  Then decode(prefix + tail) is the
+    prefix's text plus ``tail``'s ``extra``, worked out from the tail alone (and ``state``, what the prefix
+    leaves for the tail: whether it had any piece (join), whether its text before the strip was empty (spm)).
+    """
+
+    def __init__(self, tokenizer: Tokenizer, skip_special_tokens: bool):
+        backend = tokenizer.backend
+        self.backend, self.skip = backend, skip_special_tokens
+        added = backend.get_added_tokens_decoder()
+        self._special = {t.content for t in added.values() if t.special} if skip_special_tokens else set()
+        decoder = backend.decoder
+        state = json.loads(decoder.__getstate__()) if decoder is not None else None
+        kind, self._strip = None, False
+        if state is None:
+            kind = "join"
+        elif state.get("type") == "ByteLevel":
+            kind = "bytes"
+        elif state.get("type") == "Sequence" and state.get("decoders") in (_SPM_DECODER, _SPM_DECODER + [_SPM_STRIP]):
+            kind = "spm"
+            self._strip = len(state["decoders"]) == 4
+        self.kind = kind
+        size = max(backend.get_vocab_size(with_added_tokens=True), max(added, default=-1) + 1)
+        self.limit = size if kind is not None else 0
+        self._pieces: list = [None] * self.limit
+        # A prefix left by a token emitted on its own is clean with this state: bytes None, the others True
+        # (it had a piece / text).  single(i): that token's step after such a prefix, kept per token.
+        self.steady = None if kind == "bytes" else True
+        self._single: list = [None] * self.limit
+        self.decode, self.prefix, self.tail = {
+            "bytes": (self._decode_bytes, self._prefix_bytes, self._tail_bytes),
+            "spm": (self._decode_spm, self._prefix_spm, self._tail_spm),
+            "join": (self._decode_join, self._prefix_join, self._tail_join),
+            None: (self._decode_library, self._prefix_library, None)}[kind]
+
+    def _piece(self, i: int):
+        """Token i as this decoder's piece: bytes (bytes), str or a byte value (spm), str (join); _SKIP
+        (b"" for bytes) where decode leaves it out."""
+        token = self.backend.id_to_token(i)
+        if token is None or token in self._special:
+            return b"" if self.kind == "bytes" else _SKIP
+        if self.kind == "bytes":  # the library's ByteLevel: a piece outside the byte alphabet is its own UTF-8
+            spelled = [_CHAR_BYTES.get(c) for c in token]
+            return token.encode() if None in spelled else bytes(spelled)
+        if self.kind == "spm":
+            token = token.replace("\u2581", " ")
+            byte = _BYTE_PIECE.fullmatch(token)
+            return int(byte.group(1), 16) if byte else token
+        return token
+
+    def single(self, i: int):
+        """Token i's step after a steady prefix (see above): (delta, the token's own text) when it emits and leaves
+        a steady prefix behind, else False (the caller takes the general path)."""
+        step = self._single[i]
+        if step is None:
+            delta, text, clean, state = self.tail([i], self.steady)
+            ok = delta != "" and delta[-1] != "\ufffd" and clean and state == self.steady
+            step = self._single[i] = (delta, text) if ok else False
+        return step
+
+    def _lookup(self, ids: list[int]) -> list:
+        """The pieces of ids, skipped ones left out (but for bytes, where they are b"")."""
+        pieces = self._pieces
+        got = [pieces[i] for i in ids]
+        if None in got:
+            for i in ids:
+                if pieces[i] is None:
+                    pieces[i] = self._piece(i)
+            got = [pieces[i] for i in ids]
+        return got if _SKIP not in got else [p for p in got if p is not _SKIP]
+
+    # -- the library (other decoders) ----------------------------------------------------------------------
+    def _decode_library(self, ids: list[int]) -> str:
+        return self.backend.decode(ids, skip_special_tokens=self.skip)
+
+    def _prefix_library(self, ids: list[int]):
+        return self._decode_library(ids), False, None
+
+    # -- byte-level BPE --------------------------------------------------------------------------------------
+    def _decode_bytes(self, ids: list[int]) -> str:
+        return b"".join(self._lookup(ids)).decode("utf-8", "replace")
+
+    def _prefix_bytes(self, ids: list[int]):
+        text = self._decode_bytes(ids)
+        return text, text[-1:] != "\ufffd", None
+
+    def _tail_bytes(self, ids: list[int], state):
+        """(extra, the tail's own text, whether it is clean, its state) after a clean prefix: bytes after a
+        whole character are read from scratch."""
+        text = self._decode_bytes(ids)
+        return text, text, text[-1:] != "\ufffd", None
+
+    # -- no decoder: pieces joined by spaces ----------------------------------------------------------------
+    def _decode_join(self, ids: list[int]) -> str:
+        return " ".join(self._lookup(ids))
+
+    def _prefix_join(self, ids: list[int]):
+        got = self._lookup(ids)
+        return " ".join(got), True, bool(got)
+
+    def _tail_join(self, ids: list[int], state):
+        got = self._lookup(ids)
+        text = " ".join(got)
+        return (" " + text if state and got else text), text, True, bool(got)
+
+    # -- SentencePiece ---------------------------------------------------------------------------------------
+    def _fused(self, ids: list[int]) -> tuple[str, list]:
+        """The window's text before the strip, and its pieces."""
+        got = self._lookup(ids)
+        try:
+            return "".join(got), got  # no byte piece: the usual window
+        except TypeError:
+            return "".join(_fuse_byte_pieces(got)), got
+
+    def _stripped(self, text: str) -> str:
+        return text[1:] if self._strip and text[:1] == " " else text
+
+    def _decode_spm(self, ids: list[int]) -> str:
+        return self._stripped(self._fused(ids)[0])
+
+    def _prefix_spm(self, ids: list[int]):
+        text, got = self._fused(ids)
+        return self._stripped(text), not got or not isinstance(got[-1], int), text != ""
+
+    def _tail_spm(self, ids: list[int], state):
+        """After a clean prefix no run of byte pieces spans the two, and the strip touches the prefix's text
+        unless that was empty."""
+        text, got = self._fused(ids)
+        own = self._stripped(text)
+        return (text if state else own), own, not got or not isinstance(got[-1], int), text != ""
+
+
+def _fuse_byte_pieces(pieces: list) -> list[str]:
+    """The library's ByteFallback: each run of byte pieces is its UTF-8 text, or one U+FFFD per byte when the run
+    is not valid UTF-8."""
+    out, run = [], []
+    for p in pieces:
+        if isinstance(p, int):
+            run.append(p)
+            continue
+        if run:
+            out.append(_byte_run(run))
+            run = []
+        out.append(p)
+    if run:
+        out.append(_byte_run(run))
+    return out
+
+
+def _byte_run(run: list[int]) -> str:
+    try:
+        return bytes(run).decode("utf-8")
+    except UnicodeDecodeError:
+        return "\ufffd" * len(run)
+
+
 class IncrementalDetokenizer:
     """The text of generated tokens, one token at a time, in O(1) per token.
 
@@ -241,25 +431,70 @@ class IncrementalDetokenizer:
     leading-space rule and byte merges see their neighbours) and ``read`` (where unemitted tokens start).  The
     new text is what the window decodes to beyond the prefix.  A window ending in U+FFFD is an incomplete UTF-8
     sequence (an emoji split over byte-level tokens): nothing is emitted until its last byte arrives.
+
+    Host time (every running sequence pays this every step): the prefix's text is kept until the prefix moves,
+    and when the prefix is clean (``WindowDecoder``: nothing after it can change its text, the usual case) a
+    step decodes only the tokens since ``read``, usually the new one, from pieces cached per token; the text is
+    the one decoding the whole window gives.  Otherwise (an unclean prefix, a decoder ``WindowDecoder`` does not
+    redo) the window is decoded whole.  An id the piece table does not hold (outside the vocabulary, negative)
+    sends the stream to the library's decode, which drops or rejects it as before.
     """
 
     def __init__(self, tokenizer: Tokenizer, prompt_ids: list[int], skip_special_tokens: bool = True):
         self.tokenizer = tokenizer
         self.skip_special_tokens = skip_special_tokens
+        window = tokenizer.window_decoder(skip_special_tokens)
+        self._decode, self._split, self._tail, self._limit = window.decode, window.prefix, window.tail, window.limit
+        self._window = window
         self.ids = [int(i) for i in prompt_ids[-5:]]  # left context for the first token (vLLM's choice of 5)
+        if not all(0 <= i < self._limit for i in self.ids):
+            self._use_library()
         self.prefix, self.read = 0, len(self.ids)
+        # The prefix ids[prefix:read]: its text (None: not decoded yet), whether it is clean, its state for tail.
+        self._prefix_text: str | None = None
+        self._clean, self._state = False, None
+        self._steady = False  # clean, in the window's steady state, and nothing unemitted: add's shortest path
         self.text = ""
 
-    def _decode(self, ids) -> str:
-        return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens)
+    def _use_library(self) -> None:
+        self._limit = 1 << 62  # every id from now on: the library decides (drops unknown ids, rejects negative ones)
+        self._decode = lambda ids: self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens)
+        self._split = lambda ids: (self._decode(ids), False, None)
+        self._clean = self._steady = False
 
     def add(self, token_id: int) -> str:
-        self.ids.append(int(token_id))
-        prefix_text = self._decode(self.ids[self.prefix:self.read])
-        new_text = self._decode(self.ids[self.prefix:])
-        if len(new_text) <= len(prefix_text) or new_text.endswith("\ufffd"):
-            return ""
-        delta = new_text[len(prefix_text):]
+        token_id = int(token_id)
+        ids = self.ids
+        if self._steady and 0 <= token_id < self._limit:  # the usual token: one that emits on its own
+            step = self._window.single(token_id)
+            if step:
+                delta, self._prefix_text = step
+                ids.append(token_id)
+                return self._emit(delta)
+        if not 0 <= token_id < self._limit:
+            self._use_library()
+        ids.append(token_id)
+        self._steady = False
+        prefix_text = self._prefix_text
+        if prefix_text is None:
+            prefix_text, self._clean, self._state = self._split(ids[self.prefix:self.read])
+            self._prefix_text = prefix_text
+        if self._clean:  # decode(window) == prefix_text + delta
+            delta, tail_text, clean, state = self._tail(ids[self.read:], self._state)
+            if not delta or delta[-1] == "\ufffd":
+                return ""
+            self._prefix_text, self._clean, self._state = tail_text, clean, state  # the tail is the next prefix
+            self._steady = clean and state == self._window.steady
+        else:
+            new_text = self._decode(ids[self.prefix:])
+            if len(new_text) <= len(prefix_text) or new_text.endswith("\ufffd"):
+                return ""
+            delta = new_text[len(prefix_text):]
+            self._prefix_text = None
+        return self._emit(delta)
+
+    def _emit(self, delta: str) -> str:
+        """The unemitted tokens become the prefix."""
         self.prefix, self.read = self.read, len(self.ids)
         if self.prefix > 64:  # forget tokens before the window so the list stays short
             del self.ids[:self.prefix]
@@ -273,5 +508,6 @@ class IncrementalDetokenizer:
         new_text = self._decode(self.ids[self.prefix:])
         delta = new_text[len(self._decode(self.ids[self.prefix:self.read])):]
         self.prefix, self.read = self.read, len(self.ids)
+        self._prefix_text, self._steady = None, False
         self.text += delta
         return delta
