@@ -1,5 +1,5 @@
-"""``quantize_model(model, "nf4" | "fp4" | "int8" | "q4_0" | "q4_k" | "q8_0", skip=...)``: every ``nn.Linear`` of a model,
-quantized in place.
+"""``quantize_model(model, "nf4" | "fp4" | "int8" | "q4_0" | "q4_k" | "q8_0", skip=...)``: every ``nn.Linear`` of a
+model, quantized in place.
 
 Works on any ``nn.Module`` (a transformers model, a hand-built one): it walks ``named_modules()`` and
 replaces each ``nn.Linear`` in its parent by a ``Linear4bit`` (``"nf4"``, ``"fp4"``) or an int8
