@@ -185,3 +185,20 @@ def test_bad_arguments_name_them():
     c2, s2, _ = make_weight(2, 48, 16, False)
     with pytest.raises(ValueError, match=r"codes: expected in_features \(48\) to be a multiple of blocksize \(32\)"):
         matmul_int8_block(torch.randn(1, 48), c2, s2[:3], 32)
+
+
+def test_strided_and_batched_x(kdevice):
+    """x a column slice of a wider tensor (rows further apart than K) and with leading dimensions: the kernels read
+    rows at x's own stride."""
+    from anygpu.kernels.launch import device_target, select
+    from anygpu.kernels.matmul_int8_block import GEMM_CONFIGS, GEMV_CONFIGS, Plan, matmul_int8_block as kernel
+
+    codes, scale, off = make_weight(40, 128, 32, True, kdevice)
+    wide = torch.randn(2, 9, 256, device=kdevice, dtype=torch.float16)
+    x = wide[..., 64:192]
+    target = device_target(kdevice)
+    for plan in (Plan("gemv", select(GEMV_CONFIGS, target)[0], 2), Plan("gemm", select(GEMM_CONFIGS, target)[0], 1),
+                 Plan("dequant")):
+        y = kernel(x, codes, scale, 32, None, off, plan_=plan)
+        assert y.shape == (2, 9, 40)
+        check_close(y.reshape(18, 40), x.reshape(18, 128), codes, scale, 32, None, off, plan.path)
