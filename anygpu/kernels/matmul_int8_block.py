@@ -66,7 +66,9 @@ def _gemv_int8_block_kernel(x_ptr, q_ptr, scale_ptr, offset_ptr, bias_ptr, out_p
     seg = tl.arange(0, SEGS)
     q_rows = q_ptr + n64[:, None] * stride_q + kx[None, :]
     blk_rows = n64[:, None] * blocks_per_row + seg[None, :]
-    acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    # Per-block partial sums stay [BLOCK_N, SEGS] through the loop: the sum across a row's blocks (a reduction
+    # across lanes) runs once, after it, not once a step.
+    acc = tl.zeros((BLOCK_N, SEGS), dtype=tl.float32)
     for c in range(c_start, c_end):
         k0 = c * CHUNK
         if EVEN_K:
@@ -82,12 +84,12 @@ def _gemv_int8_block_kernel(x_ptr, q_ptr, scale_ptr, offset_ptr, bias_ptr, out_p
         per_block = tl.sum(tl.reshape(prod, (BLOCK_N, SEGS, BLOCKSIZE)), axis=2)
         blk = blk_rows + k0 // BLOCKSIZE
         sc = tl.load(scale_ptr + blk, mask=bmask, other=0.0)
-        acc += tl.sum(per_block * sc, axis=1)
+        acc += per_block * sc
         if HAS_OFFSET:
             # sum over a block of (q * scale + offset) * x = scale * sum(q * x) + offset * sum(x)
             xs = tl.sum(tl.reshape(xv, (SEGS, BLOCKSIZE)), axis=1)
-            off = tl.load(offset_ptr + blk, mask=bmask, other=0.0)
-            acc += tl.sum(off * xs[None, :], axis=1)
+            acc += tl.load(offset_ptr + blk, mask=bmask, other=0.0) * xs[None, :]
+    acc = tl.sum(acc, axis=1)
     if PARTIAL:  # this split's slice of the [SPLITS, M, N] fp32 partials (kernels/_split_k.py adds them)
         tl.store(out_ptr + (pid_k * tl.num_programs(1) + m).to(tl.int64) * N + n, acc, mask=n_mask)
     else:
