@@ -22,6 +22,13 @@ parallelism rank 0 hands the message to ``workers.send`` before executing it, an
   ``close()`` releases them: NCCL cannot destroy a communicator while a graph that captured one of its
   collectives exists (``destroy_process_group`` would wait forever), so under tensor parallelism the graphs go
   first.
+- **Greedy tokens in the graph**: each decode graph also captures the argmax of its logits rows, the token a
+  greedy row samples (``Sampler``'s shortcut computes exactly that, on the same fp32 logits: the first largest
+  value, NaN above all).  When every sequence of the step is plainly greedy (``sampler._plain_greedy``: no
+  temperature, penalty, grammar or log-probabilities), the sampler takes those ids and the host copies B ints
+  instead of launching an argmax after the replay; any other step samples the graph's logits as before.  The
+  argmax is in every replay, sampled steps included (one read of the logits, small next to sampling them).
+  ``graph_argmax = False`` ignores it (the tests compare both ways).
 - **All-reduce** (tensor parallelism): every rank's runner first calls ``tp.init_fast_all_reduce`` (collective,
   before any other collective and before capture), which sets up the symmetric-memory all-reduce for
   messages up to ``max_num_seqs`` rows of hidden size (parallel.py).  Its kernels wait for the peers with no
@@ -74,7 +81,10 @@ class ModelRunner:
         self.sampler = Sampler()
         self._table_copies: dict[int, tuple[list[int], array]] = {}  # pack's: seq_id -> (block_table, its int64 copy)
         cfg = self.config
-        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        # batch size -> (graph, its logits [size, V], their argmax [size]: the greedy tokens)
+        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor, torch.Tensor]] = {}
+        self.graph_argmax = True  # hand a graph's argmax to the sampler (False: it samples the logits)
+        self.greedy: torch.Tensor | None = None  # execute's: the last step's argmax rows, from its decode graph
         if self.tp.world_size > 1:  # first: its setup is collective, and the warmup below all-reduces already
             self.tp.init_fast_all_reduce(max_num_seqs * cfg.hidden_size, self.dtype, self.device)
         # Rank 0 polls for the end of a step (see the docstring); the workers never wait for one.
@@ -106,7 +116,7 @@ class ModelRunner:
     def close(self) -> None:
         """Release the decode graphs (before the process group is destroyed, see above); later steps run eagerly.
         Safe to call twice."""
-        for graph, _ in self.graphs.values():
+        for graph, _, _ in self.graphs.values():
             graph.reset()
         self.graphs.clear()
 
@@ -230,10 +240,19 @@ class ModelRunner:
                     message.extend(array("q", bytes(8 * (width - len(row)))))
         self._table_copies = kept
 
-    @torch.inference_mode()
     def execute(self, message: torch.Tensor) -> torch.Tensor | None:
         """Run a packed step on this rank: fill the KV cache, and return the fp32 logits of the rows that need
-        them (None when none do).  Every rank of a tensor-parallel group executes every message."""
+        them (None when none do).  Every rank of a tensor-parallel group executes every message.  The argmax of
+        each returned row is left in ``self.greedy`` when a decode graph computed it (else None): ``run`` hands it
+        to the sampler."""
+        self.greedy = None
+        logits, self.greedy = self._execute(message)
+        return logits
+
+    @torch.inference_mode()
+    def _execute(self, message: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """``execute``'s logits, and with them the argmax of each row when a decode graph computed it (else
+        None)."""
         mode, t, b, width, max_q, max_k, num_rows = message[:HEADER].tolist()
         mode = MODES[mode]
         payload = message[HEADER:]
@@ -250,13 +269,15 @@ class ModelRunner:
             attn.block_tables = tables.view(b, width).int()
         if num_rows == 0:  # only prefill chunks that stop mid-prompt: fill the cache, nothing to sample
             self.model(ids, attn)
-            return None
+            return None, None
         every_row = num_rows == t
         if mode == "decode" and self._graph_size(t) is not None:
-            logits = self._replay(ids, attn)
-            return logits[:t] if every_row else logits.index_select(0, rows)
+            logits, greedy = self._replay(ids, attn)
+            if every_row:
+                return logits[:t], greedy[:t] if self.graph_argmax else None
+            return logits.index_select(0, rows), None
         hidden = self.model(ids, attn)
-        return self.model.compute_logits(hidden if every_row else hidden.index_select(0, rows))
+        return self.model.compute_logits(hidden if every_row else hidden.index_select(0, rows)), None
 
     @torch.inference_mode()
     def run(self, batch: ScheduledBatch) -> list[int | None | Exception]:
@@ -265,6 +286,7 @@ class ModelRunner:
         message, logit_rows, prompt_rows = self.pack(batch)
         if self.workers is not None:
             self.workers.send(message)
+        self.greedy = None
         try:
             logits = self.execute(message)
         except Exception as e:
@@ -275,6 +297,7 @@ class ModelRunner:
             self._wait_for_step()
         if logits is None:
             return [None] * len(logit_rows)
+        greedy = self.greedy
         seqs = [s for s, r in zip(batch.seqs, logit_rows) if r is not None]
         failed = {}
         if prompt_rows:  # logits came for more rows than the sampled ones: pick those out first
@@ -283,7 +306,8 @@ class ModelRunner:
             failed = self._prompt_logprobs(batch, logits, where, prompt_rows)
             logits = logits[torch.tensor([where[r] for r in logit_rows if r is not None], dtype=torch.long,
                                          device=logits.device)]
-        sampled = iter(self.sampler.sample_each(logits, seqs) if seqs else [])
+            greedy = None
+        sampled = iter(self.sampler.sample_each(logits, seqs, greedy) if seqs else [])
         if self.workers is not None:
             self.workers.check()  # a worker that died mid-step leaves garbage logits behind (its NCCL group aborted)
         results = [next(sampled) if r is not None else None for r in logit_rows]
@@ -349,16 +373,18 @@ class ModelRunner:
                                   max_seqlen_q=1, seqlens_k=s["seqlens"][:size], max_seqlen_k=self.max_model_len,
                                   block_tables=s["tables"][:size])
             with torch.inference_mode():
-                self.model.compute_logits(self.model(s["ids"][:size], attn))  # warm up: compile, autotune
+                self.model.compute_logits(self.model(s["ids"][:size], attn)).argmax(dim=-1)  # warm up: compile, tune
                 torch.cuda.synchronize(dev)
                 graph = torch.cuda.CUDAGraph()
                 with torch.cuda.graph(graph, pool=pool):
                     out = self.model.compute_logits(self.model(s["ids"][:size], attn))
+                    greedy = out.argmax(dim=-1)  # Sampler's greedy shortcut, on the same logits
             pool = graph.pool()
-            self.graphs[size] = (graph, out)
+            self.graphs[size] = (graph, out, greedy)
         torch.cuda.synchronize(dev)
 
-    def _replay(self, ids: torch.Tensor, attn: AttentionBatch) -> torch.Tensor:
+    def _replay(self, ids: torch.Tensor, attn: AttentionBatch) -> tuple[torch.Tensor, torch.Tensor]:
+        """The graph's logits [size, V] and their argmax [size]; rows past the batch are padding."""
         b = ids.shape[0]
         size = self._graph_size(b)
         s = self._static
@@ -370,6 +396,6 @@ class ModelRunner:
         s["seqlens"][b:size].zero_()
         width = attn.block_tables.shape[1]
         s["tables"][:b, :width].copy_(attn.block_tables)
-        graph, out = self.graphs[size]
+        graph, out, greedy = self.graphs[size]
         graph.replay()
-        return out
+        return out, greedy

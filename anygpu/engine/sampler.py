@@ -23,6 +23,9 @@ skipped when no row uses them.  A guided row's (``guided.py``) disallowed tokens
 penalties, so greedy, filters and sampling only ever see what its grammar allows.  Works on any device; logits
 are read as fp32 and never modified.
 
+A batch of plain greedy rows (``_plain_greedy``) gets the argmax of its logits, in one read back; a decode graph
+computes that argmax with the logits (``greedy``: model_runner.py), and then only the ids are read back.
+
 One request cannot fail the others: ``sample_each`` samples the batch, and if that raises, samples each row
 alone, so only the rows that fail alone get their exception (the engine fails those requests and steps on).
 The seeded generators are put back to where they were before the failed batch, so a seeded request draws
@@ -130,12 +133,13 @@ def _plain_greedy(seqs: list[Sequence]) -> bool:
 
 
 class Sampler:
-    def sample_each(self, logits: torch.Tensor, seqs: list[Sequence]) -> list[int | Exception]:
+    def sample_each(self, logits: torch.Tensor, seqs: list[Sequence],
+                    greedy: torch.Tensor | None = None) -> list[int | Exception]:
         """``sample``, except that a row whose sampling fails gets its exception instead of a token, and the
-        other rows still get theirs (the batch is retried row by row only after a failure)."""
+        other rows still get theirs (the batch is retried row by row, from the logits, only after a failure)."""
         states = [(s, s.generator.get_state()) for s in seqs if s.generator is not None]
         try:
-            return list(self.sample(logits, seqs))
+            return list(self.sample(logits, seqs, greedy))
         except Exception:
             pass
         # Back to the generators' states before the failed batch: rows before the failing one may have drawn,
@@ -154,12 +158,18 @@ class Sampler:
                 results.append(error)
         return results
 
-    def sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> list[int]:
-        """One token per row: logits [B, V] (read as fp32) for seqs[0..B-1]."""
+    def sample(self, logits: torch.Tensor, seqs: list[Sequence], greedy: torch.Tensor | None = None) -> list[int]:
+        """One token per row: logits [B, V] (read as fp32) for seqs[0..B-1].  ``greedy``: ``logits.argmax(-1)``
+        already computed (a decode graph's), used when every row is plainly greedy."""
         if logits.dim() != 2 or logits.shape[0] != len(seqs):
             raise ValueError(f"logits: expected shape [{len(seqs)}, vocab] (one row per sequence), "
                              f"got {tuple(logits.shape)}")
         if _plain_greedy(seqs):  # the usual batch: one argmax, one read back (what the general path gives)
+            if greedy is not None:
+                if greedy.shape != (len(seqs),):
+                    raise ValueError(f"greedy: expected shape [{len(seqs)}] (one id per sequence), "
+                                     f"got {tuple(greedy.shape)}")
+                return greedy.tolist()
             return logits.float().argmax(dim=-1).tolist()
         raw = logits.float()
         # Guided rows (structured output) sample only what their grammar allows next: greedy and sampled alike.
