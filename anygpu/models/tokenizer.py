@@ -435,7 +435,8 @@ class IncrementalDetokenizer:
     Host time (every running sequence pays this every step): the prefix's text is kept until the prefix moves,
     and when the prefix is clean (``WindowDecoder``: nothing after it can change its text, the usual case) a
     step decodes only the tokens since ``read``, usually the new one, from pieces cached per token; the text is
-    the one decoding the whole window gives.  Otherwise (an unclean prefix, a decoder ``WindowDecoder`` does not
+    the one decoding the whole window gives.  After a token that emitted on its own, the next one's delta is
+    looked up (``WindowDecoder.single``, kept per token id): most tokens cost a table lookup.  Otherwise (an unclean prefix, a decoder ``WindowDecoder`` does not
     redo) the window is decoded whole.  An id the piece table does not hold (outside the vocabulary, negative)
     sends the stream to the library's decode, which drops or rejects it as before.
     """
@@ -445,7 +446,7 @@ class IncrementalDetokenizer:
         self.skip_special_tokens = skip_special_tokens
         window = tokenizer.window_decoder(skip_special_tokens)
         self._decode, self._split, self._tail, self._limit = window.decode, window.prefix, window.tail, window.limit
-        self._window = window
+        self._window, self._singles = window, window._single
         self.ids = [int(i) for i in prompt_ids[-5:]]  # left context for the first token (vLLM's choice of 5)
         if not all(0 <= i < self._limit for i in self.ids):
             self._use_library()
@@ -466,11 +467,19 @@ class IncrementalDetokenizer:
         token_id = int(token_id)
         ids = self.ids
         if self._steady and 0 <= token_id < self._limit:  # the usual token: one that emits on its own
-            step = self._window.single(token_id)
-            if step:
+            step = self._singles[token_id]
+            if step is None:
+                step = self._window.single(token_id)
+            if step:  # _emit, inline: this is most tokens of most sequences
                 delta, self._prefix_text = step
                 ids.append(token_id)
-                return self._emit(delta)
+                self.prefix, self.read = self.read, len(ids)
+                if self.prefix > 64:
+                    del ids[:self.prefix]
+                    self.read -= self.prefix
+                    self.prefix = 0
+                self.text += delta
+                return delta
         if not 0 <= token_id < self._limit:
             self._use_library()
         ids.append(token_id)
