@@ -1,7 +1,8 @@
 """GGUF 4-bit projections kept packed for the GPU (``gguf_packed.pack_4bit`` -> ``GGUF4bitLinear``), run here on the
 CPU (the op's reference; the kernels are tests/test_matmul_4bit_offset.py's): a tiny Llama whose tensors mix Q4_0,
-Q4_1, Q4_K and Q8_0 loads with the 4-bit projections packed, the others dequantized, and gives the logits of the
-fully dequantized model; the layer equals F.linear with gguf-py's dequantized weight."""
+Q4_1, Q4_K and Q8_0 loads with the 4-bit projections packed, the others as GGUF8bitLinear
+(tests/test_gguf_gpu_packed_8bit.py), and gives the logits of the fully dequantized model; the layer equals F.linear
+with gguf-py's dequantized weight."""
 
 import numpy as np
 import pytest
@@ -17,10 +18,11 @@ from .test_models_llama import full_logits, greedy  # noqa: E402
 from anygpu.models import GGUFCheckpoint, gguf_packed  # noqa: E402
 from anygpu.models.registry import build_model  # noqa: E402
 from anygpu.nn.linear_gguf_4bit import GGUF4bitLinear  # noqa: E402
+from anygpu.nn.linear_gguf_8bit import GGUF8bitLinear  # noqa: E402
 from anygpu.quant import gguf_4bit  # noqa: E402
 
-# GGUF tensor -> type (the rest of the matrices Q8_0, which stays dequantized)
-TYPES = {"blk.0.attn_q": "Q4_K", "blk.0.attn_k": "Q4_K",  # v Q8_0: qkv mixed, dequantized
+# GGUF tensor -> type (the rest of the matrices Q8_0, which GGUF8bitLinear takes)
+TYPES = {"blk.0.attn_q": "Q4_K", "blk.0.attn_k": "Q4_K",  # v Q8_0: qkv mixed, a GGUF8bitLinear
          "blk.0.attn_output": "Q4_0", "blk.0.ffn_gate": "Q4_K", "blk.0.ffn_up": "Q4_0", "blk.0.ffn_down": "Q4_1",
          "blk.1.attn_q": "Q4_0", "blk.1.attn_k": "Q4_0", "blk.1.attn_v": "Q4_0", "blk.1.attn_output": "Q4_1",
          "blk.1.ffn_gate": "Q4_K", "blk.1.ffn_up": "Q4_K", "blk.1.ffn_down": "Q4_K"}
@@ -69,11 +71,11 @@ def test_mixed_file_loads_packed_and_gives_the_dequantized_logits(mixed_file):
     packed = {name: m for name, m in model.named_modules() if isinstance(m, GGUF4bitLinear)}
     assert sorted(packed) == ["layers.0.mlp.down_proj", "layers.0.mlp.gate_up_proj", "layers.0.self_attn.o_proj",
                               "layers.1.mlp.down_proj", "layers.1.mlp.gate_up_proj", "layers.1.self_attn.o_proj",
-                              "layers.1.self_attn.qkv_proj"] and counts == [7]
+                              "layers.1.self_attn.qkv_proj"] and counts == [8]
     assert packed["layers.0.mlp.gate_up_proj"].offset is not None  # Q4_K next to Q4_0: one table, with offsets
     assert packed["layers.1.self_attn.qkv_proj"].offset is None  # Q4_0 alone: no offset
-    # the dequantized rest of the plan (qkv with a Q8_0 v, the Q8_0 embedding) is buffers the loader did not expect
-    assert "layers.0.self_attn.qkv_proj.weight" in dict(model.named_buffers())
+    # qkv with a Q8_0 v goes whole to the int8-block layout (tests/test_gguf_gpu_packed_8bit.py)
+    assert isinstance(model.layers[0].self_attn.qkv_proj, GGUF8bitLinear)
     references = dict(reference.named_modules())
     for name, layer in packed.items():  # the file's values (Q4_K's: but for its offset's rounding), q/k in HF's order
         torch.testing.assert_close(layer.dequantize(), references[name].weight, rtol=2.0 ** -22, atol=1e-8, msg=name)

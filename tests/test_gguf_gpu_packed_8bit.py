@@ -179,35 +179,3 @@ def test_gemv_replays_in_a_cuda_graph():
     graph.replay()
     torch.cuda.synchronize()
     assert torch.equal(y, want)
-
-
-@pytest.mark.gpu
-def test_gemv_is_faster_than_the_bf16_matmul_it_replaces():
-    """The point of keeping Q8_0 packed: at one row a decode matmul is bound by the bytes it reads, and the int8
-    layout reads 1.125 bytes a weight against bf16's 2.  Fails (with both times) when the GEMV's configs leave it
-    behind ``F.linear`` on the bf16 weight the loader made before."""
-    from anygpu.ops import matmul_int8_block
-
-    n = k = 8192
-    codes = torch.randint(-128, 128, (n, k), dtype=torch.int8, device="cuda")
-    scale = torch.rand(n * k // 32, device="cuda") * 1e-3
-    wb = torch.randn(n, k, device="cuda", dtype=torch.bfloat16)
-    x = torch.randn(1, k, device="cuda", dtype=torch.bfloat16)
-
-    def timed(fn) -> float:
-        for _ in range(5):
-            fn()
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        best = float("inf")
-        for _ in range(5):
-            start.record()
-            for _ in range(20):
-                fn()
-            end.record()
-            end.synchronize()
-            best = min(best, start.elapsed_time(end) / 20)
-        return best
-
-    ours = timed(lambda: matmul_int8_block(x, codes, scale, 32))
-    theirs = timed(lambda: F.linear(x, wb))
-    assert ours < theirs, f"int8-block GEMV {ours * 1e3:.1f} us, bf16 F.linear {theirs * 1e3:.1f} us at N=K=8192"
