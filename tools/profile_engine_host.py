@@ -10,7 +10,10 @@ word-per-id tokenizer (``anygpu bench model --random-config``'s), and times the 
 timed by wrapping the engine's methods here (nothing is timed inside the engine); the table gives each part's
 median over the decode steps of ``--repeats`` runs (medians: the machine may be shared, and a step that another
 process interrupted should not count), and the step less ``execute``: the host work a GPU step would wait on.  ``--cprofile`` prints
-the functions with the most own time over one more run of each batch size.
+the functions with the most own time over one more run of each batch size.  ``--tokenizer default`` streams text
+through the default model's byte-level BPE (SmolLM2's, installed with the package) instead of the synthetic
+words: the model's vocabulary is then the tokenizer's (49152), which makes ``execute`` and ``sample`` larger but
+gives the detokenizer a real vocabulary's pieces.  The runs share one tokenizer, as a server's requests do.
 """
 
 from __future__ import annotations
@@ -20,6 +23,9 @@ import cProfile
 import pstats
 import statistics
 import time
+
+import dataclasses
+import functools
 
 import torch
 
@@ -37,12 +43,28 @@ CLOCKS = {"wall": time.perf_counter, "cpu": time.thread_time}
 clock = time.perf_counter
 
 
-TOKENIZER = True  # --no-tokenizer: no text, to see what detokenization costs
+TOKENIZER = "synthetic"  # --tokenizer; None (--no-tokenizer): no text, to see what detokenization costs
+
+
+@functools.lru_cache(maxsize=None)
+def _tokenizer(kind: str | None) -> Tokenizer | None:
+    """One tokenizer per kind for all runs, as a server keeps one (its per-token tables stay filled)."""
+    global CONFIG
+    if kind is None:
+        return None
+    if kind == "synthetic":
+        return Tokenizer.synthetic(CONFIG.vocab_size, 2)
+    from anygpu.models import GGUFCheckpoint
+    from anygpu.models.checkpoint import installed_model_path
+
+    tokenizer = GGUFCheckpoint(installed_model_path()).tokenizer
+    CONFIG = dataclasses.replace(CONFIG, vocab_size=tokenizer.vocab_size)
+    return tokenizer
 
 
 def build(batch: int, input_len: int, output_len: int) -> LLMEngine:
+    tokenizer = _tokenizer(TOKENIZER)
     torch.manual_seed(0)
-    tokenizer = Tokenizer.synthetic(CONFIG.vocab_size, 2) if TOKENIZER else None
     return LLMEngine("tiny-host", config=CONFIG, tokenizer=tokenizer,
                      device="cpu", max_num_seqs=batch, max_num_batched_tokens=max(2048, batch * input_len),
                      max_model_len=input_len + output_len + 16, progress=False)
@@ -109,9 +131,11 @@ def main():
                     help="cpu: this thread's CPU time (steadier on a busy machine; each reading costs a system call)")
     ap.add_argument("--cprofile", action="store_true")
     ap.add_argument("--no-tokenizer", action="store_true", help="token ids only: the engine detokenizes nothing")
+    ap.add_argument("--tokenizer", choices=["synthetic", "default"], default="synthetic",
+                    help="default: the default model's tokenizer (SmolLM2's byte-level BPE) and its vocabulary size")
     args = ap.parse_args()
     global clock, TOKENIZER
-    clock, TOKENIZER = CLOCKS[args.clock], not args.no_tokenizer
+    clock, TOKENIZER = CLOCKS[args.clock], None if args.no_tokenizer else args.tokenizer
     torch.set_num_threads(args.threads)
     cols = PARTS + ("step",)
     print(f"host µs per decode step, median over the decode steps of {args.repeats} runs ('output': the step "
