@@ -22,7 +22,7 @@ on AMD and NVIDIA.  Three paths, chosen by ``plan`` (the one place the choice is
 * ``dequant`` (more rows): dequantize W to x's dtype (a kernel, FP contraction off: the reference's values)
   and call the vendor GEMM, whose FLOPs then dwarf the one pass over W.
 
-The configs are first guesses, not sweeps: none was measured on a GPU yet.  The pure-PyTorch reference and the
+NVIDIA's GEMV config was swept on the H200; the other configs are first guesses.  The pure-PyTorch reference and the
 op are in ``anygpu/ops/matmul_int8_block.py``.
 """
 
@@ -166,15 +166,17 @@ def _dequantize_int8_block_kernel(q_ptr, scale_ptr, offset_ptr, out_ptr, blocks,
     tl.store(out_ptr + i, v.to(out_ptr.dtype.element_ty), mask=b_mask[:, None])
 
 
-# ---- configs: per target, per path (first guesses; tools to sweep them on a GPU are still to write) -----------
-# GEMV: BLOCK_N rows a program, CHUNK columns of each a step (BLOCK_N * CHUNK int8 codes: 16 bytes a lane in
-# 16-byte loads at 256 columns and 64 or 128 lanes); K split up to MAX_SPLIT ways, each split keeping at least
-# SPLIT_MIN_CHUNKS steps, only while the N / BLOCK_N programs number fewer than SPLIT_BELOW_PROGRAMS.
+# ---- configs: per target, per path ----------------------------------------------------------------------
+# GEMV: BLOCK_N rows a program, CHUNK columns of each a step (BLOCK_N * CHUNK int8 codes in 16-byte loads); K
+# split up to MAX_SPLIT ways, each split keeping at least SPLIT_MIN_CHUNKS steps, only while the N / BLOCK_N
+# programs number fewer than SPLIT_BELOW_PROGRAMS.  NVIDIA: 16 rows, 512 columns, 4 warps, split 4 came out
+# best or within 3 % of it at every Llama-3-8B layer shape in lab sweeps on the H200 (split 4 also at N = 28672:
+# docs/perf/2026-12-02-quantized-speed-s6.md); the GEMM and AMD configs are unmeasured first guesses.
 GEMV_CONFIGS = {
     "default": (LaunchConfig({"BLOCK_N": 32, "CHUNK": 256, "MAX_SPLIT": 4, "SPLIT_MIN_CHUNKS": 4,
                               "SPLIT_BELOW_PROGRAMS": 512}, num_warps=4),),
-    "nvidia": (LaunchConfig({"BLOCK_N": 16, "CHUNK": 256, "MAX_SPLIT": 4, "SPLIT_MIN_CHUNKS": 2,
-                             "SPLIT_BELOW_PROGRAMS": 1024}, num_warps=2),),
+    "nvidia": (LaunchConfig({"BLOCK_N": 16, "CHUNK": 512, "MAX_SPLIT": 4, "SPLIT_MIN_CHUNKS": 2,
+                             "SPLIT_BELOW_PROGRAMS": 4096}, num_warps=4),),
 }
 # GEMM: one config per bucket of rows (MAX_M), tried in order, as the 4-bit GEMM's.  BLOCK_K spans several
 # blocks (the dequantized-tile path) when K allows, else one block.
