@@ -206,3 +206,17 @@ def test_byte_fallback_reads_pieces_as_the_library_does(tmp_path):
             assert window.decode(ids) == tok.decode(ids, skip_special_tokens=skip), ids
     assert tok.decode([0, 1, 2]) == "€" and tok.decode([3, 1, 2]) == "€" and tok.decode([4]) == "\n"
     assert tok.decode([0, 10, 1, 2]) == "€"  # a skipped special token does not split a run of bytes
+
+
+def test_copies_and_pickles_make_their_own_tables():
+    """A copied or unpickled tokenizer starts without the original's tables (their skip marks are identities)."""
+    import copy
+    import pickle
+
+    tok = GGUFCheckpoint(SPM_FILE).tokenizer
+    ids = [1, 3] + tok.encode("ok 🚀", add_special_tokens=False) + [2]
+    assert tok.window_decoder(True).decode(ids) == tok.decode(ids)  # tables filled, special tokens included
+    for other in (copy.deepcopy(tok), pickle.loads(pickle.dumps(tok))):
+        assert other.window_decoder(True) is not tok.window_decoder(True)
+        assert other.window_decoder(True).decode(ids) == tok.decode(ids)
+        assert "".join(_stream(IncrementalDetokenizer(other, [1]), ids)) == tok.decode(ids)

@@ -160,6 +160,9 @@ class Tokenizer:
     def decode(self, ids, skip_special_tokens: bool = True) -> str:
         return self.backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
 
+    def __getstate__(self) -> dict:  # a copy or a pickle makes its own window decoders (their tables hold sentinels)
+        return {**self.__dict__, "_windows": {}}
+
     def window_decoder(self, skip_special_tokens: bool = True) -> WindowDecoder:
         """``decode`` for the short windows of ``IncrementalDetokenizer``, one per ``skip_special_tokens``, made on
         first use (see ``WindowDecoder``)."""
