@@ -2,13 +2,14 @@
 
 W [N, K] is int8 codes, row-major, one fp32 scale (and optionally one fp32 offset) per ``BLOCKSIZE`` (16 or 32)
 consecutive elements of a row: GGUF's 5-, 6- and 8-bit types (and the smaller ones) re-laid by
-``anygpu/quant/gguf_8bit.py`` without re-quantizing.  Pure Triton (no inline assembly), so the same source runs
-on AMD and NVIDIA.  Three paths, chosen by ``plan`` (the one place the choice is made):
+``anygpu/quant/gguf_8bit.py`` without re-quantizing.  Pure Triton, so the same source runs on AMD and NVIDIA,
+but for one NVIDIA option (``DECODE_PTX``, below).  Three paths, chosen by ``plan`` (the one place the choice is made):
 
 * ``gemv`` (one row of x, decode): a program owns BLOCK_N output rows and walks K in steps of CHUNK columns,
   one wide int8 load of [BLOCK_N, CHUNK] codes a step (contiguous per row: 16-byte vector loads when Triton can
   prove the row stride a multiple of 16, which the launch's ``stride_q`` argument lets it).  The codes are
-  converted to fp32 and multiplied with x; each block's products are summed in fp32 and the sum times the
+  converted to fp32 (on NVIDIA with ``DECODE_PTX`` by a byte permute and a subtraction, ``_dot4_i8``, instead of
+  the conversion unit) and multiplied with x; each block's products are summed in fp32 and the sum times the
   block's scale (one multiply per block, not per weight); an offset enters as ``offset * sum(x over the
   block)``, the sums of x shared by all BLOCK_N rows.  Where N alone gives too few programs to fill the GPU, K
   is split across up to MAX_SPLIT programs, whose fp32 partials ``kernels/_split_k.py`` adds in a fixed order
@@ -40,12 +41,34 @@ from ._split_k import reduce_partials
 from .launch import TRITON_DTYPE, KernelSpec, LaunchConfig, cached_options, device_target, on_device, register, select
 
 
+# NVIDIA: 4 int8 codes of a word to exact fp32 values without the int-to-float conversion (a quarter-rate unit on
+# Hopper, one per weight): the word's sign bits flipped (q + 128 as unsigned bytes), one ``prmt`` places a byte
+# under the exponent of 2^23 (the float 2^23 + q + 128), one subtraction gives q exactly; then the 4 products with
+# x, summed in fp32.
+def _dot4_i8_asm() -> str:
+    lines = ["{", ".reg .b32 t, hi, f;", "xor.b32 t, $1, 0x80808080;", "mov.b32 hi, 0x4B000000;"]
+    for i in range(4):
+        lines += [f"prmt.b32 f, t, hi, 0x754{i};", "sub.f32 f, f, 0f4B000080;",
+                  f"mul.f32 $0, f, ${i + 2};" if i == 0 else f"fma.rn.f32 $0, f, ${i + 2}, $0;"]
+    return "\n".join(lines + ["}"])
+
+
+DOT4_I8 = tl.constexpr(_dot4_i8_asm())
+
+
+@triton.jit
+def _dot4_i8(w, x0, x1, x2, x3):
+    """NVIDIA only: sum over the 4 int8 codes of each int32 word (bytes in memory order) of code x activation."""
+    return tl.inline_asm_elementwise(DOT4_I8, "=f,r,f,f,f,f", [w, x0, x1, x2, x3], dtype=tl.float32, is_pure=True,
+                                     pack=1)
+
+
 @triton.jit
 def _gemv_int8_block_kernel(x_ptr, q_ptr, scale_ptr, offset_ptr, bias_ptr, out_ptr,
                             N, K, stride_xm, stride_om, stride_q, SPLITS,
                             BLOCKSIZE: tl.constexpr, BLOCK_N: tl.constexpr, CHUNK: tl.constexpr,
                             EVEN_K: tl.constexpr, PARTIAL: tl.constexpr, HAS_OFFSET: tl.constexpr,
-                            HAS_BIAS: tl.constexpr):
+                            HAS_BIAS: tl.constexpr, DECODE_PTX: tl.constexpr = False):
     # One program: BLOCK_N output features of one row of x, over 1/SPLITS of K, CHUNK columns a step (CHUNK a
     # multiple of the block).  K is a multiple of the block, so a step's blocks are whole; only the last step
     # can run past K (EVEN_K: none does).
@@ -64,7 +87,13 @@ def _gemv_int8_block_kernel(x_ptr, q_ptr, scale_ptr, offset_ptr, bias_ptr, out_p
     c_end = tl.minimum(c_start + per_split, chunks)
     kx = tl.arange(0, CHUNK)
     seg = tl.arange(0, SEGS)
-    q_rows = q_ptr + n64[:, None] * stride_q + kx[None, :]
+    # DECODE_PTX: the codes as int32 words of 4 (stride_q then counts words)
+    QPER: tl.constexpr = 4 if DECODE_PTX else 1
+    kq = tl.arange(0, CHUNK // QPER)
+    if DECODE_PTX:
+        q_rows = q_ptr.to(tl.pointer_type(tl.int32)) + n64[:, None] * stride_q + kq[None, :]
+    else:
+        q_rows = q_ptr + n64[:, None] * stride_q + kq[None, :]
     blk_rows = n64[:, None] * blocks_per_row + seg[None, :]
     # Per-block partial sums stay [BLOCK_N, SEGS] through the loop: the sum across a row's blocks (a reduction
     # across lanes) runs once, after it, not once a step.
@@ -72,16 +101,26 @@ def _gemv_int8_block_kernel(x_ptr, q_ptr, scale_ptr, offset_ptr, bias_ptr, out_p
     for c in range(c_start, c_end):
         k0 = c * CHUNK
         if EVEN_K:
-            q = tl.load(q_rows + k0, mask=n_mask[:, None], other=0)
+            q = tl.load(q_rows + k0 // QPER, mask=n_mask[:, None], other=0)
             xv = tl.load(x_row + k0 + kx).to(tl.float32)
             bmask = n_mask[:, None]
         else:
             k_mask = k0 + kx < K
-            q = tl.load(q_rows + k0, mask=n_mask[:, None] & k_mask[None, :], other=0)
+            q = tl.load(q_rows + k0 // QPER, mask=n_mask[:, None] & (k0 + QPER * kq < K)[None, :], other=0)
             xv = tl.load(x_row + k0 + kx, mask=k_mask, other=0.0).to(tl.float32)
             bmask = n_mask[:, None] & (k0 + seg * BLOCKSIZE < K)[None, :]
-        prod = q.to(tl.float32) * xv[None, :]
-        per_block = tl.sum(tl.reshape(prod, (BLOCK_N, SEGS, BLOCKSIZE)), axis=2)
+        if DECODE_PTX:
+            # x as the 4 element positions of each word, matching the word's 4 codes
+            x02, x13 = tl.split(tl.reshape(xv, (CHUNK // 4, 2, 2)))
+            x0, x2 = tl.split(x02)
+            x1, x3 = tl.split(x13)
+            words: tl.constexpr = (BLOCK_N, CHUNK // 4)
+            prod = _dot4_i8(q, tl.broadcast_to(x0[None, :], words), tl.broadcast_to(x1[None, :], words),
+                            tl.broadcast_to(x2[None, :], words), tl.broadcast_to(x3[None, :], words))
+            per_block = tl.sum(tl.reshape(prod, (BLOCK_N, SEGS, BLOCKSIZE // 4)), axis=2)
+        else:
+            prod = q.to(tl.float32) * xv[None, :]
+            per_block = tl.sum(tl.reshape(prod, (BLOCK_N, SEGS, BLOCKSIZE)), axis=2)
         blk = blk_rows + k0 // BLOCKSIZE
         sc = tl.load(scale_ptr + blk, mask=bmask, other=0.0)
         acc += per_block * sc
@@ -176,7 +215,7 @@ GEMV_CONFIGS = {
     "default": (LaunchConfig({"BLOCK_N": 32, "CHUNK": 256, "MAX_SPLIT": 4, "SPLIT_MIN_CHUNKS": 4,
                               "SPLIT_BELOW_PROGRAMS": 512}, num_warps=4),),
     "nvidia": (LaunchConfig({"BLOCK_N": 16, "CHUNK": 512, "MAX_SPLIT": 4, "SPLIT_MIN_CHUNKS": 2,
-                             "SPLIT_BELOW_PROGRAMS": 4096}, num_warps=4),),
+                             "SPLIT_BELOW_PROGRAMS": 4096, "DECODE_PTX": True}, num_warps=4),),
 }
 # GEMM: one config per bucket of rows (MAX_M), tried in order, as the 4-bit GEMM's.  BLOCK_K spans several
 # blocks (the dequantized-tile path) when K allows, else one block.
@@ -307,10 +346,13 @@ def matmul_int8_block(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor,
         if p.path == "gemv":
             partials = torch.empty(p.split_k, m, n, dtype=torch.float32, device=x.device) if p.split_k > 1 else out2
             grid = (-(-n // c["BLOCK_N"]), m, p.split_k)
+            # The PTX decoder reads the codes as int32 words: rows must start 4-byte aligned.
+            ptx = c.get("DECODE_PTX", False) and x.device.type == "cuda" and codes.data_ptr() % 4 == 0 and k % 4 == 0
             _gemv_int8_block_kernel[grid](x2, codes, scale, off, b, partials, n, k, x2.stride(0), out2.stride(0),
-                                          k, p.split_k, BLOCKSIZE=blocksize, BLOCK_N=c["BLOCK_N"], CHUNK=c["CHUNK"],
-                                          EVEN_K=k % c["CHUNK"] == 0, PARTIAL=p.split_k > 1,
-                                          HAS_OFFSET=offset is not None, HAS_BIAS=bias is not None, **options)
+                                          k // 4 if ptx else k, p.split_k, BLOCKSIZE=blocksize, BLOCK_N=c["BLOCK_N"],
+                                          CHUNK=c["CHUNK"], EVEN_K=k % c["CHUNK"] == 0, PARTIAL=p.split_k > 1,
+                                          HAS_OFFSET=offset is not None, HAS_BIAS=bias is not None,
+                                          DECODE_PTX=ptx, **options)
             if p.split_k > 1:
                 reduce_partials(partials, out2, bias)
             return out
@@ -344,7 +386,7 @@ def _signature(kernel: str):
         if kernel == "gemv":
             s.update({"SPLITS": "i32", "BLOCKSIZE": "constexpr", "BLOCK_N": "constexpr", "CHUNK": "constexpr",
                       "EVEN_K": "constexpr", "PARTIAL": "constexpr", "HAS_OFFSET": "constexpr",
-                      "HAS_BIAS": "constexpr"})
+                      "HAS_BIAS": "constexpr", "DECODE_PTX": "constexpr"})
         else:
             s.update({"BLOCKSIZE": "constexpr", "BLOCK_M": "constexpr", "BLOCK_N": "constexpr",
                       "BLOCK_K": "constexpr", "GROUP_M": "constexpr", "SPLIT_K": "constexpr",
