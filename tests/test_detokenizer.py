@@ -2,8 +2,8 @@
 random id lists, and ``IncrementalDetokenizer`` streams the same deltas, step by step, as the two-decode
 implementation it replaced (kept below as the spec), for every tokenizer kind the package builds: byte-level BPE
 from a GGUF (the default model's) and from a tokenizer.json with added tokens, SentencePiece from a GGUF (Llama's
-decoder, Gemma's and Phi-3's), the synthetic word-per-id tokenizer, and a decoder it does not redo (the library
-then decodes)."""
+decoder, Gemma's and Phi-3's), the synthetic word-per-id tokenizer, and a decoder it does not redo and one with no
+JSON form (the library then decodes)."""
 
 from __future__ import annotations
 
@@ -89,6 +89,17 @@ def _metaspace(tmp_path) -> Tokenizer:
     return Tokenizer.from_hf_folder(tmp_path)
 
 
+def _custom_decoder() -> Tokenizer:
+    """A Python decoder (no JSON form): the library decodes."""
+    class Upper:
+        def decode_chain(self, tokens):
+            return [t.upper() for t in tokens]
+
+    tok = Tokenizer.synthetic(300, 2)
+    tok.backend.decoder = decoders.Decoder.custom(Upper())
+    return tok
+
+
 KINDS = {  # name: (how to build it, the window decoder's kind)
     "byte-level-gguf": (lambda request, tmp: request.getfixturevalue("smollm").tokenizer, "bytes"),
     "byte-level-folder": (lambda request, tmp: _byte_level_folder(tmp), "bytes"),
@@ -99,6 +110,7 @@ KINDS = {  # name: (how to build it, the window decoder's kind)
                                                            "general.architecture": "phi3"}), "spm"),
     "synthetic": (lambda request, tmp: Tokenizer.synthetic(300, 2), "join"),
     "metaspace-folder": (lambda request, tmp: _metaspace(tmp), None),
+    "custom-decoder": (lambda request, tmp: _custom_decoder(), None),
 }
 
 

@@ -283,7 +283,10 @@ class WindowDecoder:
         added = backend.get_added_tokens_decoder()
         self._special = {t.content for t in added.values() if t.special} if skip_special_tokens else set()
         decoder = backend.decoder
-        state = json.loads(decoder.__getstate__()) if decoder is not None else None
+        try:
+            state = json.loads(decoder.__getstate__()) if decoder is not None else None
+        except Exception:  # a decoder with no JSON form (a custom Python one): the library decodes
+            state = {}
         kind, self._strip = None, False
         if state is None:
             kind = "join"
