@@ -248,6 +248,9 @@ def _compile(template: str):
 
 
 _CHAR_BYTES = {c: b for b, c in _byte_alphabet().items()}
+# str.translate table: the byte alphabet's characters to the Latin-1 characters of their bytes, and the
+# characters below 256 outside it to one Latin-1 cannot encode (so the token falls back to its UTF-8).
+_TO_LATIN1 = {**{c: "\uffff" for c in range(256)}, **{ord(c): chr(b) for c, b in _CHAR_BYTES.items()}}
 # The tokenizers library's ByteFallback reads a piece of 6 bytes "<0x" + 2 + ">" as a byte when Rust's
 # u8::from_str_radix(_, 16) takes the middle two (which allows a leading "+").
 _BYTE_PIECE = re.compile(r"<0x([0-9A-Fa-f]{2}|\+[0-9A-Fa-f])>")
@@ -316,8 +319,10 @@ class WindowDecoder:
         if token is None or token in self._special:
             return b"" if self.kind == "bytes" else _SKIP
         if self.kind == "bytes":  # the library's ByteLevel: a piece outside the byte alphabet is its own UTF-8
-            spelled = [_CHAR_BYTES.get(c) for c in token]
-            return token.encode() if None in spelled else bytes(spelled)
+            try:
+                return token.translate(_TO_LATIN1).encode("latin-1")
+            except UnicodeEncodeError:
+                return token.encode()
         if self.kind == "spm":
             token = token.replace("\u2581", " ")
             byte = _BYTE_PIECE.fullmatch(token)
