@@ -25,6 +25,17 @@ def _split_k_reduce_kernel(part_ptr, bias_ptr, out_ptr, MN, N, stride_om, SPLITS
     tl.store(out_ptr + (i // N) * stride_om + col, acc.to(out_ptr.dtype.element_ty), mask=mask)
 
 
+
+def split_count(steps: int, most: int, least: int) -> int:
+    """How many ways a GEMV-like kernel splits K's ``steps``: doubling (up to ``most``) while each split keeps
+    >= ``least`` steps: more programs in flight hide the latency of the loads, and narrow layers (TP shards, small
+    models) need them."""
+    split = 1
+    while split < most and steps // (2 * split) >= least:
+        split *= 2
+    return split
+
+
 BLOCK = 1024
 CONFIG = LaunchConfig({"BLOCK": BLOCK}, num_warps=4)
 

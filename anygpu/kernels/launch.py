@@ -105,6 +105,11 @@ _LAUNCH_CACHE: dict = {}
 _OPTIONS_CACHE: dict = {}
 
 
+def unit_stride(t: torch.Tensor | None) -> torch.Tensor | None:
+    """``t`` with a unit last stride (a copy only where needed): for kernels that read a tensor at flat offsets."""
+    return t if t is None or t.stride(-1) == 1 else t.contiguous()
+
+
 def cached_options(cfg: LaunchConfig, device: torch.device, **extra) -> dict:
     """``cfg``'s Triton options on ``device`` (plus ``extra`` on GPUs; the interpreter takes none), cached:
     launchers that pick a config per call (plans) call this on every call."""

@@ -31,10 +31,10 @@ import triton.language as tl
 
 from ._decode_4bit import _block_scales, _decode8, _decode_pairs, _dot8, _lookup, _tables
 from ._program_order import grouped_tile
-from ._split_k import reduce_partials
+from ._split_k import reduce_partials, split_count
 from .gemv_mma_4bit import _gemv_mma_4bit_kernel
 from .launch import (TRITON_DTYPE, KernelSpec, LaunchConfig, cached_options, device_target, on_device, plan_hook,
-                     register, select)
+                     register, select, unit_stride)
 
 
 @triton.jit
@@ -330,11 +330,11 @@ def plan(m: int, n: int, k: int, blocksize: int, dtype: torch.dtype, device: tor
     if m <= limits["gemv"]:
         cfg = select(GEMV_CONFIGS, target)[0]
         c = cfg.constexprs
-        return Plan("gemv", cfg, _split(-(-k // c["CHUNK"]), c["MAX_SPLIT"], c.get("SPLIT_MIN_CHUNKS", 4)))
+        return Plan("gemv", cfg, split_count(-(-k // c["CHUNK"]), c["MAX_SPLIT"], c.get("SPLIT_MIN_CHUNKS", 4)))
     if m <= limits.get("mma", 0) and blocksize % 64 == 0 and k % 64 == 0 and dtype in DTYPES:
         cfg = select(MMA_CONFIGS, target)[0]
         c = cfg.constexprs
-        return Plan("mma", cfg, _split(k // 64, c["MAX_SPLIT"], c["SPLIT_MIN_STEPS"]))
+        return Plan("mma", cfg, split_count(k // 64, c["MAX_SPLIT"], c["SPLIT_MIN_STEPS"]))
     if limits["gemm"] is None or m <= limits["gemm"]:
         return _gemm_plan(m, k, target)
     return Plan("dequant")
@@ -354,15 +354,6 @@ def _mma_ptx_fits(x2: torch.Tensor, w: torch.Tensor, k: int) -> bool:
     return (x2.device.type == "cuda" and x2.dtype in DTYPES and w.data_ptr() % 8 == 0 and k % 8 == 0
             and x2.data_ptr() % 16 == 0 and x2.stride(0) % 8 == 0)
 
-
-def _split(steps: int, most: int, least: int) -> int:
-    """How many ways the GEMV and MMA paths split K's ``steps``: doubling (up to ``most``) while each split keeps
-    >= ``least`` steps: more programs in flight hide the latency of the loads, and narrow layers (TP shards, small
-    models) need them."""
-    split = 1
-    while split < most and steps // (2 * split) >= least:
-        split *= 2
-    return split
 
 
 def gemm_config(m: int, target) -> LaunchConfig:
@@ -393,9 +384,6 @@ def dequantize_weight(w, absmax, code, blocksize, n, k, dtype, nested_absmax=Non
     return out
 
 
-def _unit_stride(t: torch.Tensor | None) -> torch.Tensor | None:
-    return t if t is None or t.stride(-1) == 1 else t.contiguous()
-
 
 def matmul_4bit(x: torch.Tensor, weight: torch.Tensor, absmax: torch.Tensor, code: torch.Tensor, blocksize: int,
                 n: int, k: int, bias: torch.Tensor | None = None, nested_absmax: torch.Tensor | None = None,
@@ -416,8 +404,8 @@ def matmul_4bit(x: torch.Tensor, weight: torch.Tensor, absmax: torch.Tensor, cod
         return out.zero_() if bias is None else out.copy_(bias.expand_as(out))
     w = weight.view(torch.uint8) if weight.dtype != torch.uint8 else weight
     # The kernels read these at flat offsets (the op checks shapes, not strides).
-    absmax, bias, offset = _unit_stride(absmax), _unit_stride(bias), _unit_stride(offset)
-    nested_absmax, nested_code = _unit_stride(nested_absmax), _unit_stride(nested_code)
+    absmax, bias, offset = unit_stride(absmax), unit_stride(bias), unit_stride(offset)
+    nested_absmax, nested_code = unit_stride(nested_absmax), unit_stride(nested_code)
     p = plan_ or plan(m, n, k, blocksize, x.dtype, x.device)
     nested = nested_absmax is not None
     dummy = absmax

@@ -37,8 +37,9 @@ import triton
 import triton.language as tl
 
 from ._program_order import grouped_tile
-from ._split_k import reduce_partials
-from .launch import TRITON_DTYPE, KernelSpec, LaunchConfig, cached_options, device_target, on_device, register, select
+from ._split_k import reduce_partials, split_count
+from .launch import (TRITON_DTYPE, KernelSpec, LaunchConfig, cached_options, device_target, on_device, register,
+                     select, unit_stride)
 
 
 # NVIDIA: 4 int8 codes of a word to exact fp32 values without the int-to-float conversion (a quarter-rate unit on
@@ -254,19 +255,13 @@ def plan(m: int, n: int, k: int, blocksize: int, dtype: torch.dtype, device: tor
         c = cfg.constexprs
         split = 1
         if -(-n // c["BLOCK_N"]) < c["SPLIT_BELOW_PROGRAMS"]:
-            split = _split(-(-k // c["CHUNK"]), c["MAX_SPLIT"], c["SPLIT_MIN_CHUNKS"])
+            split = split_count(-(-k // c["CHUNK"]), c["MAX_SPLIT"], c["SPLIT_MIN_CHUNKS"])
         return Plan("gemv", cfg, split)
     if m <= limits["gemm"] and dtype != torch.float32:
         cfg = gemm_config(m, target)
         return Plan("gemm", cfg, gemm_split(cfg, k, blocksize))
     return Plan("dequant")
 
-
-def _split(steps: int, most: int, least: int) -> int:
-    split = 1
-    while split < most and steps // (2 * split) >= least:
-        split *= 2
-    return split
 
 
 def gemm_config(m: int, target) -> LaunchConfig:
@@ -310,9 +305,6 @@ def dequantize_weight(codes: torch.Tensor, scale: torch.Tensor, blocksize: int, 
     return out
 
 
-def _unit_stride(t: torch.Tensor | None) -> torch.Tensor | None:
-    return t if t is None or t.stride(-1) == 1 else t.contiguous()
-
 
 def matmul_int8_block(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, blocksize: int,
                       bias: torch.Tensor | None = None, offset: torch.Tensor | None = None,
@@ -330,7 +322,7 @@ def matmul_int8_block(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor,
         return out
     if k == 0:
         return out.zero_() if bias is None else out.copy_(bias.expand_as(out))
-    scale, bias, offset = _unit_stride(scale), _unit_stride(bias), _unit_stride(offset)
+    scale, bias, offset = unit_stride(scale), unit_stride(bias), unit_stride(offset)
     p = plan_ or plan(m, n, k, blocksize, x.dtype, x.device)
     if p.path == "dequant" or (p.path == "gemm" and x.dtype == torch.float32):
         # fp32 x: tl.dot would round to TF32 on NVIDIA; the vendor GEMM keeps fp32
