@@ -177,6 +177,10 @@ def _gemm_int8_block_kernel(x_ptr, q_ptr, scale_ptr, offset_ptr, bias_ptr, out_p
             SUB: tl.constexpr = BLOCK_K // BLOCKSIZE
             blk = n64[:, None] * blocks_per_row + k0 // BLOCKSIZE + tl.arange(0, SUB)[None, :]
             sc = tl.load(scale_ptr + blk, mask=n_mask[:, None], other=0.0)
+            # bf16: the codes through bf16 (exact there) on their way to fp32, because Triton converts int8 to bf16
+            # with byte permutes and int8 to fp32 with the (quarter-rate) conversion unit, one per code
+            if dot_dtype == tl.bfloat16:
+                q = q.to(tl.bfloat16)
             w = tl.reshape(q.to(tl.float32), (BLOCK_N, SUB, BLOCKSIZE)) * sc[:, :, None]
             if HAS_OFFSET:
                 w += tl.load(offset_ptr + blk, mask=n_mask[:, None], other=0.0)[:, :, None]
