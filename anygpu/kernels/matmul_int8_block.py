@@ -23,7 +23,7 @@ but for one NVIDIA option (``DECODE_PTX``, below).  Three paths, chosen by ``pla
 * ``dequant`` (more rows): dequantize W to x's dtype (a kernel, FP contraction off: the reference's values)
   and call the vendor GEMM, whose FLOPs then dwarf the one pass over W.
 
-NVIDIA's GEMV config was swept on the H200; the other configs are first guesses.  The pure-PyTorch reference and the
+NVIDIA's GEMV and GEMM configs were swept on the H200; AMD's are first guesses.  The pure-PyTorch reference and the
 op are in ``anygpu/ops/matmul_int8_block.py``.
 """
 
@@ -215,7 +215,7 @@ def _dequantize_int8_block_kernel(q_ptr, scale_ptr, offset_ptr, out_ptr, blocks,
 # split up to MAX_SPLIT ways, each split keeping at least SPLIT_MIN_CHUNKS steps, only while the N / BLOCK_N
 # programs number fewer than SPLIT_BELOW_PROGRAMS.  NVIDIA: 16 rows, 512 columns, 4 warps, split 4 came out
 # best or within 3 % of it at every Llama-3-8B layer shape in lab sweeps on the H200 (split 4 also at N = 28672:
-# docs/perf/2026-12-02-quantized-speed-s6.md); the GEMM and AMD configs are unmeasured first guesses.
+# docs/perf/2026-12-02-quantized-speed-s6.md); AMD's configs are unmeasured first guesses.
 GEMV_CONFIGS = {
     "default": (LaunchConfig({"BLOCK_N": 32, "CHUNK": 256, "MAX_SPLIT": 4, "SPLIT_MIN_CHUNKS": 4,
                               "SPLIT_BELOW_PROGRAMS": 512}, num_warps=4),),
@@ -223,7 +223,9 @@ GEMV_CONFIGS = {
                              "SPLIT_BELOW_PROGRAMS": 4096, "DECODE_PTX": True}, num_warps=4),),
 }
 # GEMM: one config per bucket of rows (MAX_M), tried in order, as the 4-bit GEMM's.  BLOCK_K spans several
-# blocks (the dequantized-tile path) when K allows, else one block.
+# blocks (the dequantized-tile path) when K allows, else one block.  NVIDIA: of 15 tile configs at 64 rows,
+# 64 x 64 x 128 tiles with split 4 were the best on the down projection and within 10 % elsewhere; one-block
+# steps (BLOCK_K 32) lost everywhere (the same record).
 GEMM_CONFIGS = {
     "default": (LaunchConfig({"MAX_M": 64, "BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 64, "SPLIT_K": 2},
                              num_warps=4),),
