@@ -49,7 +49,7 @@ from .errors import classify
 from .guided import GuideFactory
 from .sampling_params import SamplingParams
 from .scheduler import ScheduledBatch, Scheduler
-from .sequence import Sequence
+from .sequence import Sequence, SequenceStatus
 from .stats import EngineStats
 
 log = logging.getLogger("anygpu.engine")
@@ -171,6 +171,10 @@ def resolve_dtype(dtype, device: torch.device, config) -> torch.dtype:
         # first answer token (a 0.082 logit lead) and the answer goes wrong.
         return torch.float32
     return config.dtype if config.dtype in (torch.float16, torch.bfloat16) else torch.bfloat16
+
+
+_new = object.__new__
+_FINISHED = SequenceStatus.FINISHED
 
 
 class LLMEngine:
@@ -306,11 +310,12 @@ class LLMEngine:
                 self.scheduler.finish(seq, "stop")
                 finished.append(seq)
         outputs: dict[str, RequestOutput] = {}
+        ids_by_seq, requests = self._ids_by_seq, self.requests
         for seq, token in zip(batch.seqs, sampled):
-            request_id = self._ids_by_seq.get(seq.seq_id)
+            request_id = ids_by_seq.get(seq.seq_id)
             if token is None or request_id is None:
                 continue
-            req = self.requests[request_id]
+            req = requests[request_id]
             try:
                 self._add_text(req, token)
             except Exception as error:  # this request's text (a detokenizer or stop-string fault): it alone ends
@@ -318,13 +323,12 @@ class LLMEngine:
             outputs[request_id] = self._output(request_id, req)
         # Finished without a new token this step (a lone sequence that outgrew the cache) still report.
         for seq in finished:
-            request_id = self._ids_by_seq.get(seq.seq_id)
+            request_id = ids_by_seq.get(seq.seq_id)
             if request_id is not None and request_id not in outputs:
-                outputs[request_id] = self._output(request_id, self.requests[request_id])
-        for out in outputs.values():
+                outputs[request_id] = self._output(request_id, requests[request_id])
+        for request_id, out in outputs.items():  # finished: by the scheduler, a stop string or an error
             if out.finished:
-                req = self.requests.pop(out.request_id)
-                self._ids_by_seq.pop(req.seq.seq_id, None)
+                ids_by_seq.pop(requests.pop(request_id).seq.seq_id, None)
         return list(outputs.values())
 
     def _run(self, batch: ScheduledBatch) -> list:
@@ -360,59 +364,80 @@ class LLMEngine:
         seq.finish_reason = "error"  # also when it had just finished otherwise
 
     def _add_text(self, req: _Request, token: int) -> None:
-        seq, params = req.seq, req.seq.params
-        if seq.finish_reason == "stop" and token in params.stop_token_ids:
+        seq = req.seq
+        stopped = seq.finish_reason == "stop"
+        if stopped and token in seq.params.stop_token_ids:
             req.stop_reason = token
-        if req.detok is None:
+        detok = req.detok
+        if detok is None:
             return
-        before = len(req.text)
-        delta = req.detok.add(token)
+        delta = detok.add(token)
         # EOS and stop ids end the text without appearing in it (vLLM); other special tokens follow
         # skip_special_tokens.
-        if seq.finish_reason == "stop" and (token in self.scheduler.eos_token_ids or token in params.stop_token_ids):
+        if stopped and (token in self.scheduler.eos_token_ids or token in seq.params.stop_token_ids):
             delta = ""
-        finished = seq.is_finished
-        if finished:
-            delta += req.detok.flush()  # bytes held back for an incomplete character: nothing more will come
-        req.text += delta
-        if params.stop and not finished:
+        if seq.status is _FINISHED:
+            delta += detok.flush()  # bytes held back for an incomplete character: nothing more will come
+            if delta:
+                req.text += delta
+            return
+        if not delta:
+            return
+        before = len(req.text)
+        text = req.text = req.text + delta
+        stops = seq.params.stop
+        if stops:
             # Only the new text and the req.hold characters before it can hold a stop string that was not
             # there at the previous token: each search covers that tail, whatever the length of the text.
             start = max(0, before - req.hold)
-            hits = [(req.text.find(s, start), s) for s in params.stop]
-            hits = [(i, s) for i, s in hits if i >= 0]
-            if hits:
-                index, stop = min(hits)
-                req.text = req.text[: index + len(stop) if params.include_stop_str_in_output else index]
+            index, stop = -1, None
+            for s in stops:
+                i = text.find(s, start)
+                if i >= 0 and (index < 0 or (i, s) < (index, stop)):
+                    index, stop = i, s
+            if index >= 0:
+                req.text = text[: index + len(stop) if seq.params.include_stop_str_in_output else index]
                 req.stop_reason = stop
                 self.scheduler.finish(seq, "stop")
 
     def _output(self, request_id: str, req: _Request) -> RequestOutput:
+        """The request's RequestOutput after this step.  Every running request gets one every step, so it is built
+        without the dataclasses' ``__init__``: each instance's ``__dict__`` is assigned whole, with the fields in
+        declaration order, which gives the object ``__init__`` would (tests/test_engine_outputs.py compares
+        them field for field)."""
         seq = req.seq
-        finished = seq.is_finished
+        finished = seq.status is _FINISHED
         # Hold back what could still turn out to be the start of a stop string.
         text = req.text
         visible = max(req.emitted_chars, len(text) - (0 if finished else req.hold))
         tokens = seq.output_token_ids
-        completion = CompletionOutput(0, text[:visible], tokens[:], *self._logprobs(req),
-                                      finish_reason=seq.finish_reason, stop_reason=req.stop_reason,
-                                      delta_text=text[req.emitted_chars: visible],
-                                      delta_token_ids=tokens[req.emitted_tokens:])
-        out = RequestOutput(request_id, seq.prompt_token_ids, [completion], finished=finished,
-                            arrival_time=seq.arrival_time, first_token_time=seq.first_token_time,
-                            finish_time=seq.finish_time,
-                            num_cached_tokens=seq.num_cached_tokens, error=req.error, error_type=req.error_type,
-                            prompt_logprobs=self._prompt_logprobs(req))
+        params = seq.params
+        cumulative, logprobs = self._logprobs(req) if params.logprobs is not None else (None, None)
+        completion = _new(CompletionOutput)
+        completion.__dict__ = {
+            "index": 0, "text": text[:visible], "token_ids": tokens[:], "cumulative_logprob": cumulative,
+            "logprobs": logprobs, "finish_reason": seq.finish_reason, "stop_reason": req.stop_reason,
+            "delta_text": text[req.emitted_chars: visible], "delta_token_ids": tokens[req.emitted_tokens:]}
+        out = _new(RequestOutput)
+        out.__dict__ = {
+            "request_id": request_id, "prompt_token_ids": seq.prompt_token_ids, "outputs": [completion],
+            "finished": finished, "prompt": None,
+            "prompt_logprobs": self._prompt_logprobs(req) if params.prompt_logprobs is not None else None,
+            "error": req.error, "error_type": req.error_type, "arrival_time": seq.arrival_time,
+            "first_token_time": seq.first_token_time, "finish_time": seq.finish_time,
+            "num_cached_tokens": seq.num_cached_tokens}
         req.emitted_chars, req.emitted_tokens = visible, len(tokens)
         return out
 
     def _entry(self, token: int, logprob: float, rank: int, top: list) -> dict[int, Logprob]:
-        """vLLM's ``{id: Logprob}`` for one position: the token first, then the most likely ones."""
+        """vLLM's ``{id: Logprob}`` for one position: the token first, then the most likely ones.  A token's text
+        is ``tokenizer.decode([id], skip_special_tokens=False)``, kept per id by the window decoder."""
         tok = self.tokenizer
-        text = (lambda t: tok.decode([t], skip_special_tokens=False)) if tok is not None else (lambda t: None)
+        text = tok.window_decoder(False).token_text if tok is not None else (lambda t: None)
         entry = {token: Logprob(logprob, rank, text(token))}
         for r, (tid, lp) in enumerate(top, 1):
-            entry.setdefault(tid, Logprob(lp, r, text(tid)))
+            if tid not in entry:
+                entry[tid] = Logprob(lp, r, text(tid))
         return entry
 
     def _prompt_logprobs(self, req: _Request) -> list | None:

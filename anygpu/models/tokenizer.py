@@ -306,6 +306,7 @@ class WindowDecoder:
         # (it had a piece / text).  single(i): that token's step after such a prefix, kept per token.
         self.steady = None if kind == "bytes" else True
         self._single: list = [None] * self.limit
+        self._texts: list = [None] * size  # token_text(i), the library's for decoders not redone here
         self.decode, self.prefix, self.tail = {
             "bytes": (self._decode_bytes, self._prefix_bytes, self._tail_bytes),
             "spm": (self._decode_spm, self._prefix_spm, self._tail_spm),
@@ -338,6 +339,16 @@ class WindowDecoder:
             ok = delta != "" and delta[-1] != "\ufffd" and clean and state == self.steady
             step = self._single[i] = (delta, text) if ok else False
         return step
+
+    def token_text(self, i: int) -> str:
+        """``decode([i])``, kept per token id (a log-probability's token text, ``LLMEngine._entry``).  An id
+        outside the vocabulary goes to the library each time, as ``Tokenizer.decode`` sends it."""
+        if 0 <= i < len(self._texts):
+            text = self._texts[i]
+            if text is None:
+                text = self._texts[i] = self.decode([i])
+            return text
+        return self.backend.decode([i], skip_special_tokens=self.skip)
 
     def _lookup(self, ids: list[int]) -> list:
         """The pieces of ids, skipped ones left out (but for bytes, where they are b"")."""
