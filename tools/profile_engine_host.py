@@ -14,6 +14,10 @@ the functions with the most own time over one more run of each batch size.  ``--
 through the default model's byte-level BPE (SmolLM2's, installed with the package) instead of the synthetic
 words: the model's vocabulary is then the tokenizer's (49152), which makes ``execute`` and ``sample`` larger but
 gives the detokenizer a real vocabulary's pieces.  The runs share one tokenizer, as a server's requests do.
+``--logprobs K`` asks every request for its tokens' log-probabilities and the K most likely (the sampler's top-k
+and the engine's ``Logprob`` entries with their token texts); ``--stop S ...`` gives every request stop strings
+(pick ones the text cannot hold: a request that stops early fails the run's token count), so the stop search
+and the held-back text are timed too.
 """
 
 from __future__ import annotations
@@ -44,6 +48,7 @@ clock = time.perf_counter
 
 
 TOKENIZER = "synthetic"  # --tokenizer; None (--no-tokenizer): no text, to see what detokenization costs
+SAMPLING: dict = {}  # --logprobs, --stop: more SamplingParams for every request
 
 
 @functools.lru_cache(maxsize=None)
@@ -93,7 +98,7 @@ def run_once(batch: int, input_len: int, output_len: int, profiler: cProfile.Pro
     _wrap(engine.runner, "pack", totals, "pack")
     _wrap(engine.runner, "execute", totals, "execute")
     _wrap(engine.runner.sampler, "sample_each", totals, "sample")
-    params = SamplingParams(max_tokens=output_len, temperature=0, ignore_eos=True)
+    params = SamplingParams(max_tokens=output_len, temperature=0, ignore_eos=True, **SAMPLING)
     for i, prompt in enumerate(random_prompts(batch, input_len, CONFIG.vocab_size)):
         engine.add_request(str(i), prompt, params)
     engine.step()  # the prefill: every prompt fits the token budget
@@ -133,7 +138,13 @@ def main():
     ap.add_argument("--no-tokenizer", action="store_true", help="token ids only: the engine detokenizes nothing")
     ap.add_argument("--tokenizer", choices=["synthetic", "default"], default="synthetic",
                     help="default: the default model's tokenizer (SmolLM2's byte-level BPE) and its vocabulary size")
+    ap.add_argument("--logprobs", type=int, default=None, help="every request's logprobs (top-K): None for none")
+    ap.add_argument("--stop", nargs="+", default=[], help="stop strings for every request (ones that never match)")
     args = ap.parse_args()
+    if args.logprobs is not None:
+        SAMPLING["logprobs"] = args.logprobs
+    if args.stop:
+        SAMPLING["stop"] = args.stop
     global clock, TOKENIZER
     clock, TOKENIZER = CLOCKS[args.clock], None if args.no_tokenizer else args.tokenizer
     torch.set_num_threads(args.threads)
