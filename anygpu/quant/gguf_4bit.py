@@ -41,7 +41,7 @@ from typing import NamedTuple
 
 import torch
 
-from .gguf_blocks import BLOCK_SHAPES, IQ4_KVALUES, QK_K, _k_scale_min
+from .gguf_blocks import BLOCK_SHAPES, IQ4_KVALUES, QK_K, _k_scale_min, fp16_values, stacked_offsets
 
 TYPES = ("Q4_0", "Q4_1", "IQ4_NL", "IQ4_XS", "Q4_K")
 BLOCKSIZE = 32
@@ -65,11 +65,6 @@ def code_table(table: str, device=None) -> torch.Tensor:
     raise ValueError(f"table: expected 'q4' or 'iq4', got {table!r}")
 
 
-def _f16(b: torch.Tensor) -> torch.Tensor:
-    """[..., 2] bytes -> fp32 [...] (the fp16 value, widened exactly)."""
-    return b.contiguous().view(torch.float16).float().squeeze(-1)
-
-
 def _halves(qs: torch.Tensor) -> torch.Tensor:
     """[..., 16] bytes -> [..., 32] codes: the low nibbles (elements 0..15), then the high ones (16..31)."""
     return torch.cat([qs & 15, qs >> 4], dim=-1)
@@ -81,25 +76,25 @@ def _groups(raw: torch.Tensor, type_name: str) -> tuple[torch.Tensor, torch.Tens
     b = raw.reshape(-1, size)
     nb = b.shape[0]
     if type_name == "Q4_0":
-        return _halves(b[:, 2:]), 8 * _f16(b[:, :2]), None
+        return _halves(b[:, 2:]), 8 * fp16_values(b[:, :2]), None
     if type_name == "Q4_1":
-        d = _f16(b[:, :2])
-        return _halves(b[:, 4:]), 8 * d, _f16(b[:, 2:4]) + 8 * d
+        d = fp16_values(b[:, :2])
+        return _halves(b[:, 4:]), 8 * d, fp16_values(b[:, 2:4]) + 8 * d
     if type_name == "IQ4_NL":
-        return _halves(b[:, 2:]), 128 * _f16(b[:, :2]), None
+        return _halves(b[:, 2:]), 128 * fp16_values(b[:, :2]), None
     if type_name == "Q4_K":
         qs = b[:, 16:].reshape(nb, 4, 1, 32)
         codes = torch.cat([qs & 15, qs >> 4], dim=2).reshape(nb * 8, 32)
         sc, m = _k_scale_min(b[:, 4:16])
-        scale = _f16(b[:, :2])[:, None] * sc.float()  # GGUF's d * sc, exact in fp32
-        return codes, (8 * scale).reshape(-1), (8 * scale - _f16(b[:, 2:4])[:, None] * m.float()).reshape(-1)
+        scale = fp16_values(b[:, :2])[:, None] * sc.float()  # GGUF's d * sc, exact in fp32
+        return codes, (8 * scale).reshape(-1), (8 * scale - fp16_values(b[:, 2:4])[:, None] * m.float()).reshape(-1)
     # IQ4_XS: 8 groups, 6-bit scales (low 4 bits in scales_l's nibbles, high 2 in scales_h's bit pairs) minus 32
     sh = b[:, 2:4].contiguous().view(torch.int16).to(torch.int32)
     high = (sh >> torch.arange(0, 16, 2, dtype=torch.int32, device=b.device)) & 3
     low = torch.stack([b[:, 4:8] & 15, b[:, 4:8] >> 4], dim=-1).reshape(nb, 8).to(torch.int32)
     scales = ((low | (high << 4)) - 32).float()
     codes = _halves(b[:, 8:].reshape(nb, 8, 16)).reshape(nb * 8, 32)
-    return codes, (128 * (_f16(b[:, :2])[:, None] * scales)).reshape(-1), None
+    return codes, (128 * (fp16_values(b[:, :2])[:, None] * scales)).reshape(-1), None
 
 
 def convert(raw: torch.Tensor, type_name: str, n: int, k: int) -> Packed4bit:
@@ -131,9 +126,7 @@ def stack(parts: list[Packed4bit]) -> Packed4bit:
         raise ValueError(f"parts: codes of the tables {sorted(tables)} cannot share a layer (IQ4 only with IQ4)")
     if len(parts) == 1:
         return parts[0]
-    offset = None
-    if any(p.offset is not None for p in parts):
-        offset = torch.cat([p.offset if p.offset is not None else torch.zeros_like(p.absmax) for p in parts])
+    offset = stacked_offsets([p.offset for p in parts], [p.absmax for p in parts])
     return Packed4bit(torch.cat([p.packed for p in parts]), torch.cat([p.absmax for p in parts]), offset,
                       parts[0].code, parts[0].table)
 

@@ -42,7 +42,8 @@ from typing import NamedTuple
 
 import torch
 
-from .gguf_blocks import BLOCK_SHAPES, IQ4_KVALUES, _bits, _k_scale_min, _nibbles, _q5_high
+from .gguf_blocks import (BLOCK_SHAPES, IQ4_KVALUES, _bits, _k_scale_min, _nibbles, _q5_high, fp16_values,
+                          stacked_offsets)
 
 # Types whose blocks fit the layout, and the block each is laid out in.
 NATIVE_BLOCK = {"Q8_0": 32, "Q6_K": 16, "Q5_K": 32, "Q5_0": 32, "Q5_1": 32, "Q4_0": 32, "Q4_1": 32, "Q4_K": 32,
@@ -58,11 +59,6 @@ class PackedInt8Block(NamedTuple):
     blocksize: int  # 16 or 32
 
 
-def _f16(b: torch.Tensor) -> torch.Tensor:
-    """[..., 2] bytes -> fp32 [...] (the fp16 value, widened exactly)."""
-    return b.contiguous().view(torch.float16).float().squeeze(-1)
-
-
 def _kv(q: torch.Tensor) -> torch.Tensor:
     return torch.tensor(IQ4_KVALUES, dtype=torch.int8, device=q.device)[q.long()]
 
@@ -74,34 +70,34 @@ def _blocks(raw: torch.Tensor, type_name: str) -> tuple[torch.Tensor, torch.Tens
     b = raw.reshape(-1, size)
     n = b.shape[0]
     if type_name == "Q8_0":
-        return b[:, 2:].contiguous().view(torch.int8), _f16(b[:, :2]), None
+        return b[:, 2:].contiguous().view(torch.int8), fp16_values(b[:, :2]), None
     if type_name == "Q5_0":
         q = _nibbles(b[:, 6:]) | _q5_high(b[:, 2:6])
-        return q.to(torch.int8) - 16, _f16(b[:, :2]), None
+        return q.to(torch.int8) - 16, fp16_values(b[:, :2]), None
     if type_name == "Q5_1":
         q = _nibbles(b[:, 8:]) | _q5_high(b[:, 4:8])
-        return q.to(torch.int8), _f16(b[:, :2]), _f16(b[:, 2:4])
+        return q.to(torch.int8), fp16_values(b[:, :2]), fp16_values(b[:, 2:4])
     if type_name == "Q4_0":
-        return _nibbles(b[:, 2:]).to(torch.int8) - 8, _f16(b[:, :2]), None
+        return _nibbles(b[:, 2:]).to(torch.int8) - 8, fp16_values(b[:, :2]), None
     if type_name == "Q4_1":
-        return _nibbles(b[:, 4:]).to(torch.int8), _f16(b[:, :2]), _f16(b[:, 2:4])
+        return _nibbles(b[:, 4:]).to(torch.int8), fp16_values(b[:, :2]), fp16_values(b[:, 2:4])
     if type_name == "IQ4_NL":
-        return _kv(_nibbles(b[:, 2:])), _f16(b[:, :2]), None
+        return _kv(_nibbles(b[:, 2:])), fp16_values(b[:, :2]), None
     if type_name in ("Q4_K", "Q5_K"):
         q = _bits(b[:, 16:144].reshape(n, 4, 32) if type_name == "Q4_K" else b[:, 48:].reshape(n, 4, 32), 4, 2)
         q = q.reshape(n, 8, 32)
         if type_name == "Q5_K":
             q = q | (_bits(b[:, 16:48], 1, 8) << 4)  # group g takes bit g of each of the 32 high-bit bytes
         sc, m = _k_scale_min(b[:, 4:16])
-        scale = _f16(b[:, :2])[:, None] * sc.float()  # GGUF's d * sc, exact in fp32
-        offset = -(_f16(b[:, 2:4])[:, None] * m.float())  # GGUF's dmin * m, negated
+        scale = fp16_values(b[:, :2])[:, None] * sc.float()  # GGUF's d * sc, exact in fp32
+        offset = -(fp16_values(b[:, 2:4])[:, None] * m.float())  # GGUF's dmin * m, negated
         return q.to(torch.int8).reshape(n * 8, 32), scale.reshape(-1), offset.reshape(-1)
     if type_name == "Q6_K":
         ql, qh, sc = b[:, :128], b[:, 128:192], b[:, 192:208]
         low = _bits(ql.reshape(n, 2, 64), 4, 2).reshape(n, 8, 32)
         high = _bits(qh.reshape(n, 2, 32), 2, 4).reshape(n, 8, 32)
         q = (low | (high << 4)).to(torch.int8) - 32
-        scale = _f16(b[:, 208:210])[:, None] * sc.contiguous().view(torch.int8).float()
+        scale = fp16_values(b[:, 208:210])[:, None] * sc.contiguous().view(torch.int8).float()
         return q.reshape(n * 16, 16), scale.reshape(-1), None
     if type_name == "IQ4_XS":
         sh = b[:, 2:4].contiguous().view(torch.int16).to(torch.int32)
@@ -109,7 +105,7 @@ def _blocks(raw: torch.Tensor, type_name: str) -> tuple[torch.Tensor, torch.Tens
         low = torch.stack([b[:, 4:8] & 15, b[:, 4:8] >> 4], dim=-1).reshape(n, 8).to(torch.int32)
         scales = ((low | (high << 4)) - 32).float()
         q = _kv(_nibbles(b[:, 8:].reshape(n, 8, 16)))
-        return q.reshape(n * 8, 32), (_f16(b[:, :2])[:, None] * scales).reshape(-1), None
+        return q.reshape(n * 8, 32), (fp16_values(b[:, :2])[:, None] * scales).reshape(-1), None
     if type_name == "Q3_K":
         hmask, qs, sc = b[:, :32], b[:, 32:96], b[:, 96:108]
         low = _bits(sc[:, :8], 4, 2).reshape(n, 16)
@@ -118,12 +114,12 @@ def _blocks(raw: torch.Tensor, type_name: str) -> tuple[torch.Tensor, torch.Tens
         ql = _bits(qs.reshape(n, 2, 32), 2, 4).reshape(n, 16, 16)
         qh = _bits(hmask, 1, 8).reshape(n, 16, 16) ^ 1  # a set mask bit means no -4
         q = ql.to(torch.int8) - (qh << 2).to(torch.int8)
-        return q.reshape(n * 16, 16), (_f16(b[:, 108:110])[:, None] * scales).reshape(-1), None
+        return q.reshape(n * 16, 16), (fp16_values(b[:, 108:110])[:, None] * scales).reshape(-1), None
     # Q2_K
     sc = b[:, :16]
     q = _bits(b[:, 16:80].reshape(n, 2, 32), 2, 4).reshape(n * 16, 16).to(torch.int8)
-    scale = _f16(b[:, 80:82])[:, None] * (sc & 15).float()
-    offset = -(_f16(b[:, 82:84])[:, None] * (sc >> 4).float())
+    scale = fp16_values(b[:, 80:82])[:, None] * (sc & 15).float()
+    offset = -(fp16_values(b[:, 82:84])[:, None] * (sc >> 4).float())
     return q, scale.reshape(-1), offset.reshape(-1)
 
 
@@ -176,9 +172,7 @@ def stack(parts: list[PackedInt8Block]) -> PackedInt8Block:
         raise ValueError(f"parts: expected one row length, got {sorted(ks)}")
     if len(parts) == 1:
         return parts[0]
-    offset = None
-    if any(p.offset is not None for p in parts):
-        offset = torch.cat([p.offset if p.offset is not None else torch.zeros_like(p.scale) for p in parts])
+    offset = stacked_offsets([p.offset for p in parts], [p.scale for p in parts])
     return PackedInt8Block(torch.cat([p.codes for p in parts]), torch.cat([p.scale for p in parts]), offset,
                            parts[0].blocksize)
 

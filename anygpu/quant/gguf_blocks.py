@@ -53,6 +53,19 @@ def _f16(b: torch.Tensor) -> torch.Tensor:
     return b.contiguous().view(torch.float16).float()
 
 
+def fp16_values(b: torch.Tensor) -> torch.Tensor:
+    """[n, 2] bytes -> fp32 [n] (the fp16 value, widened exactly): the block scales the re-laying converters read."""
+    return _f16(b).squeeze(-1)
+
+
+def stacked_offsets(offsets: list[torch.Tensor | None], scales: list[torch.Tensor]) -> torch.Tensor | None:
+    """The per-block offsets of row blocks stacked into one layer: each part's own, zeros (shaped as its scales) for
+    a part without; None when no part has one."""
+    if all(o is None for o in offsets):
+        return None
+    return torch.cat([o if o is not None else torch.zeros_like(sc) for o, sc in zip(offsets, scales)])
+
+
 def _nibbles(qs: torch.Tensor) -> torch.Tensor:
     """[n, k] bytes -> [n, 2k]: all low nibbles, then all high nibbles (gguf's order inside a 32-group)."""
     return torch.cat([qs & 0xF, qs >> 4], dim=-1)
