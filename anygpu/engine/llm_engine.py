@@ -11,6 +11,12 @@ the flat batch, sampling) -> ``Scheduler.update`` (append tokens, finish on EOS 
 each new token is detokenized incrementally, stop strings are searched in the new text, and the last
 ``len(longest stop) - 1`` characters are held back from ``delta_text`` until they cannot start a stop string.
 
+**Run-ahead** (GPUs): when every running sequence decodes greedily and none waits, step n + 1 is launched (its
+decode graph, its input ids copied on the device from step n's argmax) before step n's tokens are read, and the
+host turns those into outputs while n + 1 runs, so the host's share of a step hides behind the device's (vLLM's
+async scheduling, for the greedy decode steps).  A sequence that step n finishes computes one token in n + 1
+that nothing reads.  ``ANYGPU_RUN_AHEAD=0`` (or ``engine.run_ahead = False``) steps one at a time.
+
 Bad input (an empty or over-long prompt, bad sampling values, a duplicate request id) raises ValueError from
 ``add_request`` and changes nothing: the requests already running go on.
 
@@ -34,6 +40,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 import weakref
 from dataclasses import dataclass, field
 
@@ -246,6 +253,10 @@ class LLMEngine:
         self._ids_by_seq: dict[int, str] = {}
         self._guides = GuideFactory(self.tokenizer, config.vocab_size, eos)  # guided_json requests only
         self.error: BaseException | None = None  # what made a step raise (see the module docstring)
+        # Greedy decode steps launched one ahead (see _launch_ahead): on GPUs, where the device runs a step while
+        # the host finishes the one before; the CPU computes as it launches, so there only tests turn it on.
+        self.run_ahead = self.device.type == "cuda" and os.environ.get("ANYGPU_RUN_AHEAD", "1") != "0"
+        self._ahead = None
 
     # -- requests --------------------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams | None = None) -> None:
@@ -294,8 +305,22 @@ class LLMEngine:
             raise
 
     def _step(self) -> list[RequestOutput]:
-        batch = self.scheduler.schedule()
-        sampled = self._run(batch) if batch.seqs else []
+        flight, self._ahead = self._ahead, None
+        if flight is not None and all(s.is_finished for s in flight.batch.seqs):
+            flight = None  # a step run ahead for sequences that all finished since: nothing in it is read
+        if flight is None:
+            batch = self.scheduler.schedule()
+            if self.run_ahead and self.runner.can_launch_greedy(batch):
+                try:
+                    flight = self.runner.launch_greedy(batch)
+                except Exception:
+                    flight = None  # _run below retries it (one sequence at a time if need be)
+        if flight is not None:
+            batch = flight.batch
+            self._ahead = self._launch_ahead(flight)
+            sampled = flight.tokens()
+        else:
+            sampled = self._run(batch) if batch.seqs else []
         failed = []
         for i, (seq, token) in enumerate(zip(batch.seqs, sampled)):
             if not isinstance(token, Exception) and token is not None and seq.guide is not None:
@@ -330,6 +355,29 @@ class LLMEngine:
             if out.finished:
                 ids_by_seq.pop(requests.pop(request_id).seq.seq_id, None)
         return list(outputs.values())
+
+    def _launch_ahead(self, flight):
+        """Launch the decode step after ``flight`` before reading ``flight``'s tokens (None when it cannot), so the
+        device runs it while the host turns ``flight``'s tokens into outputs: the same sequences one token further,
+        as the scheduler would schedule them next when every running sequence decodes and none waits.  A sequence
+        that ``flight``'s token finishes (EOS, a stop, its length) computes one token in vain, never read:
+        ``Scheduler.update`` skips finished sequences.  Anything else (a request waiting, a prefill, a sequence
+        gone, no block for the next token) leaves the choice to the scheduler at the next step."""
+        batch, sched = flight.batch, self.scheduler
+        if sched.num_waiting or len(batch.seqs) != sched.num_running:
+            return None
+        if any(s.is_finished for s in batch.seqs):
+            return None
+        bm = self.block_manager
+        for seq in batch.seqs:  # the slot of the token after flight's (blocks it would take next step anyway)
+            if not bm.ensure_slots(seq, 2):
+                return None
+        nxt = ScheduledBatch(list(batch.seqs), [1] * len(batch.seqs), needs_logits=[True] * len(batch.seqs))
+        try:
+            return self.runner.launch_greedy(nxt, after=flight)
+        except Exception as error:  # the step then runs scheduled, as any other
+            log.warning("running a decode step ahead failed (%r); it runs scheduled instead", error)
+            return None
 
     def _run(self, batch: ScheduledBatch) -> list:
         """The runner's step, retried one sequence at a time if it raises (see the module docstring)."""

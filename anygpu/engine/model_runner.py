@@ -29,6 +29,9 @@ parallelism rank 0 hands the message to ``workers.send`` before executing it, an
   instead of launching an argmax after the replay; any other step samples the graph's logits as before.  The
   argmax is in every replay, sampled steps included (one read of the logits, small next to sampling them).
   ``graph_argmax = False`` ignores it (the tests compare both ways).
+- **Launched, not awaited** (``launch_greedy``): a plainly greedy decode step can be enqueued with the copy of its
+  ids to pinned host memory and read later, and the step after it enqueued before that read, its ids copied on
+  the device from the first one's argmax (``LLMEngine``'s run-ahead).
 - **All-reduce** (tensor parallelism): every rank's runner first calls ``tp.init_fast_all_reduce`` (collective,
   before any other collective and before capture), which sets up the symmetric-memory all-reduce for
   messages up to ``max_num_seqs`` rows of hidden size (parallel.py).  Its kernels wait for the peers with no
@@ -45,7 +48,7 @@ import torch
 import torch.distributed as dist
 
 from ..models.llama import MODES, AttentionBatch, LlamaForCausalLM
-from .sampler import Sampler, prompt_logprobs
+from .sampler import Sampler, _plain_greedy, prompt_logprobs
 from .scheduler import ScheduledBatch
 
 CPU_KV_CACHE_BYTES = 1 << 30
@@ -60,6 +63,23 @@ def graph_batch_sizes(max_num_seqs: int) -> list[int]:
     sizes = [b for b in (1, 2, 4, 8) if b < max_num_seqs] + list(range(8, max_num_seqs + 1, 8))
     sizes = sorted(set(sizes) | {max_num_seqs})
     return sizes
+
+
+class GreedyStep:
+    """A greedy decode step in flight (``ModelRunner.launch_greedy``): its argmax rows on the device and their copy
+    on the way to host memory."""
+
+    __slots__ = ("batch", "greedy", "host", "done")
+
+    def __init__(self, batch: ScheduledBatch, greedy: torch.Tensor, host: torch.Tensor,
+                 done: torch.cuda.Event | None):
+        self.batch, self.greedy, self.host, self.done = batch, greedy, host, done
+
+    def tokens(self) -> list[int]:
+        """The step's tokens, one per sequence: waits for this step only (not for one launched behind it)."""
+        if self.done is not None:
+            self.done.synchronize()
+        return self.host.tolist()
 
 
 class ModelRunner:
@@ -85,6 +105,8 @@ class ModelRunner:
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor, torch.Tensor]] = {}
         self.graph_argmax = True  # hand a graph's argmax to the sampler (False: it samples the logits)
         self.greedy: torch.Tensor | None = None  # execute's: the last step's argmax rows, from its decode graph
+        self._host_ids: list[torch.Tensor] | None = None  # launch_greedy's pinned token buffers
+        self._flip = 0
         if self.tp.world_size > 1:  # first: its setup is collective, and the warmup below all-reduces already
             self.tp.init_fast_all_reduce(max_num_seqs * cfg.hidden_size, self.dtype, self.device)
         # Rank 0 polls for the end of a step (see the docstring); the workers never wait for one.
@@ -157,10 +179,13 @@ class ModelRunner:
         torch.cuda.empty_cache()
 
     # -- one step ---------------------------------------------------------------------------------------
-    def pack(self, batch: ScheduledBatch) -> tuple[torch.Tensor, list[int | None], list[tuple[int, int, int]]]:
+    def pack(self, batch: ScheduledBatch, ahead: bool = False
+             ) -> tuple[torch.Tensor, list[int | None], list[tuple[int, int, int]]]:
         """The step as one host int64 message (see HEADER), the index of each sequence's last token if it needs
         logits, and the prompt positions whose logits give prompt log-probabilities: (sequence index, index of the
-        first token, count).  One tensor: a single host-to-device copy (a decode step would otherwise pay five
+        first token, count).  ``ahead``: a decode step packed while the step before it is still running
+        (``launch_greedy``): every position one further than the scheduler's cursor, ids left 0 (the device
+        fills them in).  One tensor: a single host-to-device copy (a decode step would otherwise pay five
         small synchronous copies) and a single message to each tensor-parallel worker.
 
         Host time here delays every step, so the loop works a sequence at a time, never a token at a time: a
@@ -170,7 +195,7 @@ class ModelRunner:
         bs = self.block_size
         t = 0  # tokens so far
         for i, (seq, n, needs_logits) in enumerate(zip(batch.seqs, batch.num_tokens, batch.needs_logits)):
-            start = seq.num_computed_tokens
+            start = seq.num_computed_tokens + ahead
             end = start + n
             if seq.needs_prompt_logprobs and start == len(seq.prompt_logprobs):  # this chunk's prompt positions
                 count = min(end, seq.num_prompt_tokens - 1) - start
@@ -178,7 +203,7 @@ class ModelRunner:
                     prompt_rows.append((i, t, count))
             table = seq.block_table
             if n == 1:
-                ids.append(seq.token(start))
+                ids.append(0 if ahead else seq.token(start))
                 positions.append(start)
                 slots.append(table[start // bs] * bs + start % bs)
             else:
@@ -250,9 +275,10 @@ class ModelRunner:
         return logits
 
     @torch.inference_mode()
-    def _execute(self, message: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    def _execute(self, message: torch.Tensor, ids_from: torch.Tensor | None = None
+                 ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         """``execute``'s logits, and with them the argmax of each row when a decode graph computed it (else
-        None)."""
+        None).  ``ids_from``: the step's token ids as a device tensor, in place of the message's."""
         mode, t, b, width, max_q, max_k, num_rows = message[:HEADER].tolist()
         mode = MODES[mode]
         payload = message[HEADER:]
@@ -260,6 +286,8 @@ class ModelRunner:
             payload = payload.pin_memory().to(self.device, non_blocking=True)
         ids, positions, slots, cu, k_lens, tables, rows = payload.split(
             [t, t, t, b + 1, b, b * width, payload.numel() - 3 * t - 2 * b - 1 - b * width])
+        if ids_from is not None:
+            ids = ids_from
         attn = AttentionBatch(positions=positions, slot_mapping=slots, mode=mode, max_seqlen_q=max_q,
                               max_seqlen_k=max_k)
         if mode != "decode":
@@ -278,6 +306,41 @@ class ModelRunner:
             return logits.index_select(0, rows), None
         hidden = self.model(ids, attn)
         return self.model.compute_logits(hidden if every_row else hidden.index_select(0, rows)), None
+
+    # -- greedy decode steps launched without waiting (run-ahead) ------------------------------------------
+    def can_launch_greedy(self, batch: ScheduledBatch) -> bool:
+        """``launch_greedy`` takes this step: one rank, decode only, every row plainly greedy (its token is its
+        logits' argmax, no log-probabilities), and on a GPU a decode graph for its size (the graph's argmax)."""
+        if self.workers is not None or not batch.seqs or not all(batch.needs_logits):
+            return False
+        if any(n != 1 for n in batch.num_tokens) or not _plain_greedy(batch.seqs):
+            return False
+        if any(s.needs_prompt_logprobs for s in batch.seqs):
+            return False
+        if self.device.type == "cuda":
+            return self.graph_argmax and self._graph_size(len(batch.seqs)) is not None
+        return True
+
+    @torch.inference_mode()
+    def launch_greedy(self, batch: ScheduledBatch, after: GreedyStep | None = None) -> GreedyStep:
+        """Enqueue a ``can_launch_greedy`` step and the copy of its tokens to host memory, without waiting for
+        the device.  ``after``: the step still running whose tokens are this step's input: each sequence one
+        position further than the scheduler's cursor (it has not seen ``after``'s tokens yet), and the ids
+        copied on the device from ``after``'s argmax, so the host never waits between the two."""
+        b = len(batch.seqs)
+        message, _, _ = self.pack(batch, ahead=after is not None)
+        logits, greedy = self._execute(message, None if after is None else after.greedy[:b])
+        if greedy is None:  # the CPU (no graphs): the sampler's greedy shortcut on the same fp32 logits
+            greedy = logits.float().argmax(dim=-1)
+            return GreedyStep(batch, greedy, greedy, None)
+        if self._host_ids is None:  # two: the step being read and the one launched behind it
+            self._host_ids = [torch.empty(self.max_num_seqs, dtype=torch.long, pin_memory=True) for _ in range(2)]
+        host = self._host_ids[self._flip]
+        self._flip ^= 1
+        host[:b].copy_(greedy[:b], non_blocking=True)
+        done = torch.cuda.Event()
+        done.record(torch.cuda.current_stream(self.device))
+        return GreedyStep(batch, greedy, host[:b], done)
 
     @torch.inference_mode()
     def run(self, batch: ScheduledBatch) -> list[int | None | Exception]:
