@@ -3,8 +3,8 @@
 One forward runs a flat batch: the new tokens of every scheduled sequence packed end to end ([T]), as the
 engine's scheduler mixes prefills, prefill chunks and decodes in one step.  Per layer:
 
-    rms_norm / fused_add_rms_norm -> qkv_proj (one fused Linear) -> rotary_embedding (in place, NeoX pairs)
-    -> reshape_and_cache (the new K/V into the paged cache) -> attention -> o_proj
+    rms_norm / fused_add_rms_norm -> qkv_proj (one fused Linear) -> rotary_and_cache (rotary in place on q and k,
+    NeoX pairs, and the new K/V into the paged cache: one launch) -> attention -> o_proj
     -> fused_add_rms_norm -> gate_up_proj (one fused Linear) -> silu_and_mul -> down_proj
 
 Other families are this model with switches (``families.py``: ``config.family``) and config values: q/k norm
@@ -40,9 +40,8 @@ from ..ops import (
     gelu_and_mul,
     paged_decode,
     paged_prefill,
-    reshape_and_cache,
     rms_norm,
-    rotary_embedding,
+    rotary_and_cache,
     silu_and_mul,
 )
 from .config import ModelConfig
@@ -109,9 +108,10 @@ class Attention(nn.Module):
         if self.qk_norm:  # new tensors, so rotary's in-place write no longer touches qkv
             q = self.q_norm(q.reshape(-1, self.head_dim)).view(tokens, self.num_heads, self.head_dim)
             k = self.k_norm(k.reshape(-1, self.head_dim)).view(tokens, self.num_kv_heads, self.head_dim)
-        rotary_embedding(batch.positions, q, k, self.rotary, True)
         k_cache, v_cache = self.kv_cache
-        reshape_and_cache(k, v, k_cache, v_cache, batch.slot_mapping)
+        # One launch for rotary_embedding then reshape_and_cache: q and k are rotated in place (prefill's
+        # flash_attn_varlen reads this k), and the rotated k and v land in the cache.
+        rotary_and_cache(batch.positions, q, k, v, self.rotary, True, k_cache, v_cache, batch.slot_mapping)
         if batch.mode == "prefill":
             out = flash_attn_varlen(q, k, v, batch.cu_seqlens_q, batch.cu_seqlens_q, batch.max_seqlen_q,
                                     batch.max_seqlen_q, self.scale, True, self.window_left, self.softcap)
