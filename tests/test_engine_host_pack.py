@@ -43,7 +43,7 @@ def reference_pack(batch, bs: int):
             tables += row + [0] * (width - len(row))
     rows = sorted({r for r in logit_rows if r is not None}.union(
         *(range(first, first + count) for _, first, count in prompt_rows)))
-    header = [MODES.index(mode), len(ids), len(q_lens), width, max(q_lens), max(k_lens), len(rows)]
+    header = [MODES.index(mode), len(ids), len(q_lens), width, max(q_lens), max(k_lens), len(rows), 0]
     if len(rows) == len(ids):
         rows = []
     return header + ids + positions + slots + cu + k_lens + tables + rows, logit_rows, prompt_rows
@@ -116,7 +116,7 @@ def test_decode_message_layout():
     batch = engine.scheduler.schedule()
     message, logit_rows, prompt_rows = engine.runner.pack(batch)
     m = message.tolist()
-    assert m[:HEADER] == [MODES.index("decode"), 3, 3, 3, 1, 9, 3]  # width: 9 tokens in blocks of 4
+    assert m[:HEADER] == [MODES.index("decode"), 3, 3, 3, 1, 9, 3, 0]  # width: 9 tokens in blocks of 4
     body = m[HEADER:]
     assert body[0:3] == [s.last_token for s in batch.seqs]
     assert body[3:6] == [s.num_computed_tokens for s in batch.seqs] == [6, 7, 8]

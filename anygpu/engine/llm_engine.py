@@ -314,6 +314,8 @@ class LLMEngine:
                 try:
                     flight = self.runner.launch_greedy(batch)
                 except Exception:
+                    if self.tp > 1:
+                        raise  # the workers may have run it: the ranks would disagree (as in _run)
                     flight = None  # _run below retries it (one sequence at a time if need be)
         if flight is not None:
             batch = flight.batch
@@ -376,6 +378,8 @@ class LLMEngine:
         try:
             return self.runner.launch_greedy(nxt, after=flight)
         except Exception as error:  # the step then runs scheduled, as any other
+            if self.tp > 1:
+                raise  # the workers may have run it: the ranks would disagree (as in _run)
             log.warning("running a decode step ahead failed (%r); it runs scheduled instead", error)
             return None
 

@@ -53,9 +53,10 @@ from .scheduler import ScheduledBatch
 
 CPU_KV_CACHE_BYTES = 1 << 30
 # A step message: HEADER ints (mode index in MODES, tokens T, sequences B, block-table width, max_seqlen_q,
-# max_seqlen_k, logit rows R), then ids [T], positions [T], slots [T], cu_seqlens_q [B + 1], seqlens_k [B],
-# block tables [B * width] and, unless every token needs its logits (R == T), the R row indices.
-HEADER = 7
+# max_seqlen_k, logit rows R, ids from the last step: 1 when a decode step's ids are the argmax rows of the step
+# executed before it, on every rank), then ids [T], positions [T], slots [T], cu_seqlens_q [B + 1], seqlens_k
+# [B], block tables [B * width] and, unless every token needs its logits (R == T), the R row indices.
+HEADER = 8
 STEP_TIMEOUT_S = 600.0  # rank 0's wait for a step under the symmetric-memory all-reduce (NCCL's default timeout)
 
 
@@ -66,19 +67,23 @@ def graph_batch_sizes(max_num_seqs: int) -> list[int]:
 
 
 class GreedyStep:
-    """A greedy decode step in flight (``ModelRunner.launch_greedy``): its argmax rows on the device and their copy
-    on the way to host memory."""
+    """A greedy decode step in flight (``ModelRunner.launch_greedy``): its tokens on the way to host memory."""
 
-    __slots__ = ("batch", "greedy", "host", "done")
+    __slots__ = ("runner", "batch", "host", "done")
 
-    def __init__(self, batch: ScheduledBatch, greedy: torch.Tensor, host: torch.Tensor,
-                 done: torch.cuda.Event | None):
-        self.batch, self.greedy, self.host, self.done = batch, greedy, host, done
+    def __init__(self, runner: ModelRunner, batch: ScheduledBatch, host: torch.Tensor, done: torch.cuda.Event | None):
+        self.runner, self.batch, self.host, self.done = runner, batch, host, done
 
     def tokens(self) -> list[int]:
         """The step's tokens, one per sequence: waits for this step only (not for one launched behind it)."""
+        runner = self.runner
         if self.done is not None:
-            self.done.synchronize()
+            if runner._poll_steps:
+                runner._wait_for_step(self.done)
+            else:
+                self.done.synchronize()
+        if runner.workers is not None:
+            runner.workers.check()  # a worker that died mid-step leaves garbage logits behind
         return self.host.tolist()
 
 
@@ -106,6 +111,7 @@ class ModelRunner:
         self.graph_argmax = True  # hand a graph's argmax to the sampler (False: it samples the logits)
         self.greedy: torch.Tensor | None = None  # execute's: the last step's argmax rows, from its decode graph
         self._host_ids: list[torch.Tensor] | None = None  # launch_greedy's pinned token buffers
+        self._last = (None, None)  # the last decode step's (logits, graph argmax or None): a step run ahead's ids
         self._flip = 0
         if self.tp.world_size > 1:  # first: its setup is collective, and the warmup below all-reduces already
             self.tp.init_fast_all_reduce(max_num_seqs * cfg.hidden_size, self.dtype, self.device)
@@ -232,7 +238,7 @@ class ModelRunner:
                 *(range(first, first + count) for _, first, count in prompt_rows)))
         else:  # one row per sequence that needs logits: already in order and distinct
             rows = [r for r in logit_rows if r is not None]
-        header = [MODES.index(mode), t, len(q_lens), width, max(q_lens), max(k_lens), len(rows)]
+        header = [MODES.index(mode), t, len(q_lens), width, max(q_lens), max(k_lens), len(rows), int(ahead)]
         if len(rows) == t:  # a decode step: every token needs its logits, no gather
             rows = []
         message = array("q", header)
@@ -275,19 +281,20 @@ class ModelRunner:
         return logits
 
     @torch.inference_mode()
-    def _execute(self, message: torch.Tensor, ids_from: torch.Tensor | None = None
-                 ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    def _execute(self, message: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         """``execute``'s logits, and with them the argmax of each row when a decode graph computed it (else
-        None).  ``ids_from``: the step's token ids as a device tensor, in place of the message's."""
-        mode, t, b, width, max_q, max_k, num_rows = message[:HEADER].tolist()
+        None)."""
+        mode, t, b, width, max_q, max_k, num_rows, ids_from_last = message[:HEADER].tolist()
         mode = MODES[mode]
         payload = message[HEADER:]
         if self.device.type == "cuda":
             payload = payload.pin_memory().to(self.device, non_blocking=True)
         ids, positions, slots, cu, k_lens, tables, rows = payload.split(
             [t, t, t, b + 1, b, b * width, payload.numel() - 3 * t - 2 * b - 1 - b * width])
-        if ids_from is not None:
-            ids = ids_from
+        if ids_from_last:  # run ahead: the step before this one is this step's ids, still on the device
+            last_logits, last_greedy = self._last
+            ids = last_greedy[:t] if last_greedy is not None else last_logits[:t].argmax(dim=-1)
+        self._last = (None, None)
         attn = AttentionBatch(positions=positions, slot_mapping=slots, mode=mode, max_seqlen_q=max_q,
                               max_seqlen_k=max_k)
         if mode != "decode":
@@ -302,16 +309,20 @@ class ModelRunner:
         if mode == "decode" and self._graph_size(t) is not None:
             logits, greedy = self._replay(ids, attn)
             if every_row:
+                self._last = (logits, greedy)
                 return logits[:t], greedy[:t] if self.graph_argmax else None
             return logits.index_select(0, rows), None
         hidden = self.model(ids, attn)
-        return self.model.compute_logits(hidden if every_row else hidden.index_select(0, rows)), None
+        logits = self.model.compute_logits(hidden if every_row else hidden.index_select(0, rows))
+        if mode == "decode" and every_row:
+            self._last = (logits, None)  # its argmax only if a step run ahead asks (the CPU, eager steps)
+        return logits, None
 
     # -- greedy decode steps launched without waiting (run-ahead) ------------------------------------------
     def can_launch_greedy(self, batch: ScheduledBatch) -> bool:
-        """``launch_greedy`` takes this step: one rank, decode only, every row plainly greedy (its token is its
-        logits' argmax, no log-probabilities), and on a GPU a decode graph for its size (the graph's argmax)."""
-        if self.workers is not None or not batch.seqs or not all(batch.needs_logits):
+        """``launch_greedy`` takes this step: decode only, every row plainly greedy (its token is its logits'
+        argmax, no log-probabilities), and on a GPU a decode graph for its size (the graph's argmax)."""
+        if not batch.seqs or not all(batch.needs_logits):
             return False
         if any(n != 1 for n in batch.num_tokens) or not _plain_greedy(batch.seqs):
             return False
@@ -326,13 +337,16 @@ class ModelRunner:
         """Enqueue a ``can_launch_greedy`` step and the copy of its tokens to host memory, without waiting for
         the device.  ``after``: the step still running whose tokens are this step's input: each sequence one
         position further than the scheduler's cursor (it has not seen ``after``'s tokens yet), and the ids
-        copied on the device from ``after``'s argmax, so the host never waits between the two."""
+        copied on the device from ``after``'s argmax, so the host never waits between the two.  ``after`` must be
+        the step executed last (on every rank: tensor-parallel workers run the same messages in the same order)."""
         b = len(batch.seqs)
         message, _, _ = self.pack(batch, ahead=after is not None)
-        logits, greedy = self._execute(message, None if after is None else after.greedy[:b])
+        if self.workers is not None:
+            self.workers.send(message)
+        logits, greedy = self._execute(message)
         if greedy is None:  # the CPU (no graphs): the sampler's greedy shortcut on the same fp32 logits
             greedy = logits.float().argmax(dim=-1)
-            return GreedyStep(batch, greedy, greedy, None)
+            return GreedyStep(self, batch, greedy, None)
         if self._host_ids is None:  # two: the step being read and the one launched behind it
             self._host_ids = [torch.empty(self.max_num_seqs, dtype=torch.long, pin_memory=True) for _ in range(2)]
         host = self._host_ids[self._flip]
@@ -340,7 +354,7 @@ class ModelRunner:
         host[:b].copy_(greedy[:b], non_blocking=True)
         done = torch.cuda.Event()
         done.record(torch.cuda.current_stream(self.device))
-        return GreedyStep(batch, greedy, host[:b], done)
+        return GreedyStep(self, batch, host[:b], done)
 
     @torch.inference_mode()
     def run(self, batch: ScheduledBatch) -> list[int | None | Exception]:
@@ -357,7 +371,7 @@ class ModelRunner:
                 self.workers.check(e)  # a collective failed because a worker did: say which and why
             raise
         if self._poll_steps:
-            self._wait_for_step()
+            self._wait_for_step(self._step_event())
         if logits is None:
             return [None] * len(logit_rows)
         greedy = self.greedy
@@ -395,15 +409,18 @@ class ModelRunner:
                 failed[i] = error
         return failed
 
-    def _wait_for_step(self) -> None:
+    def _step_event(self) -> torch.cuda.Event:
+        """An event recorded after the work enqueued so far (one, reused)."""
+        if self._step_done is None:
+            self._step_done = torch.cuda.Event()
+        self._step_done.record(torch.cuda.current_stream(self.device))
+        return self._step_done
+
+    def _wait_for_step(self, done: torch.cuda.Event) -> None:
         """Rank 0 under the symmetric-memory all-reduce: wait for this step's kernels by polling an event, raising
         once the monitor thread has seen a worker die (or after STEP_TIMEOUT_S).  A blocking sync would never
         return then: the all-reduce kernel waits for the dead peer forever.  The GPU stays stuck in it: the
         error says to restart the process."""
-        if self._step_done is None:
-            self._step_done = torch.cuda.Event()
-        done = self._step_done
-        done.record(torch.cuda.current_stream(self.device))
         deadline = time.monotonic() + STEP_TIMEOUT_S
         while not done.query():
             stuck = time.monotonic() > deadline
