@@ -1,8 +1,26 @@
-"""Split-K partial sums: programs that share output elements write fp32 partials to their own slice of a
-[splits, M, N] buffer, and one small kernel adds the slices in a fixed order, adds the bias and casts.
-Unlike atomics this is deterministic (same bits on every run) and needs no zeroed buffer."""
+"""Split-K partial sums, added inside the matmul kernel that made them.
+
+A kernel that splits K across SPLITS programs has each program write its fp32 partial sums to its own slice of a
+[SPLITS, M, N] buffer (``store_or_reduce``), then count itself in on an int32 counter of its output tile
+(``last_arrival``): its threads' stores, a barrier, one ``acq_rel`` atomic add at GPU scope (release: the
+program's partials are visible before its count is; acquire: the last one sees every other program's).  The
+program whose add returns SPLITS - 1 is the last of its tile: it loads the tile's SPLITS slices in the fixed order
+0 .. SPLITS - 1 with ``.cg`` loads (from L2: L1 is not coherent across SMs), adds the bias, casts, stores the
+output and sets the counter back to 0 (``add_partials``).  Deterministic: the same additions in the same order on
+every run, the same bits as the separate reduce kernel below; one launch instead of two, and no program waits.
+
+Counters: one int32 zero buffer per device (``counters``), made only outside CUDA-graph capture, grown there, never
+freed (a captured graph keeps the address it was captured with); every launch leaves the counters it used at 0,
+so graph replays need no memset.  Partials are a fresh ``torch.empty`` per call (fine under capture).  A launch
+captured while the device has no buffer large enough falls back to writing the partials only and adding them
+with ``_split_k_reduce_kernel`` (``reduce_partials``), a second launch: ``split_k_buffers`` decides, ``finish``
+runs the fallback's reduce.  Launchers share one host helper, ``split_k_buffers``.
+"""
+
+from __future__ import annotations
 
 import functools
+from typing import NamedTuple
 
 import torch
 import triton
@@ -12,8 +30,53 @@ from .launch import TRITON_DTYPE, KernelSpec, LaunchConfig, device_target, on_de
 
 
 @triton.jit
+def last_arrival(counter_ptr, tile, SPLITS):
+    """Count this program in on output tile ``tile``'s counter, after its partial stores; True in the program that
+    arrives last (the counter is then set back to 0 for the next launch)."""
+    tl.debug_barrier()  # every thread's partial stores come before the release of the add below
+    arrived = tl.atomic_add(counter_ptr + tile, 1, sem="acq_rel", scope="gpu")
+    # Triton runs a scalar atomic in one thread and hands the old value to the others through shared memory and a
+    # barrier; this barrier keeps every thread's loads of the partials after the acquire however it is lowered.
+    tl.debug_barrier()
+    last = arrived == SPLITS - 1
+    if last:
+        tl.store(counter_ptr + tile, 0)  # every other program of the tile has counted in: nobody else touches it
+    return last
+
+
+@triton.jit
+def add_partials(part, slice_stride, SPLITS, bias_ptr, feature, out, mask, HAS_BIAS: tl.constexpr):
+    """out = the SPLITS slices at ``part + s * slice_stride`` summed in order s = 0, 1, ... (+ bias[feature]), cast
+    to out's dtype: the additions ``_split_k_reduce_kernel`` makes, so the same bits."""
+    acc = tl.load(part, mask=mask, other=0.0, cache_modifier=".cg")
+    for _ in range(1, SPLITS):
+        part += slice_stride
+        acc += tl.load(part, mask=mask, other=0.0, cache_modifier=".cg")
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + feature, mask=mask, other=0.0).to(tl.float32)
+    tl.store(out, acc.to(out.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def store_or_reduce(acc, part_ptr, out_ptr, bias_ptr, counter_ptr, part_offs, out_offs, feature, mask, split, tile,
+                    slice_stride, SPLITS, REDUCE: tl.constexpr, HAS_BIAS: tl.constexpr):
+    """A split program's epilogue: its fp32 ``acc`` to its slice ``split`` of the partials (``part_offs``: offsets
+    within a slice of ``slice_stride`` = M * N elements); REDUCE: then, in the last program of output tile
+    ``tile``, every slice added into ``out_ptr + out_offs`` (plus ``bias_ptr + feature``).  Without REDUCE the
+    launcher adds them (``reduce_partials``)."""
+    tl.store(part_ptr + part_offs + split.to(tl.int64) * slice_stride, acc, mask=mask)
+    if REDUCE:
+        last = last_arrival(counter_ptr, tile, SPLITS)
+        if last:
+            add_partials(part_ptr + part_offs, slice_stride, SPLITS, bias_ptr, feature, out_ptr + out_offs, mask,
+                         HAS_BIAS)
+
+
+@triton.jit
 def _split_k_reduce_kernel(part_ptr, bias_ptr, out_ptr, MN, N, stride_om, SPLITS: tl.constexpr,
                            HAS_BIAS: tl.constexpr, BLOCK: tl.constexpr):
+    """The fallback's second launch (a launch captured in a CUDA graph before the device had counters enough):
+    out = the partials' slices added in order, + bias, cast."""
     i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     mask = i < MN
     acc = tl.load(part_ptr + i, mask=mask, other=0.0)
@@ -53,6 +116,64 @@ def reduce_partials(partials: torch.Tensor, out: torch.Tensor, bias: torch.Tenso
                                                              m * n, n, out.stride(0), SPLITS=splits,
                                                              HAS_BIAS=bias is not None, BLOCK=BLOCK,
                                                              **_options(out.device))
+
+
+
+# The devices' arrival counters (all zero between launches), and the buffers they outgrew: those stay alive, as a
+# CUDA graph captured with one still uses its address.
+_COUNTERS: dict[torch.device, torch.Tensor] = {}
+_OUTGROWN: list[torch.Tensor] = []
+MIN_COUNTERS = 1 << 14
+
+
+def counters(device: torch.device, tiles: int) -> torch.Tensor | None:
+    """The device's int32 zero counters, at least ``tiles`` of them: made (or grown) now unless the current stream
+    is capturing a CUDA graph, where None says the launch must fall back to ``reduce_partials``."""
+    buf = _COUNTERS.get(device)
+    if buf is not None and buf.numel() >= tiles:
+        return buf
+    if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+        return None
+    if buf is not None:
+        _OUTGROWN.append(buf)
+    buf = _COUNTERS[device] = torch.zeros(max(MIN_COUNTERS, triton.next_power_of_2(tiles)), dtype=torch.int32,
+                                          device=device)
+    return buf
+
+
+class SplitK(NamedTuple):
+    """What a split-K launch passes its kernel, from ``split_k_buffers``."""
+
+    partials: torch.Tensor  # the kernel's out_ptr's partner: fp32 [splits, M, N], or the output itself at split 1
+    counters: torch.Tensor  # int32 arrival counters per output tile (any int32 buffer when unused)
+    reduce: bool  # the kernel's REDUCE: its last program of a tile adds the partials
+
+    def finish(self, out: torch.Tensor, bias: torch.Tensor | None) -> None:
+        """After the launch: the fallback's second launch, where the kernel wrote partials it did not add."""
+        if self.partials is not out and not self.reduce:
+            reduce_partials(self.partials, out, bias)
+
+
+def split_k_buffers(out: torch.Tensor, splits: int, tiles: int) -> SplitK:
+    """out [M, N], K split ``splits`` ways over ``tiles`` output tiles: at split 1 the kernel stores ``out``
+    directly; above, it writes fp32 partials [splits, M, N] (a fresh buffer) and, with the device's counters, adds
+    them itself (REDUCE); under CUDA-graph capture without counters enough, ``finish`` adds them.  Call inside
+    ``on_device(out.device)`` (the capture check is on the current stream)."""
+    if splits == 1:
+        return SplitK(out, _any_counters(out.device), False)
+    partials = torch.empty(splits, *out.shape, dtype=torch.float32, device=out.device)
+    buf = counters(out.device, tiles)
+    if buf is None:
+        return SplitK(partials, partials.view(torch.int32), False)
+    return SplitK(partials, buf, True)
+
+
+def _any_counters(device: torch.device) -> torch.Tensor:
+    """An int32 buffer for a kernel's unused counter argument."""
+    buf = _COUNTERS.get(device)
+    if buf is None:
+        buf = counters(device, 1)
+    return buf if buf is not None else torch.empty(1, dtype=torch.int32, device=device)
 
 
 def _signature(dtype: torch.dtype) -> dict:

@@ -24,6 +24,7 @@ import triton
 import triton.language as tl
 
 from ._decode_4bit import ELEMENT_ORDER, _block_scales, _decode_setup, _lookup, _lookup_half, _tables
+from ._split_k import add_partials, last_arrival
 
 
 def _mma_steps(bf16: bool) -> str:
@@ -67,10 +68,10 @@ def _mma_step(r0lo, r0hi, r1lo, r1hi, x0, x1, x2, x3, x4, x5, x6, x7, t0, t1, t2
 
 
 @triton.jit
-def _gemv_mma_4bit_kernel(x_ptr, w_ptr, absmax_ptr, code_ptr, bias_ptr, out_ptr,
+def _gemv_mma_4bit_kernel(x_ptr, w_ptr, absmax_ptr, code_ptr, bias_ptr, out_ptr, part_ptr, counter_ptr,
                           nested_code_ptr, nested_absmax_ptr, nested_offset_ptr,
                           M, N, K, stride_xm, stride_om, stride_w, SPLITS,
-                          BLOCKSIZE: tl.constexpr, WARPS: tl.constexpr, PARTIAL: tl.constexpr,
+                          BLOCKSIZE: tl.constexpr, WARPS: tl.constexpr, PARTIAL: tl.constexpr, REDUCE: tl.constexpr,
                           NESTED: tl.constexpr, HAS_BIAS: tl.constexpr, DECODE_PTX: tl.constexpr):
     tl.static_assert(BLOCKSIZE % 64 == 0)
     lane = tl.arange(0, 32 * WARPS)  # one element per thread: element i is lane i % 32 of warp i // 32
@@ -135,10 +136,20 @@ def _gemv_mma_4bit_kernel(x_ptr, w_ptr, absmax_ptr, code_ptr, bias_ptr, out_ptr,
                 c2 += tl.sum(v1 * xa, axis=1) * s1
                 c3 += tl.sum(v1 * xb, axis=1) * s1
     # The C fragment: lane (g, q) holds rows r0, r1 of the output's columns (rows of x) 2q and 2q + 1.
-    _store(out_ptr, bias_ptr, c0, 2 * q, r0, M, N, stride_om, PARTIAL, HAS_BIAS)
-    _store(out_ptr, bias_ptr, c1, 2 * q + 1, r0, M, N, stride_om, PARTIAL, HAS_BIAS)
-    _store(out_ptr, bias_ptr, c2, 2 * q, r1, M, N, stride_om, PARTIAL, HAS_BIAS)
-    _store(out_ptr, bias_ptr, c3, 2 * q + 1, r1, M, N, stride_om, PARTIAL, HAS_BIAS)
+    # PARTIAL: this split's slice of the [SPLITS, M, N] fp32 partials, all four before the program counts in on its
+    # tile (the program's 16 * WARPS features); REDUCE: the tile's last split adds them (kernels/_split_k.py).
+    dst = part_ptr + tl.program_id(1).to(tl.int64) * M * N if PARTIAL else out_ptr
+    _store(dst, bias_ptr, c0, 2 * q, r0, M, N, stride_om, PARTIAL, HAS_BIAS)
+    _store(dst, bias_ptr, c1, 2 * q + 1, r0, M, N, stride_om, PARTIAL, HAS_BIAS)
+    _store(dst, bias_ptr, c2, 2 * q, r1, M, N, stride_om, PARTIAL, HAS_BIAS)
+    _store(dst, bias_ptr, c3, 2 * q + 1, r1, M, N, stride_om, PARTIAL, HAS_BIAS)
+    if PARTIAL and REDUCE:
+        last = last_arrival(counter_ptr, tl.program_id(0), SPLITS)
+        if last:
+            _add(part_ptr, out_ptr, bias_ptr, 2 * q, r0, M, N, stride_om, SPLITS, HAS_BIAS)
+            _add(part_ptr, out_ptr, bias_ptr, 2 * q + 1, r0, M, N, stride_om, SPLITS, HAS_BIAS)
+            _add(part_ptr, out_ptr, bias_ptr, 2 * q, r1, M, N, stride_om, SPLITS, HAS_BIAS)
+            _add(part_ptr, out_ptr, bias_ptr, 2 * q + 1, r1, M, N, stride_om, SPLITS, HAS_BIAS)
 
 
 # Vector loads of a lane's operands, predicated (a lane past the weight's rows or x's rows loads zeros): Triton
@@ -209,12 +220,19 @@ def _decoded(w_ptr, row, ok, K, col, lut):
 
 @triton.jit
 def _store(out_ptr, bias_ptr, acc, col, row, M, N, stride_om, PARTIAL: tl.constexpr, HAS_BIAS: tl.constexpr):
-    """acc (one per element) to out[col, row] where col < M and row < N; PARTIAL: this split's slice of the
-    [SPLITS, M, N] fp32 partials (kernels/_split_k.py adds them and the bias)."""
+    """acc (one per element) to out[col, row] where col < M and row < N; PARTIAL: out_ptr is this split's
+    [M, N] fp32 slice of the partials (the bias is added with them)."""
     mask = (row < N) & (col < M)
     if PARTIAL:
-        tl.store(out_ptr + (tl.program_id(1) * M + col).to(tl.int64) * N + row, acc, mask=mask)
+        tl.store(out_ptr + col.to(tl.int64) * N + row, acc, mask=mask)
     else:
         if HAS_BIAS:
             acc += tl.load(bias_ptr + row, mask=row < N, other=0.0).to(tl.float32)
         tl.store(out_ptr + col.to(tl.int64) * stride_om + row, acc.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _add(part_ptr, out_ptr, bias_ptr, col, row, M, N, stride_om, SPLITS, HAS_BIAS: tl.constexpr):
+    """out[col, row] (col < M, row < N) = the partials' slices at [col, row] added in order, + bias[row]."""
+    add_partials(part_ptr + col.to(tl.int64) * N + row, M * N, SPLITS, bias_ptr, row,
+                 out_ptr + col.to(tl.int64) * stride_om + row, (row < N) & (col < M), HAS_BIAS)

@@ -31,7 +31,7 @@ import triton.language as tl
 
 from ._decode_4bit import _block_scales, _decode8, _decode_pairs, _dot8, _lookup, _tables
 from ._program_order import grouped_tile
-from ._split_k import reduce_partials, split_count
+from ._split_k import split_count, split_k_buffers, store_or_reduce
 from .gemv_mma_4bit import _gemv_mma_4bit_kernel
 from .launch import (TRITON_DTYPE, KernelSpec, LaunchConfig, cached_options, device_target, on_device, plan_hook,
                      register, select, unit_stride)
@@ -54,11 +54,11 @@ def _load_x(x_row, k0, K, kx, EVEN_K: tl.constexpr):
 
 
 @triton.jit
-def _gemv_4bit_kernel(x_ptr, w_ptr, absmax_ptr, code_ptr, bias_ptr, out_ptr,
+def _gemv_4bit_kernel(x_ptr, w_ptr, absmax_ptr, code_ptr, bias_ptr, out_ptr, part_ptr, counter_ptr,
                       nested_code_ptr, nested_absmax_ptr, nested_offset_ptr, offset_ptr,
                       N, K, stride_xm, stride_om, stride_w, SPLITS,
                       BLOCKSIZE: tl.constexpr, BLOCK_N: tl.constexpr, CHUNK: tl.constexpr, SEG: tl.constexpr,
-                      EVEN_K: tl.constexpr, PARTIAL: tl.constexpr, PREFETCH: tl.constexpr,
+                      EVEN_K: tl.constexpr, PARTIAL: tl.constexpr, REDUCE: tl.constexpr, PREFETCH: tl.constexpr,
                       NESTED: tl.constexpr, HAS_BIAS: tl.constexpr,
                       DECODE_PTX: tl.constexpr, HALF2: tl.constexpr, HAS_OFFSET: tl.constexpr):
     # One program: BLOCK_N output features of one row of x, over 1/SPLITS of K, CHUNK elements of each
@@ -153,9 +153,11 @@ def _gemv_4bit_kernel(x_ptr, w_ptr, absmax_ptr, code_ptr, bias_ptr, out_ptr,
             acc += tl.sum(off * xs[None, :], axis=1)
         if PREFETCH:
             packed = following
-    if PARTIAL:  # this split's slice of the [SPLITS, M, N] fp32 partials (kernels/_split_k.py adds them)
-        out = out_ptr + (pid_k * tl.num_programs(1) + m).to(tl.int64) * N + n
-        tl.store(out, acc, mask=n_mask)
+    if PARTIAL:
+        # this split's slice of the [SPLITS, M, N] fp32 partials; the tile's last split adds them (kernels/_split_k.py)
+        store_or_reduce(acc, part_ptr, out_ptr, bias_ptr, counter_ptr, m.to(tl.int64) * N + n,
+                        m.to(tl.int64) * stride_om + n, n, n_mask, pid_k, m * tl.num_programs(0) + tl.program_id(0),
+                        tl.num_programs(1) * N, SPLITS, REDUCE, HAS_BIAS)
     else:
         if HAS_BIAS:
             acc += tl.load(bias_ptr + n, mask=n_mask, other=0.0).to(tl.float32)
@@ -163,12 +165,12 @@ def _gemv_4bit_kernel(x_ptr, w_ptr, absmax_ptr, code_ptr, bias_ptr, out_ptr,
 
 
 @triton.jit
-def _gemm_4bit_kernel(x_ptr, w_ptr, absmax_ptr, code_ptr, bias_ptr, out_ptr,
+def _gemm_4bit_kernel(x_ptr, w_ptr, absmax_ptr, code_ptr, bias_ptr, out_ptr, part_ptr, counter_ptr,
                       nested_code_ptr, nested_absmax_ptr, nested_offset_ptr, offset_ptr,
                       M, N, K, stride_xm, stride_om, stride_w,
                       BLOCKSIZE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                       NESTED: tl.constexpr, HAS_BIAS: tl.constexpr, GROUP_M: tl.constexpr,
-                      DOT_IN_FP32: tl.constexpr, SPLIT_K: tl.constexpr,
+                      DOT_IN_FP32: tl.constexpr, SPLIT_K: tl.constexpr, REDUCE: tl.constexpr,
                       DECODE_PTX: tl.constexpr, HAS_OFFSET: tl.constexpr):
     # A step's BLOCK_K columns lie in one 4-bit block (the launcher caps BLOCK_K at the block size, and K is a
     # multiple of it), so the codes are decoded to unscaled 16-bit values and the block's scale multiplies
@@ -241,15 +243,17 @@ def _gemm_4bit_kernel(x_ptr, w_ptr, absmax_ptr, code_ptr, bias_ptr, out_ptr,
             acc += tl.load(bias_ptr + n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
         out = out_ptr + rm.to(tl.int64)[:, None] * stride_om + n[None, :]
         tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=m_mask[:, None] & n_mask[None, :])
-    else:  # this split's slice of the [SPLIT_K, M, N] fp32 partials (kernels/_split_k.py adds them)
-        out = out_ptr + (tl.program_id(1) * M + rm).to(tl.int64)[:, None] * N + n[None, :]
-        tl.store(out, acc, mask=m_mask[:, None] & n_mask[None, :])
+    else:  # this split's slice of the [SPLIT_K, M, N] fp32 partials; the tile's last split adds them (_split_k.py)
+        store_or_reduce(acc, part_ptr, out_ptr, bias_ptr, counter_ptr, rm.to(tl.int64)[:, None] * N + n[None, :],
+                        rm.to(tl.int64)[:, None] * stride_om + n[None, :], n[None, :],
+                        m_mask[:, None] & n_mask[None, :], tl.program_id(1), tl.program_id(0), M * N, SPLIT_K, REDUCE,
+                        HAS_BIAS)
 
 
 # ---- configs: per target, per path ---------------------------------------------------------------
 # GEMV: BLOCK_N rows per program, CHUNK elements of each row per step (several 4-bit blocks when CHUNK
 # exceeds the block size), the next step's weights loaded before this one's are decoded (PREFETCH);
-# K split up to MAX_SPLIT ways, the partial sums added by kernels/_split_k.py
+# K split up to MAX_SPLIT ways, the partial sums added by the last split of each tile (kernels/_split_k.py)
 # (tools/sweep_matmul_4bit.py and tools/sweep_gemv_shapes.py on the H200 pick them; the measurements are in
 # docs/perf/2026-12-01-nf4-gemm.md and docs/perf/2026-11-30-h200-log.md).
 GEMV_CONFIGS = {
@@ -429,53 +433,50 @@ def matmul_4bit(x: torch.Tensor, weight: torch.Tensor, absmax: torch.Tensor, cod
         ptx_words = x.device.type == "cuda" and w.data_ptr() % 4 == 0 and k % 8 == 0
         if p.path == "gemv":
             chunk = c["CHUNK"]
-            partials = torch.empty(p.split_k, m, n, dtype=torch.float32, device=x.device) if p.split_k > 1 else out2
             grid = (-(-n // c["BLOCK_N"]), m, p.split_k)
+            sk = split_k_buffers(out2, p.split_k, grid[0] * m)
             ptx = c.get("DECODE_PTX", False) and ptx_words
             # 16-bit pair math reads x as int32 pairs: rows must start 4-byte aligned.
             half2 = (ptx and c.get("HALF2", False) and x.dtype in (torch.float16, torch.bfloat16)
                      and x2.data_ptr() % 4 == 0 and x2.stride(0) % 2 == 0)
-            _gemv_4bit_kernel[grid](x2, w, absmax, code, b, partials, *nest, off, n, k, x2.stride(0), out2.stride(0),
-                                    k // 8 if ptx else k // 2, p.split_k, BLOCKSIZE=blocksize,
-                                    BLOCK_N=c["BLOCK_N"], CHUNK=chunk,
+            _gemv_4bit_kernel[grid](x2, w, absmax, code, b, out2, sk.partials, sk.counters, *nest, off, n, k,
+                                    x2.stride(0), out2.stride(0), k // 8 if ptx else k // 2, p.split_k,
+                                    BLOCKSIZE=blocksize, BLOCK_N=c["BLOCK_N"], CHUNK=chunk,
                                     SEG=min(chunk, blocksize), EVEN_K=k % chunk == 0, PARTIAL=p.split_k > 1,
-                                    PREFETCH=c["PREFETCH"], NESTED=nested, HAS_BIAS=bias is not None,
+                                    REDUCE=sk.reduce, PREFETCH=c["PREFETCH"], NESTED=nested, HAS_BIAS=bias is not None,
                                     DECODE_PTX=ptx, HALF2=half2, HAS_OFFSET=offset is not None,
                                     **options)
-            if p.split_k > 1:
-                reduce_partials(partials, out2, bias)
+            sk.finish(out2, bias)
             return out
         elif p.path == "mma":
             if blocksize % 64 or k % 64 or m > 8:
                 raise ValueError(f"the mma path takes up to 8 rows, K and the block size multiples of 64; got "
                                  f"{m} rows, K = {k}, block size {blocksize}")
-            partials = torch.empty(p.split_k, m, n, dtype=torch.float32, device=x.device) if p.split_k > 1 else out2
             ptx = c.get("DECODE_PTX", False)  # _mma_ptx_fits held, or the GEMM took the call
             grid = (-(-n // (16 * c["WARPS"])), p.split_k)
-            _gemv_mma_4bit_kernel[grid](x2, w, absmax, code, b, partials, *nest, m, n, k, x2.stride(0),
-                                        out2.stride(0), k // 8, p.split_k, BLOCKSIZE=blocksize, WARPS=c["WARPS"],
-                                        PARTIAL=p.split_k > 1, NESTED=nested, HAS_BIAS=bias is not None,
-                                        DECODE_PTX=ptx, **options)
-            if p.split_k > 1:
-                reduce_partials(partials, out2, bias)
+            sk = split_k_buffers(out2, p.split_k, grid[0])
+            _gemv_mma_4bit_kernel[grid](x2, w, absmax, code, b, out2, sk.partials, sk.counters, *nest, m, n, k,
+                                        x2.stride(0), out2.stride(0), k // 8, p.split_k, BLOCKSIZE=blocksize,
+                                        WARPS=c["WARPS"], PARTIAL=p.split_k > 1, REDUCE=sk.reduce, NESTED=nested,
+                                        HAS_BIAS=bias is not None, DECODE_PTX=ptx, **options)
+            sk.finish(out2, bias)
             return out
         else:
             # A step stays inside one 4-bit block, or (FOLD_SCALE) spans whole blocks when K allows.
             block_k = min(c["BLOCK_K"], blocksize)
             if c.get("FOLD_SCALE") and c["BLOCK_K"] % blocksize == 0 and k % c["BLOCK_K"] == 0:
                 block_k = c["BLOCK_K"]
-            target = out2 if p.split_k == 1 else torch.empty(p.split_k, m, n, dtype=torch.float32, device=x.device)
             grid = (-(-m // c["BLOCK_M"]) * -(-n // c["BLOCK_N"]), p.split_k)
-            _gemm_4bit_kernel[grid](x2, w, absmax, code, b, target, *nest, off, m, n, k, x2.stride(0), out2.stride(0),
-                                    k // 2, BLOCKSIZE=blocksize, NESTED=nested,
+            sk = split_k_buffers(out2, p.split_k, grid[0])
+            _gemm_4bit_kernel[grid](x2, w, absmax, code, b, out2, sk.partials, sk.counters, *nest, off, m, n, k,
+                                    x2.stride(0), out2.stride(0), k // 2, BLOCKSIZE=blocksize, NESTED=nested,
                                     HAS_BIAS=bias is not None, GROUP_M=8, BLOCK_M=c["BLOCK_M"],
                                     BLOCK_N=c["BLOCK_N"], BLOCK_K=block_k,
-                                    SPLIT_K=p.split_k,
+                                    SPLIT_K=p.split_k, REDUCE=sk.reduce,
                                     DECODE_PTX=c.get("DECODE_PTX", False) and x.device.type == "cuda",
                                     HAS_OFFSET=offset is not None,
                                     DOT_IN_FP32=x.device.type == "cpu" and x.dtype == torch.bfloat16, **options)
-        if p.split_k > 1:
-            reduce_partials(target, out2, bias)
+            sk.finish(out2, bias)
     return out
 
 
@@ -486,7 +487,7 @@ def _signature(kernel: str):
     def sig(dtype: torch.dtype) -> dict:
         t = TRITON_DTYPE[dtype]
         s = {"x_ptr": f"*{t}", "w_ptr": "*u8", "absmax_ptr": "*fp32", "code_ptr": "*fp32", "bias_ptr": f"*{t}",
-             "out_ptr": f"*{t}", "nested_code_ptr": "*fp32", "nested_absmax_ptr": "*fp32",
+             "out_ptr": f"*{t}", "part_ptr": "*fp32", "counter_ptr": "*i32", "nested_code_ptr": "*fp32", "nested_absmax_ptr": "*fp32",
              "nested_offset_ptr": "*fp32"}
         s.update({"offset_ptr": "*fp32"} if kernel != "mma" else {})
         s.update({"M": "i32"} if kernel in ("gemm", "mma") else {})
@@ -498,13 +499,14 @@ def _signature(kernel: str):
             s.update({"BLOCK_M": "constexpr", "BLOCK_N": "constexpr", "BLOCK_K": "constexpr",
                       "NESTED": "constexpr", "HAS_BIAS": "constexpr", "GROUP_M": "constexpr",
                       "DOT_IN_FP32": "constexpr",
-                      "SPLIT_K": "constexpr", "DECODE_PTX": "constexpr", "HAS_OFFSET": "constexpr"})
+                      "SPLIT_K": "constexpr", "REDUCE": "constexpr", "DECODE_PTX": "constexpr",
+                      "HAS_OFFSET": "constexpr"})
         elif kernel == "mma":
-            s.update({"WARPS": "constexpr", "PARTIAL": "constexpr", "NESTED": "constexpr", "HAS_BIAS": "constexpr",
-                      "DECODE_PTX": "constexpr"})
+            s.update({"WARPS": "constexpr", "PARTIAL": "constexpr", "REDUCE": "constexpr", "NESTED": "constexpr",
+                      "HAS_BIAS": "constexpr", "DECODE_PTX": "constexpr"})
         else:
             s.update({"BLOCK_N": "constexpr", "CHUNK": "constexpr", "SEG": "constexpr",
-                      "EVEN_K": "constexpr", "PARTIAL": "constexpr", "PREFETCH": "constexpr",
+                      "EVEN_K": "constexpr", "PARTIAL": "constexpr", "REDUCE": "constexpr", "PREFETCH": "constexpr",
                       "NESTED": "constexpr", "HAS_BIAS": "constexpr",
                       "DECODE_PTX": "constexpr", "HALF2": "constexpr", "HAS_OFFSET": "constexpr"})
         return s
@@ -526,7 +528,7 @@ def _with_defaults(table, extra, drop=(), gguf=None):
 GEMV_SPEC = register(KernelSpec(
     "gemv_4bit", _gemv_4bit_kernel, _signature("gemv"), DTYPES,
     _with_defaults(GEMV_CONFIGS, lambda c: {"BLOCKSIZE": 64, "SEG": min(64, c.constexprs["CHUNK"]), "EVEN_K": True,
-                                            "PARTIAL": True, "NESTED": False, "HAS_BIAS": True,
+                                            "PARTIAL": True, "REDUCE": True, "NESTED": False, "HAS_BIAS": True,
                                             "DECODE_PTX": c.constexprs.get("DECODE_PTX", False),
                                             "HALF2": c.constexprs.get("HALF2", False)},
                    drop=("MAX_SPLIT", "SPLIT_MIN_CHUNKS"),
@@ -535,10 +537,13 @@ GEMM_SPEC = register(KernelSpec(
     "gemm_4bit", _gemm_4bit_kernel, _signature("gemm"), DTYPES,
     _with_defaults(GEMM_CONFIGS, lambda c: {"BLOCKSIZE": 64, "NESTED": True, "HAS_BIAS": False,
                                             "GROUP_M": 8, "DOT_IN_FP32": False, "SPLIT_K": 1,
-                                            "DECODE_PTX": c.constexprs.get("DECODE_PTX", False)},
-                   drop=("MAX_M", "FOLD_SCALE"), gguf=lambda c: {"BLOCKSIZE": 32, "NESTED": False})))
+                                            "REDUCE": False, "DECODE_PTX": c.constexprs.get("DECODE_PTX", False)},
+                   drop=("MAX_M", "FOLD_SCALE"),
+                   # the GGUF variant also covers the split form, whose last split adds the partials
+                   gguf=lambda c: {"BLOCKSIZE": 32, "NESTED": False, "SPLIT_K": c.constexprs["SPLIT_K"],
+                                   "REDUCE": True})))
 MMA_SPEC = register(KernelSpec(
     "gemv_mma_4bit", _gemv_mma_4bit_kernel, _signature("mma"), DTYPES,
-    _with_defaults(MMA_CONFIGS, lambda c: {"BLOCKSIZE": 64, "PARTIAL": True, "NESTED": True, "HAS_BIAS": False,
-                                           "DECODE_PTX": c.constexprs.get("DECODE_PTX", False)},
+    _with_defaults(MMA_CONFIGS, lambda c: {"BLOCKSIZE": 64, "PARTIAL": True, "REDUCE": True, "NESTED": True,
+                                           "HAS_BIAS": False, "DECODE_PTX": c.constexprs.get("DECODE_PTX", False)},
                    drop=("MAX_SPLIT", "SPLIT_MIN_STEPS"))))

@@ -12,8 +12,8 @@ but for one NVIDIA option (``DECODE_PTX``, below).  Three paths, chosen by ``pla
   the conversion unit) and multiplied with x; each block's products are summed in fp32 and the sum times the
   block's scale (one multiply per block, not per weight); an offset enters as ``offset * sum(x over the
   block)``, the sums of x shared by all BLOCK_N rows.  Where N alone gives too few programs to fill the GPU, K
-  is split across up to MAX_SPLIT programs, whose fp32 partials ``kernels/_split_k.py`` adds in a fixed order
-  (deterministic, no atomics), as the 4-bit GEMV does.
+  is split across up to MAX_SPLIT programs, whose fp32 partials the last of them to finish adds in a fixed order
+  (``kernels/_split_k.py``: deterministic, one launch), as the 4-bit GEMV does.
 * ``gemm`` (2..64 rows): a ``tl.dot`` GEMM whose weight tile is decoded in registers.  A step of BLOCK_K columns
   (the config's, halved until it divides K) spanning several blocks dequantizes the tile (``q * scale + offset``
   in fp32, rounded once to x's dtype: the reference's weight) and feeds it to ``tl.dot``, accumulating into one
@@ -37,7 +37,7 @@ import triton
 import triton.language as tl
 
 from ._program_order import grouped_tile
-from ._split_k import reduce_partials, split_count
+from ._split_k import split_count, split_k_buffers, store_or_reduce
 from .launch import (TRITON_DTYPE, KernelSpec, LaunchConfig, cached_options, device_target, on_device, register,
                      select, unit_stride)
 
@@ -65,10 +65,10 @@ def _dot4_i8(w, x0, x1, x2, x3):
 
 
 @triton.jit
-def _gemv_int8_block_kernel(x_ptr, q_ptr, scale_ptr, offset_ptr, bias_ptr, out_ptr,
+def _gemv_int8_block_kernel(x_ptr, q_ptr, scale_ptr, offset_ptr, bias_ptr, out_ptr, part_ptr, counter_ptr,
                             N, K, stride_xm, stride_om, stride_q, SPLITS,
                             BLOCKSIZE: tl.constexpr, BLOCK_N: tl.constexpr, CHUNK: tl.constexpr,
-                            EVEN_K: tl.constexpr, PARTIAL: tl.constexpr, HAS_OFFSET: tl.constexpr,
+                            EVEN_K: tl.constexpr, PARTIAL: tl.constexpr, REDUCE: tl.constexpr, HAS_OFFSET: tl.constexpr,
                             HAS_BIAS: tl.constexpr, DECODE_PTX: tl.constexpr = False):
     # One program: BLOCK_N output features of one row of x, over 1/SPLITS of K, CHUNK columns a step (CHUNK a
     # multiple of the block).  K is a multiple of the block, so a step's blocks are whole; only the last step
@@ -130,8 +130,11 @@ def _gemv_int8_block_kernel(x_ptr, q_ptr, scale_ptr, offset_ptr, bias_ptr, out_p
             xs = tl.sum(tl.reshape(xv, (SEGS, BLOCKSIZE)), axis=1)
             acc += tl.load(offset_ptr + blk, mask=bmask, other=0.0) * xs[None, :]
     acc = tl.sum(acc, axis=1)
-    if PARTIAL:  # this split's slice of the [SPLITS, M, N] fp32 partials (kernels/_split_k.py adds them)
-        tl.store(out_ptr + (pid_k * tl.num_programs(1) + m).to(tl.int64) * N + n, acc, mask=n_mask)
+    if PARTIAL:
+        # this split's slice of the [SPLITS, M, N] fp32 partials; the tile's last split adds them (kernels/_split_k.py)
+        store_or_reduce(acc, part_ptr, out_ptr, bias_ptr, counter_ptr, m.to(tl.int64) * N + n,
+                        m.to(tl.int64) * stride_om + n, n, n_mask, pid_k, m * tl.num_programs(0) + tl.program_id(0),
+                        tl.num_programs(1) * N, SPLITS, REDUCE, HAS_BIAS)
     else:
         if HAS_BIAS:
             acc += tl.load(bias_ptr + n, mask=n_mask, other=0.0).to(tl.float32)
@@ -139,11 +142,11 @@ def _gemv_int8_block_kernel(x_ptr, q_ptr, scale_ptr, offset_ptr, bias_ptr, out_p
 
 
 @triton.jit
-def _gemm_int8_block_kernel(x_ptr, q_ptr, scale_ptr, offset_ptr, bias_ptr, out_ptr,
+def _gemm_int8_block_kernel(x_ptr, q_ptr, scale_ptr, offset_ptr, bias_ptr, out_ptr, part_ptr, counter_ptr,
                             M, N, K, stride_xm, stride_om, stride_q,
                             BLOCKSIZE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                             BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, SPLIT_K: tl.constexpr,
-                            HAS_OFFSET: tl.constexpr, HAS_BIAS: tl.constexpr, DOT_IN_FP32: tl.constexpr):
+                            REDUCE: tl.constexpr, HAS_OFFSET: tl.constexpr, HAS_BIAS: tl.constexpr, DOT_IN_FP32: tl.constexpr):
     # K is a multiple of BLOCK_K (the launcher falls back to BLOCK_K = BLOCKSIZE, which always divides it).
     tl.static_assert(BLOCK_K % BLOCKSIZE == 0)
     pid_m, pid_n = grouped_tile(tl.program_id(0), M, N, BLOCK_M, BLOCK_N, GROUP_M)
@@ -191,9 +194,11 @@ def _gemm_int8_block_kernel(x_ptr, q_ptr, scale_ptr, offset_ptr, bias_ptr, out_p
             acc += tl.load(bias_ptr + n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
         out = out_ptr + rm.to(tl.int64)[:, None] * stride_om + n[None, :]
         tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=m_mask[:, None] & n_mask[None, :])
-    else:  # this split's slice of the [SPLIT_K, M, N] fp32 partials (kernels/_split_k.py adds them)
-        out = out_ptr + (tl.program_id(1) * M + rm).to(tl.int64)[:, None] * N + n[None, :]
-        tl.store(out, acc, mask=m_mask[:, None] & n_mask[None, :])
+    else:  # this split's slice of the [SPLIT_K, M, N] fp32 partials; the tile's last split adds them (_split_k.py)
+        store_or_reduce(acc, part_ptr, out_ptr, bias_ptr, counter_ptr, rm.to(tl.int64)[:, None] * N + n[None, :],
+                        rm.to(tl.int64)[:, None] * stride_om + n[None, :], n[None, :],
+                        m_mask[:, None] & n_mask[None, :], tl.program_id(1), tl.program_id(0), M * N, SPLIT_K, REDUCE,
+                        HAS_BIAS)
 
 
 @triton.jit
@@ -342,28 +347,27 @@ def matmul_int8_block(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor,
     out2 = out.view(m, n)
     with on_device(x.device):
         if p.path == "gemv":
-            partials = torch.empty(p.split_k, m, n, dtype=torch.float32, device=x.device) if p.split_k > 1 else out2
             grid = (-(-n // c["BLOCK_N"]), m, p.split_k)
+            sk = split_k_buffers(out2, p.split_k, grid[0] * m)
             # The PTX decoder reads the codes as int32 words: rows must start 4-byte aligned.
             ptx = c.get("DECODE_PTX", False) and x.device.type == "cuda" and codes.data_ptr() % 4 == 0 and k % 4 == 0
-            _gemv_int8_block_kernel[grid](x2, codes, scale, off, b, partials, n, k, x2.stride(0), out2.stride(0),
-                                          k // 4 if ptx else k, p.split_k, BLOCKSIZE=blocksize, BLOCK_N=c["BLOCK_N"],
-                                          CHUNK=c["CHUNK"], EVEN_K=k % c["CHUNK"] == 0, PARTIAL=p.split_k > 1,
+            _gemv_int8_block_kernel[grid](x2, codes, scale, off, b, out2, sk.partials, sk.counters, n, k,
+                                          x2.stride(0), out2.stride(0), k // 4 if ptx else k, p.split_k,
+                                          BLOCKSIZE=blocksize, BLOCK_N=c["BLOCK_N"], CHUNK=c["CHUNK"],
+                                          EVEN_K=k % c["CHUNK"] == 0, PARTIAL=p.split_k > 1, REDUCE=sk.reduce,
                                           HAS_OFFSET=offset is not None, HAS_BIAS=bias is not None,
                                           DECODE_PTX=ptx, **options)
-            if p.split_k > 1:
-                reduce_partials(partials, out2, bias)
+            sk.finish(out2, bias)
             return out
         block_k = gemm_block_k(cfg, k, blocksize)
-        target = out2 if p.split_k == 1 else torch.empty(p.split_k, m, n, dtype=torch.float32, device=x.device)
         grid = (-(-m // c["BLOCK_M"]) * -(-n // c["BLOCK_N"]), p.split_k)
-        _gemm_int8_block_kernel[grid](x2, codes, scale, off, b, target, m, n, k, x2.stride(0), out2.stride(0), k,
-                                      BLOCKSIZE=blocksize, BLOCK_M=c["BLOCK_M"], BLOCK_N=c["BLOCK_N"],
-                                      BLOCK_K=block_k, GROUP_M=8, SPLIT_K=p.split_k,
-                                      HAS_OFFSET=offset is not None, HAS_BIAS=bias is not None,
+        sk = split_k_buffers(out2, p.split_k, grid[0])
+        _gemm_int8_block_kernel[grid](x2, codes, scale, off, b, out2, sk.partials, sk.counters, m, n, k, x2.stride(0),
+                                      out2.stride(0), k, BLOCKSIZE=blocksize, BLOCK_M=c["BLOCK_M"],
+                                      BLOCK_N=c["BLOCK_N"], BLOCK_K=block_k, GROUP_M=8, SPLIT_K=p.split_k,
+                                      REDUCE=sk.reduce, HAS_OFFSET=offset is not None, HAS_BIAS=bias is not None,
                                       DOT_IN_FP32=x.device.type == "cpu" and x.dtype == torch.bfloat16, **options)
-        if p.split_k > 1:
-            reduce_partials(target, out2, bias)
+        sk.finish(out2, bias)
     return out
 
 
@@ -378,16 +382,17 @@ def _signature(kernel: str):
             return {"q_ptr": "*i8", "scale_ptr": "*fp32", "offset_ptr": "*fp32", "out_ptr": f"*{t}", "blocks": "i32",
                     "BLOCKSIZE": "constexpr", "BLOCKS": "constexpr", "HAS_OFFSET": "constexpr"}
         s = {"x_ptr": f"*{t}", "q_ptr": "*i8", "scale_ptr": "*fp32", "offset_ptr": "*fp32", "bias_ptr": f"*{t}",
-             "out_ptr": f"*{t}"}
+             "out_ptr": f"*{t}", "part_ptr": "*fp32", "counter_ptr": "*i32"}
         s.update({"M": "i32"} if kernel == "gemm" else {})
         s.update({"N": "i32", "K": "i32", "stride_xm": "i32", "stride_om": "i32", "stride_q": "i32"})
         if kernel == "gemv":
             s.update({"SPLITS": "i32", "BLOCKSIZE": "constexpr", "BLOCK_N": "constexpr", "CHUNK": "constexpr",
-                      "EVEN_K": "constexpr", "PARTIAL": "constexpr", "HAS_OFFSET": "constexpr",
+                      "EVEN_K": "constexpr", "PARTIAL": "constexpr", "REDUCE": "constexpr",
+                      "HAS_OFFSET": "constexpr",
                       "HAS_BIAS": "constexpr", "DECODE_PTX": "constexpr"})
         else:
             s.update({"BLOCKSIZE": "constexpr", "BLOCK_M": "constexpr", "BLOCK_N": "constexpr",
-                      "BLOCK_K": "constexpr", "GROUP_M": "constexpr", "SPLIT_K": "constexpr",
+                      "BLOCK_K": "constexpr", "GROUP_M": "constexpr", "SPLIT_K": "constexpr", "REDUCE": "constexpr",
                       "HAS_OFFSET": "constexpr", "HAS_BIAS": "constexpr", "DOT_IN_FP32": "constexpr"})
         return s
     return sig
@@ -412,13 +417,14 @@ _VARIANTS = ({"BLOCKSIZE": 32, "HAS_OFFSET": False}, {"BLOCKSIZE": 16, "HAS_OFFS
 # The GEMV's variants also cover its split (PARTIAL) and whole-output forms, and a K that is not whole steps.
 GEMV_SPEC = register(KernelSpec(
     "gemv_int8_block", _gemv_int8_block_kernel, _signature("gemv"), DTYPES,
-    _compiled(GEMV_CONFIGS, lambda c: {"EVEN_K": True, "PARTIAL": True, "HAS_BIAS": False},
+    _compiled(GEMV_CONFIGS, lambda c: {"EVEN_K": True, "PARTIAL": True, "REDUCE": True, "HAS_BIAS": False},
               ("MAX_SPLIT", "SPLIT_MIN_CHUNKS", "SPLIT_BELOW_PROGRAMS"),
               ({**_VARIANTS[0]}, {**_VARIANTS[1], "PARTIAL": False, "HAS_BIAS": True},
                {**_VARIANTS[2], "EVEN_K": False}))))
 GEMM_SPEC = register(KernelSpec(
     "gemm_int8_block", _gemm_int8_block_kernel, _signature("gemm"), DTYPES,
-    _compiled(GEMM_CONFIGS, lambda c: {"GROUP_M": 8, "SPLIT_K": 1, "HAS_BIAS": True, "DOT_IN_FP32": False},
+    _compiled(GEMM_CONFIGS, lambda c: {"GROUP_M": 8, "SPLIT_K": 1, "REDUCE": True, "HAS_BIAS": True,
+                                       "DOT_IN_FP32": False},
               ("MAX_M",), _VARIANTS + ({"BLOCKSIZE": 32, "HAS_OFFSET": True, "BLOCK_K": 32, "SPLIT_K": 2},
                                        {"BLOCKSIZE": 16, "HAS_OFFSET": False, "BLOCK_K": 16, "SPLIT_K": 2}))))
 DEQUANTIZE_SPEC = register(KernelSpec(
