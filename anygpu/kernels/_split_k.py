@@ -14,7 +14,9 @@ freed (a captured graph keeps the address it was captured with); every launch le
 so graph replays need no memset.  Partials are a fresh ``torch.empty`` per call (fine under capture).  A launch
 captured while the device has no buffer large enough falls back to writing the partials only and adding them
 with ``_split_k_reduce_kernel`` (``reduce_partials``), a second launch: ``split_k_buffers`` decides, ``finish``
-runs the fallback's reduce.  Launchers share one host helper, ``split_k_buffers``.
+runs the fallback's reduce.  Launchers share one host helper, ``split_k_buffers``.  The counters assume a
+device's split-K launches run one at a time (one stream, as the engine and its graphs run them): two at once on
+two streams would share counters.
 """
 
 from __future__ import annotations
@@ -35,8 +37,8 @@ def last_arrival(counter_ptr, tile, SPLITS):
     arrives last (the counter is then set back to 0 for the next launch)."""
     tl.debug_barrier()  # every thread's partial stores come before the release of the add below
     arrived = tl.atomic_add(counter_ptr + tile, 1, sem="acq_rel", scope="gpu")
-    # Triton runs a scalar atomic in one thread and hands the old value to the others through shared memory and a
-    # barrier; this barrier keeps every thread's loads of the partials after the acquire however it is lowered.
+    # Triton runs a scalar atomic in one thread and hands the old value to the others (a warp shuffle with one warp,
+    # shared memory with more): neither orders their later loads after the acquire, this barrier does.
     tl.debug_barrier()
     last = arrived == SPLITS - 1
     if last:
