@@ -15,8 +15,8 @@ so graph replays need no memset.  Partials are a fresh ``torch.empty`` per call 
 captured while the device has no buffer large enough falls back to writing the partials only and adding them
 with ``_split_k_reduce_kernel`` (``reduce_partials``), a second launch: ``split_k_buffers`` decides, ``finish``
 runs the fallback's reduce.  Launchers share one host helper, ``split_k_buffers``.  The counters assume a
-device's split-K launches run one at a time (one stream, as the engine and its graphs run them): two at once on
-two streams would share counters.
+device's split-K launches run one at a time (in one stream's order): two at once on two streams would share
+counters.
 """
 
 from __future__ import annotations
