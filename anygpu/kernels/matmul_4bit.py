@@ -487,8 +487,8 @@ def _signature(kernel: str):
     def sig(dtype: torch.dtype) -> dict:
         t = TRITON_DTYPE[dtype]
         s = {"x_ptr": f"*{t}", "w_ptr": "*u8", "absmax_ptr": "*fp32", "code_ptr": "*fp32", "bias_ptr": f"*{t}",
-             "out_ptr": f"*{t}", "part_ptr": "*fp32", "counter_ptr": "*i32", "nested_code_ptr": "*fp32", "nested_absmax_ptr": "*fp32",
-             "nested_offset_ptr": "*fp32"}
+             "out_ptr": f"*{t}", "part_ptr": "*fp32", "counter_ptr": "*i32", "nested_code_ptr": "*fp32",
+             "nested_absmax_ptr": "*fp32", "nested_offset_ptr": "*fp32"}
         s.update({"offset_ptr": "*fp32"} if kernel != "mma" else {})
         s.update({"M": "i32"} if kernel in ("gemm", "mma") else {})
         s.update({"N": "i32", "K": "i32", "stride_xm": "i32", "stride_om": "i32"})

@@ -146,7 +146,8 @@ def _gemm_int8_block_kernel(x_ptr, q_ptr, scale_ptr, offset_ptr, bias_ptr, out_p
                             M, N, K, stride_xm, stride_om, stride_q,
                             BLOCKSIZE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                             BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, SPLIT_K: tl.constexpr,
-                            REDUCE: tl.constexpr, HAS_OFFSET: tl.constexpr, HAS_BIAS: tl.constexpr, DOT_IN_FP32: tl.constexpr):
+                            REDUCE: tl.constexpr, HAS_OFFSET: tl.constexpr, HAS_BIAS: tl.constexpr,
+                            DOT_IN_FP32: tl.constexpr):
     # K is a multiple of BLOCK_K (the launcher falls back to BLOCK_K = BLOCKSIZE, which always divides it).
     tl.static_assert(BLOCK_K % BLOCKSIZE == 0)
     pid_m, pid_n = grouped_tile(tl.program_id(0), M, N, BLOCK_M, BLOCK_N, GROUP_M)
