@@ -79,6 +79,7 @@ def test_counters_are_made_outside_capture_only_and_outgrown_ones_kept(monkeypat
     monkeypatch.setattr(_split_k, "_COUNTERS", {cuda: buf})
     monkeypatch.setattr(_split_k, "_OUTGROWN", [])
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
+    monkeypatch.setattr(_split_k, "_in_kernel_unproven", lambda device: False)  # an NVIDIA GPU
     assert _split_k.counters(cuda, 8) is buf
     assert _split_k.counters(cuda, 9) is None  # too small, and no allocation under capture
     assert _split_k._COUNTERS[cuda] is buf
@@ -87,6 +88,25 @@ def test_counters_are_made_outside_capture_only_and_outgrown_ones_kept(monkeypat
     assert grown.numel() == 4 * _split_k.MIN_COUNTERS and not grown.any()
     assert _split_k.counters(cpu, 5 * _split_k.MIN_COUNTERS).numel() == 8 * _split_k.MIN_COUNTERS
     assert _split_k._OUTGROWN == [grown]  # a graph captured with it may still use its address
+
+
+@pytest.mark.parametrize("arch,in_kernel", [("gfx942", False), ("gfx90a", False), ("gfx1100", False),
+                                             ("sm_90", True), ("sm_80", True)])
+def test_amd_gpus_keep_the_reduce_launch(monkeypatch, arch, in_kernel):
+    """Faked device properties: the in-kernel add (its barrier + one release atomic) is for NVIDIA only."""
+    from anygpu.backend.targets import parse_target_list
+
+    (target,) = parse_target_list(arch)
+    monkeypatch.setattr(_split_k, "device_target", lambda device: target)
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+    _split_k._in_kernel_unproven.cache_clear()
+    gpu = torch.device("cuda", 7)
+    buf = torch.zeros(_split_k.MIN_COUNTERS, dtype=torch.int32)
+    monkeypatch.setattr(_split_k, "_COUNTERS", {gpu: buf})
+    try:
+        assert (_split_k.counters(gpu, 4) is buf) == in_kernel
+    finally:
+        _split_k._in_kernel_unproven.cache_clear()
 
 
 @pytest.mark.gpu

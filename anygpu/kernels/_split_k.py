@@ -9,6 +9,8 @@ program whose add returns SPLITS - 1 is the last of its tile: it loads the tile'
 output and sets the counter back to 0 (``add_partials``).  Deterministic: the same additions in the same order on
 every run, the same bits as the separate reduce kernel below; one launch instead of two, and no program waits.
 
+NVIDIA GPUs and Triton's interpreter only: AMD GPUs keep the second launch (``counters`` says why).
+
 Counters: one int32 zero buffer per device (``counters``), made only outside CUDA-graph capture, grown there, never
 freed (a captured graph keeps the address it was captured with); every launch leaves the counters it used at 0,
 so graph replays need no memset.  Partials are a fresh ``torch.empty`` per call (fine under capture).  A launch
@@ -130,7 +132,12 @@ MIN_COUNTERS = 1 << 14
 
 def counters(device: torch.device, tiles: int) -> torch.Tensor | None:
     """The device's int32 zero counters, at least ``tiles`` of them: made (or grown) now unless the current stream
-    is capturing a CUDA graph, where None says the launch must fall back to ``reduce_partials``."""
+    is capturing a CUDA graph, where None says the launch must fall back to ``reduce_partials``.  None on AMD GPUs
+    too: there a workgroup barrier does not wait for the other waves' stores to complete before the one atomic's
+    release (the protocol above is CUTLASS's split-K semaphore on NVIDIA), and it has not run on AMD hardware, so
+    AMD keeps the second launch."""
+    if _in_kernel_unproven(device):
+        return None
     buf = _COUNTERS.get(device)
     if buf is not None and buf.numel() >= tiles:
         return buf
@@ -141,6 +148,12 @@ def counters(device: torch.device, tiles: int) -> torch.Tensor | None:
     buf = _COUNTERS[device] = torch.zeros(max(MIN_COUNTERS, triton.next_power_of_2(tiles)), dtype=torch.int32,
                                           device=device)
     return buf
+
+
+@functools.lru_cache(maxsize=16)
+def _in_kernel_unproven(device: torch.device) -> bool:
+    target = device_target(device)
+    return target is not None and target.is_amd
 
 
 class SplitK(NamedTuple):
