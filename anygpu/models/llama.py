@@ -38,6 +38,7 @@ from ..ops import (
     flash_attn_varlen,
     fused_add_rms_norm,
     gelu_and_mul,
+    linear,
     paged_decode,
     paged_prefill,
     rms_norm,
@@ -50,6 +51,16 @@ from .parallel import LlamaShard, TensorParallel
 from .rope import rotary_table
 
 MODES = ("prefill", "decode", "mixed")
+
+
+def project(layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """``layer(x)`` for a projection: a plain ``nn.Linear`` on a GPU runs ``ops.linear`` (a Triton GEMV for one
+    row, the vendor GEMM otherwise); a quantized, adapted (PEFT), hooked or re-routed layer (``tunable.route``
+    sets its ``forward``) runs its own forward."""
+    if (type(layer) is nn.Linear and x.is_cuda and "forward" not in layer.__dict__
+            and not (layer._forward_hooks or layer._forward_pre_hooks)):
+        return linear(x, layer.weight, layer.bias)
+    return layer(x)
 
 
 @dataclass
@@ -101,7 +112,7 @@ class Attention(nn.Module):
 
     def forward(self, x: torch.Tensor, batch: AttentionBatch) -> torch.Tensor:
         tokens = x.shape[0]
-        qkv = self.qkv_proj(x)
+        qkv = project(self.qkv_proj, x)
         q = qkv[:, : self.q_size].view(tokens, self.num_heads, self.head_dim)
         k = qkv[:, self.q_size: self.q_size + self.kv_size].view(tokens, self.num_kv_heads, self.head_dim)
         v = qkv[:, self.q_size + self.kv_size:].view(tokens, self.num_kv_heads, self.head_dim)
@@ -121,7 +132,7 @@ class Attention(nn.Module):
         else:
             out = paged_prefill(q, k_cache, v_cache, batch.block_tables, batch.cu_seqlens_q, batch.seqlens_k,
                                 batch.max_seqlen_q, batch.max_seqlen_k, self.scale, self.window_left, self.softcap)
-        return self.tp.all_reduce(self.o_proj(out.reshape(tokens, self.q_size)))
+        return self.tp.all_reduce(project(self.o_proj, out.reshape(tokens, self.q_size)))
 
 
 class MLP(nn.Module):
@@ -133,12 +144,12 @@ class MLP(nn.Module):
         self.act = cfg.hidden_act
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate_up = self.gate_up_proj(x)
+        gate_up = project(self.gate_up_proj, x)
         if self.act == "silu":
             h = silu_and_mul(gate_up)
         else:  # Gemma's gelu_pytorch_tanh, or the exact (erf) GELU
             h = gelu_and_mul(gate_up, "tanh" if self.act == "gelu_tanh" else "none")
-        return self.tp.all_reduce(self.down_proj(h))
+        return self.tp.all_reduce(project(self.down_proj, h))
 
 
 class DecoderLayer(nn.Module):
@@ -235,7 +246,7 @@ class LlamaForCausalLM(nn.Module):
         return x
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        logits = self.lm_head(hidden)
+        logits = project(self.lm_head, hidden)
         if self.tp.world_size > 1:
             logits = self.tp.all_gather_last_dim(logits)[:, : self.config.vocab_size]  # drop the padding rows
         logits = logits.float()
