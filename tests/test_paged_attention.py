@@ -284,6 +284,101 @@ def test_paged_decode_kernel_split_path_equals_single_pass(kdevice):
     check_decode(windowed, q, kc, vc, tables, lens, None, 37, what="split fp32, window, graph bound")
 
 
+def _no_second_launch(monkeypatch, pd):
+    """The reduce kernel, made to fail if launched: the decode kernel must combine its splits itself."""
+    class Forbidden:
+        def __getitem__(self, grid):
+            raise AssertionError("the decode kernel should have combined its splits itself")
+
+    monkeypatch.setattr(pd, "_paged_decode_reduce_kernel", Forbidden())
+
+
+def _ragged_split_case(device, q_heads, kv_heads, head_dim, dtype=torch.bfloat16):
+    """Sequences of very different lengths under one forced split count: the longest uses all 10 splits (more
+    than one unrolled step of the combine, not a multiple of it), a short one 1 (the other 9 programs of its
+    sequence get no key), an empty one none."""
+    seqlens = [5, 0, 150, 70] if device.type != "cuda" else [5, 0, 4099, 1000, 17]
+    return paged_case(seqlens, q_heads, kv_heads, head_dim, 16, dtype, device)
+
+
+@pytest.mark.parametrize("q_heads,kv_heads,head_dim,window_left,softcap",
+                         [(8, 2, 64, -1, 0.0), (16, 2, 80, 20, 2.5)])  # the second: 640 elements per group, so
+def test_paged_decode_kernel_merges_splits_as_the_reduce_launch_did(  # the combine runs two blocks; D not 2**k
+        kdevice, monkeypatch, q_heads, kv_heads, head_dim, window_left, softcap):
+    """The last split program of each (sequence, KV head) combines the partials: the same bits as the separate
+    reduce launch (the CUDA-graph capture fallback), every call, with the counters left at 0."""
+    from anygpu.kernels import _split_k
+    from anygpu.kernels import paged_decode as pd
+    from anygpu.kernels.launch import device_target, select
+
+    q, kc, vc, tables, lens, max_seqlen = _ragged_split_case(kdevice, q_heads, kv_heads, head_dim)
+    tile = select(pd.CONFIGS, device_target(kdevice))[0].constexprs["TILE_N"]
+    assert pd.fixed_splits(max_seqlen, 10, math.lcm(tile, 16)).num_splits == 10
+
+    def run():
+        return pd.paged_decode(q, kc, vc, tables, lens, max_seqlen, None, window_left, softcap, num_splits=10)
+
+    with monkeypatch.context() as mp:
+        mp.setattr(pd, "counters", lambda device, tiles: None)  # as under capture without counters
+        reduced = run()
+    with monkeypatch.context() as mp:
+        _no_second_launch(mp, pd)
+        first, second = run(), run()  # the second proves the first left its counters at 0
+    assert torch.equal(bits(first), bits(reduced)) and torch.equal(bits(second), bits(reduced))
+    assert not _split_k._COUNTERS[q.device].any()
+    check_decode(first, q, kc, vc, tables, lens, None, window_left, softcap, what="merged in the kernel")
+
+
+def test_paged_decode_unsplit_call_makes_the_counters(kdevice, monkeypatch):
+    """A warm-up step that does not split still makes the device's counters, so a decode graph captured later
+    with splits combines them in the kernel."""
+    from anygpu.kernels import _split_k
+    from anygpu.kernels.paged_decode import paged_decode as kernel
+
+    monkeypatch.setattr(_split_k, "_COUNTERS", {})
+    q, kc, vc, tables, lens, max_seqlen = paged_case([9, 3], 4, 2, 64, 16, torch.float16, kdevice)
+    kernel(q, kc, vc, tables, lens, max_seqlen, num_splits=1)
+    assert _split_k._COUNTERS[q.device].numel() >= _split_k.MIN_COUNTERS
+
+
+@pytest.mark.gpu
+def test_paged_decode_merged_splits_in_a_cuda_graph_are_deterministic(monkeypatch):
+    """Eager, five times, and a captured graph replayed three times: the same bits; and a graph captured without
+    counters (the fallback's second launch) the same bits too."""
+    from anygpu.kernels import _split_k
+    from anygpu.kernels import paged_decode as pd
+
+    q, kc, vc, tables, lens, max_seqlen = _ragged_split_case(torch.device("cuda"), 32, 8, 128)
+    assert pd.plan_splits(5, 8, max_seqlen, pd._device_state(q.device)[0], 64).num_splits > 1
+
+    def run(splits=None):
+        return pd.paged_decode(q, kc, vc, tables, lens, max_seqlen, num_splits=splits)
+
+    for splits in (None, 10):
+        with monkeypatch.context() as mp:
+            _no_second_launch(mp, pd)
+            eager = run(splits)
+            for _ in range(4):
+                assert torch.equal(bits(run(splits)), bits(eager)), f"splits {splits}: not deterministic"
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                out = run(splits)
+            for _ in range(3):
+                out.zero_()
+                graph.replay()
+                assert torch.equal(bits(out), bits(eager)), f"splits {splits}: replay differs from eager"
+        assert not _split_k._COUNTERS[q.device].any()
+        check_decode(eager, q, kc, vc, tables, lens, what=f"splits {splits}")
+        with monkeypatch.context() as mp:
+            mp.setattr(pd, "counters", lambda device, tiles: None)
+            assert torch.equal(bits(run(splits)), bits(eager))  # the fallback, compiled outside the capture
+            fallback = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(fallback):
+                out = run(splits)
+            fallback.replay()
+            assert torch.equal(bits(out), bits(eager)), f"splits {splits}: the captured fallback differs"
+
+
 def test_paged_decode_kernel_strided_q_and_empty_batch(kdevice):
     from anygpu.kernels.paged_decode import paged_decode as kernel
 

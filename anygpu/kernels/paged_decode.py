@@ -12,9 +12,18 @@ arithmetic per byte.  The design follows from that:
 - Online softmax in fp32 with exp2 (the scale folded with log2(e)), fp32 accumulation.
 - Split-KV (flash-decoding): when batch x Hkv programs cannot fill the GPU, each sequence's context is cut
   into partitions (a multiple of the tile and the block size); each split writes its normalised partial
-  output and log2-sum-exp (fp32) to a workspace and ``_paged_decode_reduce_kernel`` combines them.  The
-  split count is ``plan_splits``, a pure function of batch, Hkv, max_seqlen and the GPU's CU count; each
-  program cuts its own sequence's keys into that many equal partitions.
+  output and log2-sum-exp (fp32) to a workspace.  The split count is ``plan_splits``, a pure function of
+  batch, Hkv, max_seqlen and the GPU's CU count; each program cuts its own sequence's keys into that many
+  equal partitions (a short sequence leaves some empty: those programs still run and write an empty partial).
+- The splits are combined in the same launch: each split program then counts itself in on an int32 counter of
+  its (sequence, KV head) (``_split_k.last_arrival``: barrier, acq_rel atomic at GPU scope), and the program
+  that arrives last reads the group's partials with ``.cg`` loads, combines them (``_merge_splits``) and
+  stores the output, then leaves the counter at 0 for the next launch (and a CUDA graph's next replay): one
+  launch per layer instead of two, and no program waits.  The combine runs elementwise, one split at a time in
+  the order 0 .. n-1, so its bits depend neither on which program arrives last nor on how a kernel lays out
+  its registers: deterministic, and the same bits as the fallback.  Fallback: a launch captured in a CUDA
+  graph before the device had its counters (``_split_k.counters`` is None) writes the partials only, and
+  ``_paged_decode_reduce_kernel`` combines them in a second launch, with the same helper.
 - No host synchronisation: the grid comes from shapes and the caller's ``max_seqlen``; each program reads
   its own sequence length, so a max_seqlen above the true one (a decode graph's) costs no speed, and a low one
   never costs correctness.
@@ -32,11 +41,17 @@ import torch
 import triton
 import triton.language as tl
 
+from ._split_k import counters, last_arrival
 from .launch import TRITON_DTYPE, KernelSpec, LaunchConfig, launch_config, on_device, register
 
 LOG2E = 1.4426950408889634
 # Triton picks interpreter or compiler from this variable when a kernel is decorated; so do we.
 _INTERPRETED = tl.constexpr(os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"))
+# The combine of the splits: MERGE_BLOCK output elements at a time (4 per thread with 4 warps: one 16-byte load
+# per split), MERGE_UNROLL splits per loop step, whose loads do not depend on the running sums and so are all in
+# flight together: the combine waits on memory about n / MERGE_UNROLL times, not n.
+MERGE_BLOCK = tl.constexpr(512)
+MERGE_UNROLL = tl.constexpr(8)
 
 
 @triton.jit
@@ -89,9 +104,48 @@ def _attend_tile(q, m_i, l_i, acc, tile, lo, hi, table, k_head, v_head, dims, di
 
 
 @triton.jit
+def _merge_splits(part_out_ptr, part_lse_ptr, out_ptr, lo, hi, num_splits, HEAD_DIM: tl.constexpr):
+    """Output elements [lo, hi) of the flat [batch * num_q_heads * HEAD_DIM] output, from the num_splits
+    partials of their rows: an online softmax over the splits' log2-sum-exps, one split at a time in order.
+    Every operation is per element (no reduction across a tile, whose order would follow the register
+    layout), so the in-kernel combine and the fallback's launch give the same bits.  ``.cg`` loads: the other
+    programs' partials are read from L2 (L1 is not coherent across SMs)."""
+    # while, not for: see the note in _paged_decode_kernel.
+    start = lo
+    while start < hi:
+        e = start + tl.arange(0, MERGE_BLOCK)
+        mask = e < hi
+        row = e // HEAD_DIM  # batch * num_q_heads + head
+        lse_at = part_lse_ptr + row * num_splits
+        part_at = part_out_ptr + row * num_splits * HEAD_DIM + e % HEAD_DIM
+        m = tl.full([MERGE_BLOCK], float("-inf"), tl.float32)
+        total = tl.zeros([MERGE_BLOCK], tl.float32)
+        acc = tl.zeros([MERGE_BLOCK], tl.float32)
+        s = 0
+        while s < num_splits:
+            for u in tl.static_range(MERGE_UNROLL):
+                # (a block-shaped condition: the interpreter's mask cannot be a scalar and'ed into a block)
+                live = mask & (tl.full([MERGE_BLOCK], s + u, tl.int32) < num_splits)
+                lse = tl.load(lse_at + (s + u), mask=live, other=float("-inf"), cache_modifier=".cg")
+                part = tl.load(part_at + (s + u) * HEAD_DIM, mask=live, other=0.0, cache_modifier=".cg")
+                m_new = tl.maximum(m, lse)
+                m_base = tl.where(m_new == float("-inf"), 0.0, m_new)  # no keys yet (an empty split): no NaN
+                alpha = tl.exp2(m - m_base)
+                w = tl.exp2(lse - m_base)
+                total = total * alpha + w
+                acc = acc * alpha + w * part
+                m = m_new
+            s += MERGE_UNROLL
+        o = tl.div_rn(acc, tl.where(total == 0.0, 1.0, total))  # every split empty (seqlen 0): output 0
+        tl.store(out_ptr + e, o.to(out_ptr.dtype.element_ty), mask=mask)
+        start += MERGE_BLOCK
+
+
+# merge (0 or 1) is not specialised: the capture fallback runs the kernel the warm-up compiled, not a new one.
+@triton.jit(do_not_specialize=["merge"])
 def _paged_decode_kernel(q_ptr, key_cache_ptr, value_cache_ptr, block_tables_ptr, seqlens_ptr, out_ptr,
-                         part_out_ptr, part_lse_ptr, scale_log2, softcap_scale, softcap_log2, window_left, group,
-                         num_q_heads, granule, num_splits, q_stride_b, q_stride_h,
+                         part_out_ptr, part_lse_ptr, counter_ptr, scale_log2, softcap_scale, softcap_log2,
+                         window_left, group, num_q_heads, granule, num_splits, merge, q_stride_b, q_stride_h,
                          kc_stride_block, kc_stride_slot, kc_stride_head, vc_stride_block, vc_stride_slot,
                          vc_stride_head, bt_stride_b, HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
                          GROUP_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr, TILE_N: tl.constexpr,
@@ -154,37 +208,23 @@ def _paged_decode_kernel(q_ptr, key_cache_ptr, value_cache_ptr, block_tables_ptr
         tl.store(part_out_ptr + part_rows[:, None] * HEAD_DIM + dims[None, :], o, mask=out_mask)
         lse = tl.where(l_i == 0.0, float("-inf"), m_i + tl.log2(l_safe))
         tl.store(part_lse_ptr + part_rows, lse, mask=row_mask)
+        if merge:
+            # Every split program counts in, an empty one too (it wrote lse -inf), so the count always reaches
+            # num_splits; the last one combines the group's rows.
+            last = last_arrival(counter_ptr, b * tl.num_programs(1) + kv_head, num_splits)
+            if last:
+                first = (b * num_q_heads + kv_head * group) * HEAD_DIM
+                _merge_splits(part_out_ptr, part_lse_ptr, out_ptr, first, first + group * HEAD_DIM, num_splits,
+                              HEAD_DIM)
 
 
 @triton.jit
-def _paged_decode_reduce_kernel(part_out_ptr, part_lse_ptr, out_ptr, num_splits, HEAD_DIM: tl.constexpr,
-                                HEAD_DIM_PAD: tl.constexpr, SPLIT_CHUNK: tl.constexpr):
-    row = tl.program_id(0).to(tl.int64)  # batch * num_q_heads + head
-    dims = tl.arange(0, HEAD_DIM_PAD)
-    dim_mask = dims < HEAD_DIM
-    lse_row = part_lse_ptr + row * num_splits
-    # while, not for: see the note in _paged_decode_kernel; this kernel is tiny, so nothing is lost.
-    m = float("-inf")
-    c = 0
-    while c < num_splits:
-        splits = c + tl.arange(0, SPLIT_CHUNK)
-        m = tl.maximum(m, tl.max(tl.load(lse_row + splits, mask=splits < num_splits, other=float("-inf")), 0))
-        c += SPLIT_CHUNK
-    m = tl.where(m == float("-inf"), 0.0, m)  # every split empty (seqlen 0): weights 0, output 0
-    acc = tl.zeros([HEAD_DIM_PAD], tl.float32)
-    total = 0.0
-    c = 0
-    while c < num_splits:
-        splits = c + tl.arange(0, SPLIT_CHUNK)
-        valid = splits < num_splits
-        w = tl.exp2(tl.load(lse_row + splits, mask=valid, other=float("-inf")) - m)
-        part = tl.load(part_out_ptr + (row * num_splits + splits)[:, None] * HEAD_DIM + dims[None, :],
-                       mask=valid[:, None] & dim_mask[None, :], other=0.0)
-        acc += tl.sum(w[:, None] * part, 0)
-        total += tl.sum(w, 0)
-        c += SPLIT_CHUNK
-    o = tl.div_rn(acc, tl.where(total == 0.0, 1.0, total))
-    tl.store(out_ptr + row * HEAD_DIM + dims, o.to(out_ptr.dtype.element_ty), mask=dim_mask)
+def _paged_decode_reduce_kernel(part_out_ptr, part_lse_ptr, out_ptr, num_splits, numel, HEAD_DIM: tl.constexpr):
+    """The fallback's second launch (a decode step captured before the device had counters): MERGE_BLOCK
+    output elements per program."""
+    lo = tl.program_id(0).to(tl.int64) * MERGE_BLOCK
+    _merge_splits(part_out_ptr, part_lse_ptr, out_ptr, lo, tl.minimum(lo + MERGE_BLOCK, numel), num_splits,
+                  HEAD_DIM)
 
 
 # --- split planning: a pure function, unit-tested -------------------------------------------------------
@@ -264,7 +304,7 @@ LARGE_HEAD_CONFIGS = {
     "rdna4": _decode(_AOT_SHAPE_D256, 16, num_warps=16, num_stages=1),
 }
 
-REDUCE_CONFIGS = {"default": (LaunchConfig({"HEAD_DIM": 128, "HEAD_DIM_PAD": 128, "SPLIT_CHUNK": 16}, num_warps=4),)}
+REDUCE_CONFIGS = {"default": (LaunchConfig({"HEAD_DIM": 128}, num_warps=4),)}
 
 # The launcher takes fp16, bf16 and fp32.  CI cross-compiles, to stay under a minute on two cores, the
 # 16-bit dtypes decode runs in (fp32 is the same code with wider loads, compiled on first use), and at head
@@ -272,7 +312,7 @@ REDUCE_CONFIGS = {"default": (LaunchConfig({"HEAD_DIM": 128, "HEAD_DIM_PAD": 128
 AOT_DTYPES = (torch.float16, torch.bfloat16)
 AOT_DTYPES_D256 = (torch.bfloat16,)
 
-_INTS = ("window_left", "group", "num_q_heads", "granule", "num_splits", "q_stride_b", "q_stride_h",
+_INTS = ("window_left", "group", "num_q_heads", "granule", "num_splits", "merge", "q_stride_b", "q_stride_h",
          "kc_stride_block", "kc_stride_slot", "kc_stride_head", "vc_stride_block", "vc_stride_slot", "vc_stride_head",
          "bt_stride_b")
 
@@ -281,14 +321,15 @@ def _signature(dtype: torch.dtype) -> dict:
     t = TRITON_DTYPE[dtype]
     return {"q_ptr": f"*{t}", "key_cache_ptr": f"*{t}", "value_cache_ptr": f"*{t}", "block_tables_ptr": "*i32",
             "seqlens_ptr": "*i32", "out_ptr": f"*{t}", "part_out_ptr": "*fp32", "part_lse_ptr": "*fp32",
-            "scale_log2": "fp32", "softcap_scale": "fp32", "softcap_log2": "fp32", **dict.fromkeys(_INTS, "i32"),
+            "counter_ptr": "*i32", "scale_log2": "fp32", "softcap_scale": "fp32", "softcap_log2": "fp32",
+            **dict.fromkeys(_INTS, "i32"),
             **dict.fromkeys(("HEAD_DIM", "HEAD_DIM_PAD", "GROUP_PAD", "BLOCK_SIZE", "TILE_N", "USE_SOFTCAP"),
                             "constexpr")}
 
 
 def _reduce_signature(dtype: torch.dtype) -> dict:
     return {"part_out_ptr": "*fp32", "part_lse_ptr": "*fp32", "out_ptr": f"*{TRITON_DTYPE[dtype]}",
-            "num_splits": "i32", "HEAD_DIM": "constexpr", "HEAD_DIM_PAD": "constexpr", "SPLIT_CHUNK": "constexpr"}
+            "num_splits": "i32", "numel": "i32", "HEAD_DIM": "constexpr"}
 
 
 SPEC = register(KernelSpec("paged_decode", _paged_decode_kernel, _signature, AOT_DTYPES, CONFIGS))
@@ -303,10 +344,10 @@ SPEC_REDUCE = register(KernelSpec("paged_decode_reduce", _paged_decode_reduce_ke
 _DEVICE_STATE: dict = {}
 
 
-def _device_state(device: torch.device) -> tuple[int, torch.Tensor]:
-    """(CUs of ``device``, a 1-element fp32 tensor standing in for the workspace of the single pass, so
-    its launch has the cross-compiled signature), cached: the launcher runs every decode step.  The
-    interpreter counts 4 CUs."""
+def _device_state(device: torch.device) -> tuple[int, torch.Tensor, torch.Tensor]:
+    """(CUs of ``device``, a 1-element fp32 tensor standing in for the workspace of the single pass and a
+    1-element int32 one for the counters of a launch that does not merge, so every launch has the
+    cross-compiled signature), cached: the launcher runs every decode step.  The interpreter counts 4 CUs."""
     hit = _DEVICE_STATE.get(device)
     if hit is None:
         cus = 4
@@ -315,7 +356,8 @@ def _device_state(device: torch.device) -> tuple[int, torch.Tensor]:
 
             index = device.index if device.index is not None else torch.cuda.current_device()
             cus = backend.describe_gpu(index).multiprocessor_count
-        hit = _DEVICE_STATE[device] = (cus, torch.empty(1, dtype=torch.float32, device=device))
+        hit = _DEVICE_STATE[device] = (cus, torch.empty(1, dtype=torch.float32, device=device),
+                                       torch.zeros(1, dtype=torch.int32, device=device))
     return hit
 
 
@@ -343,7 +385,7 @@ def paged_decode(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Te
     cfg, options = launch_config(CONFIGS if head_dim_pad <= 128 else LARGE_HEAD_CONFIGS, q.device)
     tile = cfg.constexprs["TILE_N"]
     granule = math.lcm(tile, block_size)
-    num_cus, no_workspace = _device_state(q.device)
+    num_cus, no_workspace, no_counters = _device_state(q.device)
     if num_splits is None:
         plan = plan_splits(batch, kv_heads, max_seqlen, num_cus, granule)
     else:
@@ -355,17 +397,20 @@ def paged_decode(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Te
     else:  # not written by the single pass
         part_out = part_lse = no_workspace
     kc, vc = key_cache, value_cache
-    with on_device(q.device):
+    with on_device(q.device):  # counters() checks the current stream for a capture
+        # One counter per (sequence, KV head) when splitting.  Asked for on an unsplit call too (one), so that a
+        # warm-up step that does not split still makes the device's counters before a captured step that does.
+        arrivals = counters(q.device, batch * kv_heads if plan.num_splits > 1 else 1)
+        merge = plan.num_splits > 1 and arrivals is not None
         _paged_decode_kernel[(batch, kv_heads, plan.num_splits)](
-            q, kc, vc, block_tables, seqlens, out, part_out, part_lse, scale * LOG2E,
-            scale / softcap if softcap > 0 else 0.0, softcap * LOG2E, window_left, group, q_heads,
-            granule, plan.num_splits, q.stride(0), q.stride(1), kc.stride(0), kc.stride(1), kc.stride(2),
-            vc.stride(0), vc.stride(1), vc.stride(2), block_tables.stride(0), HEAD_DIM=head_dim,
+            q, kc, vc, block_tables, seqlens, out, part_out, part_lse, arrivals if merge else no_counters,
+            scale * LOG2E, scale / softcap if softcap > 0 else 0.0, softcap * LOG2E, window_left, group, q_heads,
+            granule, plan.num_splits, int(merge), q.stride(0), q.stride(1), kc.stride(0), kc.stride(1),
+            kc.stride(2), vc.stride(0), vc.stride(1), vc.stride(2), block_tables.stride(0), HEAD_DIM=head_dim,
             HEAD_DIM_PAD=head_dim_pad, GROUP_PAD=max(16, 1 << (group - 1).bit_length()), BLOCK_SIZE=block_size,
             TILE_N=tile, USE_SOFTCAP=softcap > 0, **options)
-        if plan.num_splits > 1:
-            rcfg, roptions = launch_config(REDUCE_CONFIGS, q.device)
-            _paged_decode_reduce_kernel[(batch * q_heads,)](
-                part_out, part_lse, out, plan.num_splits, HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad,
-                SPLIT_CHUNK=rcfg.constexprs["SPLIT_CHUNK"], **roptions)
+        if plan.num_splits > 1 and not merge:  # captured without counters: the partials are combined here
+            _, roptions = launch_config(REDUCE_CONFIGS, q.device)
+            _paged_decode_reduce_kernel[(triton.cdiv(out.numel(), MERGE_BLOCK.value),)](
+                part_out, part_lse, out, plan.num_splits, out.numel(), HEAD_DIM=head_dim, **roptions)
     return out
