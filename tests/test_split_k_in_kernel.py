@@ -33,7 +33,8 @@ def _call(path, device, dtype, bias, split, big=False):
         table = {"gemv": K4.GEMV_CONFIGS, "mma": K4.MMA_CONFIGS, "gemm": K4.GEMM_CONFIGS}[how]
         cfg = next(c for c in select(table, target) if how != "gemm" or m <= c.constexprs["MAX_M"])
         plan = K4.Plan(how, cfg, split)
-        return lambda: K4.matmul_4bit(x, w, absmax, NF4.to(device), bs, n, k, b, plan_=plan)
+        code = NF4.to(device)  # not inside the call: a copy from the CPU cannot be captured in a CUDA graph
+        return lambda: K4.matmul_4bit(x, w, absmax, code, bs, n, k, b, plan_=plan)
     bs = 32
     codes = torch.randint(-128, 128, (n, k), dtype=torch.int8, generator=g).to(device)
     scale = (torch.rand(n * k // bs, generator=g) * 0.002 + 0.0002).to(device)
