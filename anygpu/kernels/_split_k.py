@@ -169,15 +169,16 @@ class SplitK(NamedTuple):
             reduce_partials(self.partials, out, bias)
 
 
-def split_k_buffers(out: torch.Tensor, splits: int, tiles: int) -> SplitK:
+def split_k_buffers(out: torch.Tensor, splits: int, tiles: int, add_in_kernel: bool = True) -> SplitK:
     """out [M, N], K split ``splits`` ways over ``tiles`` output tiles: at split 1 the kernel stores ``out``
     directly; above, it writes fp32 partials [splits, M, N] (a fresh buffer) and, with the device's counters, adds
-    them itself (REDUCE); under CUDA-graph capture without counters enough, ``finish`` adds them.  Call inside
+    them itself (REDUCE); under CUDA-graph capture without counters enough, or where the launcher's config says
+    ``add_in_kernel=False`` (the path measured faster with the separate launch), ``finish`` adds them.  Call inside
     ``on_device(out.device)`` (the capture check is on the current stream)."""
     if splits == 1:
         return SplitK(out, _any_counters(out.device), False)
     partials = torch.empty(splits, *out.shape, dtype=torch.float32, device=out.device)
-    buf = counters(out.device, tiles)
+    buf = counters(out.device, tiles) if add_in_kernel else None
     if buf is None:
         return SplitK(partials, partials.view(torch.int32), False)
     return SplitK(partials, buf, True)

@@ -275,7 +275,8 @@ GEMV_CONFIGS = {
 # independent.  The portable entry is what Triton's interpreter runs (AMD selects the GEMV and GEMM: PATH_LIMITS).
 MMA_CONFIGS = {
     "default": (LaunchConfig({"WARPS": 4, "MAX_SPLIT": 8, "SPLIT_MIN_STEPS": 4}, num_warps=4),),
-    "nvidia": (LaunchConfig({"WARPS": 1, "MAX_SPLIT": 8, "SPLIT_MIN_STEPS": 4, "DECODE_PTX": True}, num_warps=1),),
+    "nvidia": (LaunchConfig({"WARPS": 1, "MAX_SPLIT": 8, "SPLIT_MIN_STEPS": 4, "DECODE_PTX": True,
+                             "ADD_IN_KERNEL": False}, num_warps=1),),
 }
 # GEMM: one config per bucket of rows (MAX_M: the most rows it takes), tried in order.  A weight tile is
 # decoded once per BLOCK_M rows, so BLOCK_M grows with M; split K keeps enough programs in flight when
@@ -290,7 +291,8 @@ GEMM_CONFIGS = {
     "default": (LaunchConfig({"MAX_M": 64, "BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 64,
                               "SPLIT_K": 2}, num_warps=4),),
     "nvidia": tuple(LaunchConfig({"MAX_M": rows, "BLOCK_M": rows, "BLOCK_N": 64, "BLOCK_K": 128, "SPLIT_K": 4,
-                                  "FOLD_SCALE": True, **_NV}, num_warps=4, num_stages=3) for rows in (16, 32, 64)),
+                                  "FOLD_SCALE": True, "ADD_IN_KERNEL": rows <= 32, **_NV}, num_warps=4, num_stages=3)
+                    for rows in (16, 32, 64)),
     "cdna3": (LaunchConfig({"MAX_M": 32, "BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 64,
                             "SPLIT_K": 4}, num_warps=4, num_stages=2, matrix_instr_nonkdim=16),
               LaunchConfig({"MAX_M": 64, "BLOCK_M": 64, "BLOCK_N": 128, "BLOCK_K": 64,
@@ -302,6 +304,9 @@ GEMM_CONFIGS = {
     "rdna3": (LaunchConfig({"MAX_M": 64, "BLOCK_M": 16, "BLOCK_N": 32, "BLOCK_K": 64,
                             "SPLIT_K": 4}, num_warps=4, num_stages=1),),
 }
+# ADD_IN_KERNEL (any path): a split's last program adds the partials (kernels/_split_k.py); False where the
+# separate reduce launch measured faster on the H200 (docs/perf/2026-12-02-engine-step-s7.md: the MMA path and the
+# 64-row GEMM; the GEMV and 32-row GEMM were even or better in the kernel).
 # The most rows of x each path takes.  Past the GEMM's, dequantizing W once and calling the vendor GEMM wins:
 # the fused GEMM decodes W once per BLOCK_M rows, and from 128 rows on the H200 it lost to dequantize + cuBLAS
 # (docs/perf/2026-12-01-nf4-gemm.md).
@@ -434,7 +439,7 @@ def matmul_4bit(x: torch.Tensor, weight: torch.Tensor, absmax: torch.Tensor, cod
         if p.path == "gemv":
             chunk = c["CHUNK"]
             grid = (-(-n // c["BLOCK_N"]), m, p.split_k)
-            sk = split_k_buffers(out2, p.split_k, grid[0] * m)
+            sk = split_k_buffers(out2, p.split_k, grid[0] * m, c.get("ADD_IN_KERNEL", True))
             ptx = c.get("DECODE_PTX", False) and ptx_words
             # 16-bit pair math reads x as int32 pairs: rows must start 4-byte aligned.
             half2 = (ptx and c.get("HALF2", False) and x.dtype in (torch.float16, torch.bfloat16)
@@ -454,7 +459,7 @@ def matmul_4bit(x: torch.Tensor, weight: torch.Tensor, absmax: torch.Tensor, cod
                                  f"{m} rows, K = {k}, block size {blocksize}")
             ptx = c.get("DECODE_PTX", False)  # _mma_ptx_fits held, or the GEMM took the call
             grid = (-(-n // (16 * c["WARPS"])), p.split_k)
-            sk = split_k_buffers(out2, p.split_k, grid[0])
+            sk = split_k_buffers(out2, p.split_k, grid[0], c.get("ADD_IN_KERNEL", True))
             _gemv_mma_4bit_kernel[grid](x2, w, absmax, code, b, out2, sk.partials, sk.counters, *nest, m, n, k,
                                         x2.stride(0), out2.stride(0), k // 8, p.split_k, BLOCKSIZE=blocksize,
                                         WARPS=c["WARPS"], PARTIAL=p.split_k > 1, REDUCE=sk.reduce, NESTED=nested,
@@ -467,7 +472,7 @@ def matmul_4bit(x: torch.Tensor, weight: torch.Tensor, absmax: torch.Tensor, cod
             if c.get("FOLD_SCALE") and c["BLOCK_K"] % blocksize == 0 and k % c["BLOCK_K"] == 0:
                 block_k = c["BLOCK_K"]
             grid = (-(-m // c["BLOCK_M"]) * -(-n // c["BLOCK_N"]), p.split_k)
-            sk = split_k_buffers(out2, p.split_k, grid[0])
+            sk = split_k_buffers(out2, p.split_k, grid[0], c.get("ADD_IN_KERNEL", True))
             _gemm_4bit_kernel[grid](x2, w, absmax, code, b, out2, sk.partials, sk.counters, *nest, off, m, n, k,
                                     x2.stride(0), out2.stride(0), k // 2, BLOCKSIZE=blocksize, NESTED=nested,
                                     HAS_BIAS=bias is not None, GROUP_M=8, BLOCK_M=c["BLOCK_M"],
@@ -531,14 +536,14 @@ GEMV_SPEC = register(KernelSpec(
                                             "PARTIAL": True, "REDUCE": True, "NESTED": False, "HAS_BIAS": True,
                                             "DECODE_PTX": c.constexprs.get("DECODE_PTX", False),
                                             "HALF2": c.constexprs.get("HALF2", False)},
-                   drop=("MAX_SPLIT", "SPLIT_MIN_CHUNKS"),
+                   drop=("MAX_SPLIT", "SPLIT_MIN_CHUNKS", "ADD_IN_KERNEL"),
                    gguf=lambda c: {"BLOCKSIZE": 32, "SEG": min(32, c.constexprs["CHUNK"]), "PARTIAL": False})))
 GEMM_SPEC = register(KernelSpec(
     "gemm_4bit", _gemm_4bit_kernel, _signature("gemm"), DTYPES,
     _with_defaults(GEMM_CONFIGS, lambda c: {"BLOCKSIZE": 64, "NESTED": True, "HAS_BIAS": False,
                                             "GROUP_M": 8, "DOT_IN_FP32": False, "SPLIT_K": 1,
                                             "REDUCE": False, "DECODE_PTX": c.constexprs.get("DECODE_PTX", False)},
-                   drop=("MAX_M", "FOLD_SCALE"),
+                   drop=("MAX_M", "FOLD_SCALE", "ADD_IN_KERNEL"),
                    # the GGUF variant also covers the split form, whose last split adds the partials
                    gguf=lambda c: {"BLOCKSIZE": 32, "NESTED": False, "SPLIT_K": c.constexprs["SPLIT_K"],
                                    "REDUCE": True})))
@@ -546,4 +551,4 @@ MMA_SPEC = register(KernelSpec(
     "gemv_mma_4bit", _gemv_mma_4bit_kernel, _signature("mma"), DTYPES,
     _with_defaults(MMA_CONFIGS, lambda c: {"BLOCKSIZE": 64, "PARTIAL": True, "REDUCE": True, "NESTED": True,
                                            "HAS_BIAS": False, "DECODE_PTX": c.constexprs.get("DECODE_PTX", False)},
-                   drop=("MAX_SPLIT", "SPLIT_MIN_STEPS"))))
+                   drop=("MAX_SPLIT", "SPLIT_MIN_STEPS", "ADD_IN_KERNEL"))))

@@ -226,8 +226,10 @@ GEMV_CONFIGS = {
     "default": (LaunchConfig({"BLOCK_N": 32, "CHUNK": 256, "MAX_SPLIT": 4, "SPLIT_MIN_CHUNKS": 4,
                               "SPLIT_BELOW_PROGRAMS": 512}, num_warps=4),),
     "nvidia": (LaunchConfig({"BLOCK_N": 16, "CHUNK": 512, "MAX_SPLIT": 4, "SPLIT_MIN_CHUNKS": 2,
-                             "SPLIT_BELOW_PROGRAMS": 4096, "DECODE_PTX": True}, num_warps=4),),
+                             "SPLIT_BELOW_PROGRAMS": 4096, "DECODE_PTX": True, "ADD_IN_KERNEL": False}, num_warps=4),),
 }
+# ADD_IN_KERNEL (GEMV and GEMM): a split's last program adds the partials (kernels/_split_k.py); False where the
+# separate reduce launch measured faster on the H200 (docs/perf/2026-12-02-engine-step-s7.md: the GEMV, 64 rows).
 # GEMM: one config per bucket of rows (MAX_M), tried in order, as the 4-bit GEMM's.  BLOCK_K spans several
 # blocks (the dequantized-tile path) when K allows, else one block.  NVIDIA: of 15 tile configs at 64 rows,
 # 64 x 64 x 128 tiles with split 4 were the best on the down projection and within 10 % elsewhere; one-block
@@ -235,8 +237,8 @@ GEMV_CONFIGS = {
 GEMM_CONFIGS = {
     "default": (LaunchConfig({"MAX_M": 64, "BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 64, "SPLIT_K": 2},
                              num_warps=4),),
-    "nvidia": tuple(LaunchConfig({"MAX_M": rows, "BLOCK_M": rows, "BLOCK_N": 64, "BLOCK_K": 128, "SPLIT_K": 4},
-                                 num_warps=4, num_stages=3) for rows in (16, 32, 64)),
+    "nvidia": tuple(LaunchConfig({"MAX_M": rows, "BLOCK_M": rows, "BLOCK_N": 64, "BLOCK_K": 128, "SPLIT_K": 4,
+                                  "ADD_IN_KERNEL": rows <= 32}, num_warps=4, num_stages=3) for rows in (16, 32, 64)),
     "cdna3": (LaunchConfig({"MAX_M": 32, "BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 64, "SPLIT_K": 4},
                            num_warps=4, num_stages=2, matrix_instr_nonkdim=16),
               LaunchConfig({"MAX_M": 64, "BLOCK_M": 64, "BLOCK_N": 64, "BLOCK_K": 64, "SPLIT_K": 2},
@@ -349,7 +351,7 @@ def matmul_int8_block(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor,
     with on_device(x.device):
         if p.path == "gemv":
             grid = (-(-n // c["BLOCK_N"]), m, p.split_k)
-            sk = split_k_buffers(out2, p.split_k, grid[0] * m)
+            sk = split_k_buffers(out2, p.split_k, grid[0] * m, c.get("ADD_IN_KERNEL", True))
             # The PTX decoder reads the codes as int32 words: rows must start 4-byte aligned.
             ptx = c.get("DECODE_PTX", False) and x.device.type == "cuda" and codes.data_ptr() % 4 == 0 and k % 4 == 0
             _gemv_int8_block_kernel[grid](x2, codes, scale, off, b, out2, sk.partials, sk.counters, n, k,
@@ -362,7 +364,7 @@ def matmul_int8_block(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor,
             return out
         block_k = gemm_block_k(cfg, k, blocksize)
         grid = (-(-m // c["BLOCK_M"]) * -(-n // c["BLOCK_N"]), p.split_k)
-        sk = split_k_buffers(out2, p.split_k, grid[0])
+        sk = split_k_buffers(out2, p.split_k, grid[0], c.get("ADD_IN_KERNEL", True))
         _gemm_int8_block_kernel[grid](x2, codes, scale, off, b, out2, sk.partials, sk.counters, m, n, k, x2.stride(0),
                                       out2.stride(0), k, BLOCKSIZE=blocksize, BLOCK_M=c["BLOCK_M"],
                                       BLOCK_N=c["BLOCK_N"], BLOCK_K=block_k, GROUP_M=8, SPLIT_K=p.split_k,
@@ -419,15 +421,16 @@ _VARIANTS = ({"BLOCKSIZE": 32, "HAS_OFFSET": False}, {"BLOCKSIZE": 16, "HAS_OFFS
 GEMV_SPEC = register(KernelSpec(
     "gemv_int8_block", _gemv_int8_block_kernel, _signature("gemv"), DTYPES,
     _compiled(GEMV_CONFIGS, lambda c: {"EVEN_K": True, "PARTIAL": True, "REDUCE": True, "HAS_BIAS": False},
-              ("MAX_SPLIT", "SPLIT_MIN_CHUNKS", "SPLIT_BELOW_PROGRAMS"),
+              ("MAX_SPLIT", "SPLIT_MIN_CHUNKS", "SPLIT_BELOW_PROGRAMS", "ADD_IN_KERNEL"),
               ({**_VARIANTS[0]}, {**_VARIANTS[1], "PARTIAL": False, "HAS_BIAS": True},
                {**_VARIANTS[2], "EVEN_K": False}))))
 GEMM_SPEC = register(KernelSpec(
     "gemm_int8_block", _gemm_int8_block_kernel, _signature("gemm"), DTYPES,
     _compiled(GEMM_CONFIGS, lambda c: {"GROUP_M": 8, "SPLIT_K": 1, "REDUCE": True, "HAS_BIAS": True,
                                        "DOT_IN_FP32": False},
-              ("MAX_M",), _VARIANTS + ({"BLOCKSIZE": 32, "HAS_OFFSET": True, "BLOCK_K": 32, "SPLIT_K": 2},
-                                       {"BLOCKSIZE": 16, "HAS_OFFSET": False, "BLOCK_K": 16, "SPLIT_K": 2}))))
+              ("MAX_M", "ADD_IN_KERNEL"),
+              _VARIANTS + ({"BLOCKSIZE": 32, "HAS_OFFSET": True, "BLOCK_K": 32, "SPLIT_K": 2},
+                           {"BLOCKSIZE": 16, "HAS_OFFSET": False, "BLOCK_K": 16, "SPLIT_K": 2}))))
 DEQUANTIZE_SPEC = register(KernelSpec(
     "dequantize_int8_block", _dequantize_int8_block_kernel, _signature("dequantize"), DTYPES,
     _compiled(DEQUANTIZE_CONFIGS, lambda c: {}, (), _VARIANTS)))
