@@ -69,6 +69,7 @@ def _gpu_run(folder, dtype, params_of, graph_argmax=True, **kw):
         if not kw.get("enforce_eager"):
             assert engine.runner.graphs, "no decode graph was captured"
         engine.runner.graph_argmax = graph_argmax
+        engine.run_ahead = False  # the sampler's shortcut is what is tested here (run-ahead: test_engine_run_ahead)
         calls = _spy(engine)
         out = _run(engine, params_of)
         if graph_argmax and engine.runner.graphs:  # the replayed graph's ids are the argmax of its logits rows
