@@ -22,6 +22,7 @@ import triton
 import triton.language as tl
 
 from .launch import TRITON_DTYPE, KernelSpec, LaunchConfig, launch_config, on_device, register
+from .rotary_embedding import cos_sin_row
 
 
 @triton.jit
@@ -69,12 +70,7 @@ def _rotary_and_cache_kernel(pos_ptr, q_ptr, k_ptr, v_ptr, cos_sin_ptr, key_cach
                              HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, TAIL_PAD: tl.constexpr):
     token = tl.program_id(0).to(tl.int64)  # int64: tokens x stride can pass 2**31 on long prompts
     block = tl.program_id(1)
-    pairs = tl.arange(0, BLOCK_HALF)
-    # Positions are not checked against the cos/sin cache's length: that would need a device-to-host sync.
-    pos = tl.load(pos_ptr + token).to(tl.int64)
-    row = cos_sin_ptr + pos * cos_sin_stride
-    cos = tl.load(row + pairs, mask=pairs < half, other=0.0).to(tl.float32)[None, :]
-    sin = tl.load(row + half + pairs, mask=pairs < half, other=0.0).to(tl.float32)[None, :]
+    cos, sin = cos_sin_row(pos_ptr, token, cos_sin_ptr, cos_sin_stride, half, BLOCK_HALF)
     q_blocks = tl.cdiv(n_q_heads, BLOCK_H)
     if block < q_blocks:
         heads = block * BLOCK_H + tl.arange(0, BLOCK_H)

@@ -49,17 +49,24 @@ def _rotate_heads(base_ptr, token, token_stride, head_stride, first_head, n_head
 
 
 @triton.jit
+def cos_sin_row(pos_ptr, token, cache_ptr, cache_stride, half, BLOCK_HALF: tl.constexpr):
+    """Token ``token``'s cos and sin halves from the [max_position, rot_dim] table, fp32, as [1, BLOCK_HALF] rows.
+    Positions are not checked against the table's length: that would need a device-to-host sync."""
+    pairs = tl.arange(0, BLOCK_HALF)
+    pos = tl.load(pos_ptr + token).to(tl.int64)
+    cache_row = cache_ptr + pos * cache_stride
+    cos = tl.load(cache_row + pairs, mask=pairs < half, other=0.0).to(tl.float32)[None, :]
+    sin = tl.load(cache_row + half + pairs, mask=pairs < half, other=0.0).to(tl.float32)[None, :]
+    return cos, sin
+
+
+@triton.jit
 def _rotary_kernel(pos_ptr, q_ptr, k_ptr, cache_ptr, q_token_stride, q_head_stride, k_token_stride, k_head_stride,
                    cache_stride, n_q_heads, n_k_heads, half,
                    BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr, IS_NEOX: tl.constexpr):
     token = tl.program_id(0).to(tl.int64)  # int64: tokens x stride can pass 2**31 on long prompts
     block = tl.program_id(1)
-    pairs = tl.arange(0, BLOCK_HALF)
-    # Positions are not checked against the cache's length: that would need a device-to-host sync.
-    pos = tl.load(pos_ptr + token).to(tl.int64)
-    cache_row = cache_ptr + pos * cache_stride
-    cos = tl.load(cache_row + pairs, mask=pairs < half, other=0.0).to(tl.float32)[None, :]
-    sin = tl.load(cache_row + half + pairs, mask=pairs < half, other=0.0).to(tl.float32)[None, :]
+    cos, sin = cos_sin_row(pos_ptr, token, cache_ptr, cache_stride, half, BLOCK_HALF)
     q_blocks = tl.cdiv(n_q_heads, BLOCK_H)
     if block < q_blocks:
         _rotate_heads(q_ptr, token, q_token_stride, q_head_stride, block * BLOCK_H, n_q_heads, cos, sin, half,
