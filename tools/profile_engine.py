@@ -2,8 +2,9 @@
 
     python3 tools/profile_engine.py [--quantize nf4] [--batch 1] [--steps 20] [--tp 2]
 
-Prints the host wall time per step (schedule + prepare + model + sample), the GPU kernels by total time, and
-the split of a step between scheduling, input preparation, the model call and sampling.
+Prints the split of a step run one at a time between scheduling, input preparation, the model call with sampling
+and the scheduler's update (host clock), then profiles steps as the engine runs them (run-ahead included): the
+GPU kernels by total time.
 """
 
 from __future__ import annotations
@@ -31,6 +32,9 @@ def main():
     params = SamplingParams(max_tokens=4 * args.steps, temperature=0, ignore_eos=True)
     for i, p in enumerate(random_prompts(args.batch, args.input_len, cfg.vocab_size)):
         engine.add_request(str(i), p, params)
+    # The phase split below drives the scheduler and runner by hand, one step at a time: no step may be left
+    # launched ahead (LLMEngine's run-ahead) when it starts.  The profiled steps at the end run as the engine does.
+    run_ahead, engine.run_ahead = engine.run_ahead, False
     t = time.perf_counter()
     engine.step()  # prefill (all prompts fit the default budget)
     torch.cuda.synchronize()
@@ -53,6 +57,7 @@ def main():
         for k, v in zip(phases, (t1 - t0, t2 - t1, t3 - t2, t4 - t3)):
             phases[k] += v
     print("per step (ms): " + ", ".join(f"{k} {1e3 * v / args.steps:.3f}" for k, v in phases.items()))
+    engine.run_ahead = run_ahead
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
                                             torch.profiler.ProfilerActivity.CUDA]) as prof:
         t = time.perf_counter()
