@@ -109,8 +109,8 @@ def test_tp2_random_model_equals_tp1():
     (worker,) = multiprocessing.active_children()
     pack = engine.runner.pack
 
-    def recording_pack(batch):
-        message, *rest = pack(batch)
+    def recording_pack(batch, *args, **kwargs):
+        message, *rest = pack(batch, *args, **kwargs)
         modes.add(int(message[0]))
         return (message, *rest)
 
