@@ -176,20 +176,24 @@ def split_k_buffers(out: torch.Tensor, splits: int, tiles: int, add_in_kernel: b
     ``add_in_kernel=False`` (the path measured faster with the separate launch), ``finish`` adds them.  Call inside
     ``on_device(out.device)`` (the capture check is on the current stream)."""
     if splits == 1:
-        return SplitK(out, _any_counters(out.device), False)
+        return SplitK(out, unused_counters(out.device), False)
     partials = torch.empty(splits, *out.shape, dtype=torch.float32, device=out.device)
     buf = counters(out.device, tiles) if add_in_kernel else None
     if buf is None:
-        return SplitK(partials, partials.view(torch.int32), False)
+        return SplitK(partials, unused_counters(out.device), False)
     return SplitK(partials, buf, True)
 
 
-def _any_counters(device: torch.device) -> torch.Tensor:
-    """An int32 buffer for a kernel's unused counter argument."""
-    buf = _COUNTERS.get(device)
+_UNUSED: dict[torch.device, torch.Tensor] = {}
+
+
+def unused_counters(device: torch.device) -> torch.Tensor:
+    """A 1-element int32 tensor for the counter argument of a launch that adds no partials in the kernel (so every
+    launch has the cross-compiled signature), kept per device: launchers run on every decode step."""
+    buf = _UNUSED.get(device)
     if buf is None:
-        buf = counters(device, 1)
-    return buf if buf is not None else torch.empty(1, dtype=torch.int32, device=device)
+        buf = _UNUSED[device] = torch.zeros(1, dtype=torch.int32, device=device)
+    return buf
 
 
 def _signature(dtype: torch.dtype) -> dict:

@@ -42,7 +42,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._split_k import counters, last_arrival
+from ._split_k import counters, last_arrival, unused_counters
 from .launch import TRITON_DTYPE, KernelSpec, LaunchConfig, launch_config, on_device, register
 
 LOG2E = 1.4426950408889634
@@ -345,10 +345,10 @@ SPEC_REDUCE = register(KernelSpec("paged_decode_reduce", _paged_decode_reduce_ke
 _DEVICE_STATE: dict = {}
 
 
-def _device_state(device: torch.device) -> tuple[int, torch.Tensor, torch.Tensor]:
-    """(CUs of ``device``, a 1-element fp32 tensor standing in for the workspace of the single pass and a
-    1-element int32 one for the counters of a launch that does not merge, so every launch has the
-    cross-compiled signature), cached: the launcher runs every decode step.  The interpreter counts 4 CUs."""
+def _device_state(device: torch.device) -> tuple[int, torch.Tensor]:
+    """(CUs of ``device``, a 1-element fp32 tensor standing in for the workspace of the single pass, so every
+    launch has the cross-compiled signature), cached: the launcher runs every decode step.  The interpreter counts
+    4 CUs."""
     hit = _DEVICE_STATE.get(device)
     if hit is None:
         cus = 4
@@ -357,8 +357,7 @@ def _device_state(device: torch.device) -> tuple[int, torch.Tensor, torch.Tensor
 
             index = device.index if device.index is not None else torch.cuda.current_device()
             cus = backend.describe_gpu(index).multiprocessor_count
-        hit = _DEVICE_STATE[device] = (cus, torch.empty(1, dtype=torch.float32, device=device),
-                                       torch.zeros(1, dtype=torch.int32, device=device))
+        hit = _DEVICE_STATE[device] = (cus, torch.empty(1, dtype=torch.float32, device=device))
     return hit
 
 
@@ -386,7 +385,7 @@ def paged_decode(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Te
     cfg, options = launch_config(CONFIGS if head_dim_pad <= 128 else LARGE_HEAD_CONFIGS, q.device)
     tile = cfg.constexprs["TILE_N"]
     granule = math.lcm(tile, block_size)
-    num_cus, no_workspace, no_counters = _device_state(q.device)
+    num_cus, no_workspace = _device_state(q.device)
     if num_splits is None:
         plan = plan_splits(batch, kv_heads, max_seqlen, num_cus, granule)
     else:
@@ -404,7 +403,7 @@ def paged_decode(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Te
         arrivals = counters(q.device, batch * kv_heads if plan.num_splits > 1 else 1)
         merge = plan.num_splits > 1 and arrivals is not None
         _paged_decode_kernel[(batch, kv_heads, plan.num_splits)](
-            q, kc, vc, block_tables, seqlens, out, part_out, part_lse, arrivals if merge else no_counters,
+            q, kc, vc, block_tables, seqlens, out, part_out, part_lse, arrivals if merge else unused_counters(q.device),
             scale * LOG2E, scale / softcap if softcap > 0 else 0.0, softcap * LOG2E, window_left, group, q_heads,
             granule, plan.num_splits, int(merge), q.stride(0), q.stride(1), kc.stride(0), kc.stride(1),
             kc.stride(2), vc.stride(0), vc.stride(1), vc.stride(2), block_tables.stride(0), HEAD_DIM=head_dim,
