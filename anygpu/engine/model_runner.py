@@ -346,6 +346,7 @@ class ModelRunner:
         logits, greedy = self._execute(message)
         if greedy is None:  # the CPU (no graphs): the sampler's greedy shortcut on the same fp32 logits
             greedy = logits.float().argmax(dim=-1)
+            self._last = (logits, greedy)  # a step run ahead of this one takes these ids, not a second argmax
             return GreedyStep(self, batch, greedy, None)
         if self._host_ids is None:  # two: the step being read and the one launched behind it
             self._host_ids = [torch.empty(self.max_num_seqs, dtype=torch.long, pin_memory=True) for _ in range(2)]
