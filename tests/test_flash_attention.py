@@ -11,6 +11,7 @@ from __future__ import annotations
 import itertools
 import math
 import warnings
+from dataclasses import replace
 
 import pytest
 import torch
@@ -19,6 +20,7 @@ from anygpu.ops import flash_attn_varlen, paged_prefill
 from anygpu.ops.flash_attn_varlen import check as varlen_check
 from anygpu.ops.flash_attn_varlen import visible_keys
 from anygpu.ops.paged_prefill import check as paged_check
+from anygpu.kernels.launch import LaunchConfig
 from anygpu.testing import assert_accurate, poison_
 
 HEAD_DIMS = (64, 80, 96, 128, 256)
@@ -184,6 +186,75 @@ def test_varlen_kernel_strided_views(kdevice):
     out = kernel(q, k, v, cu, cu, 30, 30, 0.125, True)
     assert out.is_contiguous()
     assert_rule(out, q, k, v, cu, cu, 0.125, True)
+
+
+# ---------------------------------------------------------------------------------------------------
+# The tensor-descriptor (TMA) variant of the packed kernel: q, k, v read as [tokens, heads x D] descriptors
+
+# Small tiles for Triton's interpreter (the GPU runs the Hopper table's own configs).
+TMA_TEST_CONFIG = LaunchConfig({"BLOCK_M": 16, "BLOCK_N": 16, "MAX_Q": None}, num_warps=4, num_stages=1)
+# Query and key tiles that run past their sequence into the next one, and past the tensor's end (zeros).
+TMA_CASES = [
+    ([5, 40, 0, 19], [5, 40, 0, 19], 4, 2, 64, torch.bfloat16, True, -1, 0.0),
+    ([7, 33], [20, 33], 2, 1, 64, torch.float16, False, 9, 10.0),
+    ([30, 3], [30, 17], 2, 2, 64, torch.bfloat16, True, 4, 0.0),
+    ([20, 9], [9, 21], 2, 1, 128, torch.bfloat16, True, -1, 0.0),
+]
+
+
+def _tma_configs(device):
+    from anygpu.kernels.flash_attention import TMA_CONFIGS
+
+    if torch.device(device).type == "cpu":
+        return [TMA_TEST_CONFIG]
+    if torch.cuda.get_device_capability()[0] != 9:
+        pytest.skip("tensor-descriptor attention has configs for Hopper only")
+    return list(TMA_CONFIGS["hopper"])
+
+
+@pytest.mark.parametrize("case", TMA_CASES, ids=lambda c: f"q{c[0]}-k{c[1]}-d{c[4]}-{'causal' if c[6] else 'full'}"
+                         f"-w{c[7]}-cap{c[8]}")
+def test_varlen_tma_kernel_within_rule(kdevice, case):
+    from anygpu.kernels.flash_attention import flash_attn_varlen as kernel
+
+    q_lens, k_lens, hq, hkv, d, dtype, causal, window, softcap = case
+    q, k, v, cu_q, cu_k = make_varlen(q_lens, k_lens, hq, hkv, d, dtype, kdevice)
+    for cfg in _tma_configs(kdevice):
+        out = kernel(q, k, v, cu_q, cu_k, max(q_lens), max(k_lens), d ** -0.5, causal, window, softcap, tma=cfg)
+        assert out.shape == q.shape and not out.isnan().any()
+        assert_rule(out, q, k, v, cu_q, cu_k, d ** -0.5, causal, window, softcap, what=f"{case} {cfg.label()}")
+
+
+def test_varlen_tma_kernel_keeps_other_sequences_out(kdevice):
+    """A key tile that runs past its sequence reads the next one's K and V rows: NaN there (an overflowed
+    request) must not reach this sequence's output, and the strided views of a fused QKV output work."""
+    from anygpu.kernels.flash_attention import flash_attn_varlen as kernel
+
+    hq, hkv, d = 4, 2, 64
+    qkv = torch.randn(70, hq + 2 * hkv, d, dtype=torch.bfloat16, device=kdevice)
+    qkv[45:] = float("nan")  # the third sequence
+    q, k, v = qkv[:, :hq], qkv[:, hq:hq + hkv], qkv[:, hq + hkv:]
+    cu = cumulative([25, 20, 25], kdevice)
+    for cfg in _tma_configs(kdevice):
+        out = kernel(q, k, v, cu, cu, 25, 25, 0.125, True, tma=cfg)
+        assert not out[:45].isnan().any()
+        assert_rule(out[:45], q[:45], k[:45], v[:45], cu[:3], cu[:3], 0.125, True, what=cfg.label())
+
+
+def test_tma_only_on_hopper_and_only_for_descriptor_ready_tensors():
+    from anygpu.backend.targets import parse_target_list
+    from anygpu.kernels.flash_attention import TMA_CONFIGS, _descriptor_ready, tma_config
+    from anygpu.kernels.launch import select
+
+    for target in parse_target_list("ci"):
+        assert bool(select(TMA_CONFIGS, target)) == (target.family == "hopper"), target.arch
+    x = torch.randn(10, 4, 128, dtype=torch.bfloat16)
+    assert _descriptor_ready(x) and _descriptor_ready(x[2:])
+    assert not _descriptor_ready(torch.randn(5128, dtype=torch.bfloat16)[1:5121].view(10, 4, 128))  # base 2 B off
+    assert not _descriptor_ready(torch.randn(10, 516, dtype=torch.bfloat16)[:, :512].view(10, 4, 128))  # row 1032 B
+    assert not _descriptor_ready(x.transpose(0, 1).contiguous().transpose(0, 1))  # heads not contiguous
+    assert not _descriptor_ready(x[:0])
+    assert tma_config(x, x, x, 10) is None  # the CPU: the pointer kernel (the interpreter runs both)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -428,6 +499,21 @@ def test_gpu_dispatch_runs_the_triton_kernel(dtype, monkeypatch):
 
 # ---------------------------------------------------------------------------------------------------
 # Cross-compilation of what the registry does not compile (it compiles packed K/V, causal, D = 128)
+
+
+@pytest.mark.aot
+def test_tma_variant_with_window_and_softcap_compiles_for_hopper():
+    from anygpu.backend.targets import lookup
+    from anygpu.kernels.aot import compile_one
+    from anygpu.kernels.flash_attention import TMA_SPEC, AttentionSpec
+
+    target = lookup("sm_90")
+    table = {"hopper": tuple(replace(c, constexprs={**c.constexprs, "HAS_WINDOW": True, "HAS_SOFTCAP": True,
+                                                    "IS_CAUSAL": False}) for c in TMA_SPEC.configs["hopper"])}
+    spec = AttentionSpec(TMA_SPEC.name, TMA_SPEC.fn, TMA_SPEC.signature, TMA_SPEC.dtypes, table)
+    for config in table["hopper"]:
+        report = compile_one(spec, target, config, torch.bfloat16)
+        assert report.ok and report.shared <= target.shared_per_block, report
 
 
 def _compile(target, head_dim, **variant):

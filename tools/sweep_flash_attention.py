@@ -1,20 +1,42 @@
-"""Sweep the Hopper tiles of the prefill attention kernel (a tuning aid: the winners go into
-anygpu/kernels/flash_attention.py's config tables).  Usage on a GPU: python3 tools/sweep_flash_attention.py"""
+"""Sweep the Hopper tiles of the prefill attention kernel, pointer and tensor-descriptor (TMA) variants, at the
+issue's shapes (causal, bf16, 32 heads of 128), against SDPA's cuDNN backend in the same process.  A tuning aid:
+the winners go into anygpu/kernels/flash_attention.py's CONFIGS["hopper"] and TMA_CONFIGS["hopper"].
+Usage on a GPU: python3 tools/sweep_flash_attention.py"""
 
 import torch
-import triton.testing as tt
+import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from anygpu.kernels import config, flash_attention as fa
+from anygpu.bench.timing import measure
+from anygpu.kernels import flash_attention as fa
+from anygpu.kernels import launch
 from anygpu.kernels.launch import LaunchConfig
 
-B, S, H, D = 4, 4096, 32, 128
-q, k, v = (torch.randn(B * S, H, D, device="cuda", dtype=torch.bfloat16) for _ in range(3))
-cu = torch.arange(0, (B + 1) * S, S, dtype=torch.int32, device="cuda")
-for bm, bn, warps, stages in [(128, 128, 8, 3), (128, 128, 8, 2), (128, 64, 8, 3), (128, 64, 4, 3), (64, 128, 4, 3),
-                              (128, 64, 8, 4)]:
-    fa.CONFIGS[128]["hopper"] = (LaunchConfig({"BLOCK_M": bm, "BLOCK_N": bn}, num_warps=warps, num_stages=stages),)
-    config._LAUNCH_CACHE.clear()
-    for causal in (True, False):
-        ms = tt.do_bench(lambda: fa.flash_attn_varlen(q, k, v, cu, cu, S, S, D ** -0.5, causal))
-        flops = 4 * B * S * S * H * D / (2 if causal else 1)
-        print(f"BLOCK_M={bm} BLOCK_N={bn} warps={warps} stages={stages} causal={causal}: {flops / ms / 1e9:.0f} TFLOP/s")
+H, D = 32, 128
+dev = torch.device("cuda")
+TILES = [(128, 128, 8, 3), (128, 128, 8, 2), (128, 64, 8, 3), (128, 64, 4, 3), (64, 64, 4, 3), (64, 64, 4, 2),
+         (64, 32, 4, 3), (64, 128, 4, 2)]
+for batch, seq in ((8, 2048), (4, 4096), (2, 8192)):
+    q, k, v = (torch.randn(batch * seq, H, D, device=dev, dtype=torch.bfloat16) for _ in range(3))
+    cu = torch.arange(0, (batch + 1) * seq, seq, dtype=torch.int32, device=dev)
+    flops = 2 * batch * seq * seq * H * D  # causal: half of 4 * B * S^2 * H * D
+    qb, kb, vb = (t.view(batch, seq, H, D).transpose(1, 2) for t in (q, k, v))
+    with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
+        cudnn = measure(lambda: F.scaled_dot_product_attention(qb, kb, vb, is_causal=True), device=dev)
+    print(f"{batch}x{seq}: SDPA cuDNN {flops / cudnn / 1e9:.0f} TFLOP/s")
+    pointer_table = fa.CONFIGS[128]["hopper"]
+    for bm, bn, warps, stages in TILES:
+        cfg = LaunchConfig({"BLOCK_M": bm, "BLOCK_N": bn, "MAX_Q": None}, num_warps=warps, num_stages=stages)
+        fa.CONFIGS[128]["hopper"] = (cfg,)
+        launch._LAUNCH_CACHE.clear()
+        for name, tma in (("pointer", False), ("tma", cfg)):
+            try:
+                ms = measure(lambda: fa.flash_attn_varlen(q, k, v, cu, cu, seq, seq, D ** -0.5, True, tma=tma),
+                             device=dev)
+            except Exception as e:  # noqa: BLE001 - a tile over the shared-memory limit
+                print(f"   {name} {bm}x{bn} w{warps} s{stages}: {str(e).splitlines()[0][:80]}")
+                continue
+            print(f"   {name:7s} {bm}x{bn} w{warps} s{stages}: {flops / ms / 1e9:4.0f} TFLOP/s, "
+                  f"{cudnn / ms:.2f}x cuDNN", flush=True)
+    fa.CONFIGS[128]["hopper"] = pointer_table
+    launch._LAUNCH_CACHE.clear()

@@ -95,19 +95,12 @@ def tile_range(m0, q_len, k_len, window_left, IS_CAUSAL: tl.constexpr, HAS_WINDO
 
 
 @triton.jit
-def attend_tile(acc, l_i, m_i, q, tile, q_pos, k_len, k_base, v_base, k_stride_tok, v_stride_tok, block_row,
-                k_stride_blk, v_stride_blk, scale, cap, window_left, MASKED: tl.constexpr, IS_CAUSAL: tl.constexpr,
-                HAS_WINDOW: tl.constexpr, HAS_SOFTCAP: tl.constexpr, PAGE_SIZE: tl.constexpr,
-                HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
-    """One step of the online softmax: key tile ``tile`` into (acc, l_i, m_i).  MASKED: apply the key
-    visibility mask (edge tiles only).  K/V row j is at ``k_base + j * k_stride_tok`` (PAGE_SIZE == 0:
-    packed keys) or, in a paged cache, in block ``block_row[j // PAGE_SIZE]`` at slot ``j % PAGE_SIZE``
-    (k_stride_tok is then the slot stride)."""
+def _key_tile(first_key, keys, in_seq, k_base, v_base, k_stride_tok, v_stride_tok, block_row, k_stride_blk,
+              v_stride_blk, MASKED: tl.constexpr, PAGE_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr,
+              BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
+    """A key tile through pointers: K^T [BLOCK_D, BLOCK_N], and the pointers of the matching V rows."""
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
-    first_key = tile * BLOCK_N
-    keys = first_key + offs_n
-    in_seq = keys < k_len
     # A 64-bit scalar base per tile plus 32-bit offsets inside it: no overflow on long sequences or big
     # caches, and on AMD the loads can become buffer loads (scalar base, 32-bit offsets).
     if PAGE_SIZE >= BLOCK_N:  # the tile lies inside one cache block
@@ -134,6 +127,29 @@ def attend_tile(acc, l_i, m_i, q, tile, q_pos, k_len, k_base, v_base, k_stride_t
     # K loaded as [BLOCK_D, BLOCK_N], the layout the QK dot wants, rather than loaded and transposed: on
     # CDNA that saves the transposition's registers (gfx942: 42 spilled VGPRs down to 1).
     kt = load_rows(k_tile + offs_d[:, None] + k_rows[None, :], in_seq, MASKED, HEAD_DIM, BLOCK_D, True)
+    return kt, v_tile + v_rows[:, None] + offs_d[None, :]
+
+
+@triton.jit
+def attend_tile(acc, l_i, m_i, q, tile, q_pos, k_len, k_base, v_base, k_stride_tok, v_stride_tok, block_row,
+                k_stride_blk, v_stride_blk, desc_row, desc_col, scale, cap, window_left, MASKED: tl.constexpr,
+                IS_CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_SOFTCAP: tl.constexpr, PAGE_SIZE: tl.constexpr,
+                DESC: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
+    """One step of the online softmax: key tile ``tile`` into (acc, l_i, m_i).  MASKED: apply the key
+    visibility mask (edge tiles only).  K/V row j is at ``k_base + j * k_stride_tok`` (PAGE_SIZE == 0:
+    packed keys) or, in a paged cache, in block ``block_row[j // PAGE_SIZE]`` at slot ``j % PAGE_SIZE``
+    (k_stride_tok is then the slot stride).  DESC: k_base and v_base are tensor descriptors over the packed
+    [tokens, heads x head dim] K and V; row j is descriptor row ``desc_row + j`` from column ``desc_col``
+    (rows past the sequence belong to the next one, or past the tensor read as zeros: both masked)."""
+    offs_n = tl.arange(0, BLOCK_N)
+    first_key = tile * BLOCK_N
+    keys = first_key + offs_n
+    in_seq = keys < k_len
+    if DESC:
+        kt = tl.trans(k_base.load([desc_row + first_key, desc_col]))
+    else:
+        kt, v_ptrs = _key_tile(first_key, keys, in_seq, k_base, v_base, k_stride_tok, v_stride_tok, block_row,
+                               k_stride_blk, v_stride_blk, MASKED, PAGE_SIZE, HEAD_DIM, BLOCK_N, BLOCK_D)
     qk = dot(q, kt, None)
     if HAS_SOFTCAP:
         qk = tanh(qk * scale) * cap  # scale = softmax_scale / softcap, cap = softcap * log2(e)
@@ -155,7 +171,14 @@ def attend_tile(acc, l_i, m_i, q, tile, q_pos, k_len, k_base, v_base, k_stride_t
     p = tl.math.exp2(qk * step - m_sub[:, None])
     alpha = tl.math.exp2(m_i - m_sub)
     l_i = l_i * alpha + tl.sum(p, 1)
-    v = load_rows(v_tile + v_rows[:, None] + offs_d[None, :], in_seq, MASKED, HEAD_DIM, BLOCK_D)
+    if DESC:
+        v = v_base.load([desc_row + first_key, desc_col])
+        if MASKED:
+            # Rows past the sequence are another sequence's: p is 0 there, but 0 x inf or NaN is NaN, and one
+            # request's overflow must not reach another's output.
+            v = tl.where(in_seq[:, None], v, 0.0)
+    else:
+        v = load_rows(v_ptrs, in_seq, MASKED, HEAD_DIM, BLOCK_D)
     # p in the input dtype for the tensor-core PV product, accumulated in fp32 (as FA2 does).
     acc = dot(p.to(v.dtype), v, acc * alpha[:, None])
     return acc, l_i, m_new
@@ -163,9 +186,9 @@ def attend_tile(acc, l_i, m_i, q, tile, q_pos, k_len, k_base, v_base, k_stride_t
 
 @triton.jit
 def attend_query_tile(q, k_base, v_base, k_stride_tok, v_stride_tok, block_row, k_stride_blk, v_stride_blk,
-                      m0, q_len, k_len, scale, cap, window_left, IS_CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr,
-                      HAS_SOFTCAP: tl.constexpr, PAGE_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr,
-                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
+                      desc_row, desc_col, m0, q_len, k_len, scale, cap, window_left, IS_CAUSAL: tl.constexpr,
+                      HAS_WINDOW: tl.constexpr, HAS_SOFTCAP: tl.constexpr, PAGE_SIZE: tl.constexpr, DESC: tl.constexpr,
+                      HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
     """Attention of the query tile at row ``m0`` over its keys; returns the normalised output tile (fp32),
     0 on rows that see no key."""
     lo, full_lo, full_hi, hi = tile_range(m0, q_len, k_len, window_left, IS_CAUSAL, HAS_WINDOW, BLOCK_M, BLOCK_N)
@@ -188,15 +211,15 @@ def attend_query_tile(q, k_base, v_base, k_stride_tok, v_stride_tok, block_row, 
             # int() on a 1-element array); a while loop runs in both.  Compiled, a for loop is pipelined.
             while tile < tile_end:
                 acc, l_i, m_i = attend_tile(acc, l_i, m_i, q, tile, q_pos, k_len, k_base, v_base, k_stride_tok,
-                                            v_stride_tok, block_row, k_stride_blk, v_stride_blk, scale, cap,
-                                            window_left, MASKED, IS_CAUSAL, HAS_WINDOW, HAS_SOFTCAP, PAGE_SIZE,
-                                            HEAD_DIM, BLOCK_N, BLOCK_D)
+                                            v_stride_tok, block_row, k_stride_blk, v_stride_blk, desc_row, desc_col,
+                                            scale, cap, window_left, MASKED, IS_CAUSAL, HAS_WINDOW, HAS_SOFTCAP,
+                                            PAGE_SIZE, DESC, HEAD_DIM, BLOCK_N, BLOCK_D)
                 tile += 1
         else:
             for t in range(tile, tile_end):
                 acc, l_i, m_i = attend_tile(acc, l_i, m_i, q, t, q_pos, k_len, k_base, v_base, k_stride_tok,
-                                            v_stride_tok, block_row, k_stride_blk, v_stride_blk, scale, cap,
-                                            window_left, MASKED, IS_CAUSAL, HAS_WINDOW, HAS_SOFTCAP, PAGE_SIZE,
-                                            HEAD_DIM, BLOCK_N, BLOCK_D)
+                                            v_stride_tok, block_row, k_stride_blk, v_stride_blk, desc_row, desc_col,
+                                            scale, cap, window_left, MASKED, IS_CAUSAL, HAS_WINDOW, HAS_SOFTCAP,
+                                            PAGE_SIZE, DESC, HEAD_DIM, BLOCK_N, BLOCK_D)
     l_i = tl.where(l_i == 0.0, 1.0, l_i)  # no visible key: acc is 0, and so is the output
     return acc / l_i[:, None]
