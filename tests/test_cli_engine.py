@@ -50,3 +50,17 @@ def test_bench_model_writes_json(tmp_path):
     assert r["requests"] == 6 and r["output_tokens"] == 48
     assert r["ttft_s"]["p50"] > 0 and r["tpot_s"]["p99"] >= r["tpot_s"]["p50"]
     assert "out tok/s" in run.stdout
+
+
+def test_bench_model_samples_at_a_temperature_against_a_sampling_baseline(tmp_path):
+    """``--temperature``: every request samples (engine and transformers alike); the workload line says so."""
+    out = tmp_path / "model.json"
+    run = anygpu("bench", "model", "--random-config", "tiny", "--num-prompts", "4", "--concurrency", "2",
+                 "--input-len", "16", "--output-len", "6", "--temperature", "1.0", "--json", str(out))
+    assert run.returncode == 0, run.stderr[-2000:]
+    report = json.loads(out.read_text())
+    assert report["workload"].endswith("temperature 1.0")
+    assert report["results"]["anygpu"]["output_tokens"] == 24
+    assert report["results"]["transformers"]["output_tokens"] == 24
+    bad = anygpu("bench", "model", "--random-config", "tiny", "--temperature", "-1")
+    assert bad.returncode != 0 and "--temperature" in bad.stderr

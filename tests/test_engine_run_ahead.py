@@ -1,13 +1,16 @@
-"""Greedy decode steps run ahead (issue 27: overlap host and device): while the device runs step n, the engine has
-already launched step n + 1 with step n's argmax as its input ids, and turns step n's tokens into outputs while
-n + 1 runs.  A sequence that step n finishes computes one token in vain, which nothing reads.
+"""Decode steps run ahead (issue 27: overlap host and device): while the device runs step n, the engine has already
+launched step n + 1 with step n's tokens (argmax, or sampled on the device) as its input ids, and turns step n's
+tokens into outputs while n + 1 runs.  A sequence that step n finishes computes one token in vain, which nothing
+reads.
 
 The CPU has no asynchronous launch, but the bookkeeping is the same there (``engine.run_ahead = True``), so these
 tests pin it on the CPU: every request's tokens, text and finish reason equal those of the same engine stepping
 one step at a time, through staggered lengths, stop ids and strings, EOS, aborts, requests arriving mid-run,
-sampled and logprob requests beside greedy ones, and a KV cache too small for everyone (preemption); every KV
-block comes back; steps really ran ahead.  On a GPU (through the decode graphs) the same comparison in fp32 and
-bf16.
+sampled and logprob requests beside greedy ones, seeded sampling (top-k, top-p, min-p) running ahead, a launch
+whose sampling fails, and a KV cache too small for everyone (preemption); every KV block comes back; steps really
+ran ahead; what may not run ahead (penalties, grammars, log-probabilities; sampling under tensor parallelism)
+does not.  On a GPU (through the decode graphs) the same comparison in fp32 and bf16, and sampled launches that
+never wait for the device.
 
     .venv/bin/python -m pytest -q tests/test_engine_run_ahead.py      # the GPU half on a CUDA or ROCm machine
 """
@@ -42,15 +45,15 @@ def make(run_ahead: bool, **kw) -> LLMEngine:
 
 
 def spy(engine: LLMEngine) -> list:
-    """Records each launch_greedy call: True when it ran ahead of a step in flight."""
+    """Records each launch call: True when it ran ahead of a step in flight."""
     calls = []
-    launch = engine.runner.launch_greedy
+    launch = engine.runner.launch
 
     def spied(batch, after=None):
         calls.append(after is not None)
         return launch(batch, after)
 
-    engine.runner.launch_greedy = spied
+    engine.runner.launch = spied
     return calls
 
 
@@ -75,6 +78,10 @@ def run(engine: LLMEngine, arrivals: dict[int, list], aborts: dict[int, list[str
 
 def greedy(max_tokens: int, **kw) -> SamplingParams:
     return SamplingParams(max_tokens=max_tokens, temperature=0.0, **kw)
+
+
+def sampled(max_tokens: int, seed: int | None = None, temperature: float = 0.8, **kw) -> SamplingParams:
+    return SamplingParams(max_tokens=max_tokens, temperature=temperature, seed=seed, **kw)
 
 
 def prompts(rng: random.Random, count: int) -> list[list[int]]:
@@ -164,6 +171,98 @@ def test_sampled_and_logprob_requests_beside_greedy_ones():
     assert any(calls)  # once only greedy requests are left, steps run ahead
 
 
+def test_seeded_sampled_requests_run_ahead_with_the_same_tokens():
+    rng = random.Random(7)
+    ps = prompts(rng, 6)
+    arrivals = {0: [("t", ps[0], sampled(30, seed=1, ignore_eos=True)),
+                    ("k", ps[1], sampled(25, seed=2, top_k=20, ignore_eos=True)),
+                    ("p", ps[2], sampled(20, seed=3, top_p=0.9, ignore_eos=True)),
+                    ("m", ps[3], sampled(28, seed=4, temperature=1.3, min_p=0.05, ignore_eos=True)),
+                    ("g", ps[4], greedy(15, ignore_eos=True))],
+                6: [("e", ps[5], sampled(22, seed=5))]}  # may end at EOS: equal either way
+    want, calls, _ = both(arrivals)
+    assert [len(want[r][0]) for r in "tkpmg"] == [30, 25, 20, 28, 15]
+    assert sum(calls) >= 15
+
+
+def test_unseeded_sampled_requests_run_ahead():
+    """Unseeded draws come from the global generator, which a finished row's vain token also draws from: their
+    tokens are not compared, only that every request gets its tokens and its finish."""
+    rng = random.Random(8)
+    engine = make(True)
+    calls = spy(engine)
+    got = run(engine, {0: [(f"u{i}", p, sampled(20, top_p=0.95, ignore_eos=True)) for i, p in enumerate(prompts(rng, 4))]})
+    assert all(len(v[0]) == 20 and v[2] == "length" and all(0 <= t < CONFIG.vocab_size for t in v[0])
+               for v in got.values())
+    assert sum(calls) >= 15
+
+
+@pytest.mark.parametrize("params", [sampled(12, seed=1, repetition_penalty=1.3, ignore_eos=True),
+                                    sampled(12, seed=1, frequency_penalty=0.5, ignore_eos=True),
+                                    greedy(12, presence_penalty=0.5, ignore_eos=True),
+                                    greedy(12, logprobs=1, ignore_eos=True)],
+                         ids=["repetition", "frequency", "presence", "logprobs"])
+def test_steps_that_read_the_tokens_so_far_or_return_logprobs_do_not_run_ahead(params):
+    want, calls, _ = both({0: [("x", [5, 6, 7], params)]})
+    assert len(want["x"][0]) == 12 and calls == []
+
+
+def test_which_rows_sample_without_history():
+    from anygpu.engine.sampler import samples_without_history
+    from anygpu.engine.sequence import Sequence
+
+    for params in (greedy(4), sampled(4, seed=3, top_k=5, top_p=0.9, min_p=0.1), sampled(4)):
+        assert samples_without_history([Sequence([5], params)])
+    for params in (sampled(4, repetition_penalty=1.1), greedy(4, frequency_penalty=0.2),
+                   greedy(4, presence_penalty=-0.2), sampled(4, logprobs=0)):
+        assert not samples_without_history([Sequence([5], params)])
+    guided = Sequence([5], greedy(4))
+    guided.guide = object()  # a grammar's state lives on the host
+    assert not samples_without_history([Sequence([5], greedy(4)), guided])
+
+
+def test_sampled_steps_do_not_run_ahead_under_tensor_parallelism():
+    """A worker takes a step run ahead's ids from its own argmax: only greedy batches qualify there."""
+    from anygpu.engine.scheduler import ScheduledBatch
+
+    engine = make(True)
+    engine.add_request("s", [5, 6, 7], sampled(5, seed=1, ignore_eos=True))
+    engine.add_request("g", [5, 6, 8], greedy(5, ignore_eos=True))
+    engine.step()  # both prefills
+    batch = engine.scheduler.schedule()
+    assert engine.runner.can_launch(batch)
+    greedy_only = ScheduledBatch([engine.requests["g"].seq], [1], needs_logits=[True])
+    engine.runner.workers = object()  # what rank 0 holds under tensor parallelism (can_launch only looks at it)
+    try:
+        assert not engine.runner.can_launch(batch)
+        assert engine.runner.can_launch(greedy_only)
+    finally:
+        engine.runner.workers = None
+
+
+def test_a_launch_whose_sampling_fails_runs_scheduled_with_the_same_draws():
+    """Sampling raises after the seeded generators drew: they are put back, the step runs scheduled, and every
+    token equals stepping one at a time."""
+    rng = random.Random(9)
+    ps = prompts(rng, 3)
+    arrivals = {0: [(f"r{i}", ps[i], sampled(18, seed=10 + i, top_k=30, ignore_eos=True)) for i in range(3)]}
+    want = run(make(False), arrivals)
+    engine = make(True)
+    real, count = engine.runner.sampler.sample_tensor, [0]
+
+    def flaky(logits, seqs, greedy=None):
+        tokens = real(logits, seqs, greedy)  # the draws are made
+        count[0] += 1
+        if count[0] in (4, 9):
+            raise RuntimeError("injected after drawing")
+        return tokens
+
+    engine.runner.sampler.sample_tensor = flaky
+    calls = spy(engine)
+    assert run(engine, arrivals) == want
+    assert count[0] > 10 and sum(calls) >= 8
+
+
 def test_a_cache_too_small_for_everyone_preempts_the_same_way():
     rng = random.Random(4)
     arrivals = {0: [(f"r{i}", p, greedy(40, ignore_eos=True)) for i, p in enumerate(prompts(rng, 6))]}
@@ -222,6 +321,46 @@ def test_gpu_tokens_equal_stepping_one_at_a_time(dtype):
             calls = spy(engine)
             outs.append(run(engine, arrivals, {10: ["r2"]}))
             assert sum(calls) >= (10 if run_ahead else 0)
+        finally:
+            engine.close()
+            del engine
+            gc.collect()
+            torch.cuda.empty_cache()
+    assert outs[0] == outs[1]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA or ROCm GPU (decode graphs)")
+def test_gpu_sampled_steps_run_ahead_without_waiting_for_the_device():
+    """Seeded sampled requests (top-k, top-p) beside a greedy one: the same tokens as stepping one at a time, and
+    no launch (its pack, replay, sampling and copy out) synchronizes with the device: under
+    ``torch.cuda.set_sync_debug_mode("error")`` any such call raises."""
+    rng = random.Random(11)
+    ps = prompts(rng, 5)
+    arrivals = {0: [(f"s{i}", ps[i], sampled(rng.randint(10, 30), seed=i, top_k=50, top_p=0.95, ignore_eos=True))
+                    for i in range(4)] + [("g", ps[4], greedy(25, ignore_eos=True))]}
+    outs = []
+    for run_ahead in (False, True):
+        engine = LLMEngine("tiny", config=CONFIG, tokenizer=Tokenizer.synthetic(CONFIG.vocab_size, 2), device="cuda",
+                           dtype="float32", max_num_seqs=8, max_model_len=160, num_kv_blocks=64, progress=False)
+        try:
+            engine.run_ahead = run_ahead
+            launch, errors = engine.runner.launch, []
+
+            def strict(batch, after=None, launch=launch, errors=errors):
+                torch.cuda.set_sync_debug_mode("error")
+                try:
+                    return launch(batch, after)
+                except Exception as error:
+                    errors.append(error)
+                    raise
+                finally:
+                    torch.cuda.set_sync_debug_mode("default")
+
+            engine.runner.launch = strict
+            calls = spy(engine)
+            outs.append(run(engine, arrivals))
+            assert not errors, errors[:1]
+            assert sum(calls) >= (15 if run_ahead else 0)
         finally:
             engine.close()
             del engine

@@ -90,8 +90,11 @@ def warm_up(engine: LLMEngine, input_len: int, vocab: int) -> None:
         engine.step()
 
 
-def run_engine(engine: LLMEngine, prompts: list[list[int]], output_len: int, concurrency: int) -> dict:
-    params = SamplingParams(max_tokens=output_len, temperature=0.0, ignore_eos=True)
+def run_engine(engine: LLMEngine, prompts: list[list[int]], output_len: int, concurrency: int,
+               temperature: float = 0.0) -> dict:
+    """Every prompt to ``output_len`` tokens (EOS ignored), at most ``concurrency`` in flight; greedy, or sampled
+    at ``temperature`` (vLLM's throughput benchmark samples at 1.0)."""
+    params = SamplingParams(max_tokens=output_len, temperature=temperature, ignore_eos=True)
     pending = list(enumerate(prompts))
     in_flight, done = 0, []
     start = time.perf_counter()
@@ -115,7 +118,7 @@ def run_engine(engine: LLMEngine, prompts: list[list[int]], output_len: int, con
 
 
 def run_transformers(config: ModelConfig, model_path, prompts: list[list[int]], output_len: int, concurrency: int,
-                     dtype: torch.dtype, device: torch.device) -> dict:
+                     dtype: torch.dtype, device: torch.device, temperature: float = 0.0) -> dict:
     import transformers
 
     if model_path is None:
@@ -143,7 +146,9 @@ def run_transformers(config: ModelConfig, model_path, prompts: list[list[int]], 
         ids = torch.tensor(prompts[i:i + concurrency], device=device)
         with torch.inference_mode():
             out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=output_len,
-                                 min_new_tokens=output_len, do_sample=False, pad_token_id=0)
+                                 min_new_tokens=output_len, pad_token_id=0,
+                                 **({"do_sample": True, "temperature": temperature, "top_k": 0} if temperature > 0
+                                    else {"do_sample": False}))
         tokens += (out.shape[1] - ids.shape[1]) * ids.shape[0]
     if device.type == "cuda":
         torch.cuda.synchronize(device)

@@ -57,6 +57,9 @@ def doctor(as_json, targets, no_probe):
 @click.option("--concurrency", type=click.IntRange(min=1), default=None, help="model suite (default: all prompts).")
 @click.option("--input-len", type=click.IntRange(min=1), default=512, show_default=True, help="model suite.")
 @click.option("--output-len", type=click.IntRange(min=1), default=256, show_default=True, help="model suite.")
+@click.option("--temperature", type=click.FloatRange(min=0), default=0.0, show_default=True,
+              help="model suite: 0 decodes greedily; above 0 every request samples at it (vLLM's throughput "
+                   "benchmark uses 1.0), transformers' baseline too.")
 @click.option("--baseline/--no-baseline", default=True, show_default=True,
               help="model suite: also run transformers' generate on the same workload. serve suite: also run the "
                    "offline engine on the same workload.")
@@ -107,6 +110,9 @@ def bench(suite, list_suites, quick, json_path, png_path, tp, url, api_key, requ
         from .bench_serve import bench_serve
 
         model_options["quantize"] = single_quantize(model_options["quantize"])
+        if model_options.pop("temperature"):
+            raise click.BadParameter("expected 0 for the serve suite (its requests' sampling is the load's); "
+                                     "--temperature is a model-suite option", param_hint="--temperature")
         bench_serve(json_path=json_path or "bench-results/serve.json", tp=tp, url=url, api_key=api_key,
                     request_rate=request_rate, half_load=half_load, disconnect_fraction=disconnect_fraction,
                     client_procs=client_procs, n=n, **model_options)

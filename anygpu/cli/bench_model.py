@@ -52,7 +52,7 @@ def _runs_packed_gguf(engine) -> bool:
 
 
 def bench_model(*, json_path, model, random_config, quantize, num_prompts, concurrency, input_len, output_len,
-                baseline, tp=1):
+                baseline, tp=1, temperature=0.0):
     """Each ``--quantize`` variant's engine in turn (built, warmed up, timed, freed), then transformers' generate on
     the same prompts if the unquantized model is among them."""
     from ..bench import model as bm
@@ -70,7 +70,7 @@ def bench_model(*, json_path, model, random_config, quantize, num_prompts, concu
         bm.warm_up(engine, input_len, config.vocab_size)
         label = variant or dtype_label(engine.dtype) + (" gguf-packed" if _runs_packed_gguf(engine) else "")
         key = "anygpu" if len(variants) == 1 else f"anygpu {label}"
-        results[key] = result = bm.run_engine(engine, prompts, output_len, concurrency)
+        results[key] = result = bm.run_engine(engine, prompts, output_len, concurrency, temperature)
         _bandwidth_limit(result, engine, min(concurrency, num_prompts), input_len + output_len / 2)
         names.append(label)
         if variant is None:
@@ -81,7 +81,8 @@ def bench_model(*, json_path, model, random_config, quantize, num_prompts, concu
         free_device(device)
     quant = ",".join(names) if len(variants) > 1 else (variants[0] or "")
     report = {"model": model_name + (f" ({quant})" if quant else "") + (f" tp={tp}" if tp > 1 else ""),
-              "workload": f"{num_prompts} prompts x {input_len} in / {output_len} out, concurrency {concurrency}",
+              "workload": f"{num_prompts} prompts x {input_len} in / {output_len} out, concurrency {concurrency}"
+                          + (f", temperature {temperature}" if temperature > 0 else ""),
               "device": str(device), "dtype": str(dtype), "threads": torch.get_num_threads(), "results": results}
     if base is not None and len(variants) > 1:
         unquantized = results[base[0]]["output_tokens_per_s"]
@@ -89,7 +90,7 @@ def bench_model(*, json_path, model, random_config, quantize, num_prompts, concu
     if baseline and base is not None:
         key, dtype, path = base
         results[f"transformers {dtype_label(dtype)}" if len(variants) > 1 else "transformers"] = \
-            bm.run_transformers(config, path, prompts, output_len, concurrency, dtype, device)
+            bm.run_transformers(config, path, prompts, output_len, concurrency, dtype, device, temperature)
         ref = list(results.values())[-1]["output_tokens_per_s"]
         report["speedup"] = results[key]["output_tokens_per_s"] / ref
     click.echo(bm.format_report(report))

@@ -11,11 +11,14 @@ the flat batch, sampling) -> ``Scheduler.update`` (append tokens, finish on EOS 
 each new token is detokenized incrementally, stop strings are searched in the new text, and the last
 ``len(longest stop) - 1`` characters are held back from ``delta_text`` until they cannot start a stop string.
 
-**Run-ahead** (GPUs): when every running sequence decodes greedily and none waits, step n + 1 is launched (its
-decode graph, its input ids copied on the device from step n's argmax) before step n's tokens are read, and the
-host turns those into outputs while n + 1 runs, so the host's share of a step hides behind the device's (vLLM's
-async scheduling, for the greedy decode steps).  A sequence that step n finishes computes one token in n + 1
-that nothing reads.  ``ANYGPU_RUN_AHEAD=0`` (or ``engine.run_ahead = False``) steps one at a time.
+**Run-ahead** (GPUs): when every running sequence decodes, none waits, and every one samples from its logits
+alone (greedy, or temperature / top-k / top-p / min-p, seeded or not: no penalty, grammar or log-probabilities),
+step n + 1 is launched (its decode graph, its input ids copied on the device from step n's tokens, its sampling)
+before step n's tokens are read, and the host turns those into outputs while n + 1 runs, so the host's share of a
+step hides behind the device's (vLLM's async scheduling).  A sequence that step n finishes computes one token in
+n + 1 that nothing reads (an unseeded one draws from the global generator for it, so unseeded draws differ from
+stepping one at a time; seeded sequences draw from their own).  Under tensor parallelism only greedy steps run
+ahead.  ``ANYGPU_RUN_AHEAD=0`` (or ``engine.run_ahead = False``) steps one at a time.
 
 Bad input (an empty or over-long prompt, bad sampling values, a duplicate request id) raises ValueError from
 ``add_request`` and changes nothing: the requests already running go on.
@@ -253,7 +256,7 @@ class LLMEngine:
         self._ids_by_seq: dict[int, str] = {}
         self._guides = GuideFactory(self.tokenizer, config.vocab_size, eos)  # guided_json requests only
         self.error: BaseException | None = None  # what made a step raise (see the module docstring)
-        # Greedy decode steps launched one ahead (see _launch_ahead): on GPUs, where the device runs a step while
+        # Decode steps launched one ahead (see _launch_ahead): on GPUs, where the device runs a step while
         # the host finishes the one before; the CPU computes as it launches, so there only tests turn it on.
         self.run_ahead = self.device.type == "cuda" and os.environ.get("ANYGPU_RUN_AHEAD", "1") != "0"
         self._ahead = None
@@ -310,9 +313,9 @@ class LLMEngine:
             flight = None  # a step run ahead for sequences that all finished since: nothing in it is read
         if flight is None:
             batch = self.scheduler.schedule()
-            if self.run_ahead and self.runner.can_launch_greedy(batch):
+            if self.run_ahead and self.runner.can_launch(batch):
                 try:
-                    flight = self.runner.launch_greedy(batch)
+                    flight = self.runner.launch(batch)
                 except Exception:
                     if self.tp > 1:
                         raise  # the workers may have run it: the ranks would disagree (as in _run)
@@ -376,7 +379,7 @@ class LLMEngine:
                 return None
         nxt = ScheduledBatch(list(batch.seqs), [1] * len(batch.seqs), needs_logits=[True] * len(batch.seqs))
         try:
-            return self.runner.launch_greedy(nxt, after=flight)
+            return self.runner.launch(nxt, after=flight)
         except Exception as error:  # the step then runs scheduled, as any other
             if self.tp > 1:
                 raise  # the workers may have run it: the ranks would disagree (as in _run)

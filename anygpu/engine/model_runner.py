@@ -29,9 +29,11 @@ parallelism rank 0 hands the message to ``workers.send`` before executing it, an
   instead of launching an argmax after the replay; any other step samples the graph's logits as before.  The
   argmax is in every replay, sampled steps included (one read of the logits, small next to sampling them).
   ``graph_argmax = False`` ignores it (the tests compare both ways).
-- **Launched, not awaited** (``launch_greedy``): a plainly greedy decode step can be enqueued with the copy of its
-  ids to pinned host memory and read later, and the step after it enqueued before that read, its ids copied on
-  the device from the first one's argmax (``LLMEngine``'s run-ahead).
+- **Launched, not awaited** (``launch``): a decode step whose rows sample from their logits alone (greedy, or
+  temperature / top-k / top-p / min-p with or without a seed; ``sampler.samples_without_history``) can be
+  enqueued with its sampling and the copy of its ids to pinned host memory and read later, and the step after
+  it enqueued before that read, its ids copied on the device from the first one's tokens (``LLMEngine``'s
+  run-ahead).  Under tensor parallelism greedy steps only: a worker takes the ids from its own argmax.
 - **All-reduce** (tensor parallelism): every rank's runner first calls ``tp.init_fast_all_reduce`` (collective,
   before any other collective and before capture), which sets up the symmetric-memory all-reduce for
   messages up to ``max_num_seqs`` rows of hidden size (parallel.py).  Its kernels wait for the peers with no
@@ -48,7 +50,7 @@ import torch
 import torch.distributed as dist
 
 from ..models.llama import MODES, AttentionBatch, LlamaForCausalLM
-from .sampler import Sampler, _plain_greedy, prompt_logprobs
+from .sampler import Sampler, _plain_greedy, generator_states, prompt_logprobs, restore_generators, samples_without_history
 from .scheduler import ScheduledBatch
 
 CPU_KV_CACHE_BYTES = 1 << 30
@@ -66,8 +68,9 @@ def graph_batch_sizes(max_num_seqs: int) -> list[int]:
     return sizes
 
 
-class GreedyStep:
-    """A greedy decode step in flight (``ModelRunner.launch_greedy``): its tokens on the way to host memory."""
+class LaunchedStep:
+    """A decode step in flight (``ModelRunner.launch``): its tokens, sampled on the device, on the way to host
+    memory."""
 
     __slots__ = ("runner", "batch", "host", "done")
 
@@ -110,7 +113,7 @@ class ModelRunner:
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor, torch.Tensor]] = {}
         self.graph_argmax = True  # hand a graph's argmax to the sampler (False: it samples the logits)
         self.greedy: torch.Tensor | None = None  # execute's: the last step's argmax rows, from its decode graph
-        self._host_ids: list[torch.Tensor] | None = None  # launch_greedy's pinned token buffers
+        self._host_ids: list[torch.Tensor] | None = None  # launch's pinned token buffers
         self._last = (None, None)  # the last decode step's (logits, graph argmax or None): a step run ahead's ids
         self._flip = 0
         if self.tp.world_size > 1:  # first: its setup is collective, and the warmup below all-reduces already
@@ -190,7 +193,7 @@ class ModelRunner:
         """The step as one host int64 message (see HEADER), the index of each sequence's last token if it needs
         logits, and the prompt positions whose logits give prompt log-probabilities: (sequence index, index of the
         first token, count).  ``ahead``: a decode step packed while the step before it is still running
-        (``launch_greedy``): every position one further than the scheduler's cursor, ids left 0 (the device
+        (``launch``): every position one further than the scheduler's cursor, ids left 0 (the device
         fills them in).  One tensor: a single host-to-device copy (a decode step would otherwise pay five
         small synchronous copies) and a single message to each tensor-parallel worker.
 
@@ -318,44 +321,58 @@ class ModelRunner:
             self._last = (logits, None)  # its argmax only if a step run ahead asks (the CPU, eager steps)
         return logits, None
 
-    # -- greedy decode steps launched without waiting (run-ahead) ------------------------------------------
-    def can_launch_greedy(self, batch: ScheduledBatch) -> bool:
-        """``launch_greedy`` takes this step: decode only, every row plainly greedy (its token is its logits'
-        argmax, no log-probabilities), and on a GPU a decode graph for its size (the graph's argmax)."""
+    # -- decode steps launched without waiting (run-ahead) --------------------------------------------------
+    def can_launch(self, batch: ScheduledBatch) -> bool:
+        """``launch`` takes this step: decode only, and every row's token a function of its logits alone
+        (``samples_without_history``: greedy or sampled, seeded or not; no penalty, grammar or log-probabilities).
+        On a GPU it needs a decode graph for its size, and the graph's argmax for a greedy batch.  Under tensor
+        parallelism only greedy batches: the workers take a step run ahead's ids from their own argmax."""
         if not batch.seqs or not all(batch.needs_logits):
             return False
-        if any(n != 1 for n in batch.num_tokens) or not _plain_greedy(batch.seqs):
+        if any(n != 1 for n in batch.num_tokens) or not samples_without_history(batch.seqs):
             return False
         if any(s.needs_prompt_logprobs for s in batch.seqs):
             return False
+        greedy = _plain_greedy(batch.seqs)
+        if not greedy and self.workers is not None:
+            return False
         if self.device.type == "cuda":
-            return self.graph_argmax and self._graph_size(len(batch.seqs)) is not None
+            return (self.graph_argmax or not greedy) and self._graph_size(len(batch.seqs)) is not None
         return True
 
     @torch.inference_mode()
-    def launch_greedy(self, batch: ScheduledBatch, after: GreedyStep | None = None) -> GreedyStep:
-        """Enqueue a ``can_launch_greedy`` step and the copy of its tokens to host memory, without waiting for
+    def launch(self, batch: ScheduledBatch, after: LaunchedStep | None = None) -> LaunchedStep:
+        """Enqueue a ``can_launch`` step, its sampling and the copy of its tokens to host memory, without waiting for
         the device.  ``after``: the step still running whose tokens are this step's input: each sequence one
         position further than the scheduler's cursor (it has not seen ``after``'s tokens yet), and the ids
-        copied on the device from ``after``'s argmax, so the host never waits between the two.  ``after`` must be
-        the step executed last (on every rank: tensor-parallel workers run the same messages in the same order)."""
+        copied on the device from ``after``'s tokens, so the host never waits between the two.  ``after`` must be
+        the step executed last (on every rank: tensor-parallel workers run the same messages in the same order).
+        A seeded row draws from its generator once per step, as stepping one at a time does; if sampling raises,
+        the generators are put back and the exception propagates (the engine then runs the step scheduled)."""
         b = len(batch.seqs)
         message, _, _ = self.pack(batch, ahead=after is not None)
         if self.workers is not None:
             self.workers.send(message)
         logits, greedy = self._execute(message)
-        if greedy is None:  # the CPU (no graphs): the sampler's greedy shortcut on the same fp32 logits
-            greedy = logits.float().argmax(dim=-1)
-            self._last = (logits, greedy)  # a step run ahead of this one takes these ids, not a second argmax
-            return GreedyStep(self, batch, greedy, None)
+        states = generator_states(batch.seqs)
+        try:
+            tokens = self.sampler.sample_tensor(logits, batch.seqs, greedy)
+        except Exception:
+            restore_generators(batch.seqs, states)
+            raise
+        # The next step run ahead takes these ids (``_execute``), not the graph's argmax; the graph's logits stay
+        # valid until then (its next replay is that step's).
+        self._last = (logits, tokens)
+        if self.device.type != "cuda":  # the CPU computed as it launched
+            return LaunchedStep(self, batch, tokens, None)
         if self._host_ids is None:  # two: the step being read and the one launched behind it
             self._host_ids = [torch.empty(self.max_num_seqs, dtype=torch.long, pin_memory=True) for _ in range(2)]
         host = self._host_ids[self._flip]
         self._flip ^= 1
-        host[:b].copy_(greedy[:b], non_blocking=True)
+        host[:b].copy_(tokens[:b], non_blocking=True)
         done = torch.cuda.Event()
         done.record(torch.cuda.current_stream(self.device))
-        return GreedyStep(self, batch, host[:b], done)
+        return LaunchedStep(self, batch, host[:b], done)
 
     @torch.inference_mode()
     def run(self, batch: ScheduledBatch) -> list[int | None | Exception]:

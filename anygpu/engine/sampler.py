@@ -47,6 +47,15 @@ PROMPT_ROWS_AT_ONCE = 256
 SEED_MASK = 2**64 - 1  # torch seeds are 64-bit: a negative seed becomes its two's complement, as torch reads it
 
 
+def _device_tensor(values: list, device: torch.device, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """A small tensor of per-row values on ``device``.  On a GPU through pinned memory and a non-blocking copy: a
+    plain ``torch.tensor(..., device=cuda)`` waits for the device to finish its queue, which a step launched ahead
+    (``ModelRunner.launch``) must never do."""
+    if device.type != "cuda":
+        return torch.tensor(values, dtype=dtype, device=device)
+    return torch.tensor(values, dtype=dtype).pin_memory().to(device, non_blocking=True)
+
+
 def _token_index(lists: list[list[int]], rows: list[int], vocab: int, device) -> tuple[torch.Tensor, torch.Tensor]:
     """(row, token id) pairs, one per occurrence, for a scatter into a [B, V] table; ids outside the vocab dropped."""
     ids = torch.tensor([t for toks in lists for t in toks], dtype=torch.long)
@@ -86,14 +95,14 @@ def apply_filters(logits: torch.Tensor, top_k: list[int], top_p: list[float], mi
         return logits
     device = logits.device
     sorted_logits, order = logits.sort(dim=-1, descending=True, stable=True)  # ties: lowest id first, as argmax
-    keep = torch.arange(vocab, device=device) < torch.tensor(k, device=device).unsqueeze(1)
+    keep = torch.arange(vocab, device=device) < _device_tensor(k, device).unsqueeze(1)
     if any(p < 1.0 for p in top_p):
         probs = sorted_logits.masked_fill(~keep, -math.inf).softmax(dim=-1)
         mass_before = probs.cumsum(dim=-1) - probs
-        limit = torch.tensor([p if p < 1.0 else math.inf for p in top_p], device=device).unsqueeze(1)
+        limit = _device_tensor([p if p < 1.0 else math.inf for p in top_p], device).unsqueeze(1)
         keep &= mass_before < limit
     if any(m > 0.0 for m in min_p):
-        log_min_p = torch.tensor(min_p, device=device).log().unsqueeze(1)  # log 0 = -inf keeps all
+        log_min_p = _device_tensor(min_p, device).log().unsqueeze(1)  # log 0 = -inf keeps all
         keep &= (sorted_logits - sorted_logits[:, :1]) >= log_min_p
     return torch.empty_like(logits).scatter_(-1, order, sorted_logits.masked_fill(~keep, -math.inf))
 
@@ -121,6 +130,18 @@ def prompt_logprobs(logits: torch.Tensor, targets: list[int], k: int) -> list[tu
     return entries
 
 
+def samples_without_history(seqs: list[Sequence]) -> bool:
+    """No row's token depends on anything but its logits, its parameters and its own generator: no penalty (the
+    tokens so far), no grammar (its state), no log-probabilities (read back).  Such a batch is sampled entirely
+    on the device (``Sampler.sample_tensor``), so a step can be launched before the last one's tokens are read."""
+    for s in seqs:
+        p = s.params
+        if (p.logprobs is not None or s.guide is not None or p.repetition_penalty != 1.0
+                or p.frequency_penalty != 0.0 or p.presence_penalty != 0.0):
+            return False
+    return True
+
+
 def _plain_greedy(seqs: list[Sequence]) -> bool:
     """Every row greedy with nothing that changes its logits or asks for more than the token: no penalty, no
     grammar, no log-probabilities.  The general path gives such a batch the argmax of its raw logits."""
@@ -137,19 +158,12 @@ class Sampler:
                     greedy: torch.Tensor | None = None) -> list[int | Exception]:
         """``sample``, except that a row whose sampling fails gets its exception instead of a token, and the
         other rows still get theirs (the batch is retried row by row, from the logits, only after a failure)."""
-        states = [(s, s.generator.get_state()) for s in seqs if s.generator is not None]
+        states = generator_states(seqs)
         try:
             return list(self.sample(logits, seqs, greedy))
         except Exception:
             pass
-        # Back to the generators' states before the failed batch: rows before the failing one may have drawn,
-        # and rows that had none may have made one.
-        for seq, state in states:
-            seq.generator.set_state(state)
-        had = {id(seq) for seq, _ in states}
-        for seq in seqs:
-            if id(seq) not in had:
-                seq.generator = None
+        restore_generators(seqs, states)
         results: list[int | Exception] = []
         for i, seq in enumerate(seqs):
             try:
@@ -161,16 +175,22 @@ class Sampler:
     def sample(self, logits: torch.Tensor, seqs: list[Sequence], greedy: torch.Tensor | None = None) -> list[int]:
         """One token per row: logits [B, V] (read as fp32) for seqs[0..B-1].  ``greedy``: ``logits.argmax(-1)``
         already computed (a decode graph's), used when every row is plainly greedy."""
+        return self.sample_tensor(logits, seqs, greedy).tolist()
+
+    def sample_tensor(self, logits: torch.Tensor, seqs: list[Sequence],
+                      greedy: torch.Tensor | None = None) -> torch.Tensor:
+        """``sample``'s tokens as a tensor on the logits' device [B] (int64), read back by no one: a GPU runs it
+        without waiting, except for penalties (their token tables) and log-probabilities (their entries)."""
         if logits.dim() != 2 or logits.shape[0] != len(seqs):
             raise ValueError(f"logits: expected shape [{len(seqs)}, vocab] (one row per sequence), "
                              f"got {tuple(logits.shape)}")
-        if _plain_greedy(seqs):  # the usual batch: one argmax, one read back (what the general path gives)
+        if _plain_greedy(seqs):  # the usual batch: one argmax (what the general path gives)
             if greedy is not None:
                 if greedy.shape != (len(seqs),):
                     raise ValueError(f"greedy: expected shape [{len(seqs)}] (one id per sequence), "
                                      f"got {tuple(greedy.shape)}")
-                return greedy.tolist()
-            return logits.float().argmax(dim=-1).tolist()
+                return greedy
+            return logits.float().argmax(dim=-1)
         raw = logits.float()
         # Guided rows (structured output) sample only what their grammar allows next: greedy and sampled alike.
         logits = mask_logits(apply_penalties(raw, seqs), seqs)
@@ -179,8 +199,8 @@ class Sampler:
         if rows:
             params = [seqs[i].params for i in rows]
             device = logits.device
-            index = torch.tensor(rows, device=device)
-            temperature = torch.tensor([p.temperature for p in params], device=device).unsqueeze(1)
+            index = _device_tensor(rows, device)
+            temperature = _device_tensor([p.temperature for p in params], device).unsqueeze(1)
             x = apply_filters(logits[index] / temperature, [p.top_k for p in params],
                               [p.top_p for p in params], [p.min_p for p in params])
             probs = x.softmax(dim=-1)
@@ -193,7 +213,7 @@ class Sampler:
         entries = _logprobs(raw, tokens, wanted, [seqs[i].params.logprobs for i in wanted]) if wanted else []
         for i, entry in zip(wanted, entries):  # last: nothing after this can fail and leave a stray entry
             seqs[i].output_logprobs.append(entry)
-        return tokens.tolist()
+        return tokens
 
     @staticmethod
     def _draw(seq: Sequence, vocab: int, device: torch.device) -> torch.Tensor:
@@ -203,3 +223,20 @@ class Sampler:
             seq.generator = torch.Generator(device=device).manual_seed(seq.params.seed & SEED_MASK)
         draws = torch.empty(vocab, device=seq.generator.device).exponential_(generator=seq.generator)
         return draws.to(device)
+
+
+def generator_states(seqs: list[Sequence]) -> list:
+    """The seeded rows' generator states, for ``restore_generators`` after a batch that failed."""
+    return [(s, s.generator.get_state()) for s in seqs if s.generator is not None]
+
+
+def restore_generators(seqs: list[Sequence], states: list) -> None:
+    """Back to the generators' states before a failed batch: rows before the failing one may have drawn, and rows
+    that had no generator may have made one (so a seeded request draws the same tokens whether or not a
+    neighbour failed)."""
+    for seq, state in states:
+        seq.generator.set_state(state)
+    had = {id(seq) for seq, _ in states}
+    for seq in seqs:
+        if id(seq) not in had:
+            seq.generator = None
