@@ -49,6 +49,8 @@ def test_bench_model_writes_json(tmp_path):
     r = report["results"]["anygpu"]
     assert r["requests"] == 6 and r["output_tokens"] == 48
     assert r["ttft_s"]["p50"] > 0 and r["tpot_s"]["p99"] >= r["tpot_s"]["p50"]
+    assert 0 < r["itl_s"]["p50"] <= r["itl_s"]["p99"]  # 42 gaps: 6 requests of 8 tokens
+    assert "ITL ms" in run.stdout
     assert "out tok/s" in run.stdout
 
 

@@ -3,7 +3,9 @@
 Workload: ``num_prompts`` random prompts of ``input_len`` token ids (seeded), each generating exactly
 ``output_len`` tokens (greedy, EOS ignored), at most ``concurrency`` in flight (a new one starts when one ends).
 Metrics (vLLM's definitions): output tokens/s = all generated tokens / wall time; TTFT = first token time -
-arrival; TPOT = (finish - first token) / (output tokens - 1) per request; percentiles p50/p90/p99.
+arrival; TPOT = (finish - first token) / (output tokens - 1) per request; ITL = the gap before each token after a
+request's first (its p50 is the steady decode step: TPOT also carries the prefill steps that stall a request's
+decoding when many arrive at once); percentiles p50/p90/p99.
 
 Bandwidth limit: a decode step must read every weight once (the input embedding only for its looked-up rows,
 unless the output head shares it) and each running sequence's KV cache; that many bytes at the device's measured
@@ -20,6 +22,7 @@ its own random weights (speed does not depend on the values).
 
 from __future__ import annotations
 
+import math
 import statistics
 import time
 from collections.abc import Iterator
@@ -97,13 +100,22 @@ def run_engine(engine: LLMEngine, prompts: list[list[int]], output_len: int, con
     params = SamplingParams(max_tokens=output_len, temperature=temperature, ignore_eos=True)
     pending = list(enumerate(prompts))
     in_flight, done = 0, []
+    last: dict[str, tuple[float, int]] = {}  # request -> (when its latest tokens came, how many it had then)
+    itl = []  # inter-token latencies: the gap before each token after the first (vLLM's ITL)
     start = time.perf_counter()
     while pending or in_flight:
         while pending and in_flight < concurrency:
             i, prompt = pending.pop(0)
             engine.add_request(f"bench-{i}", prompt, params)
             in_flight += 1
-        for out in engine.step():
+        outs = engine.step()
+        now = time.perf_counter()
+        for out in outs:
+            count = len(out.token_ids)
+            seen = last.get(out.request_id)
+            if seen is not None and count > seen[1]:
+                itl += [(now - seen[0]) / (count - seen[1])] * (count - seen[1])
+            last[out.request_id] = (now, count)
             if out.finished:
                 in_flight -= 1
                 done.append(out)
@@ -114,7 +126,7 @@ def run_engine(engine: LLMEngine, prompts: list[list[int]], output_len: int, con
     ttft = [o.first_token_time - o.arrival_time for o in done]
     tpot = [(o.finish_time - o.first_token_time) / (len(o.token_ids) - 1) for o in done if len(o.token_ids) > 1]
     return {"requests": len(done), "output_tokens": tokens, "seconds": elapsed, "output_tokens_per_s": tokens / elapsed,
-            "ttft_s": percentiles(ttft), "tpot_s": percentiles(tpot)}
+            "ttft_s": percentiles(ttft), "tpot_s": percentiles(tpot), "itl_s": percentiles(itl)}
 
 
 def run_transformers(config: ModelConfig, model_path, prompts: list[list[int]], output_len: int, concurrency: int,
@@ -192,19 +204,24 @@ def decode_step_bytes(engine: LLMEngine, batch: int, context: float) -> float:
     return total + batch * context * per_token
 
 
+def _ms3(p: dict) -> str:
+    return "-" if math.isnan(p["p50"]) else f"{p['p50'] * 1e3:.2f} / {p['p90'] * 1e3:.2f} / {p['p99'] * 1e3:.2f}"
+
+
 def format_report(report: dict) -> str:
     from tabulate import tabulate
 
     rows = []
     for name, r in report["results"].items():
-        ttft, tpot = r.get("ttft_s"), r.get("tpot_s")
+        ttft, tpot, itl = r.get("ttft_s"), r.get("tpot_s"), r.get("itl_s")
         rows.append([name, r["requests"], r["output_tokens"], f"{r['seconds']:.2f}", f"{r['output_tokens_per_s']:.1f}",
                      f"{ttft['p50'] * 1e3:.1f} / {ttft['p90'] * 1e3:.1f} / {ttft['p99'] * 1e3:.1f}" if ttft else "-",
                      f"{tpot['p50'] * 1e3:.2f} / {tpot['p90'] * 1e3:.2f} / {tpot['p99'] * 1e3:.2f}" if tpot else "-",
+                     _ms3(itl) if itl else "-",
                      f"{100 * r['bandwidth_share']:.0f} %" if r.get("bandwidth_share") else "-"])
     head = f"{report['model']}  {report['workload']}  on {report['device']}\n"
     table = tabulate(rows, ["engine", "requests", "out tokens", "s", "out tok/s", "TTFT ms p50/p90/p99",
-                            "TPOT ms p50/p90/p99", "of BW limit"])
+                            "TPOT ms p50/p90/p99", "ITL ms p50/p90/p99", "of BW limit"])
     ratio = report.get("speedup")
     lines = [f"\nanygpu / transformers output tokens/s: {ratio:.2f}x"] if ratio else []
     versus = report.get("vs_unquantized")
