@@ -145,12 +145,7 @@ def samples_without_history(seqs: list[Sequence]) -> bool:
 def _plain_greedy(seqs: list[Sequence]) -> bool:
     """Every row greedy with nothing that changes its logits or asks for more than the token: no penalty, no
     grammar, no log-probabilities.  The general path gives such a batch the argmax of its raw logits."""
-    for s in seqs:
-        p = s.params
-        if (p.temperature >= SAMPLING_EPS or p.logprobs is not None or s.guide is not None
-                or p.repetition_penalty != 1.0 or p.frequency_penalty != 0.0 or p.presence_penalty != 0.0):
-            return False
-    return True
+    return samples_without_history(seqs) and all(s.params.temperature < SAMPLING_EPS for s in seqs)
 
 
 class Sampler:
