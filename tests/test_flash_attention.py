@@ -11,7 +11,6 @@ from __future__ import annotations
 import itertools
 import math
 import warnings
-from dataclasses import replace
 
 import pytest
 import torch
@@ -505,11 +504,10 @@ def test_gpu_dispatch_runs_the_triton_kernel(dtype, monkeypatch):
 def test_tma_variant_with_window_and_softcap_compiles_for_hopper():
     from anygpu.backend.targets import lookup
     from anygpu.kernels.aot import compile_one
-    from anygpu.kernels.flash_attention import TMA_SPEC, AttentionSpec
+    from anygpu.kernels.flash_attention import TMA_SPEC, AttentionSpec, aot_table
 
     target = lookup("sm_90")
-    table = {"hopper": tuple(replace(c, constexprs={**c.constexprs, "HAS_WINDOW": True, "HAS_SOFTCAP": True,
-                                                    "IS_CAUSAL": False}) for c in TMA_SPEC.configs["hopper"])}
+    table = aot_table(128, causal=False, window=True, softcap=True, desc=True)
     spec = AttentionSpec(TMA_SPEC.name, TMA_SPEC.fn, TMA_SPEC.signature, TMA_SPEC.dtypes, table)
     for config in table["hopper"]:
         report = compile_one(spec, target, config, torch.bfloat16)

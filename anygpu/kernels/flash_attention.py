@@ -70,15 +70,8 @@ def _prefill_kernel(q_ptr, k_ptr, v_ptr, out_ptr, cu_seqlens_q_ptr, seqlens_k_pt
     kv_head = head // group  # GQA / MQA: `group` query heads share one K/V head
     desc_row = 0
     desc_col = 0
-    if DESC:
-        tl.static_assert(PAGE_SIZE == 0 and HEAD_DIM == BLOCK_D)
-        desc_row = tl.load(seqlens_k_ptr + seq)
-        desc_col = kv_head * HEAD_DIM
-        k_len = tl.load(seqlens_k_ptr + seq + 1) - desc_row
-        k_base = k_ptr
-        v_base = v_ptr
-        block_row = block_tables_ptr
-    elif PAGE_SIZE > 0:
+    if PAGE_SIZE > 0:
+        tl.static_assert(not DESC)
         k_len = tl.load(seqlens_k_ptr + seq)
         k_base = k_ptr + kv_head * k_stride_head
         v_base = v_ptr + kv_head * v_stride_head
@@ -86,9 +79,16 @@ def _prefill_kernel(q_ptr, k_ptr, v_ptr, out_ptr, cu_seqlens_q_ptr, seqlens_k_pt
     else:
         k_start = tl.load(seqlens_k_ptr + seq)
         k_len = tl.load(seqlens_k_ptr + seq + 1) - k_start
-        k_base = k_ptr + k_start.to(tl.int64) * k_stride_tok + kv_head * k_stride_head
-        v_base = v_ptr + k_start.to(tl.int64) * v_stride_tok + kv_head * v_stride_head
         block_row = block_tables_ptr
+        if DESC:
+            tl.static_assert(HEAD_DIM == BLOCK_D)
+            desc_row = k_start
+            desc_col = kv_head * HEAD_DIM
+            k_base = k_ptr
+            v_base = v_ptr
+        else:
+            k_base = k_ptr + k_start.to(tl.int64) * k_stride_tok + kv_head * k_stride_head
+            v_base = v_ptr + k_start.to(tl.int64) * v_stride_tok + kv_head * v_stride_head
 
     offs_m = m0 + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)
@@ -157,12 +157,14 @@ def configs_for(head_dim: int, dtype: torch.dtype = torch.bfloat16) -> dict:
 
 
 def aot_table(head_dim: int, causal: bool = True, window: bool = False, softcap: bool = False,
-              page_size: int = 0) -> dict:
-    """``configs_for(head_dim)`` with every constexpr of the kernel bound, for cross-compilation."""
+              page_size: int = 0, desc: bool = False) -> dict:
+    """``configs_for(head_dim)`` (``desc``: ``TMA_CONFIGS``) with every constexpr of the kernel bound, for
+    cross-compilation; launcher-only keys (MAX_Q) dropped."""
     bound = {"IS_CAUSAL": causal, "HAS_WINDOW": window, "HAS_SOFTCAP": softcap, "PAGE_SIZE": page_size,
-             "HEAD_DIM": head_dim, "BLOCK_D": block_d(head_dim), "DESC": False}
-    return {key: tuple(replace(c, constexprs={**c.constexprs, **bound}) for c in cfgs)
-            for key, cfgs in configs_for(head_dim).items()}
+             "HEAD_DIM": head_dim, "BLOCK_D": block_d(head_dim), "DESC": desc}
+    table = TMA_CONFIGS if desc else configs_for(head_dim)
+    return {key: tuple(replace(c, constexprs={**{n: x for n, x in c.constexprs.items() if n != "MAX_Q"}, **bound})
+                       for c in cfgs) for key, cfgs in table.items()}
 
 
 def _signature(dtype: torch.dtype) -> dict:
@@ -237,14 +239,8 @@ def _tma_descriptors(q, k, v, block_m: int, block_n: int) -> tuple:
                  for t, rows in ((q, block_m), (k, block_n), (v, block_n)))
 
 
-def _tma_aot_table() -> dict:
-    bound = {"IS_CAUSAL": True, "HAS_WINDOW": False, "HAS_SOFTCAP": False, "PAGE_SIZE": 0, "HEAD_DIM": TMA_HEAD_DIM,
-             "BLOCK_D": TMA_HEAD_DIM, "DESC": True}
-    return {key: tuple(replace(c, constexprs={**{n: x for n, x in c.constexprs.items() if n != "MAX_Q"}, **bound})
-                       for c in cfgs) for key, cfgs in TMA_CONFIGS.items()}
-
-
-TMA_SPEC = register(AttentionSpec("flash_attention_tma", _prefill_kernel, _tma_signature, DTYPES, _tma_aot_table()))
+TMA_SPEC = register(AttentionSpec("flash_attention_tma", _prefill_kernel, _tma_signature, DTYPES,
+                                  aot_table(TMA_HEAD_DIM, desc=True)))
 
 
 def scales(softmax_scale: float, softcap: float) -> tuple[float, float]:
