@@ -22,7 +22,6 @@ its own random weights (speed does not depend on the values).
 
 from __future__ import annotations
 
-import math
 import statistics
 import time
 from collections.abc import Iterator
@@ -204,8 +203,9 @@ def decode_step_bytes(engine: LLMEngine, batch: int, context: float) -> float:
     return total + batch * context * per_token
 
 
-def _ms3(p: dict) -> str:
-    return "-" if math.isnan(p["p50"]) else f"{p['p50'] * 1e3:.2f} / {p['p90'] * 1e3:.2f} / {p['p99'] * 1e3:.2f}"
+def _ms(p: dict | None, digits: int) -> str:
+    """Percentiles in seconds as "p50 / p90 / p99" milliseconds; "-" where the engine has none."""
+    return "-" if not p else " / ".join(f"{p[q] * 1e3:.{digits}f}" for q in ("p50", "p90", "p99"))
 
 
 def format_report(report: dict) -> str:
@@ -213,11 +213,8 @@ def format_report(report: dict) -> str:
 
     rows = []
     for name, r in report["results"].items():
-        ttft, tpot, itl = r.get("ttft_s"), r.get("tpot_s"), r.get("itl_s")
         rows.append([name, r["requests"], r["output_tokens"], f"{r['seconds']:.2f}", f"{r['output_tokens_per_s']:.1f}",
-                     f"{ttft['p50'] * 1e3:.1f} / {ttft['p90'] * 1e3:.1f} / {ttft['p99'] * 1e3:.1f}" if ttft else "-",
-                     f"{tpot['p50'] * 1e3:.2f} / {tpot['p90'] * 1e3:.2f} / {tpot['p99'] * 1e3:.2f}" if tpot else "-",
-                     _ms3(itl) if itl else "-",
+                     _ms(r.get("ttft_s"), 1), _ms(r.get("tpot_s"), 2), _ms(r.get("itl_s"), 2),
                      f"{100 * r['bandwidth_share']:.0f} %" if r.get("bandwidth_share") else "-"])
     head = f"{report['model']}  {report['workload']}  on {report['device']}\n"
     table = tabulate(rows, ["engine", "requests", "out tokens", "s", "out tok/s", "TTFT ms p50/p90/p99",

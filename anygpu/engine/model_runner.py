@@ -114,7 +114,7 @@ class ModelRunner:
         self.graph_argmax = True  # hand a graph's argmax to the sampler (False: it samples the logits)
         self.greedy: torch.Tensor | None = None  # execute's: the last step's argmax rows, from its decode graph
         self._host_ids: list[torch.Tensor] | None = None  # launch's pinned token buffers
-        self._last = (None, None)  # the last decode step's (logits, graph argmax or None): a step run ahead's ids
+        self._last = (None, None)  # the last decode step's (logits, its tokens: graph argmax, launch's, or None)
         self._flip = 0
         if self.tp.world_size > 1:  # first: its setup is collective, and the warmup below all-reduces already
             self.tp.init_fast_all_reduce(max_num_seqs * cfg.hidden_size, self.dtype, self.device)
