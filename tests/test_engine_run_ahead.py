@@ -17,6 +17,7 @@ never wait for the device.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import gc
 import random
@@ -303,6 +304,20 @@ def test_tensor_parallel_workers_run_ahead_too():
 
 # -- on a GPU ---------------------------------------------------------------------------------------------
 
+@contextlib.contextmanager
+def gpu_engine(dtype: str):
+    """The tiny engine on the GPU (decode graphs), closed and its memory given back afterwards."""
+    engine = LLMEngine("tiny", config=CONFIG, tokenizer=Tokenizer.synthetic(CONFIG.vocab_size, 2), device="cuda",
+                       dtype=dtype, max_num_seqs=8, max_model_len=160, num_kv_blocks=64, progress=False)
+    try:
+        yield engine
+    finally:
+        engine.close()
+        del engine
+        gc.collect()
+        torch.cuda.empty_cache()
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA or ROCm GPU (decode graphs)")
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_gpu_tokens_equal_stepping_one_at_a_time(dtype):
@@ -313,19 +328,12 @@ def test_gpu_tokens_equal_stepping_one_at_a_time(dtype):
                 20: [("r5", ps[5], SamplingParams(max_tokens=10, temperature=0.8, seed=3, ignore_eos=True))]}
     outs = []
     for run_ahead in (False, True):
-        engine = LLMEngine("tiny", config=CONFIG, tokenizer=Tokenizer.synthetic(CONFIG.vocab_size, 2), device="cuda",
-                           dtype=dtype, max_num_seqs=8, max_model_len=160, num_kv_blocks=64, progress=False)
-        try:
+        with gpu_engine(dtype) as engine:
             assert engine.run_ahead and engine.runner.graphs
             engine.run_ahead = run_ahead
             calls = spy(engine)
             outs.append(run(engine, arrivals, {10: ["r2"]}))
             assert sum(calls) >= (10 if run_ahead else 0)
-        finally:
-            engine.close()
-            del engine
-            gc.collect()
-            torch.cuda.empty_cache()
     assert outs[0] == outs[1]
 
 
@@ -340,9 +348,7 @@ def test_gpu_sampled_steps_run_ahead_without_waiting_for_the_device():
                     for i in range(4)] + [("g", ps[4], greedy(25, ignore_eos=True))]}
     outs = []
     for run_ahead in (False, True):
-        engine = LLMEngine("tiny", config=CONFIG, tokenizer=Tokenizer.synthetic(CONFIG.vocab_size, 2), device="cuda",
-                           dtype="float32", max_num_seqs=8, max_model_len=160, num_kv_blocks=64, progress=False)
-        try:
+        with gpu_engine("float32") as engine:
             engine.run_ahead = run_ahead
             launch, errors = engine.runner.launch, []
 
@@ -361,9 +367,4 @@ def test_gpu_sampled_steps_run_ahead_without_waiting_for_the_device():
             outs.append(run(engine, arrivals))
             assert not errors, errors[:1]
             assert sum(calls) >= (15 if run_ahead else 0)
-        finally:
-            engine.close()
-            del engine
-            gc.collect()
-            torch.cuda.empty_cache()
     assert outs[0] == outs[1]
