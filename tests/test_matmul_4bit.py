@@ -62,7 +62,9 @@ def test_kernel_paths_match_reference(kdevice, dtype, m, n, k, bs, nested, bias)
     gemv = select(GEMV_CONFIGS, target)[0]
     # Also a step of one block or less, without prefetch, whatever the table's choice.
     small_steps = LaunchConfig({**gemv.constexprs, "CHUNK": 32, "PREFETCH": False}, gemv.num_warps)
-    plans = [Plan("gemv", gemv, s) for s in (1, 3)] + [Plan("gemv", small_steps, 2)] if m <= 3 else []
+    # every GEMV entry of the table (NVIDIA's shape-specific ones too), whatever shape they were chosen for
+    plans = ([Plan("gemv", cfg, s) for cfg in select(GEMV_CONFIGS, target) for s in (1, 3)]
+             + [Plan("gemv", small_steps, 2)] if m <= 3 else [])
     if m <= 8 and bs % 64 == 0 and k % 64 == 0:
         plans += [Plan("mma", select(MMA_CONFIGS, target)[0], s) for s in (1, 3)]
     plans += [Plan("gemm", cfg, s) for cfg in select(GEMM_CONFIGS, target) for s in (1, 2)] + [Plan("dequant")]
@@ -111,7 +113,7 @@ def test_plan_picks_paths_and_takes_an_override():
 
 
 def test_nvidia_plan_takes_the_tensor_cores_for_two_to_eight_rows(monkeypatch):
-    """NVIDIA (faked sm_90): 1 row the GEMV, 2-8 rows the MMA path where K and the block size allow it, then the
+    """NVIDIA (faked sm_90): 1 row the GEMV (its config by the weight's shape), 2-8 rows the MMA path where K and the block size allow it, then the
     GEMM; AMD (faked gfx942) never the MMA path (it is NVIDIA PTX)."""
     from anygpu.backend.targets import TARGETS
     from anygpu.kernels import matmul_4bit as K
@@ -124,6 +126,12 @@ def test_nvidia_plan_takes_the_tensor_cores_for_two_to_eight_rows(monkeypatch):
     assert K.plan(4, 8192, 8192, 32, h, cuda).path == "gemm"  # a step of 64 columns would span two blocks
     assert K.plan(4, 64, 96, 32, h, cuda).path == "gemm"
     assert K.plan(4, 8192, 8192, 64, torch.float32, cuda).path == "gemm"
+    # One row: the shape-specific GEMV entries where their bounds hold (gate/up-like, down-like), else the first.
+    first, wide, deep = K.select(K.GEMV_CONFIGS, TARGETS["sm_90"])
+    assert K.plan(1, 28672, 4096, 64, h, cuda) == K.Plan("gemv", wide, 2)
+    assert K.plan(1, 4096, 14336, 64, h, cuda) == K.Plan("gemv", deep, 8)
+    assert [K.plan(1, n, k, 64, h, cuda).config for n, k in ((8192, 8192), (28672, 8192), (6144, 4096),
+                                                             (8192, 14336))] == [first] * 4
     monkeypatch.setattr(K, "device_target", lambda device: TARGETS["gfx942"])
     assert K.plan(4, 8192, 8192, 64, h, cuda).path == "gemm"
 

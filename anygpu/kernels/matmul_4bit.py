@@ -259,14 +259,23 @@ def _gemm_4bit_kernel(x_ptr, w_ptr, absmax_ptr, code_ptr, bias_ptr, out_ptr, par
 GEMV_CONFIGS = {
     "default": (LaunchConfig({"BLOCK_N": 32, "CHUNK": 128, "PREFETCH": True,
                               "MAX_SPLIT": 8}, num_warps=4),),
-    # NVIDIA: the PTX decoder with 16-bit pair math and no prefetch: the loop is bound by the instructions that
-    # decode each weight element (byte permutes and selects) and the table moves, not by memory, so
-    # prefetching and wider accumulators did not help.  16 rows, one warp, split 4: the most programs (each
-    # independent) without a second reduce pass; 32 and 64 rows left narrow (K = 4096) layers underfilled
-    # (docs/perf/2026-12-02-quantized-speed-s5.md).
+    # NVIDIA: the PTX decoder with 16-bit pair math.  What bounds it is still open: the same loads without the
+    # decode run about twice as fast, yet 18 % fewer loop instructions, an L2 prefetch ahead of the loads and
+    # wider accumulators each changed nothing (docs/perf/2026-12-04-nf4-gemv-bounds.md).  16 rows, one warp,
+    # split 4: the most programs (each independent) without a second reduce pass; 32 and 64 rows left narrow
+    # (K = 4096) layers underfilled (docs/perf/2026-12-02-quantized-speed-s5.md).
+    # Two shape-specific entries follow the general one (gemv_config: the first whose MIN_/MAX_ bounds hold, else
+    # the first entry): the fused gate/up projection's shape (many rows, K <= 4096) and the down projection's (long
+    # K, few rows) measured 7-10 % faster with 256-column steps and the next step's codes loaded ahead
+    # (docs/perf/2026-12-04-nf4-gemv-bounds.md).
     "nvidia": (LaunchConfig({"BLOCK_N": 16, "CHUNK": 512, "PREFETCH": False, "MAX_SPLIT": 4,
-                             "SPLIT_MIN_CHUNKS": 2, "DECODE_PTX": True, "HALF2": True}, num_warps=1),),
+                             "SPLIT_MIN_CHUNKS": 2, "DECODE_PTX": True, "HALF2": True}, num_warps=1),
+               LaunchConfig({"MIN_N": 16384, "MAX_K": 4096, "BLOCK_N": 16, "CHUNK": 256, "PREFETCH": True,
+                             "MAX_SPLIT": 2, "SPLIT_MIN_CHUNKS": 2, "DECODE_PTX": True, "HALF2": True}, num_warps=1),
+               LaunchConfig({"MAX_N": 4096, "MIN_K": 12288, "BLOCK_N": 32, "CHUNK": 256, "PREFETCH": True,
+                             "MAX_SPLIT": 8, "SPLIT_MIN_CHUNKS": 2, "DECODE_PTX": True, "HALF2": True}, num_warps=1)),
 }
+SHAPE_BOUNDS = ("MIN_N", "MAX_N", "MIN_K", "MAX_K")
 # MMA (1 to 8 rows on NVIDIA tensor cores, gemv_mma_4bit.py): WARPS warps of 16 weight rows a program, K split
 # up to MAX_SPLIT ways while each split keeps >= SPLIT_MIN_STEPS steps of 64 columns.  NVIDIA takes it for 2 to 8
 # rows, where tools/sweep_matmul_4bit.py --mma measured it ahead of the GEMM (a lane's operands in vector loads,
@@ -337,7 +346,7 @@ def plan(m: int, n: int, k: int, blocksize: int, dtype: torch.dtype, device: tor
         return Plan("dequant")  # blocks straddle rows: rare; the dequantize kernel handles any layout
     limits = select(PATH_LIMITS, target)
     if m <= limits["gemv"]:
-        cfg = select(GEMV_CONFIGS, target)[0]
+        cfg = gemv_config(n, k, target)
         c = cfg.constexprs
         return Plan("gemv", cfg, split_count(-(-k // c["CHUNK"]), c["MAX_SPLIT"], c.get("SPLIT_MIN_CHUNKS", 4)))
     if m <= limits.get("mma", 0) and blocksize % 64 == 0 and k % 64 == 0 and dtype in DTYPES:
@@ -363,6 +372,17 @@ def _mma_ptx_fits(x2: torch.Tensor, w: torch.Tensor, k: int) -> bool:
     return (x2.device.type == "cuda" and x2.dtype in DTYPES and w.data_ptr() % 8 == 0 and k % 8 == 0
             and x2.data_ptr() % 16 == 0 and x2.stride(0) % 8 == 0)
 
+
+
+def gemv_config(n: int, k: int, target) -> LaunchConfig:
+    """The GEMV config for an [n, k] weight: the first of the table's shape-specific entries whose bounds
+    (SHAPE_BOUNDS) hold, else its first, general entry."""
+    configs = select(GEMV_CONFIGS, target)
+
+    def holds(c: dict) -> bool:
+        return (n >= c.get("MIN_N", 0) and n <= c.get("MAX_N", n) and k >= c.get("MIN_K", 0)
+                and k <= c.get("MAX_K", k))
+    return next((c for c in configs[1:] if holds(c.constexprs)), configs[0])
 
 
 def gemm_config(m: int, target) -> LaunchConfig:
@@ -536,7 +556,7 @@ GEMV_SPEC = register(KernelSpec(
                                             "PARTIAL": True, "REDUCE": True, "NESTED": False, "HAS_BIAS": True,
                                             "DECODE_PTX": c.constexprs.get("DECODE_PTX", False),
                                             "HALF2": c.constexprs.get("HALF2", False)},
-                   drop=("MAX_SPLIT", "SPLIT_MIN_CHUNKS", "ADD_IN_KERNEL"),
+                   drop=("MAX_SPLIT", "SPLIT_MIN_CHUNKS", "ADD_IN_KERNEL", *SHAPE_BOUNDS),
                    gguf=lambda c: {"BLOCKSIZE": 32, "SEG": min(32, c.constexprs["CHUNK"]), "PARTIAL": False})))
 GEMM_SPEC = register(KernelSpec(
     "gemm_4bit", _gemm_4bit_kernel, _signature("gemm"), DTYPES,
