@@ -127,11 +127,13 @@ def test_nvidia_plan_takes_the_tensor_cores_for_two_to_eight_rows(monkeypatch):
     assert K.plan(4, 64, 96, 32, h, cuda).path == "gemm"
     assert K.plan(4, 8192, 8192, 64, torch.float32, cuda).path == "gemm"
     # One row: the shape-specific GEMV entries where their bounds hold (gate/up-like, down-like), else the first.
-    first, wide, deep = K.select(K.GEMV_CONFIGS, TARGETS["sm_90"])
+    first, wide, deep, narrow = K.select(K.GEMV_CONFIGS, TARGETS["sm_90"])
     assert K.plan(1, 28672, 4096, 64, h, cuda) == K.Plan("gemv", wide, 2)
     assert K.plan(1, 4096, 14336, 64, h, cuda) == K.Plan("gemv", deep, 8)
-    assert [K.plan(1, n, k, 64, h, cuda).config for n, k in ((8192, 8192), (28672, 8192), (6144, 4096),
-                                                             (8192, 14336))] == [first] * 4
+    assert K.plan(1, 1024, 14336, 64, h, cuda).config is deep  # the first entry whose bounds hold
+    assert K.plan(1, 1024, 8192, 64, h, cuda) == K.Plan("gemv", narrow, 8)
+    assert [K.plan(1, n, k, 64, h, cuda) for n, k in ((8192, 8192), (28672, 8192), (6144, 4096), (8192, 14336))] \
+        == [K.Plan("gemv", first, 4)] * 4
     monkeypatch.setattr(K, "device_target", lambda device: TARGETS["gfx942"])
     assert K.plan(4, 8192, 8192, 64, h, cuda).path == "gemm"
 

@@ -1,5 +1,7 @@
-"""Sweep the 4-bit GEMV's rows per program, warps, step and split-K on Llama-3-8B's decode shapes (M = 1, bf16,
-double quant): which split fills the GPU on narrow layers.  Usage: python3 tools/sweep_gemv_shapes.py"""
+"""Sweep the 4-bit GEMV's configs on Llama-3-8B's decode shapes (M = 1, bf16, double quant): rows per program,
+warps, step, the register prefetch and split-K; feeds GEMV_CONFIGS' NVIDIA entries (the general one and the
+shape-specific ones, see ``matmul_4bit.gemv_config``).  Weights rotate through enough copies to pass L2, so each
+call reads its weights from memory as a decode step does.  Usage: python3 tools/sweep_gemv_shapes.py"""
 
 import itertools
 
@@ -12,33 +14,50 @@ from anygpu.kernels.launch import LaunchConfig
 
 dev = torch.device("cuda")
 SHAPES = [(6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336), (8192, 8192)]
+PAST_L2 = 150_000_000  # bytes of weights a rotation passes through (the H200's L2 is ~60 MB)
 
 
-def t(fn):
-    return measure_graph(fn, device=dev, warmup_ms=5, rep_ms=20) * 1e3
+def copies(make, nbytes):
+    return [make() for _ in range(max(1, -(-PAST_L2 // nbytes)))]
+
+
+def t(call, items):
+    """us per call, each call on the next item of the rotation (graph replays)."""
+    i = [0]
+
+    def fn():
+        call(items[i[0] % len(items)])
+        i[0] += 1
+    return measure_graph(fn, device=dev, warmup_ms=5, rep_ms=30, calls=len(items) * max(1, 20 // len(items))) * 1e3
 
 
 for n, k in SHAPES:
-    w = torch.randint(0, 256, (n * k // 2,), dtype=torch.uint8, device=dev)
     code = torch.sort(torch.randn(16, device=dev)).values
     blocks = n * k // 64
-    am = torch.randint(0, 256, (blocks,), dtype=torch.uint8, device=dev)
-    nest = (torch.rand(-(-blocks // 256), device=dev), torch.randn(256, device=dev), torch.tensor(0.1, device=dev))
+    ws = copies(lambda: (torch.randint(0, 256, (n * k // 2,), dtype=torch.uint8, device=dev),
+                         torch.randint(0, 256, (blocks,), dtype=torch.uint8, device=dev),
+                         torch.rand(-(-blocks // 256), device=dev)), n * k // 2 + blocks)
+    nest = (torch.randn(256, device=dev), torch.tensor(0.1, device=dev))
     x = torch.randn(1, k, dtype=torch.bfloat16, device=dev)
-    wd = torch.randn(n, k, dtype=torch.bfloat16, device=dev)
-    base = t(lambda: F.linear(x, wd))
+    wds = copies(lambda: torch.randn(n, k, dtype=torch.bfloat16, device=dev), n * k * 2)
+    base = t(lambda wd: F.linear(x, wd), wds)
     default = K.plan(1, n, k, 64, torch.bfloat16, dev)
-    d_us = t(lambda: K.matmul_4bit(x, w, am, code, 64, n, k, None, *nest, plan_=default))
+    first = K.select(K.GEMV_CONFIGS, K.device_target(dev))[0].constexprs
+
+    def run(p):
+        return t(lambda w: K.matmul_4bit(x, w[0], w[1], code, 64, n, k, None, w[2], *nest, plan_=p), ws)
+    d_us = run(default)
     res = []
-    for bn, warps, chunk, split in itertools.product((16, 32, 64), (2, 4), (256, 512), (1, 2, 4, 8, 16)):
+    for bn, warps, chunk, prefetch, split in itertools.product((16, 32), (1, 2), (256, 512), (False, True),
+                                                               (2, 4, 8)):
         if k // chunk < split:
             continue
-        p = K.Plan("gemv", LaunchConfig({"BLOCK_N": bn, "CHUNK": chunk, "PREFETCH": False,
-                                         "MAX_SPLIT": 16, "DECODE_PTX": True, "HALF2": True}, num_warps=warps), split)
-        res.append((t(lambda: K.matmul_4bit(x, w, am, code, 64, n, k, None, *nest, plan_=p)), bn, warps, chunk, split))
+        cfg = LaunchConfig({**first, "BLOCK_N": bn, "CHUNK": chunk, "PREFETCH": prefetch}, num_warps=warps)
+        res.append((run(K.Plan("gemv", cfg, split)), bn, warps, chunk, prefetch, split))
     res.sort()
-    nbytes = w.nbytes + am.nbytes
-    print(f"N={n} K={k}: bf16 F.linear {base:.1f} us; default {d_us:.1f} us (split {default.split_k})", flush=True)
-    for us, bn, warps, chunk, split in res[:4]:
+    nbytes = ws[0][0].nbytes + ws[0][1].nbytes
+    print(f"N={n} K={k}: bf16 F.linear {base:.1f} us; the plan {d_us:.1f} us ({base / d_us:.2f}x; "
+          f"{default.config.label()}, split {default.split_k})", flush=True)
+    for us, bn, warps, chunk, prefetch, split in res[:4]:
         print(f"   {us:6.1f} us {base / us:5.2f}x {nbytes / us / 1e3:5.0f} GB/s  BLOCK_N={bn} warps={warps} "
-              f"CHUNK={chunk} split={split}", flush=True)
+              f"CHUNK={chunk} PREFETCH={prefetch} split={split}", flush=True)

@@ -259,21 +259,22 @@ def _gemm_4bit_kernel(x_ptr, w_ptr, absmax_ptr, code_ptr, bias_ptr, out_ptr, par
 GEMV_CONFIGS = {
     "default": (LaunchConfig({"BLOCK_N": 32, "CHUNK": 128, "PREFETCH": True,
                               "MAX_SPLIT": 8}, num_warps=4),),
-    # NVIDIA: the PTX decoder with 16-bit pair math.  What bounds it is still open: the same loads without the
-    # decode run about twice as fast, yet 18 % fewer loop instructions, an L2 prefetch ahead of the loads and
-    # wider accumulators each changed nothing (docs/perf/2026-12-04-nf4-gemv-bounds.md).  16 rows, one warp,
-    # split 4: the most programs (each independent) without a second reduce pass; 32 and 64 rows left narrow
-    # (K = 4096) layers underfilled (docs/perf/2026-12-02-quantized-speed-s5.md).
-    # Two shape-specific entries follow the general one (gemv_config: the first whose MIN_/MAX_ bounds hold, else
-    # the first entry): the fused gate/up projection's shape (many rows, K <= 4096) and the down projection's (long
-    # K, few rows) measured 7-10 % faster with 256-column steps and the next step's codes loaded ahead
-    # (docs/perf/2026-12-04-nf4-gemv-bounds.md).
-    "nvidia": (LaunchConfig({"BLOCK_N": 16, "CHUNK": 512, "PREFETCH": False, "MAX_SPLIT": 4,
+    # NVIDIA: the PTX decoder with 16-bit pair math; 16 rows, one warp a program, 256-column steps with the next
+    # step's codes loaded ahead of this step's decode (PREFETCH), K split 4 ways.  What bounds it is still open:
+    # the same loads without the decode run about twice as fast, yet an L2 prefetch, 18 % fewer loop instructions
+    # and more warps an SM each changed nothing.  Shape-specific entries follow (gemv_config: the first whose
+    # MIN_/MAX_ bounds hold, else the general first entry): the gate/up shape (many rows, K <= 4096) splits 2
+    # ways, the down shape (long K, few rows) takes 32 rows and 8 splits, and narrow layers (N <= 2048: TP
+    # shards, GQA's k/v) 512-column steps without prefetch and 8 splits, for programs enough to fill the GPU
+    # (docs/perf/2026-12-04-nf4-gemv-bounds.md: 2-14 % faster than the former single entry, 32 % on narrow ones).
+    "nvidia": (LaunchConfig({"BLOCK_N": 16, "CHUNK": 256, "PREFETCH": True, "MAX_SPLIT": 4,
                              "SPLIT_MIN_CHUNKS": 2, "DECODE_PTX": True, "HALF2": True}, num_warps=1),
                LaunchConfig({"MIN_N": 16384, "MAX_K": 4096, "BLOCK_N": 16, "CHUNK": 256, "PREFETCH": True,
                              "MAX_SPLIT": 2, "SPLIT_MIN_CHUNKS": 2, "DECODE_PTX": True, "HALF2": True}, num_warps=1),
                LaunchConfig({"MAX_N": 4096, "MIN_K": 12288, "BLOCK_N": 32, "CHUNK": 256, "PREFETCH": True,
-                             "MAX_SPLIT": 8, "SPLIT_MIN_CHUNKS": 2, "DECODE_PTX": True, "HALF2": True}, num_warps=1)),
+                             "MAX_SPLIT": 8, "SPLIT_MIN_CHUNKS": 2, "DECODE_PTX": True, "HALF2": True}, num_warps=1),
+               LaunchConfig({"MAX_N": 2048, "BLOCK_N": 16, "CHUNK": 512, "PREFETCH": False, "MAX_SPLIT": 8,
+                             "SPLIT_MIN_CHUNKS": 2, "DECODE_PTX": True, "HALF2": True}, num_warps=1)),
 }
 SHAPE_BOUNDS = ("MIN_N", "MAX_N", "MIN_K", "MAX_K")
 # MMA (1 to 8 rows on NVIDIA tensor cores, gemv_mma_4bit.py): WARPS warps of 16 weight rows a program, K split
