@@ -229,7 +229,7 @@ def matmul(x: torch.Tensor, segments: list[tuple], n: int) -> torch.Tensor:
         # weights are read once and x loses 16 bits instead of 8.  SmolLM2's chat answer goes wrong with x
         # rounded to bf16 once; fp16 keeps it right but the op has no fast fp16 path.
         hi = x2.to(compute)
-        x2 = torch.cat([hi, (x2 - hi.float()).to(compute)])
+        x2 = torch.cat([hi, (x2 - hi).to(compute)])  # x2 - hi promotes hi to fp32 exactly
     else:
         x2 = x2.to(compute)
     widened = {None: x2}
@@ -238,7 +238,8 @@ def matmul(x: torch.Tensor, segments: list[tuple], n: int) -> torch.Tensor:
         if layout not in widened:
             widened[layout] = widen(x2, layout)
         outs.append(torch.ops.aten._weight_int4pack_mm_for_cpu(widened[layout], packed, GROUP, sz))
-    y = (outs[0] if len(outs) == 1 else torch.cat(outs, dim=-1)).float()
+    y = outs[0] if len(outs) == 1 else torch.cat(outs, dim=-1)
     if x.dtype == torch.float32:
-        y = y[:rows] + y[rows:]
+        # the two halves' sum in fp32 (the second promoted exactly): fewer small ops than widening the whole first
+        return (y[:rows].float() + y[rows:]).reshape(*x.shape[:-1], n)
     return y.to(x.dtype).reshape(*x.shape[:-1], n)
