@@ -113,8 +113,8 @@ def test_plan_picks_paths_and_takes_an_override():
 
 
 def test_nvidia_plan_takes_the_tensor_cores_for_two_to_eight_rows(monkeypatch):
-    """NVIDIA (faked sm_90): 1 row the GEMV (its config by the weight's shape), 2-8 rows the MMA path where K and the block size allow it, then the
-    GEMM; AMD (faked gfx942) never the MMA path (it is NVIDIA PTX)."""
+    """NVIDIA (faked sm_90): 1 row the GEMV (its config by the weight's shape), 2-8 rows the MMA path where K and
+    the block size allow it, then the GEMM; AMD (faked gfx942) never the MMA path (it is NVIDIA PTX)."""
     from anygpu.backend.targets import TARGETS
     from anygpu.kernels import matmul_4bit as K
 
