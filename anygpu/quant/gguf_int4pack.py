@@ -240,6 +240,8 @@ def matmul(x: torch.Tensor, segments: list[tuple], n: int) -> torch.Tensor:
         outs.append(torch.ops.aten._weight_int4pack_mm_for_cpu(widened[layout], packed, GROUP, sz))
     y = outs[0] if len(outs) == 1 else torch.cat(outs, dim=-1)
     if x.dtype == torch.float32:
-        # the two halves' sum in fp32 (the second promoted exactly): fewer small ops than widening the whole first
-        return (y[:rows].float() + y[rows:]).reshape(*x.shape[:-1], n)
+        # the two halves summed in fp32 by one reduction (0 + hi + lo: the bits of hi + lo, up to a zero's sign):
+        # a decode step on the CPU is bound by its small ops' count, and slicing, widening and adding took three
+        # more a call
+        return y.view(2, rows, n).sum(0, dtype=torch.float32).view(*x.shape[:-1], n)
     return y.to(x.dtype).reshape(*x.shape[:-1], n)
