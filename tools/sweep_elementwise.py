@@ -37,11 +37,11 @@ def rms_norm():
             if not 1 <= block // (32 * warps) <= 64:
                 continue
             show(f"rms_norm {rows}x{hidden} warps={warps}", measure(
-                lambda: RN._rms_norm_kernel[(rows,)](x, w, out, hidden, hidden, hidden, 1e-5, BLOCK=block,
+                lambda: RN._rms_norm_kernel[(rows,)](x, w, out, hidden, hidden, hidden, 1e-5, BLOCK=block, PDL=False,
                                                      num_warps=warps), device=dev), plain)
             show(f"fused_add_rms_norm {rows}x{hidden} warps={warps}", measure(
                 lambda: RN._fused_add_rms_norm_kernel[(rows,)](x, res, w, out, res_out, hidden, hidden, hidden, hidden,
-                                                               1e-5, BLOCK=block, num_warps=warps), device=dev), fused)
+                                                               1e-5, BLOCK=block, PDL=False, num_warps=warps), device=dev), fused)
 
 
 def rotary():

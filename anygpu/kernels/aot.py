@@ -116,12 +116,18 @@ def compile_one(spec: KernelSpec, target: Target, config: LaunchConfig, dtype: t
     import triton
     from triton.compiler import ASTSource
 
+    from ._pdl import target_supports_pdl
+
     report = CompileReport(spec.name, target.arch, str(dtype).replace("torch.", ""), config.label(),
                            "aligned" if aligned else "unaligned", ok=False, shared_limit=target.shared_per_block)
     start = time.perf_counter()
     options = config.options(target)
     try:
-        src = ASTSource(fn=spec.fn, signature=spec.signature_for(dtype, config), constexprs=dict(config.constexprs),
+        signature = spec.signature_for(dtype, config)
+        constexprs = dict(config.constexprs)
+        if "PDL" in signature and "PDL" not in constexprs:  # what the launcher passes on this target
+            constexprs["PDL"] = target_supports_pdl(target)
+        src = ASTSource(fn=spec.fn, signature=signature, constexprs=constexprs,
                         attrs=spec.attrs(dtype) if aligned else None)
         compiled = triton.compile(src, target=target.triton_target(), options=options)
     except Exception as e:  # noqa: BLE001 - any compiler failure is the report's content

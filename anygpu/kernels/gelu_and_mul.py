@@ -16,6 +16,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ._pdl import wait_then_release
 from .launch import TRITON_DTYPE, KernelSpec, LaunchConfig, register
 from .silu_and_mul import launch_gated
 
@@ -25,7 +26,9 @@ TWO_SQRT_2_OVER_PI = tl.constexpr(1.5957691216057308)  # 2 * sqrt(2 / pi)
 
 
 @triton.jit
-def _gelu_and_mul_kernel(x_ptr, out_ptr, d, x_row_stride, out_row_stride, BLOCK: tl.constexpr, TANH: tl.constexpr):
+def _gelu_and_mul_kernel(x_ptr, out_ptr, d, x_row_stride, out_row_stride, BLOCK: tl.constexpr, TANH: tl.constexpr,
+                         PDL: tl.constexpr):
+    wait_then_release(PDL)
     row = tl.program_id(0).to(tl.int64)  # int64: rows x stride can pass 2**31 on long prompts
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < d
@@ -60,7 +63,7 @@ APPROXIMATIONS = ("none", "tanh")
 def _signature(dtype: torch.dtype) -> dict:
     t = TRITON_DTYPE[dtype]
     return {"x_ptr": f"*{t}", "out_ptr": f"*{t}", "d": "i32", "x_row_stride": "i32", "out_row_stride": "i32",
-            "BLOCK": "constexpr", "TANH": "constexpr"}
+            "BLOCK": "constexpr", "TANH": "constexpr", "PDL": "constexpr"}
 
 
 SPEC = register(KernelSpec("gelu_and_mul", _gelu_and_mul_kernel, _signature, DTYPES, CONFIGS))

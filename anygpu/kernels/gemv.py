@@ -16,12 +16,14 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
+from ._pdl import pdl_args, wait_then_release
 from .launch import TRITON_DTYPE, KernelSpec, LaunchConfig, cached_options, device_target, on_device, register, select
 
 
 @triton.jit
 def _gemv_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, N, K, stride_w, HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr,
-                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr):
+    wait_then_release(PDL)
     n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = n < N
     kk = tl.arange(0, BLOCK_K)
@@ -78,7 +80,8 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> to
     with on_device(x.device):
         _gemv_kernel[(triton.cdiv(n, c["BLOCK_N"]),)](
             x, weight, bias if bias is not None else weight, out, n, k, weight.stride(0), HAS_BIAS=bias is not None,
-            EVEN_K=k % c["BLOCK_K"] == 0, BLOCK_N=c["BLOCK_N"], BLOCK_K=c["BLOCK_K"], **cached_options(cfg, x.device))
+            EVEN_K=k % c["BLOCK_K"] == 0, BLOCK_N=c["BLOCK_N"], BLOCK_K=c["BLOCK_K"], **cached_options(cfg, x.device),
+            **pdl_args(x.device))
     return out
 
 
@@ -86,7 +89,7 @@ def _signature(dtype: torch.dtype) -> dict:
     t = TRITON_DTYPE[dtype]
     return {"x_ptr": f"*{t}", "w_ptr": f"*{t}", "bias_ptr": f"*{t}", "out_ptr": f"*{t}", "N": "i32", "K": "i32",
             "stride_w": "i32", "HAS_BIAS": "constexpr", "EVEN_K": "constexpr", "BLOCK_N": "constexpr",
-            "BLOCK_K": "constexpr"}
+            "BLOCK_K": "constexpr", "PDL": "constexpr"}
 
 
 def _aot_configs() -> dict:

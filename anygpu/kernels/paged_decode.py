@@ -42,6 +42,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ._pdl import pdl_args, wait_then_release
 from ._split_k import counters, last_arrival, unused_counters
 from .launch import TRITON_DTYPE, KernelSpec, LaunchConfig, launch_config, on_device, register
 
@@ -150,7 +151,8 @@ def _paged_decode_kernel(q_ptr, key_cache_ptr, value_cache_ptr, block_tables_ptr
                          kc_stride_block, kc_stride_slot, kc_stride_head, vc_stride_block, vc_stride_slot,
                          vc_stride_head, bt_stride_b, HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
                          GROUP_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr, TILE_N: tl.constexpr,
-                         USE_SOFTCAP: tl.constexpr):
+                         USE_SOFTCAP: tl.constexpr, PDL: tl.constexpr):
+    wait_then_release(PDL)
     b = tl.program_id(0).to(tl.int64)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -324,7 +326,7 @@ def _signature(dtype: torch.dtype) -> dict:
             "seqlens_ptr": "*i32", "out_ptr": f"*{t}", "part_out_ptr": "*fp32", "part_lse_ptr": "*fp32",
             "counter_ptr": "*i32", "scale_log2": "fp32", "softcap_scale": "fp32", "softcap_log2": "fp32",
             **dict.fromkeys(_INTS, "i32"),
-            **dict.fromkeys(("HEAD_DIM", "HEAD_DIM_PAD", "GROUP_PAD", "BLOCK_SIZE", "TILE_N", "USE_SOFTCAP"),
+            **dict.fromkeys(("HEAD_DIM", "HEAD_DIM_PAD", "GROUP_PAD", "BLOCK_SIZE", "TILE_N", "USE_SOFTCAP", "PDL"),
                             "constexpr")}
 
 
@@ -408,7 +410,7 @@ def paged_decode(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Te
             granule, plan.num_splits, int(merge), q.stride(0), q.stride(1), kc.stride(0), kc.stride(1),
             kc.stride(2), vc.stride(0), vc.stride(1), vc.stride(2), block_tables.stride(0), HEAD_DIM=head_dim,
             HEAD_DIM_PAD=head_dim_pad, GROUP_PAD=max(16, 1 << (group - 1).bit_length()), BLOCK_SIZE=block_size,
-            TILE_N=tile, USE_SOFTCAP=softcap > 0, **options)
+            TILE_N=tile, USE_SOFTCAP=softcap > 0, **options, **pdl_args(q.device))
         if plan.num_splits > 1 and not merge:  # captured without counters: the partials are combined here
             _, roptions = launch_config(REDUCE_CONFIGS, q.device)
             _paged_decode_reduce_kernel[(triton.cdiv(out.numel(), MERGE_BLOCK.value),)](

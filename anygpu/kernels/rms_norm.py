@@ -18,6 +18,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ._pdl import pdl_args, wait_then_release
 from .launch import TRITON_DTYPE, KernelSpec, LaunchConfig, device_target, on_device, register, select
 
 
@@ -45,7 +46,8 @@ def _normalize_row(row, w_ptr, cols, mask, n_cols, eps, out_row_ptr):
 
 @triton.jit
 def _rms_norm_kernel(x_ptr, w_ptr, out_ptr, n_cols, x_row_stride, out_row_stride, eps,
-                     BLOCK: tl.constexpr):
+                     BLOCK: tl.constexpr, PDL: tl.constexpr):
+    wait_then_release(PDL)
     row = tl.program_id(0).to(tl.int64)  # int64: rows x stride can pass 2**31 on long prompts
     cols = tl.arange(0, BLOCK)
     mask = cols < n_cols
@@ -55,7 +57,8 @@ def _rms_norm_kernel(x_ptr, w_ptr, out_ptr, n_cols, x_row_stride, out_row_stride
 
 @triton.jit
 def _fused_add_rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, n_cols, x_row_stride, res_row_stride,
-                               out_row_stride, eps, BLOCK: tl.constexpr):
+                               out_row_stride, eps, BLOCK: tl.constexpr, PDL: tl.constexpr):
+    wait_then_release(PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     mask = cols < n_cols
@@ -89,14 +92,14 @@ def _signature(dtype: torch.dtype) -> dict:
     # Cross-compiled with the weight in x's dtype; other weight dtypes are the same code, compiled at run time.
     t = TRITON_DTYPE[dtype]
     return {"x_ptr": f"*{t}", "w_ptr": f"*{t}", "out_ptr": f"*{t}", "n_cols": "i32", "x_row_stride": "i32",
-            "out_row_stride": "i32", "eps": "fp32", "BLOCK": "constexpr"}
+            "out_row_stride": "i32", "eps": "fp32", "BLOCK": "constexpr", "PDL": "constexpr"}
 
 
 def _fused_signature(dtype: torch.dtype) -> dict:
     t = TRITON_DTYPE[dtype]
     return {"x_ptr": f"*{t}", "res_ptr": f"*{t}", "w_ptr": f"*{t}", "out_ptr": f"*{t}", "res_out_ptr": f"*{t}",
             "n_cols": "i32", "x_row_stride": "i32", "res_row_stride": "i32", "out_row_stride": "i32",
-            "eps": "fp32", "BLOCK": "constexpr"}
+            "eps": "fp32", "BLOCK": "constexpr", "PDL": "constexpr"}
 
 
 SPEC = register(KernelSpec("rms_norm", _rms_norm_kernel, _signature, DTYPES, CONFIGS))
@@ -116,7 +119,7 @@ def _launch(device: torch.device, hidden: int) -> tuple[int, dict]:
         cfg = next((c for c in select(CONFIGS, target) if c.constexprs["BLOCK"] >= block), None)
         if cfg is None:
             raise ValueError(f"x: expected a last dimension of at most {MAX_HIDDEN}, got {hidden}")
-        hit = _LAUNCH_CACHE[key] = (block, cfg.options(target))
+        hit = _LAUNCH_CACHE[key] = (block, {**cfg.options(target), **pdl_args(device)})
     return hit
 
 

@@ -21,6 +21,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ._pdl import pdl_args, wait_then_release
 from .launch import TRITON_DTYPE, KernelSpec, LaunchConfig, launch_config, on_device, register
 from .rotary_embedding import cos_sin_row
 
@@ -67,7 +68,9 @@ def _rotary_and_cache_kernel(pos_ptr, q_ptr, k_ptr, v_ptr, cos_sin_ptr, key_cach
                              vc_stride_block, vc_stride_slot, vc_stride_head,
                              n_q_heads, n_kv_heads, cache_heads, block_size, half,
                              BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr, IS_NEOX: tl.constexpr,
-                             HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, TAIL_PAD: tl.constexpr):
+                             HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, TAIL_PAD: tl.constexpr,
+                             PDL: tl.constexpr):
+    wait_then_release(PDL)
     token = tl.program_id(0).to(tl.int64)  # int64: tokens x stride can pass 2**31 on long prompts
     block = tl.program_id(1)
     cos, sin = cos_sin_row(pos_ptr, token, cos_sin_ptr, cos_sin_stride, half, BLOCK_HALF)
@@ -132,7 +135,7 @@ def _signature(dtype: torch.dtype) -> dict:
     return {"pos_ptr": "*i64", "q_ptr": f"*{t}", "k_ptr": f"*{t}", "v_ptr": f"*{t}", "cos_sin_ptr": "*fp32",
             "key_cache_ptr": f"*{t}", "value_cache_ptr": f"*{t}", "slot_ptr": "*i64", **dict.fromkeys(ints, "i32"),
             "BLOCK_H": "constexpr", "BLOCK_HALF": "constexpr", "IS_NEOX": "constexpr", "HEAD_DIM": "constexpr",
-            "HEAD_DIM_PAD": "constexpr", "TAIL_PAD": "constexpr"}
+            "HEAD_DIM_PAD": "constexpr", "TAIL_PAD": "constexpr", "PDL": "constexpr"}
 
 
 SPEC = register(KernelSpec("rotary_and_cache", _rotary_and_cache_kernel, _signature, DTYPES, CONFIGS))
@@ -180,5 +183,5 @@ def rotary_and_cache(positions: torch.Tensor, query: torch.Tensor, key: torch.Te
             vc.stride(2), n_q_heads, n_kv_heads, n_kv_heads if has_cache else 0,
             kc.shape[1] if has_cache else 1, half,
             BLOCK_H=block_h, BLOCK_HALF=block_half, IS_NEOX=bool(is_neox), HEAD_DIM=head_dim,
-            HEAD_DIM_PAD=head_dim_pad, TAIL_PAD=_pow2(tail) if tail else 0, **options)
+            HEAD_DIM_PAD=head_dim_pad, TAIL_PAD=_pow2(tail) if tail else 0, **options, **pdl_args(query.device))
     return None

@@ -11,11 +11,13 @@ import torch
 import triton
 import triton.language as tl
 
+from ._pdl import pdl_args, wait_then_release
 from .launch import TRITON_DTYPE, KernelSpec, LaunchConfig, launch_config, on_device, register
 
 
 @triton.jit
-def _silu_and_mul_kernel(x_ptr, out_ptr, d, x_row_stride, out_row_stride, BLOCK: tl.constexpr):
+def _silu_and_mul_kernel(x_ptr, out_ptr, d, x_row_stride, out_row_stride, BLOCK: tl.constexpr, PDL: tl.constexpr):
+    wait_then_release(PDL)
     row = tl.program_id(0).to(tl.int64)  # int64: rows x stride can pass 2**31 on long prompts
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < d
@@ -43,14 +45,14 @@ DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 def _signature(dtype: torch.dtype) -> dict:
     t = TRITON_DTYPE[dtype]
     return {"x_ptr": f"*{t}", "out_ptr": f"*{t}", "d": "i32", "x_row_stride": "i32", "out_row_stride": "i32",
-            "BLOCK": "constexpr"}
+            "BLOCK": "constexpr", "PDL": "constexpr"}
 
 
 SPEC = register(KernelSpec("silu_and_mul", _silu_and_mul_kernel, _signature, DTYPES, CONFIGS))
 
 
 def launch_gated(kernel, table, x: torch.Tensor, out: torch.Tensor | None, **constexprs) -> torch.Tensor:
-    """Launch a gated activation ``kernel`` (this file's signature: x, out, d, strides, BLOCK) on ``x``'s
+    """Launch a gated activation ``kernel`` (this file's signature: x, out, d, strides, BLOCK, PDL) on ``x``'s
     device (a GPU, or the CPU under TRITON_INTERPRET=1).  ``x``: [..., 2*d]; ``out``: [..., d] or None."""
     two_d = x.shape[-1]
     d = two_d // 2
@@ -70,7 +72,8 @@ def launch_gated(kernel, table, x: torch.Tensor, out: torch.Tensor | None, **con
     # Plain int arithmetic: triton.next_power_of_2 and triton.cdiv cost host time on every call.
     block = min(cfg.constexprs["BLOCK"], 1 << (d - 1).bit_length())
     with on_device(x.device):  # out is contiguous, so its row stride is d whatever its rank
-        kernel[(rows, -(-d // block))](x2, out, d, x2.stride(0), d, BLOCK=block, **constexprs, **options)
+        kernel[(rows, -(-d // block))](x2, out, d, x2.stride(0), d, BLOCK=block, **constexprs, **options,
+                                       **pdl_args(x.device))
     return out
 
 

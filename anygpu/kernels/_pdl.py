@@ -1,0 +1,66 @@
+"""Programmatic dependent launch (PDL, NVIDIA Hopper and later): a decode step's next kernel starts while the
+one before it drains.
+
+A batch-1 decode step is ~9 launches a layer, most of them small; in a CUDA graph each still waits for its
+predecessor to finish completely before its own programs are scheduled.  With PDL a kernel is launched with
+``launch_pdl=True``; each of its programs first waits (``griddepcontrol.wait``: the previous grid has finished
+and its writes are visible) and then lets the next kernel launch (``griddepcontrol.launch_dependents``), so the
+next grid's launch overlaps this one's work.  The wait comes before any load or store, so a PDL kernel never
+reads a predecessor's output early nor overwrites what that predecessor still reads; kernels without the flag
+keep ordinary stream order.  Measured: docs/perf/2026-12-04-pdl.md.
+
+Only kernels that call ``wait_then_release`` first may be launched with ``pdl_args``.  AMD GPUs, NVIDIA before
+sm_90, the interpreter and a Triton without the intrinsics get ``PDL=False``: the calls compile away.
+
+Off unless ``ANYGPU_PDL=1``: the pattern was measured on the H200 in a chain of stand-in kernels (same results,
+3.5 % shorter), but these kernels have not yet run with it on a GPU in the engine (no device was left when they
+were written).  The default turns on once ``tests/test_pdl.py`` passes on Hopper and the engine is measured.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+from ..backend.targets import Target
+
+try:
+    from triton.backends.nvidia.compiler import CUDAOptions
+    from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+
+    # The intrinsics and the launch option arrived together; a torch-bundled Triton may predate both.
+    HAS_GDC = "launch_pdl" in CUDAOptions.__dataclass_fields__
+except ImportError:  # an older Triton: PDL is never asked for, and this branch never compiles
+    HAS_GDC = False
+    gdc_wait = gdc_launch_dependents = None
+
+
+@triton.jit
+def wait_then_release(PDL: tl.constexpr):
+    """A PDL kernel's first statement: wait for the previous grid, then let the next one launch."""
+    if PDL:
+        gdc_wait()
+        gdc_launch_dependents()
+
+
+def target_supports_pdl(target: Target | None) -> bool:
+    """Whether ``target`` and this Triton can launch kernels with PDL (the cross-compile builds that variant)."""
+    return HAS_GDC and target is not None and target.vendor == "nvidia" and int(target.arch[3:]) >= 90
+
+
+_ARGS: dict = {}
+
+
+def pdl_args(device: torch.device) -> dict:
+    """The ``PDL`` constexpr and launch option for a kernel that starts with ``wait_then_release``, cached."""
+    key = (device.type, device.index)
+    hit = _ARGS.get(key)
+    if hit is None:
+        from .launch import device_target
+
+        on = os.environ.get("ANYGPU_PDL", "0") == "1" and target_supports_pdl(device_target(device))
+        hit = _ARGS[key] = {"PDL": True, "launch_pdl": True} if on else {"PDL": False}
+    return hit

@@ -1,0 +1,97 @@
+"""Programmatic dependent launch (``kernels/_pdl.py``): which targets use it, that the launchers ask for it only
+there, that the cross-compile builds that variant, and on a Hopper GPU that a decode chain gives the same bits
+with it as without (a kernel reading its predecessor's output early would not).
+
+    TRITON_INTERPRET=1 .venv/bin/python -m pytest -q tests/test_pdl.py
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from anygpu.backend.targets import TARGETS
+from anygpu.kernels import HAS_TRITON
+
+pytestmark = pytest.mark.skipif(not HAS_TRITON, reason="needs triton")
+
+
+def test_only_nvidia_from_sm90_can_use_pdl():
+    from anygpu.kernels import _pdl
+
+    assert _pdl.HAS_GDC  # the Triton CI installs has the intrinsics and the launch option
+    on = {arch for arch, t in TARGETS.items() if _pdl.target_supports_pdl(t)}
+    assert {"sm_90", "sm_100", "sm_120"} <= on
+    assert not on & {"sm_80", "sm_89", "gfx942", "gfx90a", "gfx950", "gfx1100"}
+    assert not _pdl.target_supports_pdl(None)  # the interpreter
+
+
+def test_launchers_ask_for_pdl_only_where_the_target_has_it(monkeypatch):
+    from anygpu.kernels import _pdl, launch
+
+    monkeypatch.setenv("ANYGPU_PDL", "1")
+    monkeypatch.setattr(_pdl, "_ARGS", {})
+    assert _pdl.pdl_args(torch.device("cpu")) == {"PDL": False}
+    for arch, want in (("sm_90", {"PDL": True, "launch_pdl": True}), ("sm_80", {"PDL": False}),
+                       ("gfx942", {"PDL": False})):
+        monkeypatch.setattr(_pdl, "_ARGS", {})
+        monkeypatch.setattr(launch, "device_target", lambda device, arch=arch: TARGETS[arch])
+        assert _pdl.pdl_args(torch.device("cuda", 0)) == want, arch
+    for off in ("0", None):  # off by default until it has run in the engine on a GPU
+        if off is None:
+            monkeypatch.delenv("ANYGPU_PDL")
+        else:
+            monkeypatch.setenv("ANYGPU_PDL", off)
+        monkeypatch.setattr(_pdl, "_ARGS", {})
+        assert _pdl.pdl_args(torch.device("cuda", 0)) == {"PDL": False}
+
+
+@pytest.mark.aot
+def test_the_pdl_variant_compiles_for_hopper_and_not_elsewhere():
+    """The AOT compile passes what the launcher would: PDL on sm_90 (griddepcontrol in the PTX), off on sm_80."""
+    import triton
+    from triton.compiler import ASTSource
+
+    import anygpu.kernels.rms_norm as rn
+    from anygpu.kernels._pdl import target_supports_pdl
+    from anygpu.kernels.aot import compile_one
+
+    cfg = rn.CONFIGS["default"][1]
+    for arch, wanted in (("sm_90", True), ("sm_80", False)):
+        target = TARGETS[arch]
+        assert compile_one(rn.FUSED_SPEC, target, cfg, torch.bfloat16).ok
+        constexprs = {**cfg.constexprs, "PDL": target_supports_pdl(target)}
+        src = ASTSource(fn=rn.FUSED_SPEC.fn, signature=rn.FUSED_SPEC.signature_for(torch.bfloat16, cfg),
+                        constexprs=constexprs)
+        ptx = triton.compile(src, target=target.triton_target(), options=cfg.options(target)).asm["ptx"]
+        assert ("griddepcontrol.wait" in ptx) == wanted, arch
+
+
+@pytest.mark.gpu
+def test_decode_chain_is_the_same_with_and_without_pdl(monkeypatch):
+    """Greedy decoding of a small random model (bf16, CUDA graphs) gives the same tokens with PDL as without."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a GPU")
+    from anygpu.bench.model import random_engine
+    from anygpu.engine import SamplingParams
+    from anygpu.kernels import _pdl, rms_norm
+
+    def tokens():
+        torch.manual_seed(0)
+        engine = random_engine("tiny", dtype="bfloat16", progress=False)
+        for i in range(3):
+            engine.add_request(str(i), [5 + i, 17, 300, 42, 7, 99], SamplingParams(max_tokens=48, temperature=0,
+                                                                                 ignore_eos=True))
+        done = {}
+        while engine.has_unfinished():
+            for o in engine.step():
+                done[o.request_id] = o.token_ids
+        return done
+
+    results = []
+    for flag in ("1", "0"):
+        monkeypatch.setenv("ANYGPU_PDL", flag)
+        monkeypatch.setattr(_pdl, "_ARGS", {})
+        monkeypatch.setattr(rms_norm, "_LAUNCH_CACHE", {})  # it keeps the launch options, PDL's included
+        results.append(tokens())
+    assert results[0] == results[1] and len(results[0]) == 3
