@@ -48,6 +48,21 @@ def test_stacked_product_matches_gguf_dequantized(name, m, k):
     assert_accurate(y32.bfloat16(), x32.bfloat16() @ w.bfloat16().T, x32.double() @ w.double().T, what="fp32 x")
 
 
+@pytest.mark.parametrize("m", [1, 3, 17])  # 17: past the rows split into the kept buffer
+def test_fp32_x_same_bits_under_inference_mode(m):
+    """The engine's steps run under inference mode, where a decode-sized fp32 x is split into a buffer kept per
+    thread: the same bits as the plain split, and a later call (another x, another k) leaves an earlier result
+    alone."""
+    rng = np.random.default_rng(m)
+    segments = {k: P.pack([P.decode(_weight("Q4_1", 64, k, rng)[0], "Q4_1", 64, k)]) for k in (96, 192)}
+    xs = [torch.randn(m, k) for k in (96, 192, 96)]
+    plain = [P.matmul(x, segments[x.shape[1]], 64) for x in xs]
+    with torch.inference_mode():
+        ours = [P.matmul(x, segments[x.shape[1]], 64) for x in xs]
+    for a, b in zip(plain, ours):
+        assert torch.equal(a, b)
+
+
 def test_errors_name_the_argument():
     raw, _ = _weight("Q4_0", 16, 64, np.random.default_rng(0))
     with pytest.raises(ValueError, match="type_name"):

@@ -37,6 +37,7 @@ loops); fp32 x goes in as two bf16 halves (``matmul``), and the result comes bac
 
 from __future__ import annotations
 
+import threading
 from typing import NamedTuple
 
 import torch
@@ -50,6 +51,8 @@ LAYOUTS = {"Q4_0": None, "Q4_1": None, "Q4_K": None, "Q5_0": (32, 16), "Q5_1": (
            "Q2_K": (16, 8)}
 TYPES = tuple(LAYOUTS)
 _ROWS_PER_CONVERT = 4096  # converts a few thousand rows at a time: the int32 codes it takes are 8 bytes a weight
+_BUFFERED_ROWS = 16  # fp32 inputs of at most this many rows (decode batches) are split into a kept buffer
+_buffers = threading.local()  # (rows, k, dtype) -> that buffer and its two halves, per thread
 
 
 class Codes(NamedTuple):
@@ -219,6 +222,27 @@ def widen(x: torch.Tensor, layout: tuple[int, int]) -> torch.Tensor:
     return torch.cat([xr, xr * f], dim=-1).reshape(x.shape[0], -1)
 
 
+def _split(x: torch.Tensor, compute: torch.dtype) -> torch.Tensor:
+    """fp32 x [rows, k] -> [2 rows, k] in ``compute``: hi = x rounded, then lo = x - hi rounded (the difference
+    taken in fp32, where hi is exact).  Under inference mode (the engine's steps) a decode-sized x goes into a
+    buffer kept per thread: two small ops instead of four, and a decode step on the CPU is bound by its small
+    ops' count.  The buffer is read before ``matmul`` returns (the op's output is a new tensor), so reusing it on
+    the next call is safe; outside inference mode the buffer, an inference tensor, could not be written."""
+    rows, k = x.shape
+    if rows > _BUFFERED_ROWS or not torch.is_inference_mode_enabled():
+        hi = x.to(compute)
+        return torch.cat([hi, (x - hi).to(compute)])
+    key = (rows, k, compute)
+    views = _buffers.__dict__.get(key)
+    if views is None:
+        buf = torch.empty(2 * rows, k, dtype=compute)
+        views = _buffers.__dict__[key] = (buf, buf[:rows], buf[rows:])
+    buf, hi, lo = views
+    hi.copy_(x)
+    torch.sub(x, hi, out=lo)
+    return buf
+
+
 def matmul(x: torch.Tensor, segments: list[tuple], n: int) -> torch.Tensor:
     """``x @ W.T`` for W given as ``pack`` segments; x [..., k] in any float dtype, the result in x's."""
     compute = segments[0][1].dtype
@@ -228,8 +252,7 @@ def matmul(x: torch.Tensor, segments: list[tuple], n: int) -> torch.Tensor:
         # x as the sum of two bf16 halves (hi, and the rounding error lo), stacked as rows of one call: the
         # weights are read once and x loses 16 bits instead of 8.  SmolLM2's chat answer goes wrong with x
         # rounded to bf16 once; fp16 keeps it right but the op has no fast fp16 path.
-        hi = x2.to(compute)
-        x2 = torch.cat([hi, (x2 - hi).to(compute)])  # x2 - hi promotes hi to fp32 exactly
+        x2 = _split(x2, compute)
     else:
         x2 = x2.to(compute)
     widened = {None: x2}
