@@ -246,7 +246,7 @@ def _split(x: torch.Tensor, compute: torch.dtype) -> torch.Tensor:
 def matmul(x: torch.Tensor, segments: list[tuple], n: int) -> torch.Tensor:
     """``x @ W.T`` for W given as ``pack`` segments; x [..., k] in any float dtype, the result in x's."""
     compute = segments[0][1].dtype
-    x2 = x.reshape(-1, x.shape[-1])
+    x2 = x if x.dim() == 2 else x.reshape(-1, x.shape[-1])  # the engine's x is 2-D: no reshape op
     rows = x2.shape[0]
     if x.dtype == torch.float32:
         # x as the sum of two bf16 halves (hi, and the rounding error lo), stacked as rows of one call: the
@@ -266,5 +266,5 @@ def matmul(x: torch.Tensor, segments: list[tuple], n: int) -> torch.Tensor:
         # the two halves summed in fp32 by one reduction (0 + hi + lo: the bits of hi + lo, up to a zero's sign):
         # a decode step on the CPU is bound by its small ops' count, and slicing, widening and adding took three
         # more a call
-        return y.view(2, rows, n).sum(0, dtype=torch.float32).view(*x.shape[:-1], n)
+        return y.view(2, *x.shape[:-1], n).sum(0, dtype=torch.float32)
     return y.to(x.dtype).reshape(*x.shape[:-1], n)
