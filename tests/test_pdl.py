@@ -54,13 +54,14 @@ def test_the_pdl_variant_compiles_for_hopper_and_not_elsewhere():
 
     import anygpu.kernels.rms_norm as rn
     from anygpu.kernels._pdl import target_supports_pdl
-    from anygpu.kernels.aot import compile_one
+    from anygpu.kernels.aot import compile_one, constexprs_for
 
     cfg = rn.CONFIGS["default"][1]
     for arch, wanted in (("sm_90", True), ("sm_80", False)):
         target = TARGETS[arch]
         assert compile_one(rn.FUSED_SPEC, target, cfg, torch.bfloat16).ok
-        constexprs = {**cfg.constexprs, "PDL": target_supports_pdl(target)}
+        constexprs = constexprs_for(rn.FUSED_SPEC, cfg, target)
+        assert constexprs["PDL"] == target_supports_pdl(target)
         src = ASTSource(fn=rn.FUSED_SPEC.fn, signature=rn.FUSED_SPEC.signature_for(torch.bfloat16, cfg),
                         constexprs=constexprs)
         ptx = triton.compile(src, target=target.triton_target(), options=cfg.options(target)).asm["ptx"]

@@ -16,6 +16,7 @@ from triton.compiler import ASTSource
 
 from anygpu.backend.targets import lookup
 from anygpu.kernels import load_all
+from anygpu.kernels.aot import constexprs_for
 from anygpu.kernels.launch import select
 
 SHARED = {"ptx": ("ld.shared", "st.shared", "ldmatrix", "stmatrix"), "amdgcn": ("ds_read", "ds_write")}
@@ -29,7 +30,8 @@ def main(arch: str, names: list[str]) -> None:
             continue
         dtype = spec.dtypes[0]
         for cfg in select(spec.configs, target):
-            src = ASTSource(fn=spec.fn, signature=spec.signature_for(dtype, cfg), constexprs=dict(cfg.constexprs),
+            src = ASTSource(fn=spec.fn, signature=spec.signature_for(dtype, cfg),
+                            constexprs=constexprs_for(spec, cfg, target),
                             attrs=spec.attrs(dtype))
             try:
                 kernel = triton.compile(src, target=target.triton_target(), options=cfg.options(target))

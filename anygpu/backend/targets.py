@@ -105,7 +105,7 @@ TARGETS: dict[str, Target] = {
     ]
 }
 
-# What CI cross-compiles every kernel config for, every dtype, aligned and unaligned.
+# What CI cross-compiles every kernel config for, every dtype aligned, one unaligned (``kernels/aot.jobs_for``).
 CI_TARGETS = ("gfx942", "gfx90a", "gfx1100", "gfx950", "sm_80", "sm_90")
 # What CI cross-compiles every kernel config for once (bf16 where the kernel takes it, aligned): each is a
 # family the six above do not cover, and the dtype x variant product adds compile time, not coverage of

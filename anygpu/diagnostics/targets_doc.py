@@ -14,7 +14,7 @@ from ..backend.targets import CI_ONCE_TARGETS, CI_TARGETS, TARGETS, Target, look
 # of them (with triton 3.9: Triton cannot compile for them, so their ops run the PyTorch references).
 PROBED = {"gfx1030": "RX 6800 / 6800 XT / 6900 XT, PRO W6800", "gfx1031": "RX 6700 XT", "gfx1032": "RX 6600 / 6600 XT"}
 
-CI_FULL = "compiled and tested in CI (every config, dtype, aligned and unaligned)"
+CI_FULL = "compiled and tested in CI (every config and dtype aligned, bf16 unaligned)"
 CI_ONCE = "compiled and tested in CI (every config once: bf16, aligned)"
 NOT_IN_CI = "in the targets table, not compiled in CI (`anygpu doctor --targets ARCH` checks it)"
 REFERENCE = "reference path only (Triton cannot target it; ops run their PyTorch reference)"

@@ -109,6 +109,17 @@ def amd_occupancy(target: Target, num_warps: int, waves_per_simd: int, shared: i
     return min(waves_per_simd, max_per_simd) / max_per_simd
 
 
+def constexprs_for(spec: KernelSpec, config: LaunchConfig, target: Target) -> dict:
+    """``config``'s constexprs plus those the launcher adds per target: ``PDL`` (``kernels/_pdl.py``) for the
+    kernels that take it, on where the target can launch that way, so the cross-compile builds that variant."""
+    constexprs = dict(config.constexprs)
+    if "PDL" in spec.signature(spec.dtypes[0]) and "PDL" not in constexprs:
+        from ._pdl import target_supports_pdl
+
+        constexprs["PDL"] = target_supports_pdl(target)
+    return constexprs
+
+
 def compile_one(spec: KernelSpec, target: Target, config: LaunchConfig, dtype: torch.dtype,
                 aligned: bool = True) -> CompileReport:
     """Compile one (kernel, config, dtype) for ``target``.  ``aligned``: with the divisibility-by-16 hints
@@ -116,18 +127,13 @@ def compile_one(spec: KernelSpec, target: Target, config: LaunchConfig, dtype: t
     import triton
     from triton.compiler import ASTSource
 
-    from ._pdl import target_supports_pdl
-
     report = CompileReport(spec.name, target.arch, str(dtype).replace("torch.", ""), config.label(),
                            "aligned" if aligned else "unaligned", ok=False, shared_limit=target.shared_per_block)
     start = time.perf_counter()
     options = config.options(target)
     try:
-        signature = spec.signature_for(dtype, config)
-        constexprs = dict(config.constexprs)
-        if "PDL" in signature and "PDL" not in constexprs:  # what the launcher passes on this target
-            constexprs["PDL"] = target_supports_pdl(target)
-        src = ASTSource(fn=spec.fn, signature=signature, constexprs=constexprs,
+        src = ASTSource(fn=spec.fn, signature=spec.signature_for(dtype, config),
+                        constexprs=constexprs_for(spec, config, target),
                         attrs=spec.attrs(dtype) if aligned else None)
         compiled = triton.compile(src, target=target.triton_target(), options=options)
     except Exception as e:  # noqa: BLE001 - any compiler failure is the report's content
@@ -172,14 +178,23 @@ def _nvidia_resources(cubin: bytes) -> dict:
 
 
 def jobs_for(targets: list[Target], specs: dict[str, KernelSpec], once: bool = False) -> list[tuple]:
-    """(kernel, target, config index, dtype, aligned) for every config each target's table selects: every dtype,
-    aligned and unaligned; or, with ``once``, one compile per config (bf16 where the kernel takes it, aligned)."""
+    """(kernel, target, config index, dtype, aligned) for every config each target's table selects: every dtype
+    aligned, and unaligned in one dtype (bf16 where the kernel takes it); or, with ``once``, one compile per
+    config (that dtype, aligned).
+
+    Why one dtype unaligned: without the divisibility hints the loads lose their width, which is the same
+    question for every element type, and the dtypes already compile aligned; the second and third dtypes'
+    unaligned compiles were a quarter of CI's time (docs/perf/2026-12-04-ci-time.md)."""
     jobs = []
     for target in targets:
         for name, spec in specs.items():
-            dtypes = ((torch.bfloat16 if torch.bfloat16 in spec.dtypes else spec.dtypes[0]),) if once else spec.dtypes
+            main = torch.bfloat16 if torch.bfloat16 in spec.dtypes else spec.dtypes[0]
             for i, _ in enumerate(select(spec.configs, target)):
-                jobs += [(name, target, i, dtype, aligned) for dtype in dtypes for aligned in ((True,) if once else (True, False))]
+                if once:
+                    jobs.append((name, target, i, main, True))
+                    continue
+                jobs += [(name, target, i, dtype, True) for dtype in spec.dtypes]
+                jobs.append((name, target, i, main, False))
     return jobs
 
 
@@ -195,8 +210,8 @@ def _key(job: tuple) -> tuple:
 
 def cross_compile(targets: list[Target], specs: dict[str, KernelSpec] | None = None,
                   workers: int | None = None, once: bool = False) -> list[CompileReport]:
-    """Compile every config of every kernel for every dtype and target, aligned and unaligned (``once``: each
-    config once, see ``jobs_for``).
+    """Compile every config of every kernel for every dtype and target, aligned, and unaligned in one dtype
+    (``once``: each config once; see ``jobs_for``).
 
     ``workers``: processes that compile side by side (default: the usable cores; 1 compiles here).  Each
     compile is independent and single-threaded, so a 2-core machine halves the wall time.  Workers are
