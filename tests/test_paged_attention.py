@@ -83,12 +83,16 @@ def masked_write(key, value, key_cache, value_cache, slots):
 
 
 @pytest.mark.parametrize("padded", [(), (1, 4), (0, 1), (0, 1, 2, 3, 4, 5, 6, 7, 8)])
-def test_reshape_and_cache_reference_matches_the_masked_write(padded):
-    """Padding first, in the middle, everywhere: the sync-free reference writes exactly what the mask says."""
+@pytest.mark.parametrize("sync_free", [True, False])
+def test_reshape_and_cache_reference_matches_the_masked_write(padded, sync_free):
+    """Padding first, in the middle, everywhere: the reference writes exactly what the mask says, both its
+    sync-free form (GPU tensors: capturable) and its form for CPU tensors (fewer ops, a host read)."""
+    from anygpu.ops.reshape_and_cache import write_without_sync
+
     key, value, key_cache, value_cache, slots = cache_case(9, 3, 64, 8, 4, torch.bfloat16, "cpu", padded)
     want_k, want_v = key_cache.clone(), value_cache.clone()
     masked_write(key, value, want_k, want_v, slots)
-    cache_reference(key, value, key_cache, value_cache, slots)
+    (write_without_sync if sync_free else cache_reference)(key, value, key_cache, value_cache, slots)
     assert torch.equal(bits(key_cache), bits(want_k)) and torch.equal(bits(value_cache), bits(want_v))
 
 

@@ -43,12 +43,21 @@ def check(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor, value
 
 def reference(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
               slot_mapping: torch.Tensor) -> None:
-    # No host sync (a boolean-mask index would read the mask on the host), so a decode step on the references
-    # can be captured in a graph.  Padding rows are sent to the first real row's slot with that row's values:
-    # the duplicate writes carry equal bytes, so the scatter's unspecified order cannot matter.  With no real
-    # row at all, every row rewrites slot 0 with what it already holds.
     if key.shape[0] == 0 or key_cache.shape[0] == 0:
         return  # nothing to write, or no slot a row could name
+    if key.device.type == "cpu" and type(key) is torch.Tensor:  # no graph to keep whole (nor a fake tensor)
+        _write_cpu(key, value, key_cache, value_cache, slot_mapping)
+    else:
+        write_without_sync(key, value, key_cache, value_cache, slot_mapping)
+
+
+def write_without_sync(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
+                       slot_mapping: torch.Tensor) -> None:
+    """The reference's writes with no host read of a device value (capturable), for at least one row and slot.
+
+    A boolean-mask index would read the mask on the host; so padding rows are sent to the first real row's slot
+    with that row's values instead: the duplicate writes carry equal bytes, so the scatter's unspecified order
+    cannot matter.  With no real row at all, every row rewrites slot 0 with what it already holds."""
     valid = slot_mapping >= 0
     first = valid.to(torch.uint8).argmax().view(1)  # the first real row (0 when there is none)
     first_real = valid.index_select(0, first)
@@ -61,6 +70,18 @@ def reference(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor, v
         kept = torch.where(first_real[:, None, None], new.index_select(0, first), cache[0, :1])  # [1, Hkv, D]
         # Indexing two dimensions works for any cache strides (a view of a stacked [2, ...] cache too).
         cache[block, offset] = torch.where(rows, new, kept)
+
+
+def _write_cpu(key, value, key_cache, value_cache, slot_mapping) -> None:
+    """The reference's writes in fewer ops (a CPU decode step runs this once a layer): the same slots, the same
+    values, padding rows (slot < 0) dropped instead of redirected."""
+    valid = slot_mapping >= 0
+    if not bool(valid.all()):
+        key, value, slot_mapping = key[valid], value[valid], slot_mapping[valid]
+    block_size = key_cache.shape[1]
+    block, offset = slot_mapping // block_size, slot_mapping % block_size
+    key_cache[block, offset] = key
+    value_cache[block, offset] = value
 
 
 def fake(key, value, key_cache, value_cache, slot_mapping) -> None:
