@@ -7,6 +7,8 @@ import json
 import subprocess
 import sys
 
+import torch
+
 from ._models_fixtures import smollm_path  # noqa: F401 - fixture
 
 
@@ -52,6 +54,9 @@ def test_bench_model_writes_json(tmp_path):
     assert 0 < r["itl_s"]["p50"] <= r["itl_s"]["p99"]  # 42 gaps: 6 requests of 8 tokens
     assert "ITL ms" in run.stdout
     assert "out tok/s" in run.stdout
+    if report["device"] == "cpu":  # CPU numbers say which instruction set made them
+        capability = torch.backends.cpu.get_cpu_capability()
+        assert report["cpu_capability"] == capability and f"on cpu ({capability}, " in run.stdout
 
 
 def test_bench_model_samples_at_a_temperature_against_a_sampling_baseline(tmp_path):

@@ -216,7 +216,10 @@ def format_report(report: dict) -> str:
         rows.append([name, r["requests"], r["output_tokens"], f"{r['seconds']:.2f}", f"{r['output_tokens_per_s']:.1f}",
                      _ms(r.get("ttft_s"), 1), _ms(r.get("tpot_s"), 2), _ms(r.get("itl_s"), 2),
                      f"{100 * r['bandwidth_share']:.0f} %" if r.get("bandwidth_share") else "-"])
-    head = f"{report['model']}  {report['workload']}  on {report['device']}\n"
+    where = report["device"]
+    if report.get("cpu_capability"):
+        where += f" ({report['cpu_capability']}, {report.get('threads', '?')} threads)"
+    head = f"{report['model']}  {report['workload']}  on {where}\n"
     table = tabulate(rows, ["engine", "requests", "out tokens", "s", "out tok/s", "TTFT ms p50/p90/p99",
                             "TPOT ms p50/p90/p99", "ITL ms p50/p90/p99", "of BW limit"])
     ratio = report.get("speedup")

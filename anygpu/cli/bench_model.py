@@ -84,6 +84,8 @@ def bench_model(*, json_path, model, random_config, quantize, num_prompts, concu
               "workload": f"{num_prompts} prompts x {input_len} in / {output_len} out, concurrency {concurrency}"
                           + (f", temperature {temperature}" if temperature > 0 else ""),
               "device": str(device), "dtype": str(dtype), "threads": torch.get_num_threads(), "results": results}
+    if torch.device(device).type == "cpu":  # CPU results depend on it (the int4 kernel most: AVX-512 or not)
+        report["cpu_capability"] = torch.backends.cpu.get_cpu_capability()
     if base is not None and len(variants) > 1:
         unquantized = results[base[0]]["output_tokens_per_s"]
         report["vs_unquantized"] = {k: r["output_tokens_per_s"] / unquantized for k, r in results.items()}
