@@ -218,7 +218,8 @@ def format_report(report: dict) -> str:
                      f"{100 * r['bandwidth_share']:.0f} %" if r.get("bandwidth_share") else "-"])
     where = report["device"]
     if report.get("cpu_capability"):
-        where += f" ({report['cpu_capability']}, {report.get('threads', '?')} threads)"
+        threads = report.get("threads", 0)
+        where += f" ({report['cpu_capability']}, {threads} thread{'' if threads == 1 else 's'})"
     head = f"{report['model']}  {report['workload']}  on {where}\n"
     table = tabulate(rows, ["engine", "requests", "out tokens", "s", "out tok/s", "TTFT ms p50/p90/p99",
                             "TPOT ms p50/p90/p99", "ITL ms p50/p90/p99", "of BW limit"])
