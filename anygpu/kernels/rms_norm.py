@@ -119,7 +119,7 @@ def _launch(device: torch.device, hidden: int) -> tuple[int, dict]:
         cfg = next((c for c in select(CONFIGS, target) if c.constexprs["BLOCK"] >= block), None)
         if cfg is None:
             raise ValueError(f"x: expected a last dimension of at most {MAX_HIDDEN}, got {hidden}")
-        hit = _LAUNCH_CACHE[key] = (block, {**cfg.options(target), **pdl_args(device)})
+        hit = _LAUNCH_CACHE[key] = (block, cfg.options(target))
     return hit
 
 
@@ -151,7 +151,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, out: torch.Tenso
     w = weight if weight.stride(0) == 1 else weight.contiguous()
     with on_device(x.device):  # out is contiguous, so its row stride is hidden whatever its rank
         _rms_norm_kernel[(rows,)](x2, w, out, hidden, x2.stride(0), hidden, float(eps),
-                                  BLOCK=block, **options)
+                                  BLOCK=block, **options, **pdl_args(x.device))
     return out
 
 
@@ -171,5 +171,5 @@ def fused_add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Te
     w = weight if weight.stride(0) == 1 else weight.contiguous()
     with on_device(x.device):
         _fused_add_rms_norm_kernel[(rows,)](x2, r2, w, out, residual_out, hidden, x2.stride(0), r2.stride(0), hidden,
-                                            float(eps), BLOCK=block, **options)
+                                            float(eps), BLOCK=block, **options, **pdl_args(x.device))
     return out, residual_out
