@@ -476,6 +476,22 @@ def test_references_within_the_rule(dtype):
                     hf_rotary(positions, q0, cache, True, reference_dtype(dtype)))
 
 
+@pytest.mark.parametrize("shape", RMS_SHAPES)
+@pytest.mark.parametrize("w_dtype", [torch.float32, torch.bfloat16])
+def test_rms_norm_cpu_implementation_within_the_rule(shape, w_dtype):
+    """What the CPU runs for fp32 x (PyTorch's own RMSNorm with an fp32 weight, else the reference) against the
+    fp64 oracle, fused with the residual add or not."""
+    from anygpu.ops.fused_add_rms_norm import cpu as fused_cpu
+    from anygpu.ops.rms_norm import cpu as rms_cpu
+
+    x, r = llm_like(shape, torch.float32, "cpu", 3), llm_like(shape, torch.float32, "cpu", 3)
+    w = norm_weight(shape[-1], w_dtype, "cpu")
+    assert_accurate(rms_cpu(x, w, 1e-6), hf_rms_norm(x, w.float(), 1e-6), rms_oracle(x, w, 1e-6))
+    normed, new_residual = fused_cpu(x, r, w, 1e-6)
+    assert torch.equal(new_residual, x + r)
+    assert_accurate(normed, hf_rms_norm(x + r, w.float(), 1e-6), rms_oracle(x + r, w, 1e-6))
+
+
 def test_bad_arguments_name_the_argument():
     x, w = torch.randn(3, 8), torch.ones(8)
     with pytest.raises(ValueError, match=r"weight: expected shape \(8,\) \(x's last dimension\), got \(7,\)"):

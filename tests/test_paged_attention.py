@@ -83,16 +83,21 @@ def masked_write(key, value, key_cache, value_cache, slots):
 
 
 @pytest.mark.parametrize("padded", [(), (1, 4), (0, 1), (0, 1, 2, 3, 4, 5, 6, 7, 8)])
-@pytest.mark.parametrize("sync_free", [True, False])
-def test_reshape_and_cache_reference_matches_the_masked_write(padded, sync_free):
-    """Padding first, in the middle, everywhere: the reference writes exactly what the mask says, both its
-    sync-free form (GPU tensors: capturable) and its form for CPU tensors (fewer ops, a host read)."""
-    from anygpu.ops.reshape_and_cache import write_without_sync
+@pytest.mark.parametrize("form", ["reference", "cpu", "cpu, strided cache"])
+def test_reshape_and_cache_reference_matches_the_masked_write(padded, form):
+    """Padding first, in the middle, everywhere: the reference (sync-free: capturable on a GPU) and the CPU
+    implementation (fewer ops, the padding read on the host; a flat view of the cache's slots, or, where the
+    cache's strides do not allow one, two-dimensional indexing) write exactly what the mask says."""
+    from anygpu.ops.reshape_and_cache import cpu_write
 
     key, value, key_cache, value_cache, slots = cache_case(9, 3, 64, 8, 4, torch.bfloat16, "cpu", padded)
+    if form == "cpu, strided cache":  # blocks and rows swapped in memory: no view merges them
+        key_cache, value_cache = (c.transpose(0, 1).contiguous().transpose(0, 1) for c in (key_cache, value_cache))
+        with pytest.raises(RuntimeError):
+            key_cache.view(-1, *key_cache.shape[2:])
     want_k, want_v = key_cache.clone(), value_cache.clone()
     masked_write(key, value, want_k, want_v, slots)
-    (write_without_sync if sync_free else cache_reference)(key, value, key_cache, value_cache, slots)
+    (cache_reference if form == "reference" else cpu_write)(key, value, key_cache, value_cache, slots)
     assert torch.equal(bits(key_cache), bits(want_k)) and torch.equal(bits(value_cache), bits(want_v))
 
 
@@ -433,10 +438,43 @@ def test_paged_decode_opcheck(device, dtype):
     torch.library.opcheck(paged_decode.overload, (q, kc, vc, tables, lens, max_seqlen))
 
 
-def test_paged_decode_op_on_cpu_runs_the_reference_and_compiles():
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("window_left,softcap", [(-1, 0.0), (5, 0.0), (-1, 3.0), (0, 0.0), (12, 2.0)])
+@pytest.mark.parametrize("q_heads,kv_heads", [(6, 2), (4, 4), (8, 1)])
+def test_paged_decode_cpu_implementation_is_accurate(dtype, window_left, softcap, q_heads, kv_heads):
+    """The CPU implementation (sequence by sequence, only the live rows gathered) against the fp64 oracle, by
+    the accuracy rule, with NaN in every unused slot and GARBAGE_BLOCK in every unused table entry; lengths of
+    0, 1, a whole block and one past it."""
+    from anygpu.ops.paged_decode import cpu_decode
+
+    q, kc, vc, tables, lens, max_seqlen = paged_case([19, 1, 0, 33, 8, 9], q_heads, kv_heads, 16, 8, dtype, "cpu")
+    out = cpu_decode(q, kc, vc, tables, lens, max_seqlen, 0.3, window_left, softcap)
+    check_decode(out, q, kc, vc, tables, lens, 0.3, window_left, softcap, what="cpu_decode")
+    torch.testing.assert_close(out.double(), naive_decode(q, kc, vc, tables, lens, 0.3, window_left, softcap),
+                               **({"rtol": 1e-5, "atol": 1e-5} if dtype == torch.float32 else {"rtol": 0.02, "atol": 0.02}))
+
+
+def test_paged_decode_cpu_implementation_reads_up_to_the_bound_and_names_a_bad_block():
+    """A max_seqlen under a length caps the positions read, as in the reference; a table entry naming no block,
+    within the positions read, is a ValueError naming block_tables (the reference would clamp it)."""
+    from anygpu.ops.paged_decode import cpu_decode
+
+    q, kc, vc, tables, lens, _ = paged_case([19, 5, 33], 4, 2, 16, 8, torch.float32, "cpu")
+    for bound in (8, 16, 17):
+        torch.testing.assert_close(cpu_decode(q, kc, vc, tables, lens, bound),
+                                   decode_reference(q, kc, vc, tables, lens, bound), rtol=1e-5, atol=1e-6)
+    tables[2, 1] = kc.shape[0]
+    with pytest.raises(ValueError, match="block_tables: row 2 names a block outside the cache's"):
+        paged_decode(q, kc, vc, tables, lens, 33)
+
+
+def test_paged_decode_op_on_cpu_runs_the_cpu_implementation_and_compiles():
+    from anygpu.ops.paged_decode import cpu_decode
+
     q, kc, vc, tables, lens, max_seqlen = paged_case([9, 0, 20], 4, 2, 32, 8, torch.bfloat16, "cpu")
     out = paged_decode(q, kc, vc, tables, lens, max_seqlen)
-    assert torch.equal(out, decode_reference(q, kc, vc, tables, lens, max_seqlen))
+    assert torch.equal(out, cpu_decode(q, kc, vc, tables, lens, max_seqlen))
+    assert torch.equal(paged_decode.overload(q, kc, vc, tables, lens, max_seqlen), out)  # the dispatcher's too
     check_decode(out, q, kc, vc, tables, lens, what="cpu op")
     compiled = torch.compile(lambda *a: paged_decode(*a), fullgraph=True, backend="eager")
     torch.testing.assert_close(compiled(q, kc, vc, tables, lens, max_seqlen), out, rtol=0, atol=0)

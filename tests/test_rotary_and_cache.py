@@ -136,12 +136,53 @@ def test_kernel_strides_padding_and_empty(kdevice):
 
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_op_equals_the_two_ops(dtype):
-    """On the CPU (the references): the op is rotary_embedding then reshape_and_cache, bit for bit."""
+    """On the CPU: the op is rotary_embedding then reshape_and_cache, bit for bit."""
     qkv, args = case(6, 4, 2, 32, 16, dtype, "cpu", padded=(0, 4))
     qkv_two, args_two = cloned(qkv, args)
     assert rotary_and_cache(*args) is None
     two_ops(args_two)
     assert_same_bits((qkv, args[6], args[7]), (qkv_two, args_two[6], args_two[7]), str(dtype))
+
+
+@pytest.mark.parametrize("is_neox", [True, False])
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("heads,head_dim,rot_dim", [((4, 2), 64, 64), ((3, 1), 80, 32), ((6, 6), 32, 16)],
+                         ids=["gqa", "mqa-partial", "mha-partial"])
+def test_cpu_implementation_equals_the_references_bit_for_bit(dtype, is_neox, heads, head_dim, rot_dim):
+    """What the CPU runs (``cpu``: per-step cos/sin tables, one multiply-add a tensor, then ``cpu_write``) against
+    the two references; padding first and in the middle."""
+    from anygpu.ops.reshape_and_cache import reference as cache_reference
+    from anygpu.ops.rotary_and_cache import cpu
+    from anygpu.ops.rotary_embedding import reference as rotary_reference
+
+    qkv, args = case(7, *heads, head_dim, rot_dim, dtype, "cpu", padded=(0, 3))
+    args[5] = is_neox
+    qkv_ref, args_ref = cloned(qkv, args)
+    cpu(*args)
+    two_ops(args_ref, rotary_reference, cache_reference)
+    assert_same_bits((qkv, args[6], args[7]), (qkv_ref, args_ref[6], args_ref[7]), "cpu vs references")
+
+
+def test_cpu_step_tables_follow_positions_and_tables():
+    """The CPU rotation reuses a step's cos/sin tables while the positions and the table are the same: positions
+    changed in place, or equal positions with another table (Gemma 3's two), or the table changed in place,
+    must each give the reference's rotation."""
+    from anygpu.ops.rotary_embedding import cpu_rotate
+    from anygpu.ops.rotary_embedding import reference as rotary_reference
+
+    _, args = case(5, 4, 2, 32, 32, torch.float32, "cpu")
+    positions, q, k, _, table = args[:5]
+    other = rotary_cos_sin_cache(32, 64, base=500.0)
+    for step in range(4):
+        if step == 1:
+            positions.sub_(1).clamp_(min=0)  # the same tensor, new values: a new step
+        if step == 3:
+            table.mul_(0.5)  # the same table, changed in place
+        for t in (table, other, table):
+            q1, k1, q2, k2 = q.clone(), k.clone(), q.clone(), k.clone()
+            cpu_rotate(positions, q1, k1, t, True)
+            rotary_reference(positions, q2, k2, t, True)
+            assert torch.equal(bits(q1), bits(q2)) and torch.equal(bits(k1), bits(k2)), f"step {step}"
 
 
 @pytest.mark.parametrize("device", ["cpu", GPU])

@@ -6,8 +6,14 @@
         reference=...,    # pure PyTorch: the CPU backend, and the oracle every test compares against
         fake=...,         # shapes and dtypes only, so torch.compile and meta tensors work
         gpu=...,          # Triton launcher for CUDA and ROCm tensors (imported lazily: Triton is optional)
+        cpu=...,          # optional: a faster CPU implementation (default: the reference)
         backward=..., setup_context=...,   # optional autograd formula
     )
+
+A ``cpu`` implementation exists where the reference, written to be an oracle and to run on any device without a
+host read (so a GPU that runs the references can still capture a graph), is slow on the CPU: there a host read
+is free, and a decode step is bound by the count of small ops.  It keeps the reference's contract; its tests hold
+it to the reference bit for bit, or to the accuracy rule where it sums in another order.
 
 torch's dispatcher cannot tell ROCm from CUDA (both are the CUDA key), so the GPU implementation is one
 function; the per-arch differences are in the kernel's config table (``kernels/launch.py``).
@@ -65,7 +71,7 @@ class Op:
     check: Callable
     gpu_kernel: str | None  # "module:function" in anygpu.kernels
     gpu_impl: Callable  # what torch.ops.anygpu.<name> runs for CUDA / ROCm tensors
-    cpu_impl: Callable  # what it runs for CPU tensors: check, then the reference
+    cpu_impl: Callable  # what it runs for CPU tensors: check, then the cpu implementation (or the reference)
 
     @property
     def qualname(self) -> str:
@@ -186,22 +192,25 @@ def _resolve(path: str) -> Callable | None:
 
 
 def define_op(schema: str, *, check: Callable, reference: Callable, fake: Callable, gpu: str | None = None,
-              backward: Callable | None = None, setup_context: Callable | None = None) -> Op:
+              cpu: Callable | None = None, backward: Callable | None = None,
+              setup_context: Callable | None = None) -> Op:
     name = schema.split("(", 1)[0].strip()
     qualname = f"{NAMESPACE}::{name}"
     torch.library.define(qualname, schema.split(name, 1)[1].strip(), lib=_LIB)
 
-    @functools.wraps(reference)
-    def checked_reference(*args):
+    on_cpu = cpu or reference
+
+    @functools.wraps(on_cpu)
+    def checked_cpu(*args):
         check(*args)
-        return reference(*args)
+        return on_cpu(*args)
 
     def fake_impl(*args):
         check(*args)
         return fake(*args)
 
     torch.library.register_fake(qualname, fake_impl, lib=_LIB)
-    torch.library.impl(qualname, "cpu", checked_reference, lib=_LIB)
+    torch.library.impl(qualname, "cpu", checked_cpu, lib=_LIB)
 
     @functools.lru_cache(maxsize=1)
     def kernel():
@@ -220,4 +229,4 @@ def define_op(schema: str, *, check: Callable, reference: Callable, fake: Callab
     torch.library.impl(qualname, "cuda", gpu_impl, lib=_LIB)
     if backward is not None:
         torch.library.register_autograd(qualname, backward, setup_context=setup_context, lib=_LIB)
-    return Op(name, schema, reference, check, gpu, gpu_impl, checked_reference)
+    return Op(name, schema, reference, check, gpu, gpu_impl, checked_cpu)

@@ -15,6 +15,7 @@ import torch
 
 from .define import define_op
 from .rms_norm import check_x_weight_eps
+from .rms_norm import cpu as rms_norm_cpu
 from .rms_norm import reference as rms_norm_reference
 
 
@@ -31,6 +32,13 @@ def reference(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
     return rms_norm_reference(new_residual, weight, eps), new_residual
 
 
+def cpu(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+        eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """The CPU implementation: the add, then ``rms_norm``'s CPU implementation."""
+    new_residual = x + residual  # a new tensor, contiguous: x and residual have one shape
+    return rms_norm_cpu(new_residual, weight, eps), new_residual
+
+
 def fake(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
          eps: float) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.empty(x.shape, dtype=x.dtype, device=x.device), torch.empty(x.shape, dtype=x.dtype, device=x.device)
@@ -42,4 +50,5 @@ fused_add_rms_norm = define_op(
     reference=reference,
     fake=fake,
     gpu="rms_norm:fused_add_rms_norm",
+    cpu=cpu,
 )

@@ -7,7 +7,7 @@ to block ``slot // block_size``, row ``slot % block_size``.  A negative slot is 
 skipped and the cache is left untouched.  The copy is bit-exact.  If two tokens name the same slot, which
 one lands is unspecified (as with any scatter).
 
-Kernel: ``anygpu/kernels/kv_cache.py``.  The schema marks both caches as mutated (``Tensor(a!)``), so
+Kernel: ``anygpu/kernels/kv_cache.py``; the CPU runs ``cpu_write``.  The schema marks both caches as mutated (``Tensor(a!)``), so
 torch.compile functionalizes the op and opcheck verifies exactly those two are written.
 """
 
@@ -43,21 +43,13 @@ def check(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor, value
 
 def reference(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
               slot_mapping: torch.Tensor) -> None:
-    if key.shape[0] == 0 or key_cache.shape[0] == 0:
-        return  # nothing to write, or no slot a row could name
-    if key.device.type == "cpu" and type(key) is torch.Tensor:  # no graph to keep whole (nor a fake tensor)
-        _write_cpu(key, value, key_cache, value_cache, slot_mapping)
-    else:
-        write_without_sync(key, value, key_cache, value_cache, slot_mapping)
-
-
-def write_without_sync(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
-                       slot_mapping: torch.Tensor) -> None:
-    """The reference's writes with no host read of a device value (capturable), for at least one row and slot.
+    """The writes with no host read of a device value (a GPU running the references can capture them).
 
     A boolean-mask index would read the mask on the host; so padding rows are sent to the first real row's slot
     with that row's values instead: the duplicate writes carry equal bytes, so the scatter's unspecified order
     cannot matter.  With no real row at all, every row rewrites slot 0 with what it already holds."""
+    if key.shape[0] == 0 or key_cache.shape[0] == 0:
+        return  # nothing to write, or no slot a row could name
     valid = slot_mapping >= 0
     first = valid.to(torch.uint8).argmax().view(1)  # the first real row (0 when there is none)
     first_real = valid.index_select(0, first)
@@ -72,16 +64,23 @@ def write_without_sync(key: torch.Tensor, value: torch.Tensor, key_cache: torch.
         cache[block, offset] = torch.where(rows, new, kept)
 
 
-def _write_cpu(key, value, key_cache, value_cache, slot_mapping) -> None:
-    """The reference's writes in fewer ops (a CPU decode step runs this once a layer): the same slots, the same
-    values, padding rows (slot < 0) dropped instead of redirected."""
-    valid = slot_mapping >= 0
-    if not bool(valid.all()):
+def cpu_write(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
+              slot_mapping: torch.Tensor) -> None:
+    """The CPU implementation, in fewer ops (a CPU decode step runs it once a layer): the reference's slots and
+    values, padding rows (slot < 0) dropped instead of redirected (the padding mask read on the host)."""
+    if key.shape[0] == 0 or key_cache.shape[0] == 0:
+        return
+    if min(slot_mapping.tolist()) < 0:  # a host read: free on the CPU
+        valid = slot_mapping >= 0
         key, value, slot_mapping = key[valid], value[valid], slot_mapping[valid]
-    block_size = key_cache.shape[1]
-    block, offset = slot_mapping // block_size, slot_mapping % block_size
-    key_cache[block, offset] = key
-    value_cache[block, offset] = value
+    for new, cache in ((key, key_cache), (value, value_cache)):
+        try:  # the cache's first two dimensions as one of slots (a view: the write lands in the cache)
+            flat = cache.view(-1, *cache.shape[2:])
+        except RuntimeError:  # strides that do not merge: index two dimensions
+            block_size = cache.shape[1]
+            cache[slot_mapping // block_size, slot_mapping % block_size] = new
+        else:
+            flat.index_copy_(0, slot_mapping, new)
 
 
 def fake(key, value, key_cache, value_cache, slot_mapping) -> None:
@@ -95,4 +94,5 @@ reshape_and_cache = define_op(
     reference=reference,
     fake=fake,
     gpu="kv_cache:reshape_and_cache",
+    cpu=cpu_write,
 )

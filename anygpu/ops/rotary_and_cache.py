@@ -28,8 +28,10 @@ import torch
 
 from .define import define_op
 from .reshape_and_cache import check as check_cache_write
+from .reshape_and_cache import cpu_write
 from .reshape_and_cache import reference as cache_write_reference
 from .rotary_embedding import check as check_rotary
+from .rotary_embedding import cpu_rotate
 from .rotary_embedding import reference as rotary_reference
 
 
@@ -49,6 +51,14 @@ def reference(positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor, v
     cache_write_reference(key, value, key_cache, value_cache, slot_mapping)
 
 
+def cpu(positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+        cos_sin_cache: torch.Tensor, is_neox: bool, key_cache: torch.Tensor, value_cache: torch.Tensor,
+        slot_mapping: torch.Tensor) -> None:
+    """The two ops' CPU implementations, in the same order: the reference's bits."""
+    cpu_rotate(positions, query, key, cos_sin_cache, is_neox)
+    cpu_write(key, value, key_cache, value_cache, slot_mapping)
+
+
 def fake(positions, query, key, value, cos_sin_cache, is_neox, key_cache, value_cache, slot_mapping) -> None:
     return None
 
@@ -60,4 +70,5 @@ rotary_and_cache = define_op(
     reference=reference,
     fake=fake,
     gpu="rotary_and_cache:rotary_and_cache",
+    cpu=cpu,
 )

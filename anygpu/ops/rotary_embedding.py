@@ -12,6 +12,9 @@ in place to query and key (vLLM's op semantics), and ``rotary_cos_sin_cache`` to
 Pair i becomes (x1 cos_i - x2 sin_i, x2 cos_i + x1 sin_i), computed in fp32 and rounded once to the
 dtype (HF rounds cos and sin to the dtype and each product and the sum: a little less accurate).
 
+On the CPU, ``cpu_rotate`` gives the reference's bits in fewer ops: the per-token cos and sin tables are built once a
+step (every layer rotates at the same positions) and each tensor takes one multiply-add.
+
 Positions out of range: the CPU reference raises IndexError; the GPU kernel does not check them (that
 would need a device-to-host sync on every call) and reads whatever lies outside the cache.  Keep
 positions below the cache's length, as the model's max_position_embeddings already does.
@@ -21,6 +24,8 @@ Kernel: ``anygpu/kernels/rotary_embedding.py``.
 from __future__ import annotations
 
 import math
+import threading
+import weakref
 
 import torch
 
@@ -68,6 +73,53 @@ def reference(positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor, c
     _rotate_(key, cos, sin, is_neox)
 
 
+class _StepTables(threading.local):
+    """Per thread, per cos_sin_cache (held weakly): the last positions' (cos2, sin2) tables."""
+
+    def __init__(self):
+        self.entries: dict[int, tuple] = {}
+
+
+_STEP_TABLES = _StepTables()
+
+
+def _step_tables(positions: torch.Tensor, cos_sin_cache: torch.Tensor, is_neox: bool):
+    """[T, 1, rot_dim] fp32 cos2 and sin2 with ``pair * cos2 + turned * sin2`` = the rotation (``turned``: each
+    pair swapped), so ``-sin`` is where the reference subtracts: a - b and a + (-b) round alike.  Reused while
+    the same table is asked at equal positions (a step's layers), compared by value, not by identity."""
+    entries = _STEP_TABLES.entries
+    kept = entries.get(id(cos_sin_cache))
+    if (kept is not None and kept[0]() is cos_sin_cache and kept[1] == cos_sin_cache._version and kept[2] == is_neox
+            and kept[3].shape == positions.shape and torch.equal(kept[3], positions)):
+        return kept[4], kept[5]
+    cos, sin = cos_sin_cache.index_select(0, positions)[:, None, :].chunk(2, dim=-1)  # [T, 1, rot_dim / 2]
+    if is_neox:
+        cos2, sin2 = torch.cat([cos, cos], dim=-1), torch.cat([-sin, sin], dim=-1)
+    else:
+        cos2, sin2 = cos.repeat_interleave(2, dim=-1), torch.stack([-sin, sin], dim=-1).flatten(-2)
+    if len(entries) >= 4:  # a model has one or two tables; more are other models' (or freed)
+        entries.clear()
+    entries[id(cos_sin_cache)] = (weakref.ref(cos_sin_cache), cos_sin_cache._version, is_neox, positions.clone(),
+                                  cos2, sin2)
+    return cos2, sin2
+
+
+def cpu_rotate(positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor, cos_sin_cache: torch.Tensor,
+               is_neox: bool) -> None:
+    """The CPU implementation: the reference's bits, in five ops a tensor."""
+    cos2, sin2 = _step_tables(positions, cos_sin_cache, is_neox)
+    rot_dim = cos2.shape[-1]
+    for t in (query, key):
+        part = t[..., :rot_dim].float()
+        if is_neox:
+            x1, x2 = part.chunk(2, dim=-1)
+            turned = torch.cat([x2, x1], dim=-1)
+        else:
+            turned = part.unflatten(-1, (-1, 2)).flip(-1).flatten(-2)
+        # one rounding to t's dtype, as the reference's assignment (no fused multiply-add: it rounds otherwise)
+        torch.add(part * cos2, turned * sin2, out=t[..., :rot_dim])
+
+
 def fake(positions, query, key, cos_sin_cache, is_neox) -> None:
     return None
 
@@ -78,6 +130,7 @@ rotary_embedding = define_op(
     reference=reference,
     fake=fake,
     gpu="rotary_embedding:rotary_embedding",
+    cpu=cpu_rotate,
 )
 
 
