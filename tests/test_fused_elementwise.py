@@ -492,6 +492,19 @@ def test_rms_norm_cpu_implementation_within_the_rule(shape, w_dtype):
     assert_accurate(normed, hf_rms_norm(x + r, w.float(), 1e-6), rms_oracle(x + r, w, 1e-6))
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape", [(1, 2), (3, 3072), (2, 5, 18), (0, 8)])
+def test_silu_and_mul_cpu_implementation_equals_the_reference(dtype, shape):
+    from anygpu.ops.silu_and_mul import cpu, reference
+
+    x = llm_like(shape, dtype, "cpu", 3)
+    x0 = x.clone()
+    out, want = cpu(x), reference(x)
+    as_int = torch.int32 if dtype == torch.float32 else torch.int16
+    assert out.dtype == dtype and torch.equal(out.view(as_int), want.view(as_int))  # bit for bit
+    assert torch.equal(x, x0)  # the input is left alone
+
+
 def test_bad_arguments_name_the_argument():
     x, w = torch.randn(3, 8), torch.ones(8)
     with pytest.raises(ValueError, match=r"weight: expected shape \(8,\) \(x's last dimension\), got \(7,\)"):

@@ -148,19 +148,30 @@ def test_op_equals_the_two_ops(dtype):
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("heads,head_dim,rot_dim", [((4, 2), 64, 64), ((3, 1), 80, 32), ((6, 6), 32, 16)],
                          ids=["gqa", "mqa-partial", "mha-partial"])
-def test_cpu_implementation_equals_the_references_bit_for_bit(dtype, is_neox, heads, head_dim, rot_dim):
-    """What the CPU runs (``cpu``: per-step cos/sin tables, one multiply-add a tensor, then ``cpu_write``) against
-    the two references; padding first and in the middle."""
+@pytest.mark.parametrize("tokens,fused", [(7, True), (1, True), (7, False)])
+def test_cpu_implementation_equals_the_references_bit_for_bit(dtype, is_neox, heads, head_dim, rot_dim, tokens,
+                                                                fused):
+    """What the CPU runs (``cpu``: per-step cos/sin tables, one multiply-add a tensor, q and k as one tensor when
+    they are views of one QKV output, then ``cpu_write``) against the two references; padding first and in the
+    middle.  ``fused=False``: q and k are separate tensors (as after Qwen3's q/k norm)."""
     from anygpu.ops.reshape_and_cache import reference as cache_reference
     from anygpu.ops.rotary_and_cache import cpu
+    from anygpu.ops.rotary_embedding import _heads_together
     from anygpu.ops.rotary_embedding import reference as rotary_reference
 
-    qkv, args = case(7, *heads, head_dim, rot_dim, dtype, "cpu", padded=(0, 3))
+    qkv, args = case(tokens, *heads, head_dim, rot_dim, dtype, "cpu", padded=(0, 3) if tokens > 1 else ())
     args[5] = is_neox
+    if not fused:
+        args[1], args[2] = args[1].clone(), args[2].clone()
+    assert len(_heads_together(args[1], args[2])) == (1 if fused else 2)
     qkv_ref, args_ref = cloned(qkv, args)
+    if not fused:
+        args_ref[1], args_ref[2] = args[1].clone(), args[2].clone()
     cpu(*args)
     two_ops(args_ref, rotary_reference, cache_reference)
     assert_same_bits((qkv, args[6], args[7]), (qkv_ref, args_ref[6], args_ref[7]), "cpu vs references")
+    for mine, theirs in zip(args[1:3], args_ref[1:3]):
+        assert torch.equal(bits(mine), bits(theirs)), "q or k"
 
 
 def test_cpu_step_tables_follow_positions_and_tables():

@@ -42,24 +42,28 @@ _LIB = torch.library.Library(NAMESPACE, "FRAGMENT")  # noqa: TOR901 - the namesp
 _PLAIN_TENSORS = (torch.Tensor, torch.nn.Parameter)
 
 
-def _plain_eager_device(args) -> str | None:
+def _plain_eager_device(tensors) -> str | None:
     """"cuda" or "cpu" when going through torch's dispatcher would change nothing but cost time: eager mode, not
     tracing, no autograd, no functorch transform (vmap, grad), no tensor subclass (FakeTensor), no
-    torch-function or dispatch mode active, and every tensor on one kind of device.  None otherwise."""
-    if torch.compiler.is_compiling() or torch.jit.is_tracing() or torch._C._is_torch_function_mode_enabled():
+    torch-function or dispatch mode active, and every tensor (``tensors``: the op's tensor arguments, None
+    for an absent optional one) on one kind of device.  None otherwise."""
+    if torch.jit.is_tracing() or torch._C._is_torch_function_mode_enabled():
         return None
     if torch._C._len_torch_dispatch_stack() or torch._C._are_functorch_transforms_active():
         return None
     grad = torch.is_grad_enabled()
     kind = None
-    for a in args:
-        if isinstance(a, torch.Tensor):
-            if type(a) not in _PLAIN_TENSORS or (grad and a.requires_grad):
-                return None
-            here = a.device.type
-            if here not in ("cuda", "cpu") or (kind is not None and here != kind):
-                return None
-            kind = here
+    for a in tensors:
+        if a is None:
+            continue
+        if type(a) not in _PLAIN_TENSORS or (grad and a.requires_grad):
+            return None
+        # is_cuda / is_cpu: a flag read each, where device.type builds a device object (a decode step on the
+        # CPU makes about 200 op calls, each with up to 8 tensors)
+        here = "cuda" if a.is_cuda else "cpu" if a.is_cpu else None
+        if here is None or (kind is not None and here != kind):
+            return None
+        kind = here
     return kind
 
 
@@ -90,6 +94,7 @@ class Op:
             return self.overload(*args, **kwargs)
         if kwargs or len(args) < self._num_arguments:  # the schema's names and defaults, as torch.ops applies them
             args = self._bind(args, kwargs)
+        tensors = []
         for i, name, optional in self._tensor_arguments:
             a = args[i] if i < len(args) else None
             if not isinstance(a, torch.Tensor) and not (optional and a is None):
@@ -97,7 +102,8 @@ class Op:
                 # AttributeError ('list' object has no attribute 'dim'), or worse, read it as something else.
                 raise TypeError(f"{self.name}: {name}: expected a torch.Tensor{' or None' if optional else ''}, "
                                 f"got {type(a).__name__}")
-        kind = _plain_eager_device(args)
+            tensors.append(a)
+        kind = _plain_eager_device(tensors)
         if kind == "cuda":
             return self.gpu_impl(*args)
         if kind == "cpu":

@@ -106,10 +106,11 @@ def _step_tables(positions: torch.Tensor, cos_sin_cache: torch.Tensor, is_neox: 
 
 def cpu_rotate(positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor, cos_sin_cache: torch.Tensor,
                is_neox: bool) -> None:
-    """The CPU implementation: the reference's bits, in five ops a tensor."""
+    """The CPU implementation: the reference's bits, in five ops a tensor (one tensor when key's heads follow
+    query's in memory, as views of a fused QKV projection's output do)."""
     cos2, sin2 = _step_tables(positions, cos_sin_cache, is_neox)
     rot_dim = cos2.shape[-1]
-    for t in (query, key):
+    for t in _heads_together(query, key):
         part = t[..., :rot_dim].float()
         if is_neox:
             x1, x2 = part.chunk(2, dim=-1)
@@ -118,6 +119,17 @@ def cpu_rotate(positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor, 
             turned = part.unflatten(-1, (-1, 2)).flip(-1).flatten(-2)
         # one rounding to t's dtype, as the reference's assignment (no fused multiply-add: it rounds otherwise)
         torch.add(part * cos2, turned * sin2, out=t[..., :rot_dim])
+
+
+def _heads_together(query: torch.Tensor, key: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """(query and key as one [T, Hq + Hkv, D] view,) when key's heads continue query's at the same strides in the
+    same storage; else (query, key)."""
+    tokens, heads = query.shape[:2]
+    if (tokens and query.stride()[1:] == key.stride()[1:] and (tokens == 1 or query.stride(0) == key.stride(0))
+            and query.untyped_storage().data_ptr() == key.untyped_storage().data_ptr()
+            and key.data_ptr() == query.data_ptr() + heads * query.stride(1) * query.element_size()):
+        return (query.as_strided((tokens, heads + key.shape[1], query.shape[2]), query.stride()),)
+    return query, key
 
 
 def fake(positions, query, key, cos_sin_cache, is_neox) -> None:
