@@ -450,8 +450,9 @@ def test_paged_decode_cpu_implementation_is_accurate(dtype, window_left, softcap
     q, kc, vc, tables, lens, max_seqlen = paged_case([19, 1, 0, 33, 8, 9], q_heads, kv_heads, 16, 8, dtype, "cpu")
     out = cpu_decode(q, kc, vc, tables, lens, max_seqlen, 0.3, window_left, softcap)
     check_decode(out, q, kc, vc, tables, lens, 0.3, window_left, softcap, what="cpu_decode")
+    tolerance = 1e-5 if dtype == torch.float32 else 0.02
     torch.testing.assert_close(out.double(), naive_decode(q, kc, vc, tables, lens, 0.3, window_left, softcap),
-                               **({"rtol": 1e-5, "atol": 1e-5} if dtype == torch.float32 else {"rtol": 0.02, "atol": 0.02}))
+                               rtol=tolerance, atol=tolerance)
 
 
 def test_paged_decode_cpu_implementation_reads_up_to_the_bound_and_names_a_bad_block():

@@ -7,8 +7,8 @@ to block ``slot // block_size``, row ``slot % block_size``.  A negative slot is 
 skipped and the cache is left untouched.  The copy is bit-exact.  If two tokens name the same slot, which
 one lands is unspecified (as with any scatter).
 
-Kernel: ``anygpu/kernels/kv_cache.py``; the CPU runs ``cpu_write``.  The schema marks both caches as mutated (``Tensor(a!)``), so
-torch.compile functionalizes the op and opcheck verifies exactly those two are written.
+Kernel: ``anygpu/kernels/kv_cache.py``; the CPU runs ``cpu_write``.  The schema marks both caches as mutated
+(``Tensor(a!)``), so torch.compile functionalizes the op and opcheck verifies exactly those two are written.
 """
 
 from __future__ import annotations
