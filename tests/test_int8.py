@@ -100,6 +100,31 @@ def test_int8_linear_matmul_is_exact(shape, path, monkeypatch):
     assert int8_linear_matmul(A, B, out=out) is out and torch.equal(out, expected)
 
 
+@pytest.mark.parametrize("K", [1024, 1025, 3000])
+@pytest.mark.parametrize("value", [-128, 127])
+def test_int8_fp32_products_stay_exact_at_the_extremes(K, value):
+    """The CPU's fp32 path (slices of EXACT_FP32_K) with every product at its largest magnitude, where one fp32
+    sum over all of K would round (3000 * 128**2 > 2**24)."""
+    from anygpu.ops.int8_matmul import int_matmul
+
+    A = torch.full((3, K), value, dtype=torch.int8)
+    B = torch.cat([torch.full((2, K), value, dtype=torch.int8), torch.full((1, K), -128, dtype=torch.int8)])
+    B[2, ::2] = 127
+    assert torch.equal(int_matmul(A, B, use_int_mm=False), (A.double() @ B.double().t()).to(torch.int32))
+
+
+def test_cpu_int_mm_only_with_avx512(monkeypatch):
+    """torch._int_mm is the CPU's int8 GEMM only where it is fast (AVX-512); elsewhere the exact fp32 products."""
+    import importlib
+
+    module = importlib.import_module("anygpu.ops.int8_matmul")  # the module (anygpu.ops.int8_matmul is the op)
+    for capability, expected in (("AVX512", True), ("AVX2", False), ("DEFAULT", False), ("SVE256", False)):
+        module._cpu_int_mm_is_fast.cache_clear()
+        monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda c=capability: c)
+        assert module.int_mm_applies(1, 64, 64, torch.device("cpu")) is expected, capability
+    module._cpu_int_mm_is_fast.cache_clear()
+
+
 @pytest.mark.parametrize("out_dtype", [None, torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("with_bias", [False, True])
 def test_int8_mm_dequant_matches_bitsandbytes(out_dtype, with_bias):

@@ -23,6 +23,7 @@ bitsandbytes' functional API.  Gradients flow to x and bias (``grad @ (CB * SCB 
 
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
@@ -58,10 +59,22 @@ def dequantize_rows(codes: torch.Tensor, stats: torch.Tensor) -> torch.Tensor:
 
 
 def int_mm_applies(M: int, K: int, N: int, device: torch.device) -> bool:
-    """Whether ``torch._int_mm`` takes an [M, K] x [K, N] product on ``device``."""
+    """Whether ``torch._int_mm`` takes an [M, K] x [K, N] product on ``device`` (and is the fast way there)."""
     if device.type == "cpu":
-        return True  # any shape; exact since torch 2.6 (earlier versions overflowed without AVX512-VNNI)
+        return _cpu_int_mm_is_fast()
     return device.type == "cuda" and M > 16 and K % 8 == 0 and N % 8 == 0  # cuBLASLt / hipBLASLt limits
+
+
+@functools.cache
+def _cpu_int_mm_is_fast() -> bool:
+    """``torch._int_mm`` on the CPU is exact since torch 2.6, but fast only with AVX-512: on an AVX2 CPU it took
+    6x (one row) to 20x (32 rows) the time of the exact fp32 products below
+    (docs/perf/2026-12-05-cpu-decode-s11.md)."""
+    return torch.backends.cpu.get_cpu_capability().startswith("AVX512")
+
+
+# fp32 holds an int8 product's partial sums exactly while K * 128**2 <= 2**24: K up to 1024 a product.
+EXACT_FP32_K = 1024
 
 
 def int_matmul(A: torch.Tensor, B: torch.Tensor, use_int_mm: bool) -> torch.Tensor:
@@ -71,8 +84,18 @@ def int_matmul(A: torch.Tensor, B: torch.Tensor, use_int_mm: bool) -> torch.Tens
         return torch.zeros(M, N, dtype=torch.int32, device=A.device)
     if use_int_mm:
         return torch._int_mm(A.contiguous(), B.t())
-    # float64 holds every partial sum exactly (|sum| <= K * 127**2 < 2**53); fp32 would not past K ~ 1040.
-    return (A.double() @ B.double().t()).to(torch.int32)
+    if A.device.type != "cpu":
+        # float64 holds every partial sum exactly (|sum| <= K * 128**2 < 2**53), whatever the GPU's fp32 matmul
+        # precision setting does.
+        return (A.double() @ B.double().t()).to(torch.int32)
+    # fp32 products over K slices of at most EXACT_FP32_K (every partial sum an integer below 2**24, so exact in
+    # any summation order), the slices added in int32: twice float64's speed on the CPU.
+    acc = None
+    for start in range(0, K, EXACT_FP32_K):
+        a, b = A[:, start: start + EXACT_FP32_K], B[:, start: start + EXACT_FP32_K]
+        part = (a.float() @ b.float().t()).to(torch.int32)
+        acc = part if acc is None else acc.add_(part)
+    return acc
 
 
 def dequantize_int32(acc: torch.Tensor, row_stats: torch.Tensor, col_stats: torch.Tensor,
