@@ -47,30 +47,36 @@ def test_launchers_ask_for_pdl_only_where_the_target_has_it(monkeypatch):
 
 
 @pytest.mark.aot
-def test_the_pdl_variant_compiles_for_hopper_and_not_elsewhere():
+@pytest.mark.parametrize("module,spec", [("rms_norm", "FUSED_SPEC"), ("matmul_4bit", "GEMV_SPEC"),
+                                         ("matmul_int8_block", "GEMV_SPEC")])
+def test_the_pdl_variant_compiles_for_hopper_and_not_elsewhere(module, spec):
     """The AOT compile passes what the launcher would: PDL on sm_90 (griddepcontrol in the PTX), off on sm_80."""
+    import importlib
+
     import triton
     from triton.compiler import ASTSource
 
-    import anygpu.kernels.rms_norm as rn
     from anygpu.kernels._pdl import target_supports_pdl
     from anygpu.kernels.aot import compile_one, constexprs_for
+    from anygpu.kernels.launch import select
 
-    cfg = rn.CONFIGS["default"][1]
+    spec = getattr(importlib.import_module(f"anygpu.kernels.{module}"), spec)
     for arch, wanted in (("sm_90", True), ("sm_80", False)):
         target = TARGETS[arch]
-        assert compile_one(rn.FUSED_SPEC, target, cfg, torch.bfloat16).ok
-        constexprs = constexprs_for(rn.FUSED_SPEC, cfg, target)
+        cfg = select(spec.configs, target)[0]
+        assert compile_one(spec, target, cfg, torch.bfloat16).ok
+        constexprs = constexprs_for(spec, cfg, target)
         assert constexprs["PDL"] == target_supports_pdl(target)
-        src = ASTSource(fn=rn.FUSED_SPEC.fn, signature=rn.FUSED_SPEC.signature_for(torch.bfloat16, cfg),
-                        constexprs=constexprs)
+        src = ASTSource(fn=spec.fn, signature=spec.signature_for(torch.bfloat16, cfg), constexprs=constexprs)
         ptx = triton.compile(src, target=target.triton_target(), options=cfg.options(target)).asm["ptx"]
         assert ("griddepcontrol.wait" in ptx) == wanted, arch
 
 
 @pytest.mark.gpu
-def test_decode_chain_is_the_same_with_and_without_pdl(monkeypatch):
-    """Greedy decoding of a small random model (bf16, CUDA graphs) gives the same tokens with PDL as without."""
+@pytest.mark.parametrize("quantize", [None, "nf4", "q4_k", "q8_0"])
+def test_decode_chain_is_the_same_with_and_without_pdl(monkeypatch, quantize):
+    """Greedy decoding of a small random model (bf16, CUDA graphs) gives the same tokens with PDL as without:
+    plain (the bf16 GEMV), and quantized (the 4-bit GEMV: nf4, GGUF Q4_K; the int8-block GEMV: Q8_0)."""
     if not torch.cuda.is_available():
         pytest.skip("needs a GPU")
     from anygpu.bench.model import random_engine
@@ -79,7 +85,7 @@ def test_decode_chain_is_the_same_with_and_without_pdl(monkeypatch):
 
     def tokens():
         torch.manual_seed(0)
-        engine = random_engine("tiny", dtype="bfloat16", progress=False)
+        engine = random_engine("tiny", dtype="bfloat16", progress=False, quantize=quantize)
         for i in range(3):
             engine.add_request(str(i), [5 + i, 17, 300, 42, 7, 99], SamplingParams(max_tokens=48, temperature=0,
                                                                                  ignore_eos=True))

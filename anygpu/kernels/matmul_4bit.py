@@ -30,6 +30,7 @@ import triton
 import triton.language as tl
 
 from ._decode_4bit import _block_scales, _decode8, _decode_pairs, _dot8, _lookup, _tables
+from ._pdl import pdl_args, wait_then_release
 from ._program_order import grouped_tile
 from ._split_k import split_count, split_k_buffers, store_or_reduce
 from .gemv_mma_4bit import _gemv_mma_4bit_kernel
@@ -60,7 +61,9 @@ def _gemv_4bit_kernel(x_ptr, w_ptr, absmax_ptr, code_ptr, bias_ptr, out_ptr, par
                       BLOCKSIZE: tl.constexpr, BLOCK_N: tl.constexpr, CHUNK: tl.constexpr, SEG: tl.constexpr,
                       EVEN_K: tl.constexpr, PARTIAL: tl.constexpr, REDUCE: tl.constexpr, PREFETCH: tl.constexpr,
                       NESTED: tl.constexpr, HAS_BIAS: tl.constexpr,
-                      DECODE_PTX: tl.constexpr, HALF2: tl.constexpr, HAS_OFFSET: tl.constexpr):
+                      DECODE_PTX: tl.constexpr, HALF2: tl.constexpr, HAS_OFFSET: tl.constexpr,
+                      PDL: tl.constexpr = False):
+    wait_then_release(PDL)  # the decode step's chain (kernels/_pdl.py): nothing is read or written before it
     # One program: BLOCK_N output features of one row of x, over 1/SPLITS of K, CHUNK elements of each
     # row per step.  stride_w (a row's packed length in words or bytes) is an argument, not K // 8,
     # so that Triton sees it is a multiple of 16 and emits 16-byte loads.  A step covers CHUNK / SEG
@@ -471,7 +474,7 @@ def matmul_4bit(x: torch.Tensor, weight: torch.Tensor, absmax: torch.Tensor, cod
                                     SEG=min(chunk, blocksize), EVEN_K=k % chunk == 0, PARTIAL=p.split_k > 1,
                                     REDUCE=sk.reduce, PREFETCH=c["PREFETCH"], NESTED=nested, HAS_BIAS=bias is not None,
                                     DECODE_PTX=ptx, HALF2=half2, HAS_OFFSET=offset is not None,
-                                    **options)
+                                    **options, **pdl_args(x.device))
             sk.finish(out2, bias)
             return out
         elif p.path == "mma":
@@ -534,7 +537,7 @@ def _signature(kernel: str):
             s.update({"BLOCK_N": "constexpr", "CHUNK": "constexpr", "SEG": "constexpr",
                       "EVEN_K": "constexpr", "PARTIAL": "constexpr", "REDUCE": "constexpr", "PREFETCH": "constexpr",
                       "NESTED": "constexpr", "HAS_BIAS": "constexpr",
-                      "DECODE_PTX": "constexpr", "HALF2": "constexpr", "HAS_OFFSET": "constexpr"})
+                      "DECODE_PTX": "constexpr", "HALF2": "constexpr", "HAS_OFFSET": "constexpr", "PDL": "constexpr"})
         return s
     return sig
 

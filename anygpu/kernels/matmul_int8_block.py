@@ -36,6 +36,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
+from ._pdl import pdl_args, wait_then_release
 from ._program_order import grouped_tile
 from ._split_k import split_count, split_k_buffers, store_or_reduce
 from .launch import (TRITON_DTYPE, KernelSpec, LaunchConfig, cached_options, device_target, on_device, register,
@@ -69,7 +70,8 @@ def _gemv_int8_block_kernel(x_ptr, q_ptr, scale_ptr, offset_ptr, bias_ptr, out_p
                             N, K, stride_xm, stride_om, stride_q, SPLITS,
                             BLOCKSIZE: tl.constexpr, BLOCK_N: tl.constexpr, CHUNK: tl.constexpr,
                             EVEN_K: tl.constexpr, PARTIAL: tl.constexpr, REDUCE: tl.constexpr, HAS_OFFSET: tl.constexpr,
-                            HAS_BIAS: tl.constexpr, DECODE_PTX: tl.constexpr = False):
+                            HAS_BIAS: tl.constexpr, DECODE_PTX: tl.constexpr = False, PDL: tl.constexpr = False):
+    wait_then_release(PDL)  # the decode step's chain (kernels/_pdl.py): nothing is read or written before it
     # One program: BLOCK_N output features of one row of x, over 1/SPLITS of K, CHUNK columns a step (CHUNK a
     # multiple of the block).  K is a multiple of the block, so a step's blocks are whole; only the last step
     # can run past K (EVEN_K: none does).
@@ -359,7 +361,7 @@ def matmul_int8_block(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor,
                                           BLOCKSIZE=blocksize, BLOCK_N=c["BLOCK_N"], CHUNK=c["CHUNK"],
                                           EVEN_K=k % c["CHUNK"] == 0, PARTIAL=p.split_k > 1, REDUCE=sk.reduce,
                                           HAS_OFFSET=offset is not None, HAS_BIAS=bias is not None,
-                                          DECODE_PTX=ptx, **options)
+                                          DECODE_PTX=ptx, **options, **pdl_args(x.device))
             sk.finish(out2, bias)
             return out
         block_k = gemm_block_k(cfg, k, blocksize)
@@ -392,7 +394,7 @@ def _signature(kernel: str):
             s.update({"SPLITS": "i32", "BLOCKSIZE": "constexpr", "BLOCK_N": "constexpr", "CHUNK": "constexpr",
                       "EVEN_K": "constexpr", "PARTIAL": "constexpr", "REDUCE": "constexpr",
                       "HAS_OFFSET": "constexpr",
-                      "HAS_BIAS": "constexpr", "DECODE_PTX": "constexpr"})
+                      "HAS_BIAS": "constexpr", "DECODE_PTX": "constexpr", "PDL": "constexpr"})
         else:
             s.update({"BLOCKSIZE": "constexpr", "BLOCK_M": "constexpr", "BLOCK_N": "constexpr",
                       "BLOCK_K": "constexpr", "GROUP_M": "constexpr", "SPLIT_K": "constexpr", "REDUCE": "constexpr",
