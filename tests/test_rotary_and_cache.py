@@ -196,6 +196,24 @@ def test_cpu_step_tables_follow_positions_and_tables():
             assert torch.equal(bits(q1), bits(q2)) and torch.equal(bits(k1), bits(k2)), f"step {step}"
 
 
+def test_cpu_rotation_with_an_inference_mode_table():
+    """A table made under inference mode has no version counter: the CPU rotation then builds its tables every
+    call (an in-place change could not be seen), with the reference's bits, inside and outside inference mode."""
+    from anygpu.ops.rotary_embedding import cpu_rotate
+    from anygpu.ops.rotary_embedding import reference as rotary_reference
+
+    with torch.inference_mode():
+        table = rotary_cos_sin_cache(32, 64)
+        positions = torch.tensor([3, 9, 63])
+        q, k = torch.randn(3, 4, 32), torch.randn(3, 2, 32)
+        for step in range(2):
+            table.mul_(0.5 if step else 1.0)  # allowed on an inference tensor, and not versioned
+            q1, k1, q2, k2 = q.clone(), k.clone(), q.clone(), k.clone()
+            cpu_rotate(positions, q1, k1, table, True)
+            rotary_reference(positions, q2, k2, table, True)
+            assert torch.equal(bits(q1), bits(q2)) and torch.equal(bits(k1), bits(k2)), step
+
+
 @pytest.mark.parametrize("device", ["cpu", GPU])
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_opcheck(device, dtype):

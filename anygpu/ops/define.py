@@ -87,9 +87,9 @@ class Op:
 
     def __call__(self, *args, **kwargs):
         # Decode-sized calls are bound by host time, and a Python custom op's trip through torch's dispatcher
-        # costs more than the launch itself.  When the dispatcher would only forward to gpu_impl or the checked reference (the CPU
-        # implementation), call it directly; autograd, torch.compile and meta/fake tensors still go through
-        # torch.ops.
+        # costs more than the launch itself.  When the dispatcher would only forward to gpu_impl or to the
+        # checked CPU implementation, call it directly; autograd, torch.compile and meta/fake tensors still go
+        # through torch.ops.
         if torch.compiler.is_compiling():  # dynamo binds arguments itself
             return self.overload(*args, **kwargs)
         if kwargs or len(args) < self._num_arguments:  # the schema's names and defaults, as torch.ops applies them

@@ -12,8 +12,8 @@ in place to query and key (vLLM's op semantics), and ``rotary_cos_sin_cache`` to
 Pair i becomes (x1 cos_i - x2 sin_i, x2 cos_i + x1 sin_i), computed in fp32 and rounded once to the
 dtype (HF rounds cos and sin to the dtype and each product and the sum: a little less accurate).
 
-On the CPU, ``cpu_rotate`` gives the reference's bits in fewer ops: the per-token cos and sin tables are built once a
-step (every layer rotates at the same positions) and each tensor takes one multiply-add.
+On the CPU, ``cpu_rotate`` gives the reference's bits in fewer ops: the per-token cos and sin tables are built
+once a step (every layer rotates at the same positions) and each tensor takes one multiply-add.
 
 Positions out of range: the CPU reference raises IndexError; the GPU kernel does not check them (that
 would need a device-to-host sync on every call) and reads whatever lies outside the cache.  Keep
@@ -86,10 +86,15 @@ _STEP_TABLES = _StepTables()
 def _step_tables(positions: torch.Tensor, cos_sin_cache: torch.Tensor, is_neox: bool):
     """[T, 1, rot_dim] fp32 cos2 and sin2 with ``pair * cos2 + turned * sin2`` = the rotation (``turned``: each
     pair swapped), so ``-sin`` is where the reference subtracts: a - b and a + (-b) round alike.  Reused while
-    the same table is asked at equal positions (a step's layers), compared by value, not by identity."""
+    the same table, unchanged (its version counter), is asked at equal positions (a step's layers; compared by
+    value, not by identity).  A table made under inference mode has no version counter: never reused."""
+    try:
+        version = cos_sin_cache._version
+    except RuntimeError:  # an inference tensor
+        version = None
     entries = _STEP_TABLES.entries
-    kept = entries.get(id(cos_sin_cache))
-    if (kept is not None and kept[0]() is cos_sin_cache and kept[1] == cos_sin_cache._version and kept[2] == is_neox
+    kept = entries.get(id(cos_sin_cache)) if version is not None else None
+    if (kept is not None and kept[0]() is cos_sin_cache and kept[1] == version and kept[2] == is_neox
             and kept[3].shape == positions.shape and torch.equal(kept[3], positions)):
         return kept[4], kept[5]
     cos, sin = cos_sin_cache.index_select(0, positions)[:, None, :].chunk(2, dim=-1)  # [T, 1, rot_dim / 2]
@@ -97,10 +102,10 @@ def _step_tables(positions: torch.Tensor, cos_sin_cache: torch.Tensor, is_neox: 
         cos2, sin2 = torch.cat([cos, cos], dim=-1), torch.cat([-sin, sin], dim=-1)
     else:
         cos2, sin2 = cos.repeat_interleave(2, dim=-1), torch.stack([-sin, sin], dim=-1).flatten(-2)
-    if len(entries) >= 4:  # a model has one or two tables; more are other models' (or freed)
-        entries.clear()
-    entries[id(cos_sin_cache)] = (weakref.ref(cos_sin_cache), cos_sin_cache._version, is_neox, positions.clone(),
-                                  cos2, sin2)
+    if version is not None:
+        if len(entries) >= 4:  # a model has one or two tables; more are other models' (or freed)
+            entries.clear()
+        entries[id(cos_sin_cache)] = (weakref.ref(cos_sin_cache), version, is_neox, positions.clone(), cos2, sin2)
     return cos2, sin2
 
 
