@@ -29,21 +29,22 @@ def test_only_nvidia_from_sm90_can_use_pdl():
 def test_launchers_ask_for_pdl_only_where_the_target_has_it(monkeypatch):
     from anygpu.kernels import _pdl, launch
 
-    monkeypatch.setenv("ANYGPU_PDL", "1")
-    monkeypatch.setattr(_pdl, "_ARGS", {})
-    assert _pdl.pdl_args(torch.device("cpu")) == {"PDL": False}
-    for arch, want in (("sm_90", {"PDL": True, "launch_pdl": True}), ("sm_80", {"PDL": False}),
-                       ("gfx942", {"PDL": False})):
-        monkeypatch.setattr(_pdl, "_ARGS", {})
-        monkeypatch.setattr(launch, "device_target", lambda device, arch=arch: TARGETS[arch])
-        assert _pdl.pdl_args(torch.device("cuda", 0)) == want, arch
-    for off in ("0", None):  # off by default until it has run in the engine on a GPU
-        if off is None:
-            monkeypatch.delenv("ANYGPU_PDL")
+    for on in ("1", None):  # on by default since it ran in the engine on the H200 (docs/perf/2026-12-05-pdl-engine.md)
+        if on is None:
+            monkeypatch.delenv("ANYGPU_PDL", raising=False)
         else:
-            monkeypatch.setenv("ANYGPU_PDL", off)
+            monkeypatch.setenv("ANYGPU_PDL", on)
+        monkeypatch.setattr(launch, "device_target", launch.device_target)
         monkeypatch.setattr(_pdl, "_ARGS", {})
-        assert _pdl.pdl_args(torch.device("cuda", 0)) == {"PDL": False}
+        assert _pdl.pdl_args(torch.device("cpu")) == {"PDL": False}
+        for arch, want in (("sm_90", {"PDL": True, "launch_pdl": True}), ("sm_80", {"PDL": False}),
+                           ("gfx942", {"PDL": False})):
+            monkeypatch.setattr(_pdl, "_ARGS", {})
+            monkeypatch.setattr(launch, "device_target", lambda device, arch=arch: TARGETS[arch])
+            assert _pdl.pdl_args(torch.device("cuda", 0)) == want, (on, arch)
+    monkeypatch.setenv("ANYGPU_PDL", "0")  # the switch that turns it off
+    monkeypatch.setattr(_pdl, "_ARGS", {})
+    assert _pdl.pdl_args(torch.device("cuda", 0)) == {"PDL": False}
 
 
 @pytest.mark.aot

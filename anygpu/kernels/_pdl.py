@@ -12,9 +12,9 @@ keep ordinary stream order.  Measured: docs/perf/2026-12-04-pdl.md.
 Only kernels that call ``wait_then_release`` first may be launched with ``pdl_args``.  AMD GPUs, NVIDIA before
 sm_90, the interpreter and a Triton without the intrinsics get ``PDL=False``: the calls compile away.
 
-Off unless ``ANYGPU_PDL=1``: the pattern was measured on the H200 in a chain of stand-in kernels (same results,
-3.5 % shorter), but these kernels have not yet run with it on a GPU in the engine (no device was left when they
-were written).  The default turns on once ``tests/test_pdl.py`` passes on Hopper and the engine is measured.
+On by default where the target has it; ``ANYGPU_PDL=0`` turns it off (to compare, or to rule it out).
+Measured on the H200 in the engine: same greedy tokens with and without (``tests/test_pdl.py``), and a batch-1
+Llama-3-8B-shaped decode step 2-5 % shorter (docs/perf/2026-12-05-pdl-engine.md).
 """
 
 from __future__ import annotations
@@ -61,6 +61,6 @@ def pdl_args(device: torch.device) -> dict:
     if hit is None:
         from .launch import device_target
 
-        on = os.environ.get("ANYGPU_PDL", "0") == "1" and target_supports_pdl(device_target(device))
+        on = os.environ.get("ANYGPU_PDL", "1") != "0" and target_supports_pdl(device_target(device))
         hit = _ARGS[key] = {"PDL": True, "launch_pdl": True} if on else {"PDL": False}
     return hit
