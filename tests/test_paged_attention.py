@@ -215,6 +215,17 @@ def test_reference_matches_a_naive_loop(window_left, softcap):
     assert not decode_reference(q, kc, vc, tables, seqlens, max_seqlen, 0.3, window_left, softcap).isnan().any()
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_unused_slots_holding_nan_never_reach_the_answer(dtype):
+    """The caches' unused slots are NaN-poisoned; the reference (and the same-dtype answer the tests compare
+    with) must not see them, whatever the matmul does with a NaN row (PyTorch's bf16 batched matmul on AVX-512
+    CPUs spreads it to the other rows' scores)."""
+    q, kc, vc, tables, seqlens, max_seqlen = paged_case([5, 0, 150, 70], 16, 2, 80, 16, dtype, "cpu")
+    for window_left in (-1, 20):
+        out = gather_attention(q, kc, vc, tables, seqlens, None, window_left, 2.5, dtype)
+        assert not out.isnan().any(), (dtype, window_left)
+
+
 # --- paged decode: the kernel ----------------------------------------------------------------------------
 
 

@@ -101,9 +101,12 @@ def gather_attention(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torc
         return cache.permute(2, 0, 1, 3)[:, blocks].reshape(kv_heads, batch, width, head_dim).to(dtype)
 
     k, v = gather(key_cache), gather(value_cache)
-    # Unused slots may hold NaN.  A masked score is replaced by -inf below, NaN or not; a masked V row would
-    # still meet its zero probability as 0 * NaN, so V is zeroed there (a fresh tensor: gather copies).
-    v.masked_fill_(~live[None, :, :, None], 0.0)
+    # Unused slots may hold NaN: zero them in K and V (fresh tensors: gather copies).  A masked V row would
+    # meet its zero probability as 0 * NaN; a masked K row's score is replaced by -inf below, but some CPU
+    # matmuls (PyTorch's bf16 batched matmul on AVX-512 machines) let a NaN row spoil the other rows' scores.
+    dead = ~live[None, :, :, None]
+    k.masked_fill_(dead, 0.0)
+    v.masked_fill_(dead, 0.0)
     qg = q.to(dtype).reshape(batch, kv_heads, group, head_dim).transpose(0, 1)  # [Hkv, B, G, D]
     # k on the left: a transposed k on the right would be copied whole by the CPU's matmul.
     scores = (k @ qg.transpose(-1, -2)).transpose(-1, -2) * scale  # [Hkv, B, G, width]
