@@ -88,16 +88,15 @@ def _release(nbytes: int) -> None:
         _used -= nbytes
 
 
-def _version(t: torch.Tensor) -> int | None:
-    try:
-        return t._version
-    except RuntimeError:  # an inference tensor: no version counter
-        return None
-
-
 def _stamp(t: torch.Tensor) -> tuple:
-    # data_ptr: ``param.data = other`` keeps the object but swaps its storage
-    return t.data_ptr(), _version(t)
+    """(data_ptr, version counter or None): ``param.data = other`` keeps the object but swaps its storage.  Read
+    with the subclass's ``__torch_function__`` off (the same values): through it, this check was most of the Python
+    time a cached 4-bit layer spends per CPU call, paid by every layer of every decode step."""
+    with torch._C.DisableTorchFunctionSubclass():
+        try:
+            return t.data_ptr(), t._version
+        except RuntimeError:  # an inference tensor: no version counter
+            return t.data_ptr(), None
 
 
 class Entry:
