@@ -29,12 +29,13 @@ def test_only_nvidia_from_sm90_can_use_pdl():
 def test_launchers_ask_for_pdl_only_where_the_target_has_it(monkeypatch):
     from anygpu.kernels import _pdl, launch
 
+    real_target = launch.device_target
     for on in ("1", None):  # on by default since it ran in the engine on the H200 (docs/perf/2026-12-05-pdl-engine.md)
         if on is None:
             monkeypatch.delenv("ANYGPU_PDL", raising=False)
         else:
             monkeypatch.setenv("ANYGPU_PDL", on)
-        monkeypatch.setattr(launch, "device_target", launch.device_target)
+        monkeypatch.setattr(launch, "device_target", real_target)  # the CPU check below: the real lookup
         monkeypatch.setattr(_pdl, "_ARGS", {})
         assert _pdl.pdl_args(torch.device("cpu")) == {"PDL": False}
         for arch, want in (("sm_90", {"PDL": True, "launch_pdl": True}), ("sm_80", {"PDL": False}),
