@@ -51,6 +51,21 @@ def test_cached_forward_is_the_reference_bit_for_bit(quant_type, nested, dtype, 
         assert torch.equal(got, _uncached(layer, x)), (m, k)
 
 
+@pytest.mark.parametrize("compute_dtype", [None, torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("x_dtype", [torch.float32, torch.bfloat16])
+def test_repeated_calls_follow_the_compute_dtype_rules(compute_dtype, x_dtype):
+    """Calls after the first (Linear4bit's cached shortcut where it applies) cast x, a bias of another dtype and
+    the output as the first call does."""
+    layer = _layer(compute_dtype=compute_dtype)
+    layer.bias.data = layer.bias.data.to(torch.bfloat16 if x_dtype == torch.float32 else torch.float32)
+    layer(torch.randn(1, 96, dtype=x_dtype))  # sets the compute dtype and builds the cache
+    for m in (1, 3):
+        x = torch.randn(m, 96, dtype=x_dtype)
+        got = layer(x)
+        assert got.dtype == x_dtype
+        assert torch.equal(got, _uncached(layer, x)), m
+
+
 def test_one_build_per_weight():
     layer = _layer()
     x = torch.randn(2, 96)
