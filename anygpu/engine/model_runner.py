@@ -27,7 +27,8 @@ parallelism rank 0 hands the message to ``workers.send`` before executing it, an
   value, NaN above all).  When every sequence of the step is plainly greedy (``sampler._plain_greedy``: no
   temperature, penalty, grammar or log-probabilities), the sampler takes those ids and the host copies B ints
   instead of launching an argmax after the replay; any other step samples the graph's logits as before.  The
-  argmax is in every replay, sampled steps included (one read of the logits, small next to sampling them).
+  argmax is in every replay, sampled steps included (one read of the logits, small next to sampling them), and
+  in two passes over a large vocabulary (``row_argmax``: the same indices, faster on a GPU).
   ``graph_argmax = False`` ignores it (the tests compare both ways).
 - **Launched, not awaited** (``launch``): a decode step whose rows sample from their logits alone (greedy, or
   temperature / top-k / top-p / min-p with or without a seed; ``sampler.samples_without_history``) can be
@@ -51,6 +52,7 @@ import torch.distributed as dist
 
 from ..models.llama import MODES, AttentionBatch, LlamaForCausalLM
 from .sampler import Sampler, _plain_greedy, generator_states, prompt_logprobs, restore_generators, samples_without_history
+from .row_argmax import row_argmax
 from .scheduler import ScheduledBatch
 
 CPU_KV_CACHE_BYTES = 1 << 30
@@ -471,12 +473,12 @@ class ModelRunner:
                                   max_seqlen_q=1, seqlens_k=s["seqlens"][:size], max_seqlen_k=self.max_model_len,
                                   block_tables=s["tables"][:size])
             with torch.inference_mode():
-                self.model.compute_logits(self.model(s["ids"][:size], attn)).argmax(dim=-1)  # warm up: compile, tune
+                row_argmax(self.model.compute_logits(self.model(s["ids"][:size], attn)))  # warm up: compile, tune
                 torch.cuda.synchronize(dev)
                 graph = torch.cuda.CUDAGraph()
                 with torch.cuda.graph(graph, pool=pool):
                     out = self.model.compute_logits(self.model(s["ids"][:size], attn))
-                    greedy = out.argmax(dim=-1)  # Sampler's greedy shortcut, on the same logits
+                    greedy = row_argmax(out)  # Sampler's greedy shortcut (argmax), on the same logits
             pool = graph.pool()
             self.graphs[size] = (graph, out, greedy)
         torch.cuda.synchronize(dev)
