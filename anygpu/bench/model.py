@@ -225,6 +225,9 @@ def format_report(report: dict) -> str:
                             "TPOT ms p50/p90/p99", "ITL ms p50/p90/p99", "of BW limit"])
     ratio = report.get("speedup")
     lines = [f"\nanygpu / transformers output tokens/s: {ratio:.2f}x"] if ratio else []
+    llama = report.get("vs_llama_cpp")
+    if llama:
+        lines.append(f"\nanygpu / llama.cpp decode tokens/s (1 / TPOT p50 against llama-bench's tg): {llama:.2f}x")
     versus = report.get("vs_unquantized")
     if versus:
         lines.append("\nvs the unquantized engine, output tokens/s: "

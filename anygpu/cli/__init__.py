@@ -63,6 +63,9 @@ def doctor(as_json, targets, no_probe):
 @click.option("--baseline/--no-baseline", default=True, show_default=True,
               help="model suite: also run transformers' generate on the same workload. serve suite: also run the "
                    "offline engine on the same workload.")
+@click.option("--llama-bench", "llama_bench", default=None, metavar="PATH",
+              help="model suite, one prompt, a GGUF model: also run llama.cpp's llama-bench (this executable) on "
+                   "the same file and threads, and print the decode-rate ratio.")
 @click.option("--tp", type=click.IntRange(min=1), default=1, show_default=True, help="model and serve suites.")
 @click.option("--threads", type=click.IntRange(min=1), default=None, expose_value=False, callback=apply_threads,
               help="CPU threads for torch's ops, as for `anygpu generate` (default: half the usable cores).")
@@ -110,6 +113,9 @@ def bench(suite, list_suites, quick, json_path, png_path, tp, url, api_key, requ
         from .bench_serve import bench_serve
 
         model_options["quantize"] = single_quantize(model_options["quantize"])
+        if model_options.pop("llama_bench") is not None:
+            raise click.BadParameter("a model-suite option (one prompt against llama-bench's tg test)",
+                                     param_hint="--llama-bench")
         if model_options.pop("temperature"):
             raise click.BadParameter("expected 0 for the serve suite (its requests' sampling is the load's); "
                                      "--temperature is a model-suite option", param_hint="--temperature")

@@ -52,17 +52,23 @@ def _runs_packed_gguf(engine) -> bool:
 
 
 def bench_model(*, json_path, model, random_config, quantize, num_prompts, concurrency, input_len, output_len,
-                baseline, tp=1, temperature=0.0):
+                baseline, tp=1, temperature=0.0, llama_bench=None):
     """Each ``--quantize`` variant's engine in turn (built, warmed up, timed, freed), then transformers' generate on
-    the same prompts if the unquantized model is among them."""
+    the same prompts if the unquantized model is among them, and llama.cpp's ``llama-bench`` if given."""
     from ..bench import model as bm
 
     variants = parse_quantize(quantize)
     concurrency = concurrency or num_prompts
+    if llama_bench is not None:
+        _check_llama_bench(llama_bench, random_config, variants, num_prompts, concurrency)
     results, names, base = {}, [], None
     for variant in variants:
         engine = make_engine(model, random_config, variant, concurrency, input_len + output_len, tp)
         config = engine.config
+        if llama_bench is not None and variant is None and not str(engine.model_path).endswith(".gguf"):
+            engine.close()
+            raise click.BadParameter(f"llama-bench reads GGUF files; the model is {engine.model_path}",
+                                     param_hint="--llama-bench")
         if input_len + output_len > engine.max_model_len:
             raise click.BadParameter(f"input_len + output_len = {input_len + output_len} is over the context of "
                                      f"{engine.max_model_len}", param_hint="--input-len/--output-len")
@@ -95,11 +101,40 @@ def bench_model(*, json_path, model, random_config, quantize, num_prompts, concu
             bm.run_transformers(config, path, prompts, output_len, concurrency, dtype, device, temperature)
         ref = list(results.values())[-1]["output_tokens_per_s"]
         report["speedup"] = results[key]["output_tokens_per_s"] / ref
+    if llama_bench is not None:
+        from ..bench.llama_cpp import run_llama_bench
+
+        try:
+            results["llama.cpp"] = run_llama_bench(llama_bench, str(base[2]), output_len, torch.get_num_threads())
+        except (RuntimeError, ValueError) as e:
+            raise click.ClickException(str(e)) from None
+        tpot = results[base[0]]["tpot_s"]
+        if tpot:  # one sequence's decode rate against llama-bench's tg rate (which times no prefill)
+            report["vs_llama_cpp"] = 1.0 / tpot["p50"] / results["llama.cpp"]["output_tokens_per_s"]
     click.echo(bm.format_report(report))
     os.makedirs(os.path.dirname(json_path) or ".", exist_ok=True)
     with open(json_path, "w") as f:
         json.dump(report, f, indent=2)
     click.echo(f"wrote {json_path}")
+
+
+def _check_llama_bench(binary, random_config, variants, num_prompts, concurrency) -> None:
+    """What ``--llama-bench`` needs, refused before anything runs."""
+    from ..bench.llama_cpp import check_binary
+
+    try:
+        check_binary(binary)
+    except ValueError as e:
+        raise click.BadParameter(str(e).removeprefix("--llama-bench: "), param_hint="--llama-bench") from None
+    if random_config:
+        raise click.BadParameter("llama-bench reads a GGUF file: give --model FILE.gguf (or none, for the default "
+                                 "model), not --random-config", param_hint="--llama-bench")
+    if num_prompts != 1 or concurrency != 1:
+        raise click.BadParameter(f"llama-bench's tg test decodes one sequence: expected --num-prompts 1, got "
+                                 f"{num_prompts} prompts at concurrency {concurrency}", param_hint="--llama-bench")
+    if None not in variants:
+        raise click.BadParameter("llama-bench runs the file as it is: include the unquantized model (bf16 or "
+                                 "none) in --quantize", param_hint="--llama-bench")
 
 
 def _bandwidth_limit(result: dict, engine, batch: int, context: float) -> None:
