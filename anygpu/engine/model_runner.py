@@ -302,17 +302,16 @@ class ModelRunner:
         self._last = (None, None)
         attn = AttentionBatch(positions=positions, slot_mapping=slots, mode=mode, max_seqlen_q=max_q,
                               max_seqlen_k=max_k)
-        graph = mode == "decode" and self._graph_size(t) is not None
         if mode != "decode":
             attn.cu_seqlens_q = cu.int()
-        if mode != "prefill":  # a decode graph's copies into its int32 buffers convert them: two launches fewer
-            attn.seqlens_k = k_lens if graph else k_lens.int()
-            attn.block_tables = tables.view(b, width) if graph else tables.view(b, width).int()
+        if mode != "prefill":
+            attn.seqlens_k = k_lens.int()
+            attn.block_tables = tables.view(b, width).int()
         if num_rows == 0:  # only prefill chunks that stop mid-prompt: fill the cache, nothing to sample
             self.model(ids, attn)
             return None, None
         every_row = num_rows == t
-        if graph:
+        if mode == "decode" and self._graph_size(t) is not None:
             logits, greedy = self._replay(ids, attn)
             if every_row:
                 self._last = (logits, greedy)
@@ -485,8 +484,7 @@ class ModelRunner:
         torch.cuda.synchronize(dev)
 
     def _replay(self, ids: torch.Tensor, attn: AttentionBatch) -> tuple[torch.Tensor, torch.Tensor]:
-        """The graph's logits [size, V] and their argmax [size]; rows past the batch are padding.  ``attn``'s
-        seqlens_k and block_tables may be the step message's int64 (the copies convert them)."""
+        """The graph's logits [size, V] and their argmax [size]; rows past the batch are padding."""
         b = ids.shape[0]
         size = self._graph_size(b)
         s = self._static
