@@ -11,8 +11,9 @@ are printed side by side (the machine may be shared: compare runs, not single nu
 
 ``--floor`` adds two rows that bound what the step could become: the same steps with the int4 kernel replaced
 by a zero result of its shape (everything else as shipped, this tool's timing wrappers included: well under
-1 % of a step; the tokens are then garbage, the work per step is not), and the step's int4 calls alone on the model's own packed weights with the rows the engine sends (two
-bf16 rows for fp32 activations: ``quant/gguf_int4pack.py``), nothing between them.
+1 % of a step; the tokens are then garbage, the work per step is not), and the step's int4 calls alone on the
+model's own packed weights with the rows the engine sends (two bf16 rows for fp32 activations:
+``quant/gguf_int4pack.py``), nothing between them.
 """
 
 from __future__ import annotations
@@ -87,6 +88,7 @@ def _floor(engine, steps: int) -> dict[str, float]:
     """Seconds for ``steps`` steps with the int4 kernel replaced by zeros, and for ``steps`` steps' int4 calls
     alone (see the module doc)."""
     from anygpu.nn.linear_gguf import GGUFLinear
+    from anygpu.quant.gguf_int4pack import GROUP
 
     timed = torch.ops.aten._weight_int4pack_mm_for_cpu  # run's timing wrapper, put back after
     torch.ops.aten._weight_int4pack_mm_for_cpu = _zero_int4
@@ -97,14 +99,13 @@ def _floor(engine, steps: int) -> dict[str, float]:
         without = time.perf_counter() - start
     finally:
         torch.ops.aten._weight_int4pack_mm_for_cpu = timed
-    real = _INT4_MM
     calls = [(packed, sz) for m in engine.model.modules() if isinstance(m, GGUFLinear)
              for packed, sz, _ in m.segments()]
     xs = {packed.shape[1] * 2: torch.randn(2, packed.shape[1] * 2).bfloat16() for packed, _ in calls}
     start = time.perf_counter()
     for _ in range(steps):
         for packed, sz in calls:
-            real(xs[packed.shape[1] * 2], packed, 32, sz)
+            _INT4_MM(xs[packed.shape[1] * 2], packed, GROUP, sz)
     alone = time.perf_counter() - start
     return {"floor: step without the int4 kernel": without, "floor: the int4 calls alone": alone}
 
