@@ -91,7 +91,8 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> to
 def _signature(dtype: torch.dtype) -> dict:
     t = TRITON_DTYPE[dtype]
     return {"x_ptr": f"*{t}", "w_ptr": f"*{t}", "bias_ptr": f"*{t}", "out_ptr": f"*{t}", "N": "i32", "K": "i32",
-            "stride_w": "i32", "prefetch": "i32", "HAS_BIAS": "constexpr", "EVEN_K": "constexpr", "BLOCK_N": "constexpr",
+            "stride_w": "i32", "prefetch": "i32", "HAS_BIAS": "constexpr", "EVEN_K": "constexpr",
+            "BLOCK_N": "constexpr",
             "BLOCK_K": "constexpr", "PDL": "constexpr"}
 
 
