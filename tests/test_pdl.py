@@ -48,43 +48,9 @@ def test_launchers_ask_for_pdl_only_where_the_target_has_it(monkeypatch):
     assert _pdl.pdl_args(torch.device("cuda", 0)) == {"PDL": False}
 
 
-def test_prefetch_lines_spread_the_l2_budget_over_the_rows(monkeypatch):
-    from anygpu.kernels import _pdl, launch
-
-    cuda = torch.device("cuda", 0)
-    monkeypatch.delenv("ANYGPU_PDL", raising=False)
-    monkeypatch.delenv("ANYGPU_PDL_PREFETCH_MB", raising=False)
-    monkeypatch.setattr(launch, "device_target", lambda device: TARGETS["sm_90"])
-    monkeypatch.setattr(_pdl, "_ARGS", {})
-    budget = _pdl.PREFETCH_MB << 20
-    assert _pdl.prefetch_lines(4096, 8192, cuda) == min(64, budget // (4096 * 128))  # a 4096-column bf16 row
-    assert _pdl.prefetch_lines(64, 8192, cuda) == 64  # the whole of a small weight
-    assert _pdl.prefetch_lines(64, 8200, cuda) == 65  # a partial last line counts
-    assert _pdl.prefetch_lines(1 << 30, 8192, cuda) == 0  # more rows than the budget has lines
-    assert _pdl.prefetch_lines(0, 8192, cuda) == 0
-    monkeypatch.setenv("ANYGPU_PDL_PREFETCH_MB", "2")
-    monkeypatch.setattr(_pdl, "_ARGS", {})
-    assert _pdl.prefetch_lines(4096, 8192, cuda) == 4
-    for off in ({"ANYGPU_PDL_PREFETCH_MB": "0"}, {"ANYGPU_PDL": "0"}):
-        for name, value in off.items():
-            monkeypatch.setenv(name, value)
-        monkeypatch.setattr(_pdl, "_ARGS", {})
-        assert _pdl.prefetch_lines(4096, 8192, cuda) == 0, off
-    monkeypatch.delenv("ANYGPU_PDL")
-    monkeypatch.setattr(launch, "device_target", lambda device: TARGETS["gfx942"])  # no PDL on AMD
-    monkeypatch.setenv("ANYGPU_PDL_PREFETCH_MB", "16")
-    monkeypatch.setattr(_pdl, "_ARGS", {})
-    assert _pdl.prefetch_lines(4096, 8192, cuda) == 0
-    for bad in ("-1", "lots", "nan"):
-        monkeypatch.setenv("ANYGPU_PDL_PREFETCH_MB", bad)
-        monkeypatch.setattr(_pdl, "_ARGS", {})
-        with pytest.raises(ValueError, match="ANYGPU_PDL_PREFETCH_MB"):
-            _pdl.prefetch_lines(4096, 8192, cuda)
-
-
 @pytest.mark.aot
 @pytest.mark.parametrize("module,spec", [("rms_norm", "FUSED_SPEC"), ("matmul_4bit", "GEMV_SPEC"),
-                                         ("matmul_int8_block", "GEMV_SPEC"), ("gemv", "SPEC")])
+                                         ("matmul_int8_block", "GEMV_SPEC")])
 def test_the_pdl_variant_compiles_for_hopper_and_not_elsewhere(module, spec):
     """The AOT compile passes what the launcher would: PDL on sm_90 (griddepcontrol in the PTX), off on sm_80."""
     import importlib
@@ -106,10 +72,6 @@ def test_the_pdl_variant_compiles_for_hopper_and_not_elsewhere(module, spec):
         src = ASTSource(fn=spec.fn, signature=spec.signature_for(torch.bfloat16, cfg), constexprs=constexprs)
         ptx = triton.compile(src, target=target.triton_target(), options=cfg.options(target)).asm["ptx"]
         assert ("griddepcontrol.wait" in ptx) == wanted, arch
-        if module in ("gemv", "matmul_4bit", "matmul_int8_block"):  # weight streams: L2 prefetch before the wait
-            assert ("prefetch.global.L2" in ptx) == wanted, arch
-            if wanted:
-                assert ptx.index("prefetch.global.L2") < ptx.index("griddepcontrol.wait")
 
 
 @pytest.mark.gpu

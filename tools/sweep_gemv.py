@@ -41,7 +41,7 @@ def timed(fn, reps: int = 50) -> float:
 
 def launch(x, w, out, block_n, block_k, warps):
     n, k = w.shape
-    G._gemv_kernel[(-(-n // block_n),)](x, w, w, out, n, k, w.stride(0), 0, HAS_BIAS=False, EVEN_K=k % block_k == 0,
+    G._gemv_kernel[(-(-n // block_n),)](x, w, w, out, n, k, w.stride(0), HAS_BIAS=False, EVEN_K=k % block_k == 0,
                                         BLOCK_N=block_n, BLOCK_K=block_k, PDL=False, num_warps=warps)
 
 

@@ -12,13 +12,6 @@ keep ordinary stream order.  Measured: docs/perf/2026-12-04-pdl.md.
 Only kernels that call ``wait_then_release`` first may be launched with ``pdl_args``.  AMD GPUs, NVIDIA before
 sm_90, the interpreter and a Triton without the intrinsics get ``PDL=False``: the calls compile away.
 
-A weight-streaming kernel (the GEMVs) can do better than wait: its weights do not depend on the previous kernel,
-so ``prefetch_then_release`` first asks L2 for the head of each of its rows (``prefetch.global.L2``: no
-registers, nothing waits for it), then waits.  While a latency-bound predecessor runs (at batch 1 attention,
-norms and rotary leave DRAM idle) the stream has already begun.  ``prefetch_lines`` spreads an L2 budget
-(``ANYGPU_PDL_PREFETCH_MB``, 0 turns it off) over the launch's rows, so what is fetched early is still there
-when it is read.
-
 On by default where the target has it; ``ANYGPU_PDL=0`` turns it off (to compare, or to rule it out).
 Measured on the H200 in the engine: same greedy tokens with and without (``tests/test_pdl.py``), and a batch-1
 Llama-3-8B-shaped decode step 2-5 % shorter (docs/perf/2026-12-05-pdl-engine.md).
@@ -51,53 +44,6 @@ def wait_then_release(PDL: tl.constexpr):
     if PDL:
         gdc_wait()
         gdc_launch_dependents()
-
-
-@triton.jit
-def prefetch_then_release(w_ptr, row_start, mask, n_lines, PDL: tl.constexpr):
-    """``wait_then_release`` after asking L2 for ``n_lines`` 128-byte lines from byte ``row_start`` (int64
-    [ROWS]) of ``w_ptr`` for each row where ``mask`` holds.  Masked entries issue nothing (a predicated
-    instruction): pointing them all at one valid line instead made every SM hammer that line's L2 slice, and
-    the engine's step took 1.3-3.4x as long (H100)."""
-    if PDL:
-        base = w_ptr.to(tl.pointer_type(tl.int8))
-        j = tl.arange(0, 32)
-        for j0 in range(0, n_lines, 32):
-            ok = mask[:, None] & (j0 + j < n_lines)[None, :]
-            offset = tl.where(ok, row_start[:, None] + (j0 + j)[None, :] * 128, 0)
-            tl.inline_asm_elementwise("{ .reg .pred p; setp.ne.b32 p, $2, 0; @p prefetch.global.L2 [$1]; }"
-                                      " mov.u32 $0, 0;", "=r,l,r", [base + offset, ok.to(tl.int32)],
-                                      dtype=tl.int32, is_pure=False, pack=1)
-        gdc_wait()
-        gdc_launch_dependents()
-
-
-def prefetch_lines(rows: int, row_bytes: int, device: torch.device) -> int:
-    """Lines a row for ``prefetch_then_release``: each of ``rows`` rows' first ``row_bytes`` bytes, or as much of
-    their heads as the L2 budget holds (0 where PDL is off)."""
-    budget = _prefetch_budget(device)
-    if budget <= 0 or rows <= 0:
-        return 0
-    return max(0, min(-(-row_bytes // 128), budget // (rows * 128)))
-
-
-def _prefetch_budget(device: torch.device) -> int:
-    key = ("budget", device.type, device.index)
-    hit = _ARGS.get(key)
-    if hit is None:
-        raw = os.environ.get("ANYGPU_PDL_PREFETCH_MB", str(PREFETCH_MB))
-        try:
-            mb = float(raw)
-        except ValueError:
-            mb = -1.0
-        if not mb >= 0:  # NaN too
-            raise ValueError(f"ANYGPU_PDL_PREFETCH_MB: expected megabytes >= 0 (0 turns it off), got {raw!r}")
-        hit = _ARGS[key] = int(mb * (1 << 20)) if pdl_args(device)["PDL"] else 0
-    return hit
-
-
-# A third of the H100/H200's 50 MB L2: the early lines must survive until the kernel reads them.
-PREFETCH_MB = 16
 
 
 def target_supports_pdl(target: Target | None) -> bool:

@@ -16,18 +16,16 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from ._pdl import pdl_args, prefetch_lines, prefetch_then_release
+from ._pdl import pdl_args, wait_then_release
 from .launch import TRITON_DTYPE, KernelSpec, LaunchConfig, cached_options, device_target, on_device, register, select
 
 
 @triton.jit
-def _gemv_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, N, K, stride_w, prefetch, HAS_BIAS: tl.constexpr,
-                 EVEN_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr):
+def _gemv_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, N, K, stride_w, HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr,
+                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr):
+    wait_then_release(PDL)
     n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = n < N
-    # The weights do not depend on the previous launch: their first lines are asked for before the wait.
-    prefetch_then_release(w_ptr, n.to(tl.int64) * stride_w * (w_ptr.dtype.element_ty.primitive_bitwidth // 8),
-                          n_mask, prefetch, PDL)
     kk = tl.arange(0, BLOCK_K)
     rows = w_ptr + n.to(tl.int64)[:, None] * stride_w + kk[None, :]
     acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
@@ -81,8 +79,7 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> to
     c = cfg.constexprs
     with on_device(x.device):
         _gemv_kernel[(triton.cdiv(n, c["BLOCK_N"]),)](
-            x, weight, bias if bias is not None else weight, out, n, k, weight.stride(0),
-            prefetch_lines(n, k * weight.element_size(), x.device), HAS_BIAS=bias is not None,
+            x, weight, bias if bias is not None else weight, out, n, k, weight.stride(0), HAS_BIAS=bias is not None,
             EVEN_K=k % c["BLOCK_K"] == 0, BLOCK_N=c["BLOCK_N"], BLOCK_K=c["BLOCK_K"], **cached_options(cfg, x.device),
             **pdl_args(x.device))
     return out
@@ -91,8 +88,7 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> to
 def _signature(dtype: torch.dtype) -> dict:
     t = TRITON_DTYPE[dtype]
     return {"x_ptr": f"*{t}", "w_ptr": f"*{t}", "bias_ptr": f"*{t}", "out_ptr": f"*{t}", "N": "i32", "K": "i32",
-            "stride_w": "i32", "prefetch": "i32", "HAS_BIAS": "constexpr", "EVEN_K": "constexpr",
-            "BLOCK_N": "constexpr",
+            "stride_w": "i32", "HAS_BIAS": "constexpr", "EVEN_K": "constexpr", "BLOCK_N": "constexpr",
             "BLOCK_K": "constexpr", "PDL": "constexpr"}
 
 

@@ -30,7 +30,7 @@ import triton
 import triton.language as tl
 
 from ._decode_4bit import _block_scales, _decode8, _decode_pairs, _dot8, _lookup, _tables
-from ._pdl import pdl_args, prefetch_lines, prefetch_then_release
+from ._pdl import pdl_args, wait_then_release
 from ._program_order import grouped_tile
 from ._split_k import split_count, split_k_buffers, store_or_reduce
 from .gemv_mma_4bit import _gemv_mma_4bit_kernel
@@ -57,12 +57,13 @@ def _load_x(x_row, k0, K, kx, EVEN_K: tl.constexpr):
 @triton.jit
 def _gemv_4bit_kernel(x_ptr, w_ptr, absmax_ptr, code_ptr, bias_ptr, out_ptr, part_ptr, counter_ptr,
                       nested_code_ptr, nested_absmax_ptr, nested_offset_ptr, offset_ptr,
-                      N, K, stride_xm, stride_om, stride_w, SPLITS, prefetch,
+                      N, K, stride_xm, stride_om, stride_w, SPLITS,
                       BLOCKSIZE: tl.constexpr, BLOCK_N: tl.constexpr, CHUNK: tl.constexpr, SEG: tl.constexpr,
                       EVEN_K: tl.constexpr, PARTIAL: tl.constexpr, REDUCE: tl.constexpr, PREFETCH: tl.constexpr,
                       NESTED: tl.constexpr, HAS_BIAS: tl.constexpr,
                       DECODE_PTX: tl.constexpr, HALF2: tl.constexpr, HAS_OFFSET: tl.constexpr,
                       PDL: tl.constexpr = False):
+    wait_then_release(PDL)  # the decode step's chain (kernels/_pdl.py): nothing is read or written before it
     # One program: BLOCK_N output features of one row of x, over 1/SPLITS of K, CHUNK elements of each
     # row per step.  stride_w (a row's packed length in words or bytes) is an argument, not K // 8,
     # so that Triton sees it is a multiple of 16 and emits 16-byte loads.  A step covers CHUNK / SEG
@@ -80,10 +81,6 @@ def _gemv_4bit_kernel(x_ptr, w_ptr, absmax_ptr, code_ptr, bias_ptr, out_ptr, par
     per_split = tl.cdiv(chunks, SPLITS)
     c_start = pid_k * per_split
     c_end = tl.minimum(c_start + per_split, chunks)
-    # The decode step's chain (kernels/_pdl.py): the first lines of this program's codes are asked for, then
-    # nothing is read or written before the previous launch has finished.
-    row_bytes = stride_w * 4 if DECODE_PTX else stride_w
-    prefetch_then_release(w_ptr, n64 * row_bytes + c_start * (CHUNK // 2), n_mask, prefetch, PDL)
     acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
     PER_WORD: tl.constexpr = 8 if DECODE_PTX else 2
     if DECODE_PTX:
@@ -473,7 +470,6 @@ def matmul_4bit(x: torch.Tensor, weight: torch.Tensor, absmax: torch.Tensor, cod
                      and x2.data_ptr() % 4 == 0 and x2.stride(0) % 2 == 0)
             _gemv_4bit_kernel[grid](x2, w, absmax, code, b, out2, sk.partials, sk.counters, *nest, off, n, k,
                                     x2.stride(0), out2.stride(0), k // 8 if ptx else k // 2, p.split_k,
-                                    prefetch_lines(n * p.split_k, -(-k // chunk // p.split_k) * chunk // 2, x.device),
                                     BLOCKSIZE=blocksize, BLOCK_N=c["BLOCK_N"], CHUNK=chunk,
                                     SEG=min(chunk, blocksize), EVEN_K=k % chunk == 0, PARTIAL=p.split_k > 1,
                                     REDUCE=sk.reduce, PREFETCH=c["PREFETCH"], NESTED=nested, HAS_BIAS=bias is not None,
@@ -527,7 +523,6 @@ def _signature(kernel: str):
         s.update({"N": "i32", "K": "i32", "stride_xm": "i32", "stride_om": "i32"})
         s["stride_w"] = "i32"
         s.update({"SPLITS": "i32"} if kernel != "gemm" else {})
-        s.update({"prefetch": "i32"} if kernel == "gemv" else {})
         s["BLOCKSIZE"] = "constexpr"
         if kernel == "gemm":
             s.update({"BLOCK_M": "constexpr", "BLOCK_N": "constexpr", "BLOCK_K": "constexpr",

@@ -36,7 +36,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from ._pdl import pdl_args, prefetch_lines, prefetch_then_release
+from ._pdl import pdl_args, wait_then_release
 from ._program_order import grouped_tile
 from ._split_k import split_count, split_k_buffers, store_or_reduce
 from .launch import (TRITON_DTYPE, KernelSpec, LaunchConfig, cached_options, device_target, on_device, register,
@@ -67,10 +67,11 @@ def _dot4_i8(w, x0, x1, x2, x3):
 
 @triton.jit
 def _gemv_int8_block_kernel(x_ptr, q_ptr, scale_ptr, offset_ptr, bias_ptr, out_ptr, part_ptr, counter_ptr,
-                            N, K, stride_xm, stride_om, stride_q, SPLITS, prefetch,
+                            N, K, stride_xm, stride_om, stride_q, SPLITS,
                             BLOCKSIZE: tl.constexpr, BLOCK_N: tl.constexpr, CHUNK: tl.constexpr,
                             EVEN_K: tl.constexpr, PARTIAL: tl.constexpr, REDUCE: tl.constexpr, HAS_OFFSET: tl.constexpr,
                             HAS_BIAS: tl.constexpr, DECODE_PTX: tl.constexpr = False, PDL: tl.constexpr = False):
+    wait_then_release(PDL)  # the decode step's chain (kernels/_pdl.py): nothing is read or written before it
     # One program: BLOCK_N output features of one row of x, over 1/SPLITS of K, CHUNK columns a step (CHUNK a
     # multiple of the block).  K is a multiple of the block, so a step's blocks are whole; only the last step
     # can run past K (EVEN_K: none does).
@@ -87,10 +88,6 @@ def _gemv_int8_block_kernel(x_ptr, q_ptr, scale_ptr, offset_ptr, bias_ptr, out_p
     per_split = tl.cdiv(chunks, SPLITS)
     c_start = pid_k * per_split
     c_end = tl.minimum(c_start + per_split, chunks)
-    # The decode step's chain (kernels/_pdl.py): the first lines of this program's codes are asked for, then
-    # nothing is read or written before the previous launch has finished.
-    row_bytes = stride_q * 4 if DECODE_PTX else stride_q
-    prefetch_then_release(q_ptr, n64 * row_bytes + c_start * CHUNK, n_mask, prefetch, PDL)
     kx = tl.arange(0, CHUNK)
     seg = tl.arange(0, SEGS)
     # DECODE_PTX: the codes as int32 words of 4 (stride_q then counts words)
@@ -361,8 +358,6 @@ def matmul_int8_block(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor,
             ptx = c.get("DECODE_PTX", False) and x.device.type == "cuda" and codes.data_ptr() % 4 == 0 and k % 4 == 0
             _gemv_int8_block_kernel[grid](x2, codes, scale, off, b, out2, sk.partials, sk.counters, n, k,
                                           x2.stride(0), out2.stride(0), k // 4 if ptx else k, p.split_k,
-                                          prefetch_lines(n * p.split_k, -(-k // c["CHUNK"] // p.split_k) * c["CHUNK"],
-                                                         x.device),
                                           BLOCKSIZE=blocksize, BLOCK_N=c["BLOCK_N"], CHUNK=c["CHUNK"],
                                           EVEN_K=k % c["CHUNK"] == 0, PARTIAL=p.split_k > 1, REDUCE=sk.reduce,
                                           HAS_OFFSET=offset is not None, HAS_BIAS=bias is not None,
@@ -396,8 +391,7 @@ def _signature(kernel: str):
         s.update({"M": "i32"} if kernel == "gemm" else {})
         s.update({"N": "i32", "K": "i32", "stride_xm": "i32", "stride_om": "i32", "stride_q": "i32"})
         if kernel == "gemv":
-            s.update({"SPLITS": "i32", "prefetch": "i32", "BLOCKSIZE": "constexpr", "BLOCK_N": "constexpr",
-                      "CHUNK": "constexpr",
+            s.update({"SPLITS": "i32", "BLOCKSIZE": "constexpr", "BLOCK_N": "constexpr", "CHUNK": "constexpr",
                       "EVEN_K": "constexpr", "PARTIAL": "constexpr", "REDUCE": "constexpr",
                       "HAS_OFFSET": "constexpr",
                       "HAS_BIAS": "constexpr", "DECODE_PTX": "constexpr", "PDL": "constexpr"})
