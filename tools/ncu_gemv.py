@@ -1,0 +1,47 @@
+"""Launch the decode GEMVs (4-bit NF4 through its plan, dense bf16) a few times each, for Nsight Compute to read
+what bounds them: which pipe is busy (the 4-bit decoder is mostly integer instructions, and Hopper has half as many
+INT32 lanes as FP32 lanes), how many issue slots are used, how much of DRAM's bandwidth.  PDL is turned off so that
+each kernel's duration is its own.
+
+    ncu --clock-control none -k regex:_gemv -s 2 -c 2 --metrics \\
+        gpu__time_duration.sum,dram__throughput.avg.pct_of_peak_sustained_elapsed,\\
+smsp__issue_active.avg.pct_of_peak_sustained_active,sm__pipe_alu_cycles_active.avg.pct_of_peak_sustained_active,\\
+sm__pipe_fma_cycles_active.avg.pct_of_peak_sustained_active,sm__inst_executed_pipe_lsu.avg.pct_of_peak_sustained_active \\
+        python3 tools/ncu_gemv.py [--n 8192] [--k 8192]
+
+(``-s 2`` skips the first round, which compiles.)  Feeds the choice of decoder in ``anygpu/kernels/_decode_4bit.py``
+(see docs/perf/2026-12-05-gpu-s14.md for the question it decides).
+"""
+
+import argparse
+import os
+
+os.environ["ANYGPU_PDL"] = "0"
+
+import torch  # noqa: E402
+
+from anygpu.ops import linear  # noqa: E402
+from anygpu.quant.functional import quantize_4bit  # noqa: E402
+from anygpu.quant.matmul import matmul_4bit  # noqa: E402
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--n", type=int, default=8192)
+    ap.add_argument("--k", type=int, default=8192)
+    ap.add_argument("--rounds", type=int, default=3)
+    args = ap.parse_args()
+    dev = torch.device("cuda")
+    torch.manual_seed(0)
+    w = torch.randn(args.n, args.k, dtype=torch.bfloat16, device=dev) * 0.02
+    x = torch.randn(1, args.k, dtype=torch.bfloat16, device=dev)
+    packed, state = quantize_4bit(w, blocksize=64, quant_type="nf4")
+    for _ in range(args.rounds):
+        matmul_4bit(x, packed.t(), state)
+        linear(x, w, None)
+    torch.cuda.synchronize()
+    print(f"launched {args.rounds} rounds of the NF4 and bf16 GEMVs at {args.n} x {args.k}")
+
+
+if __name__ == "__main__":
+    main()
