@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # One bundled GPU session (the device tool): install the carried wheels, then run what the arguments name.
 # Usage on the device: bash tools/gpu_session.sh STEP...
-# steps: tests-engine, tests-issue4, tests-int8, tests-tp, bench-engine, bench-int8, bench-optim, bench-tp, bench-serve
+# steps: tests-engine, tests-issue4, tests-int8, tests-tp, bench-engine, bench-int8, bench-optim, bench-tp, bench-serve,
+# ncu-gemv (Nsight Compute on the decode GEMVs: tools/ncu_gemv.py)
 # (tests-tp and bench-tp need two GPUs: the nvidia-h200-x2 kind.)
 set -u
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target .gpu-site .whl/*.whl \
@@ -41,6 +42,11 @@ for step in "$@"; do
         --json "$OUT/serve_c256.json" > "$OUT/serve.log" 2>&1; echo "exit $?"; grep -v "it/s\]" "$OUT/serve.log" | tail -30 ;;
     bench-int8)
       timeout 200 python3 -m anygpu.cli bench int8 --json "$OUT/int8.json" 2>&1 | tail -25 ;;
+    ncu-gemv)
+      ncu=$(command -v ncu || ls /usr/local/cuda*/bin/ncu 2>/dev/null | head -1)
+      timeout 240 "$ncu" --clock-control none -k regex:_gemv -s 2 -c 2 --metrics \
+        gpu__time_duration.sum,dram__throughput.avg.pct_of_peak_sustained_elapsed,smsp__issue_active.avg.pct_of_peak_sustained_active,sm__pipe_alu_cycles_active.avg.pct_of_peak_sustained_active,sm__pipe_fma_cycles_active.avg.pct_of_peak_sustained_active,sm__inst_executed_pipe_lsu.avg.pct_of_peak_sustained_active \
+        python3 tools/ncu_gemv.py > "$OUT/ncu_gemv.txt" 2>&1; echo "exit $?"; grep -v "^==PROF==" "$OUT/ncu_gemv.txt" | tail -30 ;;
     bench-optim)
       timeout 300 python3 -m anygpu.cli bench optim --json "$OUT/optim.json" 2>&1 | tail -12 ;;
   esac
