@@ -44,9 +44,8 @@ for step in "$@"; do
       timeout 200 python3 -m anygpu.cli bench int8 --json "$OUT/int8.json" 2>&1 | tail -25 ;;
     ncu-gemv)
       ncu=$(command -v ncu || ls /usr/local/cuda*/bin/ncu 2>/dev/null | head -1)
-      timeout 240 "$ncu" --clock-control none -k regex:_gemv -s 2 -c 2 --metrics \
-        gpu__time_duration.sum,dram__throughput.avg.pct_of_peak_sustained_elapsed,smsp__issue_active.avg.pct_of_peak_sustained_active,sm__pipe_alu_cycles_active.avg.pct_of_peak_sustained_active,sm__pipe_fma_cycles_active.avg.pct_of_peak_sustained_active,sm__inst_executed_pipe_lsu.avg.pct_of_peak_sustained_active \
-        python3 tools/ncu_gemv.py > "$OUT/ncu_gemv.txt" 2>&1; echo "exit $?"; grep -v "^==PROF==" "$OUT/ncu_gemv.txt" | tail -30 ;;
+      metrics=$(python3 tools/ncu_gemv.py --metrics)
+      timeout 240 "$ncu" --clock-control none -k regex:_gemv -s 2 -c 2 --metrics "$metrics" python3 tools/ncu_gemv.py > "$OUT/ncu_gemv.txt" 2>&1; echo "exit $?"; grep -v "^==PROF==" "$OUT/ncu_gemv.txt" | tail -30 ;;
     bench-optim)
       timeout 300 python3 -m anygpu.cli bench optim --json "$OUT/optim.json" 2>&1 | tail -12 ;;
   esac

@@ -3,14 +3,12 @@ what bounds them: which pipe is busy (the 4-bit decoder is mostly integer instru
 INT32 lanes as FP32 lanes), how many issue slots are used, how much of DRAM's bandwidth.  PDL is turned off so that
 each kernel's duration is its own.
 
-    ncu --clock-control none -k regex:_gemv -s 2 -c 2 --metrics \\
-        gpu__time_duration.sum,dram__throughput.avg.pct_of_peak_sustained_elapsed,\\
-smsp__issue_active.avg.pct_of_peak_sustained_active,sm__pipe_alu_cycles_active.avg.pct_of_peak_sustained_active,\\
-sm__pipe_fma_cycles_active.avg.pct_of_peak_sustained_active,sm__inst_executed_pipe_lsu.avg.pct_of_peak_sustained_active \\
+    ncu --clock-control none -k regex:_gemv -s 2 -c 2 --metrics $(python3 tools/ncu_gemv.py --metrics) \
         python3 tools/ncu_gemv.py [--n 8192] [--k 8192]
 
-(``-s 2`` skips the first round, which compiles.)  Feeds the choice of decoder in ``anygpu/kernels/_decode_4bit.py``
-(see docs/perf/2026-12-05-gpu-s14.md for the question it decides).
+(``-s 2`` skips the first round, which compiles; the ``ncu-gemv`` step of ``tools/gpu_session.sh`` runs exactly
+this.)  Feeds the choice of decoder in ``anygpu/kernels/_decode_4bit.py`` (see docs/perf/2026-12-05-gpu-s14.md for
+the question it decides).
 """
 
 import argparse
@@ -19,6 +17,13 @@ import os
 os.environ["ANYGPU_PDL"] = "0"
 
 import torch  # noqa: E402
+
+# What ncu reads: time, DRAM throughput, issue slots used, the integer-ALU and FMA pipes' busy share, LSU issue.
+METRICS = ("gpu__time_duration.sum", "dram__throughput.avg.pct_of_peak_sustained_elapsed",
+           "smsp__issue_active.avg.pct_of_peak_sustained_active",
+           "sm__pipe_alu_cycles_active.avg.pct_of_peak_sustained_active",
+           "sm__pipe_fma_cycles_active.avg.pct_of_peak_sustained_active",
+           "sm__inst_executed_pipe_lsu.avg.pct_of_peak_sustained_active")
 
 from anygpu.ops import linear  # noqa: E402
 from anygpu.quant.functional import quantize_4bit  # noqa: E402
@@ -30,7 +35,11 @@ def main():
     ap.add_argument("--n", type=int, default=8192)
     ap.add_argument("--k", type=int, default=8192)
     ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--metrics", action="store_true", help="print the metric list for ncu's --metrics and exit")
     args = ap.parse_args()
+    if args.metrics:
+        print(",".join(METRICS))
+        return
     dev = torch.device("cuda")
     torch.manual_seed(0)
     w = torch.randn(args.n, args.k, dtype=torch.bfloat16, device=dev) * 0.02
