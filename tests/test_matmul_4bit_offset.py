@@ -119,3 +119,25 @@ def test_bad_offset_names_the_argument():
     w2, absmax2, _, _ = make_weight(2, 48, 32)
     with pytest.raises(ValueError, match="offset: needs in_features"):
         matmul_4bit(torch.randn(1, 48), w2, torch.rand(3), code, 32, 2, 48, offset=torch.rand(3))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("with_offset", [True, False])
+@pytest.mark.parametrize("m", [1, 4, 16, 64])
+def test_linear_table_decoder_agrees_with_the_table_decoder(monkeypatch, dtype, with_offset, m):
+    """On NVIDIA the GEMV and GEMM decode this table's codes by arithmetic (``_decode_4bit.linear_code``); the
+    table decoder (``linear_code`` turned off) and the reference must agree with it at a model's shapes."""
+    import anygpu.kernels.matmul_4bit as K
+
+    n, k = 1024, 4096
+    w, absmax, code, offset = make_weight(n, k, 32, "cuda")
+    offset = offset if with_offset else None
+    assert K.linear_code(code)
+    x = torch.randn(m, k, device="cuda").to(dtype)
+    fast = matmul_4bit(x, w, absmax, code, 32, n, k, offset=offset)
+    check_close(fast, x, w, absmax, code, 32, n, k, None, offset, f"linear m={m}")
+    monkeypatch.setattr(K, "linear_code", lambda code: False)
+    table = matmul_4bit(x, w, absmax, code, 32, n, k, offset=offset)
+    check_close(table, x, w, absmax, code, 32, n, k, None, offset, f"table m={m}")
+    torch.testing.assert_close(fast.float(), table.float(), rtol=2e-2, atol=2e-2 * table.float().abs().max().item())

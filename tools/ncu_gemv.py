@@ -18,12 +18,17 @@ os.environ["ANYGPU_PDL"] = "0"
 
 import torch  # noqa: E402
 
-# What ncu reads: time, DRAM throughput, issue slots used, the integer-ALU and FMA pipes' busy share, LSU issue.
+# What ncu reads: time, DRAM throughput, issue slots used, the integer-ALU and FMA pipes' busy share, LSU issue,
+# occupancy, and why warps stall (cycles stalled per issued instruction, by reason).
 METRICS = ("gpu__time_duration.sum", "dram__throughput.avg.pct_of_peak_sustained_elapsed",
            "smsp__issue_active.avg.pct_of_peak_sustained_active",
            "sm__pipe_alu_cycles_active.avg.pct_of_peak_sustained_active",
            "sm__pipe_fma_cycles_active.avg.pct_of_peak_sustained_active",
-           "sm__inst_executed_pipe_lsu.avg.pct_of_peak_sustained_active")
+           "sm__inst_executed_pipe_lsu.avg.pct_of_peak_sustained_active",
+           "sm__warps_active.avg.pct_of_peak_sustained_active") + tuple(
+    f"smsp__average_warps_issue_stalled_{why}_per_issue_active.ratio"
+    for why in ("long_scoreboard", "math_pipe_throttle", "wait", "short_scoreboard", "not_selected",
+                "lg_throttle", "dispatch_stall", "no_instruction", "barrier", "selected"))
 
 from anygpu.ops import linear  # noqa: E402
 from anygpu.quant.functional import quantize_4bit  # noqa: E402

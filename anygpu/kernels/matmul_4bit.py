@@ -29,7 +29,8 @@ import torch
 import triton
 import triton.language as tl
 
-from ._decode_4bit import _block_scales, _decode8, _decode_pairs, _dot8, _lookup, _tables
+from ._decode_4bit import (_block_scales, _decode8, _decode_pairs, _decode_pairs_linear_codes, _dot8, _dot8_linear,
+                           _linear_x_pairs, _lookup, _tables, linear_code)
 from ._pdl import pdl_args, wait_then_release
 from ._program_order import grouped_tile
 from ._split_k import split_count, split_k_buffers, store_or_reduce
@@ -62,7 +63,7 @@ def _gemv_4bit_kernel(x_ptr, w_ptr, absmax_ptr, code_ptr, bias_ptr, out_ptr, par
                       EVEN_K: tl.constexpr, PARTIAL: tl.constexpr, REDUCE: tl.constexpr, PREFETCH: tl.constexpr,
                       NESTED: tl.constexpr, HAS_BIAS: tl.constexpr,
                       DECODE_PTX: tl.constexpr, HALF2: tl.constexpr, HAS_OFFSET: tl.constexpr,
-                      PDL: tl.constexpr = False):
+                      PDL: tl.constexpr = False, LINEAR: tl.constexpr = False):
     wait_then_release(PDL)  # the decode step's chain (kernels/_pdl.py): nothing is read or written before it
     # One program: BLOCK_N output features of one row of x, over 1/SPLITS of K, CHUNK elements of each
     # row per step.  stride_w (a row's packed length in words or bytes) is an argument, not K // 8,
@@ -84,7 +85,8 @@ def _gemv_4bit_kernel(x_ptr, w_ptr, absmax_ptr, code_ptr, bias_ptr, out_ptr, par
     acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
     PER_WORD: tl.constexpr = 8 if DECODE_PTX else 2
     if DECODE_PTX:
-        t0, t1, t2, t3, u0, u1, u2, u3 = _tables(code_ptr, HALF2 and x_ptr.dtype.element_ty == tl.bfloat16)
+        if not LINEAR:  # LINEAR (HALF2 only): the table is _decode_4bit.LINEAR_CODE, decoded by arithmetic
+            t0, t1, t2, t3, u0, u1, u2, u3 = _tables(code_ptr, HALF2 and x_ptr.dtype.element_ty == tl.bfloat16)
         w_rows = w_ptr.to(tl.pointer_type(tl.int32)) + n64[:, None] * stride_w + tl.arange(0, CHUNK // 8)[None, :]
     else:
         lut = tl.load(code_ptr + tl.arange(0, 16))
@@ -115,9 +117,15 @@ def _gemv_4bit_kernel(x_ptr, w_ptr, absmax_ptr, code_ptr, bias_ptr, out_ptr, par
             xa, xc = tl.split(q02)
             xb, xd = tl.split(q13)
             shape: tl.constexpr = (BLOCK_N, CHUNK // 8)
-            prod = _dot8(packed, tl.broadcast_to(xa[None, :], shape), tl.broadcast_to(xb[None, :], shape),
-                         tl.broadcast_to(xc[None, :], shape), tl.broadcast_to(xd[None, :], shape),
-                         t0, t1, t2, t3, u0, u1, u2, u3, x_ptr.dtype.element_ty == tl.bfloat16)
+            if LINEAR:
+                x15, x04, x37, x26 = _linear_x_pairs(xa, xb, xc, xd)
+                prod = _dot8_linear(packed, tl.broadcast_to(x15[None, :], shape), tl.broadcast_to(x04[None, :], shape),
+                                    tl.broadcast_to(x37[None, :], shape), tl.broadcast_to(x26[None, :], shape),
+                                    x_ptr.dtype.element_ty == tl.bfloat16)
+            else:
+                prod = _dot8(packed, tl.broadcast_to(xa[None, :], shape), tl.broadcast_to(xb[None, :], shape),
+                             tl.broadcast_to(xc[None, :], shape), tl.broadcast_to(xd[None, :], shape),
+                             t0, t1, t2, t3, u0, u1, u2, u3, x_ptr.dtype.element_ty == tl.bfloat16)
         elif DECODE_PTX:
             v1, v0, v3, v2, v5, v4, v7, v6 = _decode8(packed, t0, t1, t2, t3, u0, u1, u2, u3)
             # One wide load of 8 activations per word, split in registers into the 8 element positions.
@@ -174,7 +182,7 @@ def _gemm_4bit_kernel(x_ptr, w_ptr, absmax_ptr, code_ptr, bias_ptr, out_ptr, par
                       BLOCKSIZE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                       NESTED: tl.constexpr, HAS_BIAS: tl.constexpr, GROUP_M: tl.constexpr,
                       DOT_IN_FP32: tl.constexpr, SPLIT_K: tl.constexpr, REDUCE: tl.constexpr,
-                      DECODE_PTX: tl.constexpr, HAS_OFFSET: tl.constexpr):
+                      DECODE_PTX: tl.constexpr, HAS_OFFSET: tl.constexpr, LINEAR: tl.constexpr = False):
     # A step's BLOCK_K columns lie in one 4-bit block (the launcher caps BLOCK_K at the block size, and K is a
     # multiple of it), so the codes are decoded to unscaled 16-bit values and the block's scale multiplies
     # the step's partial dot: BLOCK_M multiplies per weight row instead of one per weight element.
@@ -192,7 +200,8 @@ def _gemm_4bit_kernel(x_ptr, w_ptr, absmax_ptr, code_ptr, bias_ptr, out_ptr, par
     dot_dtype = tl.float32 if DOT_IN_FP32 else x_ptr.dtype.element_ty
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     if DECODE_PTX:
-        t0, t1, t2, t3, u0, u1, u2, u3 = _tables(code_ptr, x_ptr.dtype.element_ty == tl.bfloat16)
+        if not LINEAR:  # LINEAR: the table is _decode_4bit.LINEAR_CODE, decoded by arithmetic
+            t0, t1, t2, t3, u0, u1, u2, u3 = _tables(code_ptr, x_ptr.dtype.element_ty == tl.bfloat16)
     else:
         lut = tl.load(code_ptr + tl.arange(0, 16)).to(x_ptr.dtype.element_ty)
     w_tile = w_ptr + n64[:, None] * stride_w + tl.arange(0, BLOCK_K // 2)[None, :]
@@ -205,7 +214,9 @@ def _gemm_4bit_kernel(x_ptr, w_ptr, absmax_ptr, code_ptr, bias_ptr, out_ptr, par
         x = tl.load(x_tile + k0, mask=m_mask[:, None], other=0.0).to(dot_dtype)
         x_even, x_odd = tl.split(tl.reshape(x, (BLOCK_M, BLOCK_K // 2, 2)))
         packed = tl.load(w_tile + k0 // 2, mask=n_mask[:, None], other=0)
-        if DECODE_PTX:
+        if DECODE_PTX and LINEAR:
+            hi, lo = _decode_pairs_linear_codes(packed, x_ptr.dtype.element_ty == tl.bfloat16)
+        elif DECODE_PTX:
             hi, lo = _decode_pairs(packed, t0, t1, t2, t3, u0, u1, u2, u3, x_ptr.dtype.element_ty == tl.bfloat16)
         else:
             codes = packed.to(tl.int32)
@@ -474,7 +485,7 @@ def matmul_4bit(x: torch.Tensor, weight: torch.Tensor, absmax: torch.Tensor, cod
                                     SEG=min(chunk, blocksize), EVEN_K=k % chunk == 0, PARTIAL=p.split_k > 1,
                                     REDUCE=sk.reduce, PREFETCH=c["PREFETCH"], NESTED=nested, HAS_BIAS=bias is not None,
                                     DECODE_PTX=ptx, HALF2=half2, HAS_OFFSET=offset is not None,
-                                    **options, **pdl_args(x.device))
+                                    LINEAR=half2 and linear_code(code), **options, **pdl_args(x.device))
             sk.finish(out2, bias)
             return out
         elif p.path == "mma":
@@ -497,13 +508,14 @@ def matmul_4bit(x: torch.Tensor, weight: torch.Tensor, absmax: torch.Tensor, cod
                 block_k = c["BLOCK_K"]
             grid = (-(-m // c["BLOCK_M"]) * -(-n // c["BLOCK_N"]), p.split_k)
             sk = split_k_buffers(out2, p.split_k, grid[0], c.get("ADD_IN_KERNEL", True))
+            ptx = c.get("DECODE_PTX", False) and x.device.type == "cuda"
             _gemm_4bit_kernel[grid](x2, w, absmax, code, b, out2, sk.partials, sk.counters, *nest, off, m, n, k,
                                     x2.stride(0), out2.stride(0), k // 2, BLOCKSIZE=blocksize, NESTED=nested,
                                     HAS_BIAS=bias is not None, GROUP_M=8, BLOCK_M=c["BLOCK_M"],
                                     BLOCK_N=c["BLOCK_N"], BLOCK_K=block_k,
                                     SPLIT_K=p.split_k, REDUCE=sk.reduce,
-                                    DECODE_PTX=c.get("DECODE_PTX", False) and x.device.type == "cuda",
-                                    HAS_OFFSET=offset is not None,
+                                    DECODE_PTX=ptx, HAS_OFFSET=offset is not None,
+                                    LINEAR=ptx and x.dtype in DTYPES and linear_code(code),
                                     DOT_IN_FP32=x.device.type == "cpu" and x.dtype == torch.bfloat16, **options)
             sk.finish(out2, bias)
     return out
@@ -529,7 +541,7 @@ def _signature(kernel: str):
                       "NESTED": "constexpr", "HAS_BIAS": "constexpr", "GROUP_M": "constexpr",
                       "DOT_IN_FP32": "constexpr",
                       "SPLIT_K": "constexpr", "REDUCE": "constexpr", "DECODE_PTX": "constexpr",
-                      "HAS_OFFSET": "constexpr"})
+                      "HAS_OFFSET": "constexpr", "LINEAR": "constexpr"})
         elif kernel == "mma":
             s.update({"WARPS": "constexpr", "PARTIAL": "constexpr", "REDUCE": "constexpr", "NESTED": "constexpr",
                       "HAS_BIAS": "constexpr", "DECODE_PTX": "constexpr"})
@@ -537,7 +549,8 @@ def _signature(kernel: str):
             s.update({"BLOCK_N": "constexpr", "CHUNK": "constexpr", "SEG": "constexpr",
                       "EVEN_K": "constexpr", "PARTIAL": "constexpr", "REDUCE": "constexpr", "PREFETCH": "constexpr",
                       "NESTED": "constexpr", "HAS_BIAS": "constexpr",
-                      "DECODE_PTX": "constexpr", "HALF2": "constexpr", "HAS_OFFSET": "constexpr", "PDL": "constexpr"})
+                      "DECODE_PTX": "constexpr", "HALF2": "constexpr", "HAS_OFFSET": "constexpr", "PDL": "constexpr",
+                      "LINEAR": "constexpr"})
         return s
     return sig
 
@@ -559,18 +572,21 @@ GEMV_SPEC = register(KernelSpec(
     _with_defaults(GEMV_CONFIGS, lambda c: {"BLOCKSIZE": 64, "SEG": min(64, c.constexprs["CHUNK"]), "EVEN_K": True,
                                             "PARTIAL": True, "REDUCE": True, "NESTED": False, "HAS_BIAS": True,
                                             "DECODE_PTX": c.constexprs.get("DECODE_PTX", False),
-                                            "HALF2": c.constexprs.get("HALF2", False)},
+                                            "HALF2": c.constexprs.get("HALF2", False), "LINEAR": False},
                    drop=("MAX_SPLIT", "SPLIT_MIN_CHUNKS", "ADD_IN_KERNEL", *SHAPE_BOUNDS),
-                   gguf=lambda c: {"BLOCKSIZE": 32, "SEG": min(32, c.constexprs["CHUNK"]), "PARTIAL": False})))
+                   # GGUF's variant with its Q4 types' linear table (the arithmetic decoder, where there is PTX)
+                   gguf=lambda c: {"BLOCKSIZE": 32, "SEG": min(32, c.constexprs["CHUNK"]), "PARTIAL": False,
+                                   "LINEAR": c.constexprs.get("HALF2", False)})))
 GEMM_SPEC = register(KernelSpec(
     "gemm_4bit", _gemm_4bit_kernel, _signature("gemm"), DTYPES,
     _with_defaults(GEMM_CONFIGS, lambda c: {"BLOCKSIZE": 64, "NESTED": True, "HAS_BIAS": False,
                                             "GROUP_M": 8, "DOT_IN_FP32": False, "SPLIT_K": 1,
-                                            "REDUCE": False, "DECODE_PTX": c.constexprs.get("DECODE_PTX", False)},
+                                            "REDUCE": False, "DECODE_PTX": c.constexprs.get("DECODE_PTX", False),
+                                            "LINEAR": False},
                    drop=("MAX_M", "FOLD_SCALE", "ADD_IN_KERNEL"),
                    # the GGUF variant also covers the split form, whose last split adds the partials
                    gguf=lambda c: {"BLOCKSIZE": 32, "NESTED": False, "SPLIT_K": c.constexprs["SPLIT_K"],
-                                   "REDUCE": True})))
+                                   "REDUCE": True, "LINEAR": c.constexprs.get("DECODE_PTX", False)})))
 MMA_SPEC = register(KernelSpec(
     "gemv_mma_4bit", _gemv_mma_4bit_kernel, _signature("mma"), DTYPES,
     _with_defaults(MMA_CONFIGS, lambda c: {"BLOCKSIZE": 64, "PARTIAL": True, "REDUCE": True, "NESTED": True,
