@@ -112,3 +112,19 @@ def test_interpreter_rounds_pair_fma_to_nearest_even():
     out = run(ptx, {1: pair(tiny, tiny), 2: pair(one, three), 3: pair(one, one)})[0]
     assert (value(out, "f16"), value(out >> 16, "f16")) == (1.0, 1.0 + 2 ** -9)
     assert run("add.f32 $0, $1, $2;", {1: 0x3F800000, 2: 0x40000000})[0] == 3.0
+
+
+def test_linear_code_is_remembered_per_table_for_a_whole_model(monkeypatch):
+    """Every layer has its own table tensor: all of a large model's stay remembered (no device read per call),
+    an edited table is compared again, and dead ones make room."""
+    tables = [code_table("q4") for _ in range(600)]
+    assert all(D.linear_code(t) for t in tables)
+    reads = []
+    real_equal = torch.equal
+    monkeypatch.setattr(torch, "equal", lambda a, b: reads.append(1) or real_equal(a, b))
+    assert all(D.linear_code(t) for t in tables) and not reads
+    tables[0][3] = 0.5
+    assert not D.linear_code(tables[0]) and len(reads) == 1
+    del tables
+    monkeypatch.setattr(D, "_LINEAR_SEEN_MAX", 8)
+    assert D.linear_code(code_table("q4")) and len(D._LINEAR_SEEN) <= 8

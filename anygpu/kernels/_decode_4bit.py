@@ -3,11 +3,12 @@ on NVIDIA a PTX decoder that turns 8 codes into 8 values with byte permutes on a
 registers.  Shared by the 4-bit matmul kernels (``matmul_4bit.py``).
 """
 
+import weakref
+
 import torch
 import triton
 import triton.language as tl
 
-from .code_lut import cached_per_tensor
 
 
 @triton.jit
@@ -197,20 +198,29 @@ def _decode_pairs(packed, t0, t1, t2, t3, u0, u1, u2, u3, BF16: tl.constexpr):
 # bounds the table GEMV (Hopper's integer pipe runs at half the FP32 rate: docs/perf/2026-12-05-gpu-s14.md);
 # the FMAs go to the FMA pipe, which the table GEMV leaves mostly idle.
 LINEAR_CODE = tuple((q - 8) / 8 for q in range(16))  # must equal quant/gguf_4bit.code_table("q4")
-_LINEAR_SEEN: dict = {}
+_LINEAR_SEEN: dict = {}  # id(table) -> (weak reference, version, answer)
+_LINEAR_SEEN_MAX = 4096  # a model has a table per layer: hundreds
 
 
 def linear_code(code: torch.Tensor) -> bool:
     """Whether the 16-entry table ``code`` is ``LINEAR_CODE`` (the launchers then take the arithmetic decoder).
-    Compared once per table tensor (a device read) and cached while that tensor lives unmodified; a table first
-    seen during CUDA-graph capture, where no read is allowed, gets the table decoder, which is always right."""
+    Compared once per table tensor (a device read) and remembered while that tensor lives unmodified; a table
+    first seen during CUDA-graph capture, where no read is allowed, gets the table decoder, which is always right
+    (the engine runs every layer eagerly before it captures)."""
     hit = _LINEAR_SEEN.get(id(code))
     if hit is not None and hit[0]() is code and hit[1] == code._version:
         return hit[2]
     if code.is_cuda and torch.cuda.is_current_stream_capturing():
         return False
-    return cached_per_tensor(_LINEAR_SEEN, code, id(code),
-                             lambda: torch.equal(code.cpu(), torch.tensor(LINEAR_CODE, dtype=code.dtype)))
+    answer = torch.equal(code.cpu(), torch.tensor(LINEAR_CODE, dtype=code.dtype))
+    if len(_LINEAR_SEEN) >= _LINEAR_SEEN_MAX:
+        for key in [k for k, v in _LINEAR_SEEN.items() if v[0]() is None]:
+            del _LINEAR_SEEN[key]
+        if len(_LINEAR_SEEN) >= _LINEAR_SEEN_MAX:
+            _LINEAR_SEEN.clear()
+    _LINEAR_SEEN[id(code)] = (weakref.ref(code), code._version, answer)
+    return answer
+
 
 # Per dtype: the magic (1024.0 fp16 / 128.0 bf16, whose lowest mantissa bit is worth 1), the FMA taking magic + q
 # to (q - 8) / 8, and for fp16 the FMA taking magic + 16 q (the upper nibble of a byte left in place: fp16's
