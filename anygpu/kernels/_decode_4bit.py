@@ -3,6 +3,7 @@ on NVIDIA a PTX decoder that turns 8 codes into 8 values with byte permutes on a
 registers.  Shared by the 4-bit matmul kernels (``matmul_4bit.py``).
 """
 
+import os
 import weakref
 
 import torch
@@ -198,6 +199,8 @@ def _decode_pairs(packed, t0, t1, t2, t3, u0, u1, u2, u3, BF16: tl.constexpr):
 # bounds the table GEMV (Hopper's integer pipe runs at half the FP32 rate: docs/perf/2026-12-05-gpu-s14.md);
 # the FMAs go to the FMA pipe, which the table GEMV leaves mostly idle.
 LINEAR_CODE = tuple((q - 8) / 8 for q in range(16))  # must equal quant/gguf_4bit.code_table("q4")
+# ANYGPU_LINEAR_4BIT=0 turns the arithmetic decoder off (the table decoder then serves every table).
+LINEAR_DECODE = os.environ.get("ANYGPU_LINEAR_4BIT", "1") != "0"
 _LINEAR_SEEN: dict = {}  # id(table) -> (weak reference, version, answer)
 _LINEAR_SEEN_MAX = 4096  # a model has a table per layer: hundreds
 
@@ -207,6 +210,8 @@ def linear_code(code: torch.Tensor) -> bool:
     Compared once per table tensor (a device read) and remembered while that tensor lives unmodified; a table
     first seen during CUDA-graph capture, where no read is allowed, gets the table decoder, which is always right
     (the engine runs every layer eagerly before it captures)."""
+    if not LINEAR_DECODE:
+        return False
     hit = _LINEAR_SEEN.get(id(code))
     if hit is not None and hit[0]() is code and hit[1] == code._version:
         return hit[2]

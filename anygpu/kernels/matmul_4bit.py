@@ -71,6 +71,7 @@ def _gemv_4bit_kernel(x_ptr, w_ptr, absmax_ptr, code_ptr, bias_ptr, out_ptr, par
     # segments of SEG (= min(CHUNK, block size)) elements that share one scale, applied once to the
     # segment's sum of code x activation.
     tl.static_assert(CHUNK % SEG == 0 and SEG <= BLOCKSIZE)
+    tl.static_assert(HALF2 or not LINEAR, "the arithmetic decoder (LINEAR) exists in the 16-bit pair form only")
     m = tl.program_id(1)
     pid_k = tl.program_id(2)
     n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
