@@ -117,6 +117,7 @@ def test_interpreter_rounds_pair_fma_to_nearest_even():
 def test_linear_code_is_remembered_per_table_for_a_whole_model(monkeypatch):
     """Every layer has its own table tensor: all of a large model's stay remembered (no device read per call),
     an edited table is compared again, and dead ones make room."""
+    monkeypatch.setattr(D, "LINEAR_DECODE", True)
     tables = [code_table("q4") for _ in range(600)]
     assert all(D.linear_code(t) for t in tables)
     reads = []
@@ -128,3 +129,8 @@ def test_linear_code_is_remembered_per_table_for_a_whole_model(monkeypatch):
     del tables
     monkeypatch.setattr(D, "_LINEAR_SEEN_MAX", 8)
     assert D.linear_code(code_table("q4")) and len(D._LINEAR_SEEN) <= 8
+
+
+def test_linear_decoder_is_off_unless_asked(monkeypatch):
+    monkeypatch.setattr(D, "LINEAR_DECODE", False)
+    assert not D.linear_code(code_table("q4"))

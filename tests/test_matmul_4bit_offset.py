@@ -130,6 +130,9 @@ def test_linear_table_decoder_agrees_with_the_table_decoder(monkeypatch, dtype, 
     table decoder (``linear_code`` turned off) and the reference must agree with it at a model's shapes."""
     import anygpu.kernels.matmul_4bit as K
 
+    import anygpu.kernels._decode_4bit as D
+
+    monkeypatch.setattr(D, "LINEAR_DECODE", True)
     n, k = 1024, 4096
     w, absmax, code, offset = make_weight(n, k, 32, "cuda")
     offset = offset if with_offset else None

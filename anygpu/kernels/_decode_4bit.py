@@ -199,8 +199,10 @@ def _decode_pairs(packed, t0, t1, t2, t3, u0, u1, u2, u3, BF16: tl.constexpr):
 # bounds the table GEMV (Hopper's integer pipe runs at half the FP32 rate: docs/perf/2026-12-05-gpu-s14.md);
 # the FMAs go to the FMA pipe, which the table GEMV leaves mostly idle.
 LINEAR_CODE = tuple((q - 8) / 8 for q in range(16))  # must equal quant/gguf_4bit.code_table("q4")
-# ANYGPU_LINEAR_4BIT=0 turns the arithmetic decoder off (the table decoder then serves every table).
-LINEAR_DECODE = os.environ.get("ANYGPU_LINEAR_4BIT", "1") != "0"
+# ANYGPU_LINEAR_4BIT=1 turns the arithmetic decoder on.  Off by default until it has run on a GPU: its PTX is
+# checked by tests/test_decode_4bit_ptx.py and compiled for every NVIDIA target, but no GPU could be started after
+# it was written (the GPU tests that decide it: test_matmul_4bit_offset.py, test_gguf_gpu_packed.py).
+LINEAR_DECODE = os.environ.get("ANYGPU_LINEAR_4BIT", "0") == "1"
 _LINEAR_SEEN: dict = {}  # id(table) -> (weak reference, version, answer)
 _LINEAR_SEEN_MAX = 4096  # a model has a table per layer: hundreds
 
