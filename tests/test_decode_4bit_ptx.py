@@ -1,4 +1,4 @@
-"""The 4-bit decoders' inline PTX (``anygpu/kernels/_decode_4bit.py``), run by a small interpreter
+"""The 4-bit decoders' inline PTX (``anygpu/kernels/_decode_4bit.py`` and ``_decode_4bit_linear.py``), run by a small interpreter
 (``tests/_ptx_sim.py``) on words of random codes: each decoded value must be the table's value of the code at its
 element position (bitsandbytes' order: element 2i in the high nibble of byte i), and each word's dot the exact sum
 (activations chosen so that 16-bit sums are exact).  The GPU tests run the same strings inside the kernels."""
@@ -8,7 +8,8 @@ import random
 import pytest
 import torch
 
-from anygpu.kernels import _decode_4bit as D
+from anygpu.kernels import _decode_4bit as T
+from anygpu.kernels import _decode_4bit_linear as D
 from anygpu.quant import get_4bit_type
 from anygpu.quant.gguf_4bit import code_table
 from ._ptx_sim import run
@@ -88,11 +89,11 @@ def test_table_decoders_put_each_code_at_its_element(t, quant_type):
     code = get_4bit_type(quant_type)
     tables = table_registers(code, t)
     want = [value(bits16(float(c), t), t) for c in code]
-    dot = (D.DOT8_F16 if t == "f16" else D.DOT8_BF16).value
+    dot = (T.DOT8_F16 if t == "f16" else T.DOT8_BF16).value
     one = bits16(1.0, t)
     for w in words(16):
         q = codes_of(w)
-        out = run(D.DECODE_PAIRS.value, {4: w, **{5 + 4 * i + j: tables[i] for i in range(8) for j in range(4)}})
+        out = run(T.DECODE_PAIRS.value, {4: w, **{5 + 4 * i + j: tables[i] for i in range(8) for j in range(4)}})
         assert [value(out[0], t), value(out[0] >> 16, t), value(out[1], t), value(out[1] >> 16, t)] == \
             [want[q[e]] for e in (0, 2, 4, 6)]
         assert [value(out[2], t), value(out[2] >> 16, t), value(out[3], t), value(out[3] >> 16, t)] == \

@@ -126,11 +126,11 @@ def test_bad_offset_names_the_argument():
 @pytest.mark.parametrize("with_offset", [True, False])
 @pytest.mark.parametrize("m", [1, 4, 16, 64])
 def test_linear_table_decoder_agrees_with_the_table_decoder(monkeypatch, dtype, with_offset, m):
-    """On NVIDIA the GEMV and GEMM decode this table's codes by arithmetic (``_decode_4bit.linear_code``); the
+    """On NVIDIA the GEMV and GEMM decode this table's codes by arithmetic (``_decode_4bit_linear.linear_code``); the
     table decoder (``linear_code`` turned off) and the reference must agree with it at a model's shapes."""
     import anygpu.kernels.matmul_4bit as K
 
-    import anygpu.kernels._decode_4bit as D
+    import anygpu.kernels._decode_4bit_linear as D
 
     monkeypatch.setattr(D, "LINEAR_DECODE", True)
     n, k = 1024, 4096

@@ -29,8 +29,8 @@ import torch
 import triton
 import triton.language as tl
 
-from ._decode_4bit import (_block_scales, _decode8, _decode_pairs, _decode_pairs_linear_codes, _dot8, _dot8_linear,
-                           _linear_x_pairs, _lookup, _tables, linear_code)
+from ._decode_4bit import _block_scales, _decode8, _decode_pairs, _dot8, _lookup, _tables
+from ._decode_4bit_linear import _decode_pairs_linear_codes, _dot8_linear, _linear_x_pairs, linear_code
 from ._pdl import pdl_args, wait_then_release
 from ._program_order import grouped_tile
 from ._split_k import split_count, split_k_buffers, store_or_reduce
@@ -86,7 +86,7 @@ def _gemv_4bit_kernel(x_ptr, w_ptr, absmax_ptr, code_ptr, bias_ptr, out_ptr, par
     acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
     PER_WORD: tl.constexpr = 8 if DECODE_PTX else 2
     if DECODE_PTX:
-        if not LINEAR:  # LINEAR (HALF2 only): the table is _decode_4bit.LINEAR_CODE, decoded by arithmetic
+        if not LINEAR:  # LINEAR (HALF2 only): the table is _decode_4bit_linear.LINEAR_CODE, decoded by arithmetic
             t0, t1, t2, t3, u0, u1, u2, u3 = _tables(code_ptr, HALF2 and x_ptr.dtype.element_ty == tl.bfloat16)
         w_rows = w_ptr.to(tl.pointer_type(tl.int32)) + n64[:, None] * stride_w + tl.arange(0, CHUNK // 8)[None, :]
     else:
@@ -201,7 +201,7 @@ def _gemm_4bit_kernel(x_ptr, w_ptr, absmax_ptr, code_ptr, bias_ptr, out_ptr, par
     dot_dtype = tl.float32 if DOT_IN_FP32 else x_ptr.dtype.element_ty
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     if DECODE_PTX:
-        if not LINEAR:  # LINEAR: the table is _decode_4bit.LINEAR_CODE, decoded by arithmetic
+        if not LINEAR:  # LINEAR: the table is _decode_4bit_linear.LINEAR_CODE, decoded by arithmetic
             t0, t1, t2, t3, u0, u1, u2, u3 = _tables(code_ptr, x_ptr.dtype.element_ty == tl.bfloat16)
     else:
         lut = tl.load(code_ptr + tl.arange(0, 16)).to(x_ptr.dtype.element_ty)
