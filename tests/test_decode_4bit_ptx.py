@@ -1,7 +1,7 @@
-"""The 4-bit decoders' inline PTX (``anygpu/kernels/_decode_4bit.py`` and ``_decode_4bit_linear.py``), run by a small interpreter
-(``tests/_ptx_sim.py``) on words of random codes: each decoded value must be the table's value of the code at its
-element position (bitsandbytes' order: element 2i in the high nibble of byte i), and each word's dot the exact sum
-(activations chosen so that 16-bit sums are exact).  The GPU tests run the same strings inside the kernels."""
+"""The 4-bit decoders' inline PTX (``anygpu/kernels/_decode_4bit.py`` and ``_decode_4bit_linear.py``), run by a small
+interpreter (``tests/_ptx_sim.py``) on words of random codes: each decoded value must be the table's value of the
+code at its element position (bitsandbytes' order: element 2i in the high nibble of byte i), and each word's dot the
+exact sum (activations chosen so that 16-bit sums are exact). The GPU tests run the same strings inside the kernels."""
 
 import random
 

@@ -275,13 +275,13 @@ GEMV_CONFIGS = {
     "default": (LaunchConfig({"BLOCK_N": 32, "CHUNK": 128, "PREFETCH": True,
                               "MAX_SPLIT": 8}, num_warps=4),),
     # NVIDIA: the PTX decoder with 16-bit pair math; 16 rows, one warp a program, 256-column steps with the next
-    # step's codes loaded ahead of this step's decode (PREFETCH), K split 4 ways.  What bounds it with a table
-    # code (NF4): the decoder's integer instructions (Hopper's integer pipe runs at half rate; Nsight Compute
-    # shows it the busiest unit and the warps rarely waiting on memory: docs/perf/2026-12-05-gpu-s15.md).
-    # GGUF's linear Q4 codes decode by arithmetic instead (LINEAR).  Shape-specific entries follow (gemv_config: the first whose
-    # MIN_/MAX_ bounds hold, else the general first entry): the gate/up shape (many rows, K <= 4096) splits 2
-    # ways, the down shape (long K, few rows) takes 32 rows and 8 splits, and narrow layers (N <= 2048: TP
-    # shards, GQA's k/v) 512-column steps without prefetch and 8 splits, for programs enough to fill the GPU
+    # step's codes loaded ahead of this step's decode (PREFETCH), K split 4 ways.  What bounds it with a table code
+    # (NF4): the decoder's integer instructions (Hopper's integer pipe runs at half rate; Nsight Compute shows it
+    # the busiest unit and the warps rarely waiting on memory: docs/perf/2026-12-05-gpu-s15.md). GGUF's linear Q4
+    # codes decode by arithmetic instead (LINEAR).  Shape-specific entries follow (gemv_config: the first whose
+    # MIN_/MAX_ bounds hold, else the general first entry): the gate/up shape (many rows, K <= 4096) splits 2 ways,
+    # the down shape (long K, few rows) takes 32 rows and 8 splits, and narrow layers (N <= 2048: TP shards, GQA's
+    # k/v) 512-column steps without prefetch and 8 splits, for programs enough to fill the GPU
     # (tools/sweep_gemv_shapes.py picks them; the measurements are in docs/perf/2026-12-04-nf4-gemv-bounds.md).
     "nvidia": (LaunchConfig({"BLOCK_N": 16, "CHUNK": 256, "PREFETCH": True, "MAX_SPLIT": 4,
                              "SPLIT_MIN_CHUNKS": 2, "DECODE_PTX": True, "HALF2": True}, num_warps=1),
