@@ -48,7 +48,7 @@ for step in "$@"; do
       metrics=$(python3 tools/ncu_gemv.py --metrics)
       timeout 240 "$ncu" --clock-control none -k regex:_gemv -s 2 -c 2 --metrics "$metrics" python3 tools/ncu_gemv.py > "$OUT/ncu_gemv.txt" 2>&1; echo "exit $?"; grep -v "^==PROF==" "$OUT/ncu_gemv.txt" | tail -30 ;;
     linear-q4)
-      timeout 200 python3 -m pytest -q -x tests/test_matmul_4bit_offset.py tests/test_gguf_gpu_packed.py \
+      ANYGPU_LINEAR_4BIT=1 timeout 200 python3 -m pytest -q -x tests/test_matmul_4bit_offset.py tests/test_gguf_gpu_packed.py \
         tests/test_decode_4bit_ptx.py 2>&1 | tail -3
       for on in 0 1 0 1; do
         ANYGPU_LINEAR_4BIT=$on timeout 150 python3 -m anygpu.cli bench model --random-config llama3-8b --num-prompts 1 \
