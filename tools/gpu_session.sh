@@ -2,7 +2,7 @@
 # One bundled GPU session (the device tool): install the carried wheels, then run what the arguments name.
 # Usage on the device: bash tools/gpu_session.sh STEP...
 # steps: tests-engine, tests-issue4, tests-int8, tests-tp, bench-engine, bench-int8, bench-optim, bench-tp, bench-serve,
-# ncu-gemv (Nsight Compute on the decode GEMVs: tools/ncu_gemv.py), linear-q4 (the arithmetic Q4 decoder's GPU
+# ncu-gemv (Nsight Compute on the decode GEMVs: tools/ncu_gemv.py; NCU_WEIGHT=q4_k for GGUF's), linear-q4 (the arithmetic Q4 decoder's GPU
 # tests, then the engine's q4_k decode with it off and on: ANYGPU_LINEAR_4BIT)
 # (tests-tp and bench-tp need two GPUs: the nvidia-h200-x2 kind.)
 set -u
@@ -46,7 +46,7 @@ for step in "$@"; do
     ncu-gemv)
       ncu=$(command -v ncu || ls /usr/local/cuda*/bin/ncu 2>/dev/null | head -1)
       metrics=$(python3 tools/ncu_gemv.py --metrics)
-      timeout 240 "$ncu" --clock-control none -k regex:_gemv -s 2 -c 2 --metrics "$metrics" python3 tools/ncu_gemv.py > "$OUT/ncu_gemv.txt" 2>&1; echo "exit $?"; grep -v "^==PROF==" "$OUT/ncu_gemv.txt" | tail -30 ;;
+      timeout 240 "$ncu" --clock-control none -k regex:_gemv -s 2 -c 2 --metrics "$metrics" python3 tools/ncu_gemv.py --weight ${NCU_WEIGHT:-nf4} > "$OUT/ncu_gemv.txt" 2>&1; echo "exit $?"; grep -v "^==PROF==" "$OUT/ncu_gemv.txt" | tail -30 ;;
     linear-q4)
       ANYGPU_LINEAR_4BIT=1 timeout 200 python3 -m pytest -q -x tests/test_matmul_4bit_offset.py tests/test_gguf_gpu_packed.py \
         tests/test_decode_4bit_ptx.py 2>&1 | tail -3

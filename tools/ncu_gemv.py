@@ -4,7 +4,7 @@ INT32 lanes as FP32 lanes), how many issue slots are used, how much of DRAM's ba
 each kernel's duration is its own.
 
     ncu --clock-control none -k regex:_gemv -s 2 -c 2 --metrics $(python3 tools/ncu_gemv.py --metrics) \
-        python3 tools/ncu_gemv.py [--n 8192] [--k 8192]
+        python3 tools/ncu_gemv.py [--n 8192] [--k 8192] [--weight nf4|q4_k]
 
 (``-s 2`` skips the first round, which compiles; the ``ncu-gemv`` step of ``tools/gpu_session.sh`` runs exactly
 this.)  Feeds the choice of decoder in ``anygpu/kernels/_decode_4bit.py`` (see docs/perf/2026-12-05-gpu-s14.md for
@@ -30,7 +30,9 @@ METRICS = ("gpu__time_duration.sum", "dram__throughput.avg.pct_of_peak_sustained
     for why in ("long_scoreboard", "math_pipe_throttle", "wait", "short_scoreboard", "not_selected",
                 "lg_throttle", "dispatch_stall", "no_instruction", "barrier", "selected"))
 
+from anygpu import ops  # noqa: E402
 from anygpu.ops import linear  # noqa: E402
+from anygpu.quant import gguf_4bit  # noqa: E402
 from anygpu.quant.functional import quantize_4bit  # noqa: E402
 from anygpu.quant.matmul import matmul_4bit  # noqa: E402
 
@@ -40,6 +42,9 @@ def main():
     ap.add_argument("--n", type=int, default=8192)
     ap.add_argument("--k", type=int, default=8192)
     ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--weight", choices=("nf4", "q4_k"), default="nf4",
+                    help="the 4-bit weight: bitsandbytes NF4 (block 64) or GGUF Q4_K (gguf_4bit's layout; its decoder "
+                         "follows ANYGPU_LINEAR_4BIT)")
     ap.add_argument("--metrics", action="store_true", help="print the metric list for ncu's --metrics and exit")
     args = ap.parse_args()
     if args.metrics:
@@ -49,12 +54,21 @@ def main():
     torch.manual_seed(0)
     w = torch.randn(args.n, args.k, dtype=torch.bfloat16, device=dev) * 0.02
     x = torch.randn(1, args.k, dtype=torch.bfloat16, device=dev)
-    packed, state = quantize_4bit(w, blocksize=64, quant_type="nf4")
+    if args.weight == "nf4":
+        packed, state = quantize_4bit(w, blocksize=64, quant_type="nf4")
+
+        def four_bit():
+            return matmul_4bit(x, packed.t(), state)
+    else:
+        q = gguf_4bit.convert(gguf_4bit.quantize_q4_k(w).reshape(-1), "Q4_K", args.n, args.k)
+
+        def four_bit():
+            return ops.matmul_4bit(x, q.packed, q.absmax, q.code, gguf_4bit.BLOCKSIZE, args.n, args.k, offset=q.offset)
     for _ in range(args.rounds):
-        matmul_4bit(x, packed.t(), state)
+        four_bit()
         linear(x, w, None)
     torch.cuda.synchronize()
-    print(f"launched {args.rounds} rounds of the NF4 and bf16 GEMVs at {args.n} x {args.k}")
+    print(f"launched {args.rounds} rounds of the {args.weight} and bf16 GEMVs at {args.n} x {args.k}")
 
 
 if __name__ == "__main__":
