@@ -2,8 +2,8 @@
 # One bundled GPU session (the device tool): install the carried wheels, then run what the arguments name.
 # Usage on the device: bash tools/gpu_session.sh STEP...
 # steps: tests-engine, tests-issue4, tests-int8, tests-tp, bench-engine, bench-int8, bench-optim, bench-tp, bench-serve,
-# ncu-gemv (Nsight Compute on the decode GEMVs: tools/ncu_gemv.py; NCU_WEIGHT=q4_k for GGUF's), linear-q4 (the arithmetic Q4 decoder's GPU
-# tests, then the engine's q4_k decode with it off and on: ANYGPU_LINEAR_4BIT)
+# ncu-gemv (Nsight Compute on the decode GEMVs: tools/ncu_gemv.py; NCU_WEIGHT=q4_k for GGUF's),
+# linear-q4 (the arithmetic Q4 decoder's GPU tests, then the engine's q4_k decode with it off and on: ANYGPU_LINEAR_4BIT)
 # (tests-tp and bench-tp need two GPUs: the nvidia-h200-x2 kind.)
 set -u
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target .gpu-site .whl/*.whl \
