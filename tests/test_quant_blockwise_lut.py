@@ -53,3 +53,21 @@ def test_tables_of_the_dynamic_maps_are_proven_for_both_rules(sign_fix):
     # the two rules differ (the sign fix moves codes of small negative values), so neither table serves the other
     other = build_search_table(code, signed=True, sign_fix=not sign_fix)
     assert not torch.equal(lut, other)
+
+
+def test_cached_per_tensor_keeps_live_entries_and_remembers_no_uncached_answer():
+    from anygpu.kernels.code_lut import UNCACHED, cached_per_tensor
+
+    cache, builds = {}, []
+    live = [torch.zeros(2) for _ in range(3)]
+    for t in live:
+        assert cached_per_tensor(cache, t, id(t), lambda: builds.append(1) or "v", limit=4) == "v"
+    dead = torch.zeros(2)
+    cached_per_tensor(cache, dead, id(dead), lambda: "d", limit=4)
+    del dead
+    extra = torch.zeros(2)
+    cached_per_tensor(cache, extra, id(extra), lambda: "e", limit=4)  # full: the dead entry makes room
+    assert len(cache) == 4 and all(cached_per_tensor(cache, t, id(t), lambda: "rebuilt", limit=4) == "v" for t in live)
+    assert len(builds) == 3
+    other = torch.zeros(2)
+    assert cached_per_tensor(cache, other, id(other), lambda: UNCACHED) is None and id(other) not in cache

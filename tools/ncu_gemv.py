@@ -1,14 +1,14 @@
-"""Launch the decode GEMVs (4-bit NF4 through its plan, dense bf16) a few times each, for Nsight Compute to read
-what bounds them: which pipe is busy (the 4-bit decoder is mostly integer instructions, and Hopper has half as many
-INT32 lanes as FP32 lanes), how many issue slots are used, how much of DRAM's bandwidth.  PDL is turned off so that
-each kernel's duration is its own.
+"""Launch the decode GEMVs (4-bit NF4 through its plan, or GGUF Q4_K with ``--weight q4_k``; dense bf16) a few times
+each, for Nsight Compute to read what bounds them: which pipe is busy (the 4-bit decoder is mostly integer
+instructions, and Hopper has half as many INT32 lanes as FP32 lanes), how many issue slots are used, how much of
+DRAM's bandwidth. PDL is turned off so that each kernel's duration is its own.
 
     ncu --clock-control none -k regex:_gemv -s 2 -c 2 --metrics $(python3 tools/ncu_gemv.py --metrics) \
         python3 tools/ncu_gemv.py [--n 8192] [--k 8192] [--weight nf4|q4_k]
 
 (``-s 2`` skips the first round, which compiles; the ``ncu-gemv`` step of ``tools/gpu_session.sh`` runs exactly
-this.)  Feeds the choice of decoder in ``anygpu/kernels/_decode_4bit.py`` (see docs/perf/2026-12-05-gpu-s14.md for
-the question it decides).
+this.)  Feeds the choice of decoder in ``anygpu/kernels/_decode_4bit.py`` and ``_decode_4bit_linear.py`` (the
+measurements: docs/perf/2026-12-05-gpu-s14.md, -s15.md).
 """
 
 import argparse

@@ -7,7 +7,6 @@ import triton
 import triton.language as tl
 
 
-
 @triton.jit
 def _block_scales(absmax_ptr, nested_code_ptr, nested_absmax_ptr, nested_offset_ptr, idx, mask,
                   NESTED: tl.constexpr):
@@ -185,4 +184,3 @@ def _decode_pairs(packed, t0, t1, t2, t3, u0, u1, u2, u3, BF16: tl.constexpr):
         hi, lo = tl.inline_asm_elementwise(DECODE_PAIRS, PAIRS_CONSTRAINTS, [packed, t0, t1, t2, t3, u0, u1, u2, u3],
                                            dtype=(tl.float16, tl.float16), is_pure=True, pack=4)
     return hi, lo
-

@@ -10,20 +10,20 @@ pipe, which the table GEMV leaves mostly idle.  ``tests/test_decode_4bit_ptx.py`
 """
 
 import os
-import weakref
 
 import torch
 import triton
 import triton.language as tl
 
 from ._decode_4bit import _WIDEN_BF16, _WIDEN_F16
+from .code_lut import UNCACHED, cached_per_tensor
 
 LINEAR_CODE = tuple((q - 8) / 8 for q in range(16))  # must equal quant/gguf_4bit.code_table("q4")
 # ANYGPU_LINEAR_4BIT=1 turns the arithmetic decoder on.  Off by default until it has run on a GPU: its PTX is
 # checked by tests/test_decode_4bit_ptx.py and compiled for every NVIDIA target, but no GPU could be started after
 # it was written (the GPU tests that decide it: test_matmul_4bit_offset.py, test_gguf_gpu_packed.py).
 LINEAR_DECODE = os.environ.get("ANYGPU_LINEAR_4BIT", "0") == "1"
-_LINEAR_SEEN: dict = {}  # id(table) -> (weak reference, version, answer)
+_LINEAR_SEEN: dict = {}  # code_lut.cached_per_tensor's entries: id(table) -> (weak reference, version, answer)
 _LINEAR_SEEN_MAX = 4096  # a model has a table per layer: hundreds
 
 
@@ -34,19 +34,12 @@ def linear_code(code: torch.Tensor) -> bool:
     (the engine runs every layer eagerly before it captures)."""
     if not LINEAR_DECODE:
         return False
-    hit = _LINEAR_SEEN.get(id(code))
-    if hit is not None and hit[0]() is code and hit[1] == code._version:
-        return hit[2]
-    if code.is_cuda and torch.cuda.is_current_stream_capturing():
-        return False
-    answer = torch.equal(code.cpu(), torch.tensor(LINEAR_CODE, dtype=code.dtype))
-    if len(_LINEAR_SEEN) >= _LINEAR_SEEN_MAX:
-        for key in [k for k, v in _LINEAR_SEEN.items() if v[0]() is None]:
-            del _LINEAR_SEEN[key]
-        if len(_LINEAR_SEEN) >= _LINEAR_SEEN_MAX:
-            _LINEAR_SEEN.clear()
-    _LINEAR_SEEN[id(code)] = (weakref.ref(code), code._version, answer)
-    return answer
+
+    def compare():
+        if code.is_cuda and torch.cuda.is_current_stream_capturing():
+            return UNCACHED
+        return torch.equal(code.cpu(), torch.tensor(LINEAR_CODE, dtype=code.dtype))
+    return bool(cached_per_tensor(_LINEAR_SEEN, code, id(code), compare, limit=_LINEAR_SEEN_MAX))
 
 
 # Per dtype: the magic (1024.0 fp16 / 128.0 bf16, whose lowest mantissa bit is worth 1), the FMA taking magic + q
@@ -57,14 +50,22 @@ _LIN = {"f16": {"magic": "0x64006400", "mul": "0x30003000", "add": "0xD808D808",
         "bf16": {"magic": "0x43004300", "mul": "0x3E003E00", "add": "0xC188C188"}}  # x 1/8 - 17
 
 
-def _linear_pairs(t: str, src: str, outs: tuple) -> str:
-    """``outs`` = the decoded 16-bit pairs of ``src``'s nibbles at bits 0 and 16 (low nibbles of its bytes 0 and
-    2), 4 and 20, 8 and 24, 12 and 28 (fp16: only the first two; then src >> 8 gives the others)."""
+def _linear_consts(t: str) -> str:
+    """The constants ``_linear_pairs`` uses, set once per asm block."""
     c = _LIN[t]
     lines = [f"mov.b32 mg, {c['magic']};", "mov.b32 nm, 0x000F000F;", f"mov.b32 ml, {c['mul']};",
              f"mov.b32 ad, {c['add']};"]
     if t == "f16":
         lines += ["mov.b32 nh, 0x00F000F0;", f"mov.b32 ml16, {c['mul16']};", f"mov.b32 ad16, {c['add16']};"]
+    return "\n        ".join([""] + lines)
+
+
+def _linear_pairs(t: str, src: str, outs: tuple) -> str:
+    """``outs`` = the decoded 16-bit pairs of ``src``'s nibbles at bits 0 and 16 (low nibbles of its bytes 0 and
+    2), 4 and 20, 8 and 24, 12 and 28 (fp16: only the first two; then src >> 8 gives the others), with the
+    constants of ``_linear_consts(t)``."""
+    lines = []
+    if t == "f16":
         for i, o in enumerate(outs):
             s = src if i < 2 else "s8"
             if i == 2:
@@ -101,11 +102,15 @@ _DOT8_LINEAR = ("""
         add.f32 $0, lo, hi;
         }
 """)
-DOT8_LINEAR_F16 = tl.constexpr(_DOT8_LINEAR.replace("{decode}", _linear_pairs("f16", "$5", ("p0", "p1", "p2", "p3")))
-                               .replace("{t}", "f16").replace("{widen}", _WIDEN_F16))
-DOT8_LINEAR_BF16 = tl.constexpr(_DOT8_LINEAR.replace("{decode}",
-                                                     _linear_pairs("bf16", "$5", ("p0", "p1", "p2", "p3")))
-                                .replace("{t}", "bf16").replace("{widen}", _WIDEN_BF16))
+
+
+def _dot8_linear_ptx(t: str, widen: str) -> str:
+    decode = _linear_consts(t) + _linear_pairs(t, "$5", ("p0", "p1", "p2", "p3"))
+    return _DOT8_LINEAR.replace("{decode}", decode).replace("{t}", t).replace("{widen}", widen)
+
+
+DOT8_LINEAR_F16 = tl.constexpr(_dot8_linear_ptx("f16", _WIDEN_F16))
+DOT8_LINEAR_BF16 = tl.constexpr(_dot8_linear_ptx("bf16", _WIDEN_BF16))
 
 # x's pairs (x0|x1, x2|x3, x4|x5, x6|x7) of a word to the linear decoder's (x1|x5, x0|x4, x3|x7, x2|x6).
 X_PAIRS_LINEAR = tl.constexpr("""
@@ -143,7 +148,7 @@ def _decode_pairs_linear(t: str) -> str:
         """ + _LIN_REGS + """
         prmt.b32 s01, $4, $4, 0x1100;
         prmt.b32 s23, $4, $4, 0x3322;"""
-            + _linear_pairs(t, "s01", ("$2", "$0")) + _linear_pairs(t, "s23", ("$3", "$1"))
+            + _linear_consts(t) + _linear_pairs(t, "s01", ("$2", "$0")) + _linear_pairs(t, "s23", ("$3", "$1"))
             + """
         }
 """)

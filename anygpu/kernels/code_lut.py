@@ -167,15 +167,24 @@ def build_search_table(code: torch.Tensor, signed: bool, sign_fix: bool = True) 
     return lut
 
 
-def cached_per_tensor(cache: dict, code: torch.Tensor, key, build):
+UNCACHED = object()  # what a build() returns for "no answer this time": not remembered, the call returns None
+
+
+def cached_per_tensor(cache: dict, code: torch.Tensor, key, build, limit: int = 64):
     """``build()`` for the map ``code``, kept in ``cache`` under ``key`` while that very tensor lives unmodified
-    (a weak reference and its version counter: a map edited in place is rebuilt); at most 64 entries."""
+    (a weak reference and its version counter: a map edited in place is rebuilt); at most ``limit`` entries (a
+    full cache drops its dead tensors' entries first, and is emptied if that frees none)."""
     hit = cache.get(key)
     if hit is not None and hit[0]() is code and hit[1] == code._version:
         return hit[2]
     value = build()
-    if len(cache) > 64:
-        cache.clear()
+    if value is UNCACHED:
+        return None
+    if len(cache) >= limit:
+        for dead in [k for k, v in cache.items() if v[0]() is None]:
+            del cache[dead]
+        if len(cache) >= limit:
+            cache.clear()
     cache[key] = (weakref.ref(code), code._version, value)
     return value
 

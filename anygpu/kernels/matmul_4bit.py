@@ -517,7 +517,7 @@ def matmul_4bit(x: torch.Tensor, weight: torch.Tensor, absmax: torch.Tensor, cod
                                     BLOCK_N=c["BLOCK_N"], BLOCK_K=block_k,
                                     SPLIT_K=p.split_k, REDUCE=sk.reduce,
                                     DECODE_PTX=ptx, HAS_OFFSET=offset is not None,
-                                    LINEAR=ptx and x.dtype in DTYPES and linear_code(code),
+                                    LINEAR=ptx and linear_code(code),
                                     DOT_IN_FP32=x.device.type == "cpu" and x.dtype == torch.bfloat16, **options)
             sk.finish(out2, bias)
     return out
