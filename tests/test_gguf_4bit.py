@@ -38,7 +38,8 @@ def oracle(raw: torch.Tensor, type_name: str, n: int, k: int) -> torch.Tensor:
 
 
 def values(p: gguf_4bit.Packed4bit, n: int, k: int) -> torch.Tensor:
-    return dequantize_weight(p.packed, p.absmax, p.code, 32, n, k, torch.float32, offset=p.offset)
+    return dequantize_weight(p.packed, p.absmax, p.code, 32, n, k, torch.float32, offset=p.offset,
+                             super_scales=p.super_scales)
 
 
 def assert_values(p: gguf_4bit.Packed4bit, n: int, k: int, want: torch.Tensor) -> None:
@@ -48,7 +49,7 @@ def assert_values(p: gguf_4bit.Packed4bit, n: int, k: int, want: torch.Tensor) -
     if p.offset is None:
         assert torch.equal(got, want)
         return
-    off = p.offset.abs().repeat_interleave(32).reshape(n, k)
+    off = gguf_4bit.expand(p).offset.abs().repeat_interleave(32).reshape(n, k)
     assert ((got - want).abs() <= 2.0 ** -24 * off + 2.0 ** -23 * want.abs()).all()
     assert (got == want).float().mean() > 0.9  # mostly the very same values
 
@@ -58,8 +59,16 @@ def test_convert_equals_gguf_dequantize_exactly(type_name):
     raw = random_blocks(type_name, N, K)
     p = gguf_4bit.convert(raw, type_name, N, K)
     assert p.packed.dtype == torch.uint8 and p.packed.shape == (N * K // 2,)
-    assert p.absmax.shape == (N * K // 32,) and p.absmax.dtype == torch.float32
+    assert p.absmax.shape == (N * K // 32,)
     assert (p.offset is not None) == (type_name in ("Q4_1", "Q4_K"))
+    if type_name == "Q4_K":  # the super-block form: 6-bit multiples of two fp32 units per 256 weights
+        assert p.absmax.dtype == p.offset.dtype == torch.uint8 and max(p.absmax.max(), p.offset.max()) <= 63
+        assert p.super_scales.dtype == torch.float32 and p.super_scales.shape == (N * K // 256, 2)
+        e = gguf_4bit.expand(p)
+        assert e.super_scales is None and e.absmax.dtype == e.offset.dtype == torch.float32
+        assert torch.equal(values(e, N, K), values(p, N, K))
+    else:
+        assert p.absmax.dtype == torch.float32 and p.super_scales is None
     assert p.code.abs().max() <= 1  # bitsandbytes-sized codes: 16-bit products keep NF4's headroom
     assert_values(p, N, K, oracle(raw, type_name, N, K))
 
@@ -74,12 +83,14 @@ def test_nibble_order_is_bitsandbytes():
 
 
 @pytest.mark.parametrize("types", [("Q4_K", "Q4_K", "Q4_0"), ("Q4_0", "Q4_1"), ("IQ4_NL", "IQ4_XS"),
-                                   ("Q4_0", "Q4_0")])
+                                   ("Q4_0", "Q4_0"), ("Q4_K", "Q4_K")])
 def test_stacked_rows_equal_each_source(types):
     rows = (4, 2, 3)[:len(types)]
     raws = [random_blocks(t, r, 256, seed=i) for i, (t, r) in enumerate(zip(types, rows))]
     assert gguf_4bit.stackable(types)
     p = gguf_4bit.stack([gguf_4bit.convert(raw, t, r, 256) for raw, t, r in zip(raws, types, rows)])
+    # Q4_K alone keeps its super-block form; stacked with another type it takes the fp32 form
+    assert (p.super_scales is not None) == (set(types) == {"Q4_K"})
     want = torch.cat([oracle(raw, t, r, 256) for raw, t, r in zip(raws, types, rows)])
     assert_values(p, sum(rows), 256, want)
 

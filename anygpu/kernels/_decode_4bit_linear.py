@@ -19,10 +19,9 @@ from ._decode_4bit import _WIDEN_BF16, _WIDEN_F16
 from .code_lut import UNCACHED, cached_per_tensor
 
 LINEAR_CODE = tuple((q - 8) / 8 for q in range(16))  # must equal quant/gguf_4bit.code_table("q4")
-# ANYGPU_LINEAR_4BIT=1 turns the arithmetic decoder on.  Off by default until it has run on a GPU: its PTX is
-# checked by tests/test_decode_4bit_ptx.py and compiled for every NVIDIA target, but no GPU could be started after
-# it was written (the GPU tests that decide it: test_matmul_4bit_offset.py, test_gguf_gpu_packed.py).
-LINEAR_DECODE = os.environ.get("ANYGPU_LINEAR_4BIT", "0") == "1"
+# On by default (first run on a GPU, an H100: the GPU tests pass and the Q4_K GEMV and 16-row GEMM are faster than
+# with the table, docs/perf/2026-12-05-gpu-s16.md); ANYGPU_LINEAR_4BIT=0 falls back to the table decoder.
+LINEAR_DECODE = os.environ.get("ANYGPU_LINEAR_4BIT", "1") != "0"
 _LINEAR_SEEN: dict = {}  # code_lut.cached_per_tensor's entries: id(table) -> (weak reference, version, answer)
 _LINEAR_SEEN_MAX = 4096  # a model has a table per layer: hundreds
 

@@ -1,7 +1,8 @@
 """GGUF's 4-bit types as the 4-bit matmul's layout: ``code[q] * absmax[b] + offset[b]`` per block of 32.
 
     w = convert(raw, "Q4_K", n, k)       # raw: the tensor's GGUF blocks (uint8), for an [n, k] weight
-    y = anygpu.ops.matmul_4bit(x, w.packed, w.absmax, w.code, 32, n, k, offset=w.offset)
+    y = anygpu.ops.matmul_4bit(x, w.packed, w.absmax, w.code, 32, n, k, offset=w.offset,
+                               super_scales=w.super_scales)
 
 The kernels (``anygpu/kernels/matmul_4bit.py``) read bitsandbytes' layout: row-major, two codes a byte, element 2i
 in the high nibble and 2i + 1 in the low one, an fp32 scale (absmax) per block, any 16-entry fp32 table, and an
@@ -12,9 +13,14 @@ optional fp32 offset per block.  Each GGUF type maps onto it (``tests/test_gguf_
 |--------|--------------------------|----------------|-----------------|--------------------|
 | Q4_0   | d * (q - 8)              | (q - 8) / 8    | 8 d             | none               |
 | Q4_1   | d * q + m                | (q - 8) / 8    | 8 d             | m + 8 d            |
-| Q4_K   | d sc_j * q - dmin m_j    | (q - 8) / 8    | 8 d sc_j        | 8 d sc_j - dmin m_j|
+| Q4_K   | d sc_j * q - dmin m_j    | (q - 8) / 8    | 8 d sc_j (*)    | 8 d sc_j - dmin m_j|
 | IQ4_NL | d * kv[q]                | kv[q] / 128    | 128 d           | none               |
 | IQ4_XS | d (s_j - 32) * kv[q]     | kv[q] / 128    | 128 d (s_j - 32)| none               |
+
+(*) Q4_K keeps its super-block form (the op's ``super_scales``): absmax and offset are the uint8 sc_j and m_j,
+and the super-block's two units (8 d, dmin) are fp32 pairs, so the matmul computes the table's absmax and offset
+as it reads them, and a weight reads 0.594 bytes (the file: 0.5625) instead of 0.75 with fp32 pairs per 32.
+``expand`` turns it into the fp32 form (a layer stacking Q4_K with another type takes that form).
 
 Why the tables are scaled into [-1, 1]: the NVIDIA GEMV sums four code x activation products in 16-bit pair
 arithmetic (fp16 tops out at 65504), and the GEMM decodes codes to fp16/bf16; codes of bitsandbytes' size (NF4's
@@ -41,6 +47,7 @@ from typing import NamedTuple
 
 import torch
 
+from ..ops.matmul_4bit import super_block_scales
 from .gguf_blocks import BLOCK_SHAPES, IQ4_KVALUES, QK_K, _k_scale_min, fp16_values, stacked_offsets
 
 TYPES = ("Q4_0", "Q4_1", "IQ4_NL", "IQ4_XS", "Q4_K")
@@ -51,10 +58,11 @@ TABLES = {"Q4_0": "q4", "Q4_1": "q4", "Q4_K": "q4", "IQ4_NL": "iq4", "IQ4_XS": "
 
 class Packed4bit(NamedTuple):
     packed: torch.Tensor  # uint8 [n * k / 2], bitsandbytes' nibble order
-    absmax: torch.Tensor  # fp32 [n * k / 32]
-    offset: torch.Tensor | None  # fp32 [n * k / 32], or None
+    absmax: torch.Tensor  # fp32 [n * k / 32] (uint8 with super_scales)
+    offset: torch.Tensor | None  # fp32 [n * k / 32] (uint8 with super_scales), or None
     code: torch.Tensor  # fp32 [16]
     table: str  # "q4" | "iq4"
+    super_scales: torch.Tensor | None = None  # Q4_K: fp32 [n * k / 256, 2], the super-blocks' (8 d, dmin)
 
 
 def code_table(table: str, device=None) -> torch.Tensor:
@@ -70,31 +78,33 @@ def _halves(qs: torch.Tensor) -> torch.Tensor:
     return torch.cat([qs & 15, qs >> 4], dim=-1)
 
 
-def _groups(raw: torch.Tensor, type_name: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    """(codes [G, 32] in element order, absmax [G], offset [G] or None) of whole blocks of ``type_name``."""
+def _groups(raw: torch.Tensor, type_name: str) -> tuple:
+    """(codes [G, 32] in element order, absmax [G], offset [G] or None, super_scales or None) of whole blocks of
+    ``type_name``."""
     block, size = BLOCK_SHAPES[type_name]
     b = raw.reshape(-1, size)
     nb = b.shape[0]
     if type_name == "Q4_0":
-        return _halves(b[:, 2:]), 8 * fp16_values(b[:, :2]), None
+        return _halves(b[:, 2:]), 8 * fp16_values(b[:, :2]), None, None
     if type_name == "Q4_1":
         d = fp16_values(b[:, :2])
-        return _halves(b[:, 4:]), 8 * d, fp16_values(b[:, 2:4]) + 8 * d
+        return _halves(b[:, 4:]), 8 * d, fp16_values(b[:, 2:4]) + 8 * d, None
     if type_name == "IQ4_NL":
-        return _halves(b[:, 2:]), 128 * fp16_values(b[:, :2]), None
+        return _halves(b[:, 2:]), 128 * fp16_values(b[:, :2]), None, None
     if type_name == "Q4_K":
         qs = b[:, 16:].reshape(nb, 4, 1, 32)
         codes = torch.cat([qs & 15, qs >> 4], dim=2).reshape(nb * 8, 32)
         sc, m = _k_scale_min(b[:, 4:16])
-        scale = fp16_values(b[:, :2])[:, None] * sc.float()  # GGUF's d * sc, exact in fp32
-        return codes, (8 * scale).reshape(-1), (8 * scale - fp16_values(b[:, 2:4])[:, None] * m.float()).reshape(-1)
+        # 8 d sc and 8 d sc - dmin m, computed by the matmul from these (exact products, one rounding)
+        units = torch.stack([8 * fp16_values(b[:, :2]), fp16_values(b[:, 2:4])], dim=1)
+        return codes, sc.reshape(-1).to(torch.uint8), m.reshape(-1).to(torch.uint8), units.contiguous()
     # IQ4_XS: 8 groups, 6-bit scales (low 4 bits in scales_l's nibbles, high 2 in scales_h's bit pairs) minus 32
     sh = b[:, 2:4].contiguous().view(torch.int16).to(torch.int32)
     high = (sh >> torch.arange(0, 16, 2, dtype=torch.int32, device=b.device)) & 3
     low = torch.stack([b[:, 4:8] & 15, b[:, 4:8] >> 4], dim=-1).reshape(nb, 8).to(torch.int32)
     scales = ((low | (high << 4)) - 32).float()
     codes = _halves(b[:, 8:].reshape(nb, 8, 16)).reshape(nb * 8, 32)
-    return codes, (128 * (fp16_values(b[:, :2])[:, None] * scales)).reshape(-1), None
+    return codes, (128 * (fp16_values(b[:, :2])[:, None] * scales)).reshape(-1), None, None
 
 
 def convert(raw: torch.Tensor, type_name: str, n: int, k: int) -> Packed4bit:
@@ -107,10 +117,18 @@ def convert(raw: torch.Tensor, type_name: str, n: int, k: int) -> Packed4bit:
     if raw.dtype != torch.uint8 or raw.numel() != n * k // block * size:
         raise ValueError(f"raw: expected {n * k // block * size} uint8 bytes of {type_name} blocks for [{n}, {k}], "
                          f"got {raw.numel()} {raw.dtype}")
-    codes, absmax, offset = _groups(raw, type_name)
+    codes, absmax, offset, units = _groups(raw, type_name)
     packed = ((codes[:, 0::2] << 4) | codes[:, 1::2]).reshape(-1)
     return Packed4bit(packed, absmax.contiguous(), None if offset is None else offset.contiguous(),
-                      code_table(TABLES[type_name], raw.device), TABLES[type_name])
+                      code_table(TABLES[type_name], raw.device), TABLES[type_name], units)
+
+
+def expand(p: Packed4bit) -> Packed4bit:
+    """``p`` with fp32 absmax and offset per block (Q4_K's super-block form undone; others as they are)."""
+    if p.super_scales is None:
+        return p
+    absmax, offset = super_block_scales(p.absmax, p.offset, p.super_scales)
+    return Packed4bit(p.packed, absmax, offset, p.code, p.table)
 
 
 def stackable(types) -> bool:
@@ -120,12 +138,17 @@ def stackable(types) -> bool:
 
 def stack(parts: list[Packed4bit]) -> Packed4bit:
     """Row blocks of one layer (q, k, v; gate, up) as one weight: their rows in order, one code table, an offset
-    wherever one part has one (zeros for the others)."""
+    wherever one part has one (zeros for the others).  Q4_K parts stay in their super-block form when all parts are
+    Q4_K, and are expanded to the fp32 form otherwise."""
     tables = {p.table for p in parts}
     if len(tables) > 1:
         raise ValueError(f"parts: codes of the tables {sorted(tables)} cannot share a layer (IQ4 only with IQ4)")
     if len(parts) == 1:
         return parts[0]
+    if all(p.super_scales is not None for p in parts):
+        return Packed4bit(*(torch.cat([getattr(p, f) for p in parts]) for f in ("packed", "absmax", "offset")),
+                          parts[0].code, parts[0].table, torch.cat([p.super_scales for p in parts]))
+    parts = [expand(p) for p in parts]
     offset = stacked_offsets([p.offset for p in parts], [p.absmax for p in parts])
     return Packed4bit(torch.cat([p.packed for p in parts]), torch.cat([p.absmax for p in parts]), offset,
                       parts[0].code, parts[0].table)
