@@ -38,18 +38,23 @@ def oracle(raw: torch.Tensor, type_name: str, n: int, k: int) -> torch.Tensor:
 
 
 def values(p: gguf_4bit.Packed4bit, n: int, k: int) -> torch.Tensor:
-    return dequantize_weight(p.packed, p.absmax, p.code, 32, n, k, torch.float32, offset=p.offset,
-                             super_scales=p.super_scales)
+    return dequantize_weight(p.packed, p.absmax, p.code, 32, n, k, torch.float32, offset=p.offset)
 
 
 def assert_values(p: gguf_4bit.Packed4bit, n: int, k: int, want: torch.Tensor) -> None:
     """Exact without an offset; with one, off by at most the offset's one rounding (half an ulp of it) plus the
     final rounding's (an ulp of the value): code * absmax + offset is the exact GGUF sum but for that."""
     got = values(p, n, k)
+    if p.absmax.dtype == torch.float16:
+        # each scale and offset within 2^-11 of the fp32 one, relative (codes are at most 1 in magnitude)
+        scale = p.absmax.float().abs().repeat_interleave(32).reshape(n, k)
+        off = 0 if p.offset is None else p.offset.float().abs().repeat_interleave(32).reshape(n, k)
+        assert ((got - want).abs() <= 2.0 ** -11 * (scale + off) * 1.001 + 2.0 ** -23 * want.abs()).all()
+        return
     if p.offset is None:
         assert torch.equal(got, want)
         return
-    off = gguf_4bit.expand(p).offset.abs().repeat_interleave(32).reshape(n, k)
+    off = p.offset.abs().repeat_interleave(32).reshape(n, k)
     assert ((got - want).abs() <= 2.0 ** -24 * off + 2.0 ** -23 * want.abs()).all()
     assert (got == want).float().mean() > 0.9  # mostly the very same values
 
@@ -59,18 +64,34 @@ def test_convert_equals_gguf_dequantize_exactly(type_name):
     raw = random_blocks(type_name, N, K)
     p = gguf_4bit.convert(raw, type_name, N, K)
     assert p.packed.dtype == torch.uint8 and p.packed.shape == (N * K // 2,)
-    assert p.absmax.shape == (N * K // 32,)
+    assert p.absmax.shape == (N * K // 32,) and p.absmax.dtype == torch.float16  # the scales fit fp16 here
     assert (p.offset is not None) == (type_name in ("Q4_1", "Q4_K"))
-    if type_name == "Q4_K":  # the super-block form: 6-bit multiples of two fp32 units per 256 weights
-        assert p.absmax.dtype == p.offset.dtype == torch.uint8 and max(p.absmax.max(), p.offset.max()) <= 63
-        assert p.super_scales.dtype == torch.float32 and p.super_scales.shape == (N * K // 256, 2)
-        e = gguf_4bit.expand(p)
-        assert e.super_scales is None and e.absmax.dtype == e.offset.dtype == torch.float32
-        assert torch.equal(values(e, N, K), values(p, N, K))
-    else:
-        assert p.absmax.dtype == torch.float32 and p.super_scales is None
+    if type_name in ("Q4_0", "IQ4_NL"):  # fp16 d times a power of two: exact in fp16 too
+        assert torch.equal(values(p, N, K), oracle(raw, type_name, N, K))
     assert p.code.abs().max() <= 1  # bitsandbytes-sized codes: 16-bit products keep NF4's headroom
     assert_values(p, N, K, oracle(raw, type_name, N, K))
+
+
+@pytest.mark.parametrize("type_name", ["Q4_0", "Q4_K"])
+def test_scales_out_of_fp16_range_stay_fp32_and_exact(type_name):
+    """A tensor with one scale too small for fp16's normal range keeps all its scales and offsets in fp32."""
+    raw = random_blocks(type_name, N, K).reshape(N * K // BLOCK_SHAPES[type_name][0], -1)
+    raw[0, :2] = torch.tensor([2.0 ** -20], dtype=torch.float16).view(torch.uint8)  # a subnormal fp16 d
+    raw = raw.reshape(-1)
+    p = gguf_4bit.convert(raw, type_name, N, K)
+    assert p.absmax.dtype == torch.float32 and (p.offset is None or p.offset.dtype == torch.float32)
+    assert_values(p, N, K, oracle(raw, type_name, N, K))
+
+
+def test_stack_of_fp16_and_fp32_parts_is_fp32():
+    small = random_blocks("Q4_0", 2, 256, seed=1).reshape(16, 18)
+    small[0, :2] = torch.tensor([2.0 ** -20], dtype=torch.float16).view(torch.uint8)
+    raws = [random_blocks("Q4_K", 3, 256), small.reshape(-1)]
+    parts = [gguf_4bit.convert(raws[0], "Q4_K", 3, 256), gguf_4bit.convert(raws[1], "Q4_0", 2, 256)]
+    assert [p.absmax.dtype for p in parts] == [torch.float16, torch.float32]
+    p = gguf_4bit.stack(parts)
+    assert p.absmax.dtype == p.offset.dtype == torch.float32
+    assert torch.equal(values(p, 5, 256), torch.cat([values(parts[0], 3, 256), values(parts[1], 2, 256)]))
 
 
 def test_nibble_order_is_bitsandbytes():
@@ -83,14 +104,12 @@ def test_nibble_order_is_bitsandbytes():
 
 
 @pytest.mark.parametrize("types", [("Q4_K", "Q4_K", "Q4_0"), ("Q4_0", "Q4_1"), ("IQ4_NL", "IQ4_XS"),
-                                   ("Q4_0", "Q4_0"), ("Q4_K", "Q4_K")])
+                                   ("Q4_0", "Q4_0")])
 def test_stacked_rows_equal_each_source(types):
     rows = (4, 2, 3)[:len(types)]
     raws = [random_blocks(t, r, 256, seed=i) for i, (t, r) in enumerate(zip(types, rows))]
     assert gguf_4bit.stackable(types)
     p = gguf_4bit.stack([gguf_4bit.convert(raw, t, r, 256) for raw, t, r in zip(raws, types, rows)])
-    # Q4_K alone keeps its super-block form; stacked with another type it takes the fp32 form
-    assert (p.super_scales is not None) == (set(types) == {"Q4_K"})
     want = torch.cat([oracle(raw, t, r, 256) for raw, t, r in zip(raws, types, rows)])
     assert_values(p, sum(rows), 256, want)
 

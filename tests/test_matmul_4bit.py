@@ -192,7 +192,7 @@ def test_bad_arguments_name_the_argument():
         matmul_4bit(x, w, absmax, code, 48, 24, 128)
     with pytest.raises(ValueError, match="weight: expected 1536 bytes"):
         matmul_4bit(x, w[:-1], absmax, code, 64, 24, 128)
-    with pytest.raises(ValueError, match=r"absmax: expected torch.float32 of shape \(48,\)"):
+    with pytest.raises(ValueError, match=r"absmax: expected torch.float32 or torch.float16 of shape \(48,\)"):
         matmul_4bit(x, w, absmax[:-1], code, 64, 24, 128)
     with pytest.raises(ValueError, match="code: expected the float32 16-entry table"):
         matmul_4bit(x, w, absmax, code[:8], 64, 24, 128)

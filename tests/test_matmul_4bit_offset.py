@@ -71,6 +71,29 @@ def test_kernel_paths_with_offset_match_reference(kdevice, dtype, m, n, k, bs, b
         check_close(y, x, w, absmax, code, bs, n, k, b, offset, f"{plan.path} split={plan.split_k} {dtype}")
 
 
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("m,n,k,bs,bias", [CASES[0], CASES[3]])
+def test_fp16_scales_equal_their_fp32_values_on_every_path(kdevice, dtype, m, n, k, bs, bias):
+    """fp16 absmax and offset (GGUF's, where they fit: quant/gguf_4bit.py ``narrow``) are widened exactly where the
+    kernels read them: each path gives what it gives for the same values held in fp32, bit for bit."""
+    from anygpu.kernels.launch import device_target
+    from anygpu.kernels.matmul_4bit import GEMM_CONFIGS, GEMV_CONFIGS, Plan, matmul_4bit as kernel, select
+
+    target = device_target(kdevice)
+    w, absmax, code, offset = make_weight(n, k, bs, kdevice)
+    absmax16, offset16 = absmax.half(), offset.half()
+    x = torch.randn(m, k, device=kdevice).to(dtype)
+    b = torch.randn(n, device=kdevice).to(dtype) if bias else None
+    plans = [Plan("gemv", select(GEMV_CONFIGS, target)[0], 2)] if m == 1 else []
+    plans += [Plan("gemm", select(GEMM_CONFIGS, target)[0], 2), Plan("dequant")]
+    for plan in plans:
+        y = kernel(x, w, absmax16, code, bs, n, k, b, offset=offset16, plan_=plan)
+        want = kernel(x, w, absmax16.float(), code, bs, n, k, b, offset=offset16.float(), plan_=plan)
+        assert torch.equal(y, want), plan.path
+    y = matmul_4bit(x, w, absmax16, code, bs, n, k, b, offset=offset16)  # the op, and its reference on the CPU
+    check_close(y, x, w, absmax16.float(), code, bs, n, k, b, offset16.float(), "op")
+
+
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
 @pytest.mark.parametrize("m", [1, 3, 17, 80])
 def test_op_with_offset_on_every_path(device, m):
@@ -109,10 +132,14 @@ def test_opcheck_gradient_and_meta_with_offset():
 def test_bad_offset_names_the_argument():
     w, absmax, code, offset = make_weight(24, 128, 32)
     x = torch.randn(2, 128, dtype=torch.float16)
-    with pytest.raises(ValueError, match=r"offset: expected float32 of shape \(96,\)"):
+    with pytest.raises(ValueError, match=r"offset: expected float32 \(absmax's dtype\) of shape \(96,\)"):
         matmul_4bit(x, w, absmax, code, 32, 24, 128, offset=offset[:-1])
-    with pytest.raises(ValueError, match=r"offset: expected float32"):
+    with pytest.raises(ValueError, match=r"offset: expected float32 \(absmax's dtype\)"):
         matmul_4bit(x, w, absmax, code, 32, 24, 128, offset=offset.half())
+    with pytest.raises(ValueError, match=r"offset: expected float16 \(absmax's dtype\)"):
+        matmul_4bit(x, w, absmax.half(), code, 32, 24, 128, offset=offset)
+    with pytest.raises(ValueError, match=r"absmax: expected torch.float32 or torch.float16"):
+        matmul_4bit(x, w, absmax.bfloat16(), code, 32, 24, 128, offset=offset.bfloat16())
     nest = (torch.rand(1), torch.linspace(-1, 1, 256), torch.tensor(0.0))
     with pytest.raises(ValueError, match="offset: a per-block offset does not combine with double quantization"):
         matmul_4bit(x, w, absmax.to(torch.uint8), code, 32, 24, 128, None, *nest, offset=offset)

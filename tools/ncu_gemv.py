@@ -63,8 +63,7 @@ def main():
         q = gguf_4bit.convert(gguf_4bit.quantize_q4_k(w).reshape(-1), "Q4_K", args.n, args.k)
 
         def four_bit():
-            return ops.matmul_4bit(x, q.packed, q.absmax, q.code, gguf_4bit.BLOCKSIZE, args.n, args.k, offset=q.offset,
-                                   super_scales=q.super_scales)
+            return ops.matmul_4bit(x, q.packed, q.absmax, q.code, gguf_4bit.BLOCKSIZE, args.n, args.k, offset=q.offset)
     for _ in range(args.rounds):
         four_bit()
         linear(x, w, None)

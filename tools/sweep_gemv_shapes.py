@@ -2,7 +2,7 @@
 warps, step, the register prefetch and split-K; feeds GEMV_CONFIGS' NVIDIA entries (the general one and the
 shape-specific ones, see ``matmul_4bit.gemv_config``).  Weights rotate through enough copies to pass L2, so each
 call reads its weights from memory as a decode step does.  ``--q4k``: GGUF Q4_K weights instead (blocks of 32, the
-linear table, super-block scales: ``quant/gguf_4bit.py``).  Usage: python3 tools/sweep_gemv_shapes.py [--q4k]"""
+linear table, fp16 scales and offsets: ``quant/gguf_4bit.py``).  Usage: python3 tools/sweep_gemv_shapes.py [--q4k]"""
 
 import itertools
 import sys
@@ -42,9 +42,8 @@ for n, k in SHAPES:
 
         code = torch.tensor(LINEAR_CODE, device=dev)
         ws = copies(lambda: (torch.randint(0, 256, (n * k // 2,), dtype=torch.uint8, device=dev),
-                             torch.randint(0, 64, (blocks,), dtype=torch.uint8, device=dev),
-                             torch.randint(0, 64, (blocks,), dtype=torch.uint8, device=dev),
-                             torch.rand(blocks // 8, 2, device=dev) * 1e-3), n * k // 2 + blocks * 2 + blocks)
+                             (torch.rand(blocks, device=dev) * 1e-2).half(),
+                             (torch.rand(blocks, device=dev) * 1e-2).half()), n * k // 2 + blocks * 4)
     else:
         code = torch.sort(torch.randn(16, device=dev)).values
         ws = copies(lambda: (torch.randint(0, 256, (n * k // 2,), dtype=torch.uint8, device=dev),
@@ -59,8 +58,7 @@ for n, k in SHAPES:
 
     def run(p):
         if Q4K:
-            return t(lambda w: K.matmul_4bit(x, w[0], w[1], code, BS, n, k, offset=w[2], super_scales=w[3], plan_=p),
-                     ws)
+            return t(lambda w: K.matmul_4bit(x, w[0], w[1], code, BS, n, k, offset=w[2], plan_=p), ws)
         return t(lambda w: K.matmul_4bit(x, w[0], w[1], code, BS, n, k, None, w[2], *nest, plan_=p), ws)
     d_us = run(default)
     res = []

@@ -21,23 +21,6 @@ def _block_scales(absmax_ptr, nested_code_ptr, nested_absmax_ptr, nested_offset_
 
 
 @triton.jit
-def _super_scales(absmax_ptr, offset_ptr, super_ptr, idx, mask, HAS_OFFSET: tl.constexpr):
-    """fp32 (scale, offset) of the blocks at ``idx`` in the K-quant form (ops/matmul_4bit.py: ``super_scales``):
-    uint8 multiples of their super-block's two units, ``scale = absmax * s0``, ``offset = scale - offset * s1``
-    (both products exact in fp32, the difference rounded once, as the op's reference does).  The offset is the
-    scale itself without HAS_OFFSET (the caller does not use it)."""
-    u8: tl.constexpr = tl.pointer_type(tl.uint8)
-    units = super_ptr + (idx // 8) * 2
-    scale = tl.load(absmax_ptr.to(u8) + idx, mask=mask, other=0).to(tl.float32) * tl.load(units, mask=mask,
-                                                                                           other=0.0)
-    off = scale
-    if HAS_OFFSET:
-        off = scale - tl.load(offset_ptr.to(u8) + idx, mask=mask, other=0).to(tl.float32) * tl.load(
-            units + 1, mask=mask, other=0.0)
-    return scale, off
-
-
-@triton.jit
 def _lookup(lut, idx):
     """code[idx] in lut's dtype, from the program's copy of the 16-entry table (``tl.gather``)."""
     return tl.gather(lut, idx.reshape(idx.numel), 0).reshape(idx.shape)

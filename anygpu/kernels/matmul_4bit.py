@@ -29,7 +29,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._decode_4bit import _block_scales, _decode8, _decode_pairs, _dot8, _lookup, _super_scales, _tables
+from ._decode_4bit import _block_scales, _decode8, _decode_pairs, _dot8, _lookup, _tables
 from ._decode_4bit_linear import _decode_pairs_linear_codes, _dot8_linear, _linear_x_pairs, linear_code
 from ._pdl import pdl_args, wait_then_release
 from ._program_order import grouped_tile
@@ -57,13 +57,13 @@ def _load_x(x_row, k0, K, kx, EVEN_K: tl.constexpr):
 
 @triton.jit
 def _gemv_4bit_kernel(x_ptr, w_ptr, absmax_ptr, code_ptr, bias_ptr, out_ptr, part_ptr, counter_ptr,
-                      nested_code_ptr, nested_absmax_ptr, nested_offset_ptr, offset_ptr, super_ptr,
+                      nested_code_ptr, nested_absmax_ptr, nested_offset_ptr, offset_ptr,
                       N, K, stride_xm, stride_om, stride_w, SPLITS,
                       BLOCKSIZE: tl.constexpr, BLOCK_N: tl.constexpr, CHUNK: tl.constexpr, SEG: tl.constexpr,
                       EVEN_K: tl.constexpr, PARTIAL: tl.constexpr, REDUCE: tl.constexpr, PREFETCH: tl.constexpr,
                       NESTED: tl.constexpr, HAS_BIAS: tl.constexpr,
                       DECODE_PTX: tl.constexpr, HALF2: tl.constexpr, HAS_OFFSET: tl.constexpr,
-                      PDL: tl.constexpr = False, LINEAR: tl.constexpr = False, SUPER: tl.constexpr = False):
+                      PDL: tl.constexpr = False, LINEAR: tl.constexpr = False):
     wait_then_release(PDL)  # the decode step's chain (kernels/_pdl.py): nothing is read or written before it
     # One program: BLOCK_N output features of one row of x, over 1/SPLITS of K, CHUNK elements of each
     # row per step.  stride_w (a row's packed length in words or bytes) is an argument, not K // 8,
@@ -149,12 +149,8 @@ def _gemv_4bit_kernel(x_ptr, w_ptr, absmax_ptr, code_ptr, bias_ptr, out_ptr, par
             prod = hi * x_even[None, :] + lo * x_odd[None, :]
         block = k0 // BLOCKSIZE + seg * SEG // BLOCKSIZE
         seg_mask = n_mask[:, None] & (k0 + seg * SEG < K)[None, :]
-        blk = n64[:, None] * blocks_per_row + block[None, :]
-        if SUPER:  # K-quant super-block scales (uint8 multiples): both decoded here
-            scale, off = _super_scales(absmax_ptr, offset_ptr, super_ptr, blk, seg_mask, HAS_OFFSET)
-        else:
-            scale = _block_scales(absmax_ptr, nested_code_ptr, nested_absmax_ptr, nested_offset_ptr, blk, seg_mask,
-                                  NESTED)
+        scale = _block_scales(absmax_ptr, nested_code_ptr, nested_absmax_ptr, nested_offset_ptr,
+                              n64[:, None] * blocks_per_row + block[None, :], seg_mask, NESTED)
         if CHUNK == SEG:
             acc += tl.sum(prod, axis=1) * tl.reshape(scale, (BLOCK_N,))
         else:
@@ -165,8 +161,8 @@ def _gemv_4bit_kernel(x_ptr, w_ptr, absmax_ptr, code_ptr, bias_ptr, out_ptr, par
             # per-segment sums serve all BLOCK_N rows.  x is loaded again as floats (the HALF2 path holds it as
             # int32 pairs; the step's x is in L1 either way), outside the PTX decoders.
             xs = tl.sum(tl.reshape(_load_x(x_row, k0, K, kx, EVEN_K), (CHUNK // SEG, SEG)), axis=1)
-            if not SUPER:
-                off = tl.load(offset_ptr + blk, mask=seg_mask, other=0.0)
+            off = tl.load(offset_ptr + n64[:, None] * blocks_per_row + block[None, :], mask=seg_mask,
+                          other=0.0).to(tl.float32)
             acc += tl.sum(off * xs[None, :], axis=1)
         if PREFETCH:
             packed = following
@@ -183,13 +179,12 @@ def _gemv_4bit_kernel(x_ptr, w_ptr, absmax_ptr, code_ptr, bias_ptr, out_ptr, par
 
 @triton.jit
 def _gemm_4bit_kernel(x_ptr, w_ptr, absmax_ptr, code_ptr, bias_ptr, out_ptr, part_ptr, counter_ptr,
-                      nested_code_ptr, nested_absmax_ptr, nested_offset_ptr, offset_ptr, super_ptr,
+                      nested_code_ptr, nested_absmax_ptr, nested_offset_ptr, offset_ptr,
                       M, N, K, stride_xm, stride_om, stride_w,
                       BLOCKSIZE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                       NESTED: tl.constexpr, HAS_BIAS: tl.constexpr, GROUP_M: tl.constexpr,
                       DOT_IN_FP32: tl.constexpr, SPLIT_K: tl.constexpr, REDUCE: tl.constexpr,
-                      DECODE_PTX: tl.constexpr, HAS_OFFSET: tl.constexpr, LINEAR: tl.constexpr = False,
-                      SUPER: tl.constexpr = False):
+                      DECODE_PTX: tl.constexpr, HAS_OFFSET: tl.constexpr, LINEAR: tl.constexpr = False):
     # A step's BLOCK_K columns lie in one 4-bit block (the launcher caps BLOCK_K at the block size, and K is a
     # multiple of it), so the codes are decoded to unscaled 16-bit values and the block's scale multiplies
     # the step's partial dot: BLOCK_M multiplies per weight row instead of one per weight element.
@@ -236,39 +231,29 @@ def _gemm_4bit_kernel(x_ptr, w_ptr, absmax_ptr, code_ptr, bias_ptr, out_ptr, par
             # so the dots accumulate straight into acc.
             SUB: tl.constexpr = BLOCK_K // BLOCKSIZE
             blk = n64[:, None] * blocks_per_row + k0 // BLOCKSIZE + tl.arange(0, SUB)[None, :]
-            if SUPER:
-                sc, off = _super_scales(absmax_ptr, offset_ptr, super_ptr, blk, n_mask[:, None], HAS_OFFSET)
-            else:
-                sc = _block_scales(absmax_ptr, nested_code_ptr, nested_absmax_ptr, nested_offset_ptr, blk,
-                                   n_mask[:, None], NESTED)
-                if HAS_OFFSET:
-                    off = tl.load(offset_ptr + blk, mask=n_mask[:, None], other=0.0)
-            sc = sc.to(dot_dtype)[:, :, None]
+            sc = _block_scales(absmax_ptr, nested_code_ptr, nested_absmax_ptr, nested_offset_ptr, blk,
+                               n_mask[:, None], NESTED).to(dot_dtype)[:, :, None]
             hi = tl.reshape(hi, (BLOCK_N, SUB, BLOCKSIZE // 2)) * sc
             lo = tl.reshape(lo, (BLOCK_N, SUB, BLOCKSIZE // 2)) * sc
             if HAS_OFFSET:
                 # Each decoded value is already multiplied by its block's scale here, so its offset is added in
                 # the same pass (value * scale + offset), in x's dtype as the scaled values are.
-                off = off.to(dot_dtype)[:, :, None]
+                off = tl.load(offset_ptr + blk, mask=n_mask[:, None], other=0.0).to(dot_dtype)[:, :, None]
                 hi += off
                 lo += off
             hi = tl.reshape(hi, (BLOCK_N, BLOCK_K // 2))
             lo = tl.reshape(lo, (BLOCK_N, BLOCK_K // 2))
             acc = tl.dot(x_odd, tl.trans(lo), tl.dot(x_even, tl.trans(hi), acc))
         else:
-            blk = n64 * blocks_per_row + k0 // BLOCKSIZE
-            if SUPER:
-                scale, off = _super_scales(absmax_ptr, offset_ptr, super_ptr, blk, n_mask, HAS_OFFSET)
-            else:
-                scale = _block_scales(absmax_ptr, nested_code_ptr, nested_absmax_ptr, nested_offset_ptr, blk, n_mask,
-                                      NESTED)
+            scale = _block_scales(absmax_ptr, nested_code_ptr, nested_absmax_ptr, nested_offset_ptr,
+                                  n64 * blocks_per_row + k0 // BLOCKSIZE, n_mask, NESTED)
             part = tl.dot(x_odd, tl.trans(lo), tl.dot(x_even, tl.trans(hi)))
             acc += part * scale[None, :]
             if HAS_OFFSET:
                 # One block per step: its offset times the row's sum of x over the step (BLOCK_M + BLOCK_N values
                 # and an outer product), rather than a pass over the decoded tile.
-                if not SUPER:
-                    off = tl.load(offset_ptr + blk, mask=n_mask, other=0.0)
+                off = tl.load(offset_ptr + n64 * blocks_per_row + k0 // BLOCKSIZE, mask=n_mask, other=0.0)
+                off = off.to(tl.float32)
                 acc += tl.sum(x.to(tl.float32), axis=1)[:, None] * off[None, :]
     if SPLIT_K == 1:
         if HAS_BIAS:
@@ -426,17 +411,13 @@ def gemm_config(m: int, target) -> LaunchConfig:
 
 
 def dequantize_weight(w, absmax, code, blocksize, n, k, dtype, nested_absmax=None, nested_code=None,
-                      nested_offset=None, offset=None, super_scales=None) -> torch.Tensor:
+                      nested_offset=None, offset=None) -> torch.Tensor:
     """W [n, k] in ``dtype`` (for the vendor-GEMM path): the dequantize kernel of ``quant_4bit`` with this
-    weight's own table (and per-block ``offset``, added in fp32 before the one rounding); double quantization and
-    K-quant super-block scales are undone first (a few small ops on [blocks] values)."""
+    weight's own table (and per-block ``offset``, added in fp32 before the one rounding); double quantization is
+    undone first (a few small ops on [blocks] values)."""
     from .quant_4bit import DEQUANTIZE_CONFIGS, _dequantize_4bit_kernel
     from .quant_blockwise import tile_for
 
-    if super_scales is not None:  # the op's reference rule (ops/matmul_4bit.py: super_block_scales)
-        units = super_scales.repeat_interleave(8, dim=0)
-        absmax = absmax.float() * units[:, 0]
-        offset = None if offset is None else absmax - offset.float() * units[:, 1]
     if nested_absmax is not None:
         idx = torch.arange(absmax.shape[0], device=absmax.device) // 256
         absmax = nested_code[absmax.long()] * nested_absmax[idx] + nested_offset.reshape(())
@@ -455,12 +436,11 @@ def dequantize_weight(w, absmax, code, blocksize, n, k, dtype, nested_absmax=Non
 def matmul_4bit(x: torch.Tensor, weight: torch.Tensor, absmax: torch.Tensor, code: torch.Tensor, blocksize: int,
                 n: int, k: int, bias: torch.Tensor | None = None, nested_absmax: torch.Tensor | None = None,
                 nested_code: torch.Tensor | None = None, nested_offset: torch.Tensor | None = None,
-                offset: torch.Tensor | None = None, super_scales: torch.Tensor | None = None,
-                plan_: Plan | None = None) -> torch.Tensor:
+                offset: torch.Tensor | None = None, plan_: Plan | None = None) -> torch.Tensor:
     """Launch on x's device.  x: [..., k] fp16/bf16 (fp32 works); weight: the packed bytes (any shape and
-    storage dtype, viewed as uint8); ``offset``: per block, added to each value (GGUF's minimums);
-    ``super_scales``: absmax and offset are K-quant uint8 multiples of these (the op's doc); the caller (the op)
-    has checked every argument."""
+    storage dtype, viewed as uint8); ``offset``: per block, as absmax (fp32 or fp16), added to each value (GGUF's
+    minimums); the
+    caller (the op) has checked every argument."""
     lead = x.shape[:-1]
     x2 = x.reshape(-1, k)
     if x2.stride(-1) != 1:
@@ -481,16 +461,14 @@ def matmul_4bit(x: torch.Tensor, weight: torch.Tensor, absmax: torch.Tensor, cod
     nest = (nested_code, nested_absmax, nested_offset) if nested else (dummy, dummy, dummy)
     b = bias if bias is not None else dummy
     off = offset if offset is not None else dummy
-    sup = super_scales if super_scales is not None else dummy
     out2 = out.view(m, n)
-    extra_terms = offset is not None or super_scales is not None
-    if p.path == "mma" and (extra_terms or (p.config.constexprs.get("DECODE_PTX", False) and not _mma_ptx_fits(x2, w, k))):
-        # The tensor-core path has no offset term nor super-block scales, and its PTX needs aligned rows: the GEMM
-        # takes those calls.
+    if p.path == "mma" and (offset is not None or (p.config.constexprs.get("DECODE_PTX", False)
+                                                   and not _mma_ptx_fits(x2, w, k))):
+        # The tensor-core path has no offset term, and its PTX needs aligned rows: the GEMM takes those calls.
         p = _gemm_plan(m, k, device_target(x.device))
     if p.path == "dequant" or (p.path == "gemm" and x.dtype == torch.float32):
         wd = dequantize_weight(w, absmax, code, blocksize, n, k, x.dtype, nested_absmax, nested_code, nested_offset,
-                               offset, super_scales)
+                               offset)
         return torch.nn.functional.linear(x, wd, bias)
     cfg = p.config
     c = cfg.constexprs
@@ -506,14 +484,13 @@ def matmul_4bit(x: torch.Tensor, weight: torch.Tensor, absmax: torch.Tensor, cod
             # 16-bit pair math reads x as int32 pairs: rows must start 4-byte aligned.
             half2 = (ptx and c.get("HALF2", False) and x.dtype in (torch.float16, torch.bfloat16)
                      and x2.data_ptr() % 4 == 0 and x2.stride(0) % 2 == 0)
-            _gemv_4bit_kernel[grid](x2, w, absmax, code, b, out2, sk.partials, sk.counters, *nest, off, sup, n, k,
+            _gemv_4bit_kernel[grid](x2, w, absmax, code, b, out2, sk.partials, sk.counters, *nest, off, n, k,
                                     x2.stride(0), out2.stride(0), k // 8 if ptx else k // 2, p.split_k,
                                     BLOCKSIZE=blocksize, BLOCK_N=c["BLOCK_N"], CHUNK=chunk,
                                     SEG=min(chunk, blocksize), EVEN_K=k % chunk == 0, PARTIAL=p.split_k > 1,
                                     REDUCE=sk.reduce, PREFETCH=c["PREFETCH"], NESTED=nested, HAS_BIAS=bias is not None,
                                     DECODE_PTX=ptx, HALF2=half2, HAS_OFFSET=offset is not None,
-                                    LINEAR=half2 and linear_code(code), SUPER=super_scales is not None, **options,
-                                    **pdl_args(x.device))
+                                    LINEAR=half2 and linear_code(code), **options, **pdl_args(x.device))
             sk.finish(out2, bias)
             return out
         elif p.path == "mma":
@@ -537,13 +514,13 @@ def matmul_4bit(x: torch.Tensor, weight: torch.Tensor, absmax: torch.Tensor, cod
             grid = (-(-m // c["BLOCK_M"]) * -(-n // c["BLOCK_N"]), p.split_k)
             sk = split_k_buffers(out2, p.split_k, grid[0], c.get("ADD_IN_KERNEL", True))
             ptx = c.get("DECODE_PTX", False) and x.device.type == "cuda"
-            _gemm_4bit_kernel[grid](x2, w, absmax, code, b, out2, sk.partials, sk.counters, *nest, off, sup, m, n, k,
+            _gemm_4bit_kernel[grid](x2, w, absmax, code, b, out2, sk.partials, sk.counters, *nest, off, m, n, k,
                                     x2.stride(0), out2.stride(0), k // 2, BLOCKSIZE=blocksize, NESTED=nested,
                                     HAS_BIAS=bias is not None, GROUP_M=8, BLOCK_M=c["BLOCK_M"],
                                     BLOCK_N=c["BLOCK_N"], BLOCK_K=block_k,
                                     SPLIT_K=p.split_k, REDUCE=sk.reduce,
                                     DECODE_PTX=ptx, HAS_OFFSET=offset is not None,
-                                    LINEAR=ptx and linear_code(code), SUPER=super_scales is not None,
+                                    LINEAR=ptx and linear_code(code),
                                     DOT_IN_FP32=x.device.type == "cpu" and x.dtype == torch.bfloat16, **options)
             sk.finish(out2, bias)
     return out
@@ -558,7 +535,7 @@ def _signature(kernel: str):
         s = {"x_ptr": f"*{t}", "w_ptr": "*u8", "absmax_ptr": "*fp32", "code_ptr": "*fp32", "bias_ptr": f"*{t}",
              "out_ptr": f"*{t}", "part_ptr": "*fp32", "counter_ptr": "*i32", "nested_code_ptr": "*fp32",
              "nested_absmax_ptr": "*fp32", "nested_offset_ptr": "*fp32"}
-        s.update({"offset_ptr": "*fp32", "super_ptr": "*fp32"} if kernel != "mma" else {})
+        s.update({"offset_ptr": "*fp32"} if kernel != "mma" else {})
         s.update({"M": "i32"} if kernel in ("gemm", "mma") else {})
         s.update({"N": "i32", "K": "i32", "stride_xm": "i32", "stride_om": "i32"})
         s["stride_w"] = "i32"
@@ -569,7 +546,7 @@ def _signature(kernel: str):
                       "NESTED": "constexpr", "HAS_BIAS": "constexpr", "GROUP_M": "constexpr",
                       "DOT_IN_FP32": "constexpr",
                       "SPLIT_K": "constexpr", "REDUCE": "constexpr", "DECODE_PTX": "constexpr",
-                      "HAS_OFFSET": "constexpr", "LINEAR": "constexpr", "SUPER": "constexpr"})
+                      "HAS_OFFSET": "constexpr", "LINEAR": "constexpr"})
         elif kernel == "mma":
             s.update({"WARPS": "constexpr", "PARTIAL": "constexpr", "REDUCE": "constexpr", "NESTED": "constexpr",
                       "HAS_BIAS": "constexpr", "DECODE_PTX": "constexpr"})
@@ -578,7 +555,7 @@ def _signature(kernel: str):
                       "EVEN_K": "constexpr", "PARTIAL": "constexpr", "REDUCE": "constexpr", "PREFETCH": "constexpr",
                       "NESTED": "constexpr", "HAS_BIAS": "constexpr",
                       "DECODE_PTX": "constexpr", "HALF2": "constexpr", "HAS_OFFSET": "constexpr", "PDL": "constexpr",
-                      "LINEAR": "constexpr", "SUPER": "constexpr"})
+                      "LINEAR": "constexpr"})
         return s
     return sig
 
@@ -600,24 +577,21 @@ GEMV_SPEC = register(KernelSpec(
     _with_defaults(GEMV_CONFIGS, lambda c: {"BLOCKSIZE": 64, "SEG": min(64, c.constexprs["CHUNK"]), "EVEN_K": True,
                                             "PARTIAL": True, "REDUCE": True, "NESTED": False, "HAS_BIAS": True,
                                             "DECODE_PTX": c.constexprs.get("DECODE_PTX", False),
-                                            "HALF2": c.constexprs.get("HALF2", False), "LINEAR": False,
-                                            "SUPER": False},
+                                            "HALF2": c.constexprs.get("HALF2", False), "LINEAR": False},
                    drop=("MAX_SPLIT", "SPLIT_MIN_CHUNKS", "ADD_IN_KERNEL", *SHAPE_BOUNDS),
-                   # GGUF's Q4_K variant: its linear table (the arithmetic decoder, where there is PTX) and
-                   # super-block scales
+                   # GGUF's variant with its Q4 types' linear table (the arithmetic decoder, where there is PTX)
                    gguf=lambda c: {"BLOCKSIZE": 32, "SEG": min(32, c.constexprs["CHUNK"]), "PARTIAL": False,
-                                   "LINEAR": c.constexprs.get("HALF2", False), "SUPER": True})))
+                                   "LINEAR": c.constexprs.get("HALF2", False)})))
 GEMM_SPEC = register(KernelSpec(
     "gemm_4bit", _gemm_4bit_kernel, _signature("gemm"), DTYPES,
     _with_defaults(GEMM_CONFIGS, lambda c: {"BLOCKSIZE": 64, "NESTED": True, "HAS_BIAS": False,
                                             "GROUP_M": 8, "DOT_IN_FP32": False, "SPLIT_K": 1,
                                             "REDUCE": False, "DECODE_PTX": c.constexprs.get("DECODE_PTX", False),
-                                            "LINEAR": False, "SUPER": False},
+                                            "LINEAR": False},
                    drop=("MAX_M", "FOLD_SCALE", "ADD_IN_KERNEL"),
-                   # the GGUF (Q4_K: super-block scales) variant also covers the split form, whose last split adds
-                   # the partials
+                   # the GGUF variant also covers the split form, whose last split adds the partials
                    gguf=lambda c: {"BLOCKSIZE": 32, "NESTED": False, "SPLIT_K": c.constexprs["SPLIT_K"],
-                                   "REDUCE": True, "LINEAR": c.constexprs.get("DECODE_PTX", False), "SUPER": True})))
+                                   "REDUCE": True, "LINEAR": c.constexprs.get("DECODE_PTX", False)})))
 MMA_SPEC = register(KernelSpec(
     "gemv_mma_4bit", _gemv_mma_4bit_kernel, _signature("mma"), DTYPES,
     _with_defaults(MMA_CONFIGS, lambda c: {"BLOCKSIZE": 64, "PARTIAL": True, "REDUCE": True, "NESTED": True,

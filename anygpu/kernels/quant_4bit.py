@@ -124,11 +124,12 @@ def _dequantize_4bit_kernel(q_ptr, absmax_ptr, table_ptr, out_ptr, offset_ptr, n
     byte_local = rows[:, None] * (BS // 2) + tl.arange(0, BS // 2)[None, :]
     byte_left = tl.minimum(n_bytes - first * (BS // 2), BLOCKS * (BS // 2)).to(tl.int32)
     packed = tl.load(q_ptr + first * (BS // 2) + byte_local, mask=byte_local < byte_left, other=0).to(tl.int32)
-    absmax = tl.load(absmax_ptr + first + rows, mask=rows * (BS // 2) < byte_left, other=0.0)[:, None]
+    absmax = tl.load(absmax_ptr + first + rows, mask=rows * (BS // 2) < byte_left, other=0.0).to(tl.float32)[:, None]
     high = tl.load(table_ptr + (packed >> 4)) * absmax
     low = tl.load(table_ptr + (packed & 15)) * absmax
     if HAS_OFFSET:
-        offset = tl.load(offset_ptr + first + rows, mask=rows * (BS // 2) < byte_left, other=0.0)[:, None]
+        offset = tl.load(offset_ptr + first + rows, mask=rows * (BS // 2) < byte_left, other=0.0).to(tl.float32)
+        offset = offset[:, None]
         high += offset
         low += offset
     values = tl.interleave(high, low)  # [BLOCKS, BS]: element 2i from the high nibble

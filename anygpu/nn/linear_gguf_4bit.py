@@ -3,9 +3,8 @@ IQ4_XS), computed by the 4-bit matmul (``anygpu.ops.matmul_4bit``: Triton GEMV /
 the CPU).
 
 The blocks are re-laid as ``anygpu.quant.gguf_4bit`` describes (nothing is re-quantized): packed codes in
-bitsandbytes' nibble order, an fp32 scale and (Q4_1) offset per 32 weights, or Q4_K's uint8 scale and minimum
-per 32 and two fp32 units per 256, a 16-entry table, so a weight reads 0.5 byte plus 4 or 8 bytes per 32 (Q4_K: 2
-per 32 and 8 per 256).  A fused projection (q/k/v, gate/up) is its sources' rows stacked.
+bitsandbytes' nibble order, a scale and (Q4_1, Q4_K) offset per 32 weights (fp16 where they fit, else fp32), a
+16-entry table, so a weight reads 0.5 byte plus 2 or 4 bytes per 32 (fp32: 4 or 8).  A fused projection (q/k/v, gate/up) is its sources' rows stacked.
 Inference only: the weight is buffers, not parameters; a bias stays a parameter (the loader fills it).
 """
 
@@ -32,7 +31,6 @@ class GGUF4bitLinear(nn.Module):
         self.register_buffer("absmax", weight.absmax)
         self.register_buffer("offset", weight.offset)
         self.register_buffer("code", weight.code)
-        self.register_buffer("super_scales", weight.super_scales)
         self.bias = None if bias is None else nn.Parameter(bias.detach(), requires_grad=False)
 
     @classmethod
@@ -51,15 +49,14 @@ class GGUF4bitLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         bias = None if self.bias is None else self.bias.to(x.dtype)
         return matmul_4bit(x, self.packed, self.absmax, self.code, BLOCKSIZE, self.out_features, self.in_features,
-                           bias, offset=self.offset, super_scales=self.super_scales)
+                           bias, offset=self.offset)
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         from ..ops.matmul_4bit import dequantize_weight
 
         return dequantize_weight(self.packed, self.absmax, self.code, BLOCKSIZE, self.out_features,
-                                 self.in_features, dtype, offset=self.offset, super_scales=self.super_scales)
+                                 self.in_features, dtype, offset=self.offset)
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, table={self.table}, "
-                f"offset={self.offset is not None}, super_scales={self.super_scales is not None}, "
-                f"bias={self.bias is not None}")
+                f"offset={self.offset is not None}, bias={self.bias is not None}")

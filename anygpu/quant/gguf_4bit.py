@@ -1,26 +1,20 @@
 """GGUF's 4-bit types as the 4-bit matmul's layout: ``code[q] * absmax[b] + offset[b]`` per block of 32.
 
     w = convert(raw, "Q4_K", n, k)       # raw: the tensor's GGUF blocks (uint8), for an [n, k] weight
-    y = anygpu.ops.matmul_4bit(x, w.packed, w.absmax, w.code, 32, n, k, offset=w.offset,
-                               super_scales=w.super_scales)
+    y = anygpu.ops.matmul_4bit(x, w.packed, w.absmax, w.code, 32, n, k, offset=w.offset)
 
 The kernels (``anygpu/kernels/matmul_4bit.py``) read bitsandbytes' layout: row-major, two codes a byte, element 2i
-in the high nibble and 2i + 1 in the low one, an fp32 scale (absmax) per block, any 16-entry fp32 table, and an
-optional fp32 offset per block.  Each GGUF type maps onto it (``tests/test_gguf_4bit.py`` holds every one to
+in the high nibble and 2i + 1 in the low one, a scale (absmax) per block, any 16-entry fp32 table, and an
+optional offset per block (scales and offsets fp32, or fp16: see ``narrow`` below).  Each GGUF type maps onto it (``tests/test_gguf_4bit.py`` holds every one to
 ``gguf.quants.dequantize``):
 
 | type   | GGUF value               | code table     | absmax          | offset             |
 |--------|--------------------------|----------------|-----------------|--------------------|
 | Q4_0   | d * (q - 8)              | (q - 8) / 8    | 8 d             | none               |
 | Q4_1   | d * q + m                | (q - 8) / 8    | 8 d             | m + 8 d            |
-| Q4_K   | d sc_j * q - dmin m_j    | (q - 8) / 8    | 8 d sc_j (*)    | 8 d sc_j - dmin m_j|
+| Q4_K   | d sc_j * q - dmin m_j    | (q - 8) / 8    | 8 d sc_j        | 8 d sc_j - dmin m_j|
 | IQ4_NL | d * kv[q]                | kv[q] / 128    | 128 d           | none               |
 | IQ4_XS | d (s_j - 32) * kv[q]     | kv[q] / 128    | 128 d (s_j - 32)| none               |
-
-(*) Q4_K keeps its super-block form (the op's ``super_scales``): absmax and offset are the uint8 sc_j and m_j,
-and the super-block's two units (8 d, dmin) are fp32 pairs, so the matmul computes the table's absmax and offset
-as it reads them, and a weight reads 0.594 bytes (the file: 0.5625) instead of 0.75 with fp32 pairs per 32.
-``expand`` turns it into the fp32 form (a layer stacking Q4_K with another type takes that form).
 
 Why the tables are scaled into [-1, 1]: the NVIDIA GEMV sums four code x activation products in 16-bit pair
 arithmetic (fp16 tops out at 65504), and the GEMM decodes codes to fp16/bf16; codes of bitsandbytes' size (NF4's
@@ -29,9 +23,16 @@ Scaling by a power of two is exact both ways, and each product ``code * absmax``
 times small integers needs at most 21 bits of fp32's 24).  Why Q4_1 / Q4_K codes are centred (q - 8, the offset
 taking the 8 d back): the 16-bit products then straddle zero like the weights, and the offset term cancels less
 of them; a simulation of the GEMV's fp16x2 sums gave half the error of codes q / 16.  The three types share a
-table, so a layer may stack their rows.  Exactness: Q4_0 and IQ4 are the file's values bit for bit; for Q4_1 /
-Q4_K the offset (two exact fp32 terms) is rounded once when its terms' exponents lie far apart, so a value can
-differ from gguf's by that half ulp of the offset (and the final rounding), never more.
+table, so a layer may stack their rows.
+
+Scales and offsets are kept in fp16 where every one of a tensor's is zero or in fp16's normal range (``narrow``),
+else in fp32: a decode step reads 0.625 bytes a weight instead of 0.75.  Exactness: in fp32, Q4_0 and IQ4 are the
+file's values bit for bit, and for Q4_1 / Q4_K the offset (two exact fp32 terms) is rounded once when its terms'
+exponents lie far apart (half an ulp of the offset); in fp16, Q4_0's 8 d, Q4_1's 8 d and IQ4_NL's 128 d stay
+exact (fp16 d times a power of two), and the rest (Q4_K's 8 d sc and offsets, Q4_1's offset, IQ4_XS's scales) are
+within 2^-11 of their fp32 values, relative: an error well under the 16-bit arithmetic's own that the kernels
+multiply codes and activations in (bf16: 2^-8), and under the CPU path's (``gguf_int4pack``, which rounds scales
+to the activations' 16-bit dtype).
 
 GGUF's order inside a block: Q4_0 / Q4_1 / IQ4_NL's byte j holds element j (low nibble) and j + 16 (high); a Q4_K
 super-block's 128 bytes are 4 runs of 32, run r holding group 2r's element i in byte i's low nibble and group
@@ -47,7 +48,6 @@ from typing import NamedTuple
 
 import torch
 
-from ..ops.matmul_4bit import super_block_scales
 from .gguf_blocks import BLOCK_SHAPES, IQ4_KVALUES, QK_K, _k_scale_min, fp16_values, stacked_offsets
 
 TYPES = ("Q4_0", "Q4_1", "IQ4_NL", "IQ4_XS", "Q4_K")
@@ -58,11 +58,10 @@ TABLES = {"Q4_0": "q4", "Q4_1": "q4", "Q4_K": "q4", "IQ4_NL": "iq4", "IQ4_XS": "
 
 class Packed4bit(NamedTuple):
     packed: torch.Tensor  # uint8 [n * k / 2], bitsandbytes' nibble order
-    absmax: torch.Tensor  # fp32 [n * k / 32] (uint8 with super_scales)
-    offset: torch.Tensor | None  # fp32 [n * k / 32] (uint8 with super_scales), or None
+    absmax: torch.Tensor  # fp16 or fp32 [n * k / 32]
+    offset: torch.Tensor | None  # [n * k / 32] in absmax's dtype, or None
     code: torch.Tensor  # fp32 [16]
     table: str  # "q4" | "iq4"
-    super_scales: torch.Tensor | None = None  # Q4_K: fp32 [n * k / 256, 2], the super-blocks' (8 d, dmin)
 
 
 def code_table(table: str, device=None) -> torch.Tensor:
@@ -78,33 +77,31 @@ def _halves(qs: torch.Tensor) -> torch.Tensor:
     return torch.cat([qs & 15, qs >> 4], dim=-1)
 
 
-def _groups(raw: torch.Tensor, type_name: str) -> tuple:
-    """(codes [G, 32] in element order, absmax [G], offset [G] or None, super_scales or None) of whole blocks of
-    ``type_name``."""
+def _groups(raw: torch.Tensor, type_name: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """(codes [G, 32] in element order, absmax [G], offset [G] or None) of whole blocks of ``type_name``."""
     block, size = BLOCK_SHAPES[type_name]
     b = raw.reshape(-1, size)
     nb = b.shape[0]
     if type_name == "Q4_0":
-        return _halves(b[:, 2:]), 8 * fp16_values(b[:, :2]), None, None
+        return _halves(b[:, 2:]), 8 * fp16_values(b[:, :2]), None
     if type_name == "Q4_1":
         d = fp16_values(b[:, :2])
-        return _halves(b[:, 4:]), 8 * d, fp16_values(b[:, 2:4]) + 8 * d, None
+        return _halves(b[:, 4:]), 8 * d, fp16_values(b[:, 2:4]) + 8 * d
     if type_name == "IQ4_NL":
-        return _halves(b[:, 2:]), 128 * fp16_values(b[:, :2]), None, None
+        return _halves(b[:, 2:]), 128 * fp16_values(b[:, :2]), None
     if type_name == "Q4_K":
         qs = b[:, 16:].reshape(nb, 4, 1, 32)
         codes = torch.cat([qs & 15, qs >> 4], dim=2).reshape(nb * 8, 32)
         sc, m = _k_scale_min(b[:, 4:16])
-        # 8 d sc and 8 d sc - dmin m, computed by the matmul from these (exact products, one rounding)
-        units = torch.stack([8 * fp16_values(b[:, :2]), fp16_values(b[:, 2:4])], dim=1)
-        return codes, sc.reshape(-1).to(torch.uint8), m.reshape(-1).to(torch.uint8), units.contiguous()
+        scale = fp16_values(b[:, :2])[:, None] * sc.float()  # GGUF's d * sc, exact in fp32
+        return codes, (8 * scale).reshape(-1), (8 * scale - fp16_values(b[:, 2:4])[:, None] * m.float()).reshape(-1)
     # IQ4_XS: 8 groups, 6-bit scales (low 4 bits in scales_l's nibbles, high 2 in scales_h's bit pairs) minus 32
     sh = b[:, 2:4].contiguous().view(torch.int16).to(torch.int32)
     high = (sh >> torch.arange(0, 16, 2, dtype=torch.int32, device=b.device)) & 3
     low = torch.stack([b[:, 4:8] & 15, b[:, 4:8] >> 4], dim=-1).reshape(nb, 8).to(torch.int32)
     scales = ((low | (high << 4)) - 32).float()
     codes = _halves(b[:, 8:].reshape(nb, 8, 16)).reshape(nb * 8, 32)
-    return codes, (128 * (fp16_values(b[:, :2])[:, None] * scales)).reshape(-1), None, None
+    return codes, (128 * (fp16_values(b[:, :2])[:, None] * scales)).reshape(-1), None
 
 
 def convert(raw: torch.Tensor, type_name: str, n: int, k: int) -> Packed4bit:
@@ -117,18 +114,23 @@ def convert(raw: torch.Tensor, type_name: str, n: int, k: int) -> Packed4bit:
     if raw.dtype != torch.uint8 or raw.numel() != n * k // block * size:
         raise ValueError(f"raw: expected {n * k // block * size} uint8 bytes of {type_name} blocks for [{n}, {k}], "
                          f"got {raw.numel()} {raw.dtype}")
-    codes, absmax, offset, units = _groups(raw, type_name)
+    codes, absmax, offset = narrow(*_groups(raw, type_name))
     packed = ((codes[:, 0::2] << 4) | codes[:, 1::2]).reshape(-1)
     return Packed4bit(packed, absmax.contiguous(), None if offset is None else offset.contiguous(),
-                      code_table(TABLES[type_name], raw.device), TABLES[type_name], units)
+                      code_table(TABLES[type_name], raw.device), TABLES[type_name])
 
 
-def expand(p: Packed4bit) -> Packed4bit:
-    """``p`` with fp32 absmax and offset per block (Q4_K's super-block form undone; others as they are)."""
-    if p.super_scales is None:
-        return p
-    absmax, offset = super_block_scales(p.absmax, p.offset, p.super_scales)
-    return Packed4bit(p.packed, absmax, offset, p.code, p.table)
+FP16_NORMAL = (2.0 ** -14, 65504.0)  # fp16's smallest normal and largest finite values
+
+
+def narrow(codes: torch.Tensor, absmax: torch.Tensor, offset: torch.Tensor | None) -> tuple:
+    """(codes, absmax, offset) with absmax and offset in fp16 when every value of both is zero or in fp16's normal
+    range once rounded (each then within 2^-11 of its fp32 value, relative), else as they are (fp32)."""
+    values = absmax if offset is None else torch.cat([absmax, offset])
+    half = values.half().float().abs()  # one device read per tensor, at load
+    if not bool(((half == 0) | ((half >= FP16_NORMAL[0]) & (half <= FP16_NORMAL[1]))).all()):
+        return codes, absmax, offset
+    return codes, absmax.half(), None if offset is None else offset.half()
 
 
 def stackable(types) -> bool:
@@ -138,17 +140,15 @@ def stackable(types) -> bool:
 
 def stack(parts: list[Packed4bit]) -> Packed4bit:
     """Row blocks of one layer (q, k, v; gate, up) as one weight: their rows in order, one code table, an offset
-    wherever one part has one (zeros for the others).  Q4_K parts stay in their super-block form when all parts are
-    Q4_K, and are expanded to the fp32 form otherwise."""
+    wherever one part has one (zeros for the others)."""
     tables = {p.table for p in parts}
     if len(tables) > 1:
         raise ValueError(f"parts: codes of the tables {sorted(tables)} cannot share a layer (IQ4 only with IQ4)")
     if len(parts) == 1:
         return parts[0]
-    if all(p.super_scales is not None for p in parts):
-        return Packed4bit(*(torch.cat([getattr(p, f) for p in parts]) for f in ("packed", "absmax", "offset")),
-                          parts[0].code, parts[0].table, torch.cat([p.super_scales for p in parts]))
-    parts = [expand(p) for p in parts]
+    if len({p.absmax.dtype for p in parts}) > 1:  # fp16 and fp32 parts: all in fp32
+        parts = [p._replace(absmax=p.absmax.float(), offset=None if p.offset is None else p.offset.float())
+                 for p in parts]
     offset = stacked_offsets([p.offset for p in parts], [p.absmax for p in parts])
     return Packed4bit(torch.cat([p.packed for p in parts]), torch.cat([p.absmax for p in parts]), offset,
                       parts[0].code, parts[0].table)

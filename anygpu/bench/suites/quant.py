@@ -167,7 +167,7 @@ def matmul_4bit_cases(device: torch.device, quick: bool) -> list[Case]:
 
 
 # GGUF's Q4_K in the 4-bit matmul's layout (quant/gguf_4bit.py: codes (q - 8) / 8, an fp32 scale and offset per 32):
-# the decode shapes of a Q4_K_M model's 4-bit projections.  ANYGPU_LINEAR_4BIT=1 (the default) / 0 picks the decoder
+# the decode shapes of a Q4_K_M model's 4-bit projections.  ANYGPU_LINEAR_4BIT=1 / 0 picks the decoder
 # (arithmetic / table), so two runs compare them.
 Q4K_ROWS = (1, 16, 64)
 
@@ -184,13 +184,12 @@ def matmul_q4_k_cases(device: torch.device, quick: bool) -> list[Case]:
     for n, k in [(256, 512)] if small else MATMUL_WEIGHTS:
         weight = torch.randn(n, k, dtype=dtype, device=device) * 0.02
         w = gguf_4bit.convert(gguf_4bit.quantize_q4_k(weight).reshape(-1), "Q4_K", n, k)
-        weight_bytes = w.packed.nbytes + w.absmax.nbytes + w.offset.nbytes + w.super_scales.nbytes
+        weight_bytes = w.packed.nbytes + w.absmax.nbytes + w.offset.nbytes
         for m in (1, 16) if small else Q4K_ROWS:
             x = torch.randn(m, k, dtype=dtype, device=device)
             cases.append(Case("matmul_q4_k", f"M={m} {n}x{k} {str(dtype).removeprefix('torch.')}",
                               lambda x=x, w=w, n=n, k=k: matmul_4bit(x, w.packed, w.absmax, w.code, gguf_4bit.BLOCKSIZE,
-                                                                      n, k, offset=w.offset,
-                                                                      super_scales=w.super_scales),
+                                                                      n, k, offset=w.offset),
                               {"F.linear": lambda x=x, wt=weight: torch.nn.functional.linear(x, wt)},
                               bytes=weight_bytes + x.nbytes + m * n * x.element_size(), flops=2 * m * n * k,
                               graph=True))
