@@ -46,7 +46,7 @@ def assert_values(p: gguf_4bit.Packed4bit, n: int, k: int, want: torch.Tensor) -
     final rounding's (an ulp of the value): code * absmax + offset is the exact GGUF sum but for that."""
     got = values(p, n, k)
     if p.absmax.dtype == torch.float16:
-        # each scale and offset within 2^-11 of the fp32 one, relative (codes are at most 1 in magnitude)
+        # each value within 2^-11 of its block's |scale| + |offset| (codes are at most 1 in magnitude)
         scale = p.absmax.float().abs().repeat_interleave(32).reshape(n, k)
         off = 0 if p.offset is None else p.offset.float().abs().repeat_interleave(32).reshape(n, k)
         assert ((got - want).abs() <= 2.0 ** -11 * (scale + off) * 1.001 + 2.0 ** -23 * want.abs()).all()
@@ -74,19 +74,30 @@ def test_convert_equals_gguf_dequantize_exactly(type_name):
 
 @pytest.mark.parametrize("type_name", ["Q4_0", "Q4_K"])
 def test_scales_out_of_fp16_range_stay_fp32_and_exact(type_name):
-    """A tensor with one scale too small for fp16's normal range keeps all its scales and offsets in fp32."""
+    """A tensor with one scale past fp16's range (8 d > 65504) keeps all its scales and offsets in fp32."""
     raw = random_blocks(type_name, N, K).reshape(N * K // BLOCK_SHAPES[type_name][0], -1)
-    raw[0, :2] = torch.tensor([2.0 ** -20], dtype=torch.float16).view(torch.uint8)  # a subnormal fp16 d
+    raw[0, :2] = torch.tensor([16384.0], dtype=torch.float16).view(torch.uint8)
     raw = raw.reshape(-1)
     p = gguf_4bit.convert(raw, type_name, N, K)
     assert p.absmax.dtype == torch.float32 and (p.offset is None or p.offset.dtype == torch.float32)
     assert_values(p, N, K, oracle(raw, type_name, N, K))
 
 
+def test_small_offsets_next_to_larger_scales_still_narrow():
+    """Q4_K offsets (8 d sc - dmin m) of random weights often lie near zero, below fp16's normal range: they stay
+    fp16 while their rounding is small against their block's scale."""
+    raw = gguf_4bit.quantize_q4_k(torch.randn(64, 512) * 0.02).reshape(-1)
+    p = gguf_4bit.convert(raw, "Q4_K", 64, 512)
+    e = gguf_4bit._groups(raw, "Q4_K")[2].abs()
+    assert bool(((e > 0) & (e < 2.0 ** -14)).any())  # some subnormal in fp16
+    assert p.absmax.dtype == p.offset.dtype == torch.float16
+    assert_values(p, 64, 512, oracle(raw, "Q4_K", 64, 512))
+
+
 def test_stack_of_fp16_and_fp32_parts_is_fp32():
-    small = random_blocks("Q4_0", 2, 256, seed=1).reshape(16, 18)
-    small[0, :2] = torch.tensor([2.0 ** -20], dtype=torch.float16).view(torch.uint8)
-    raws = [random_blocks("Q4_K", 3, 256), small.reshape(-1)]
+    big = random_blocks("Q4_0", 2, 256, seed=1).reshape(16, 18)
+    big[0, :2] = torch.tensor([16384.0], dtype=torch.float16).view(torch.uint8)
+    raws = [random_blocks("Q4_K", 3, 256), big.reshape(-1)]
     parts = [gguf_4bit.convert(raws[0], "Q4_K", 3, 256), gguf_4bit.convert(raws[1], "Q4_0", 2, 256)]
     assert [p.absmax.dtype for p in parts] == [torch.float16, torch.float32]
     p = gguf_4bit.stack(parts)

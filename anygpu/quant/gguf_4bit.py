@@ -25,12 +25,12 @@ taking the 8 d back): the 16-bit products then straddle zero like the weights, a
 of them; a simulation of the GEMV's fp16x2 sums gave half the error of codes q / 16.  The three types share a
 table, so a layer may stack their rows.
 
-Scales and offsets are kept in fp16 where every one of a tensor's is zero or in fp16's normal range (``narrow``),
-else in fp32: a decode step reads 0.625 bytes a weight instead of 0.75.  Exactness: in fp32, Q4_0 and IQ4 are the
+Scales and offsets are kept in fp16 where that moves no value by more than 2^-11 of its block's magnitude
+(``narrow``), else in fp32: a decode step reads 0.625 bytes a weight instead of 0.75.  Exactness: in fp32, Q4_0 and IQ4 are the
 file's values bit for bit, and for Q4_1 / Q4_K the offset (two exact fp32 terms) is rounded once when its terms'
 exponents lie far apart (half an ulp of the offset); in fp16, Q4_0's 8 d, Q4_1's 8 d and IQ4_NL's 128 d stay
-exact (fp16 d times a power of two), and the rest (Q4_K's 8 d sc and offsets, Q4_1's offset, IQ4_XS's scales) are
-within 2^-11 of their fp32 values, relative: an error well under the 16-bit arithmetic's own that the kernels
+exact (fp16 d times a power of two), and the rest (Q4_K's 8 d sc and offsets, Q4_1's offset, IQ4_XS's scales) move
+a value by at most 2^-11 of its block's |scale| + |offset|: an error well under the 16-bit arithmetic's own that the kernels
 multiply codes and activations in (bf16: 2^-8), and under the CPU path's (``gguf_int4pack``, which rounds scales
 to the activations' 16-bit dtype).
 
@@ -120,15 +120,17 @@ def convert(raw: torch.Tensor, type_name: str, n: int, k: int) -> Packed4bit:
                       code_table(TABLES[type_name], raw.device), TABLES[type_name])
 
 
-FP16_NORMAL = (2.0 ** -14, 65504.0)  # fp16's smallest normal and largest finite values
-
-
 def narrow(codes: torch.Tensor, absmax: torch.Tensor, offset: torch.Tensor | None) -> tuple:
-    """(codes, absmax, offset) with absmax and offset in fp16 when every value of both is zero or in fp16's normal
-    range once rounded (each then within 2^-11 of its fp32 value, relative), else as they are (fp32)."""
-    values = absmax if offset is None else torch.cat([absmax, offset])
-    half = values.half().float().abs()  # one device read per tensor, at load
-    if not bool(((half == 0) | ((half >= FP16_NORMAL[0]) & (half <= FP16_NORMAL[1]))).all()):
+    """(codes, absmax, offset) with absmax and offset in fp16 when that moves no block's values by more than 2^-11
+    of the block's magnitude (|absmax| + |offset|: a value is code * absmax + offset, |code| <= 1), as fp16 rounding
+    does in its normal range; a small offset next to a larger scale may be subnormal.  Else as they are (fp32):
+    a scale that overflows fp16 or falls below its normal range, say."""
+    error = (absmax.half().float() - absmax).abs()
+    size = absmax.abs()
+    if offset is not None:
+        error = error + (offset.half().float() - offset).abs()
+        size = size + offset.abs()
+    if not bool((error <= 2.0 ** -11 * size).all()):  # one device read per tensor, at load; inf / nan fail too
         return codes, absmax, offset
     return codes, absmax.half(), None if offset is None else offset.half()
 
