@@ -64,12 +64,15 @@ def test_convert_equals_gguf_dequantize_exactly(type_name):
     raw = random_blocks(type_name, N, K)
     p = gguf_4bit.convert(raw, type_name, N, K)
     assert p.packed.dtype == torch.uint8 and p.packed.shape == (N * K // 2,)
-    assert p.absmax.shape == (N * K // 32,) and p.absmax.dtype == torch.float16  # the scales fit fp16 here
+    assert p.absmax.shape == (N * K // 32,) and p.absmax.dtype == torch.float32
     assert (p.offset is not None) == (type_name in ("Q4_1", "Q4_K"))
-    if type_name in ("Q4_0", "IQ4_NL"):  # fp16 d times a power of two: exact in fp16 too
-        assert torch.equal(values(p, N, K), oracle(raw, type_name, N, K))
     assert p.code.abs().max() <= 1  # bitsandbytes-sized codes: 16-bit products keep NF4's headroom
     assert_values(p, N, K, oracle(raw, type_name, N, K))
+    h = gguf_4bit.convert(raw, type_name, N, K, half_scales=True)  # for 16-bit layers: fp16 where it fits
+    assert h.absmax.dtype == torch.float16 and torch.equal(h.packed, p.packed)
+    assert_values(h, N, K, oracle(raw, type_name, N, K))
+    if type_name in ("Q4_0", "IQ4_NL"):  # fp16 d times a power of two: exact in fp16 too
+        assert torch.equal(values(h, N, K), oracle(raw, type_name, N, K))
 
 
 @pytest.mark.parametrize("type_name", ["Q4_0", "Q4_K"])
@@ -78,7 +81,7 @@ def test_scales_out_of_fp16_range_stay_fp32_and_exact(type_name):
     raw = random_blocks(type_name, N, K).reshape(N * K // BLOCK_SHAPES[type_name][0], -1)
     raw[0, :2] = torch.tensor([16384.0], dtype=torch.float16).view(torch.uint8)
     raw = raw.reshape(-1)
-    p = gguf_4bit.convert(raw, type_name, N, K)
+    p = gguf_4bit.convert(raw, type_name, N, K, half_scales=True)
     assert p.absmax.dtype == torch.float32 and (p.offset is None or p.offset.dtype == torch.float32)
     assert_values(p, N, K, oracle(raw, type_name, N, K))
 
@@ -87,7 +90,7 @@ def test_small_offsets_next_to_larger_scales_still_narrow():
     """Q4_K offsets (8 d sc - dmin m) of random weights often lie near zero, below fp16's normal range: they stay
     fp16 while their rounding is small against their block's scale."""
     raw = gguf_4bit.quantize_q4_k(torch.randn(64, 512) * 0.02).reshape(-1)
-    p = gguf_4bit.convert(raw, "Q4_K", 64, 512)
+    p = gguf_4bit.convert(raw, "Q4_K", 64, 512, half_scales=True)
     e = gguf_4bit._groups(raw, "Q4_K")[2].abs()
     assert bool(((e > 0) & (e < 2.0 ** -14)).any())  # some subnormal in fp16
     assert p.absmax.dtype == p.offset.dtype == torch.float16
@@ -98,7 +101,8 @@ def test_stack_of_fp16_and_fp32_parts_is_fp32():
     big = random_blocks("Q4_0", 2, 256, seed=1).reshape(16, 18)
     big[0, :2] = torch.tensor([16384.0], dtype=torch.float16).view(torch.uint8)
     raws = [random_blocks("Q4_K", 3, 256), big.reshape(-1)]
-    parts = [gguf_4bit.convert(raws[0], "Q4_K", 3, 256), gguf_4bit.convert(raws[1], "Q4_0", 2, 256)]
+    parts = [gguf_4bit.convert(raws[0], "Q4_K", 3, 256, half_scales=True),
+             gguf_4bit.convert(raws[1], "Q4_0", 2, 256, half_scales=True)]
     assert [p.absmax.dtype for p in parts] == [torch.float16, torch.float32]
     p = gguf_4bit.stack(parts)
     assert p.absmax.dtype == p.offset.dtype == torch.float32

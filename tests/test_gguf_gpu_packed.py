@@ -123,6 +123,23 @@ def test_layer_equals_linear_with_the_gguf_dequantized_weight(type_name, dtype):
     assert not list(layer.parameters())[1:] and layer.bias is not None  # the weight is buffers
 
 
+@pytest.mark.parametrize("type_name", ["Q4_0", "Q4_K"])
+def test_16_bit_layer_keeps_fp16_scales_and_its_accuracy(type_name):
+    """A bf16 linear's layer holds fp16 scales and offsets (gguf_4bit.narrow: 0.625 bytes a weight) and stays within
+    bf16's accuracy rule of gguf-py's dequantized weight."""
+    from anygpu.testing import assert_accurate
+
+    linear = torch.nn.Linear(512, 64).to(torch.bfloat16)
+    layer = GGUF4bitLinear.from_linear(linear, type_name)
+    assert layer.absmax.dtype == torch.float16 and (layer.offset is None or layer.offset.dtype == torch.float16)
+    raw = (gguf_4bit.quantize_q4_0 if type_name == "Q4_0" else gguf_4bit.quantize_q4_k)(linear.weight.detach())
+    w = torch.from_numpy(gguf.quants.dequantize(raw.numpy(), gguf.GGMLQuantizationType[type_name]).copy())
+    x = torch.randn(5, 512).to(torch.bfloat16)
+    bias = linear.bias.detach()
+    assert_accurate(layer(x), F.linear(x, w.to(torch.bfloat16), bias), F.linear(x.float(), w, bias.float()),
+                    what=type_name)
+
+
 def test_enabled_on_gpus_unless_turned_off(monkeypatch):
     gpu = torch.device("cuda", 0)
     monkeypatch.delenv("ANYGPU_GPU_GGUF_PACKED", raising=False)

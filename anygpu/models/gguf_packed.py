@@ -225,8 +225,9 @@ def pack_4bit(model: torch.nn.Module, checkpoint: GGUFCheckpoint) -> int:
             old = getattr(parent, attr)
             types = [tensors[n].type_name for n in names]
             if path != "embed_tokens" and gguf_4bit.stackable(types):
+                half = old.weight.dtype in (torch.float16, torch.bfloat16)  # 16-bit scales for 16-bit math
                 parts = [gguf_4bit.convert(_rows(mm, tensors[n], cfg).to(device).reshape(-1), tensors[n].type_name,
-                                           *tensors[n].shape) for n in names]
+                                           *tensors[n].shape, half_scales=half) for n in names]
                 setattr(parent, attr, GGUF4bitLinear(gguf_4bit.stack(parts), old.in_features, old.out_features,
                                                      old.bias))
                 kept += 1

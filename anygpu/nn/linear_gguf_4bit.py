@@ -4,7 +4,8 @@ the CPU).
 
 The blocks are re-laid as ``anygpu.quant.gguf_4bit`` describes (nothing is re-quantized): packed codes in
 bitsandbytes' nibble order, a scale and (Q4_1, Q4_K) offset per 32 weights (fp16 where they fit, else fp32), a
-16-entry table, so a weight reads 0.5 byte plus 2 or 4 bytes per 32 (fp32: 4 or 8).  A fused projection (q/k/v, gate/up) is its sources' rows stacked.
+16-entry table, so a weight reads 0.5 byte plus 2 or 4 bytes per 32 (fp32: 4 or 8).  fp16 only for a model that
+computes in 16 bits, where it costs no accuracy the arithmetic keeps (``anygpu.quant.gguf_4bit``).  A fused projection (q/k/v, gate/up) is its sources' rows stacked.
 Inference only: the weight is buffers, not parameters; a bias stays a parameter (the loader fills it).
 """
 
@@ -36,7 +37,8 @@ class GGUF4bitLinear(nn.Module):
     @classmethod
     def from_linear(cls, linear: nn.Linear, type_name: str, device=None) -> GGUF4bitLinear:
         """``linear``'s weight quantized to ``type_name`` ("Q4_0" or "Q4_K", ``gguf_4bit``'s torch quantizers) on
-        ``device`` (default: the weight's)."""
+        ``device`` (default: the weight's); a 16-bit linear's scales and offsets go to fp16 where they fit
+        (``gguf_4bit.narrow``)."""
         quantizers = {"Q4_0": gguf_4bit.quantize_q4_0, "Q4_K": gguf_4bit.quantize_q4_k}
         if type_name not in quantizers:
             raise ValueError(f"type_name: expected one of {tuple(quantizers)}, got {type_name!r}")
@@ -44,7 +46,8 @@ class GGUF4bitLinear(nn.Module):
         n, k = w.shape
         raw = quantizers[type_name](w).reshape(-1)
         bias = None if linear.bias is None else linear.bias.detach().to(w.device)
-        return cls(gguf_4bit.convert(raw, type_name, n, k), k, n, bias)
+        half = linear.weight.dtype in (torch.float16, torch.bfloat16)
+        return cls(gguf_4bit.convert(raw, type_name, n, k, half_scales=half), k, n, bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         bias = None if self.bias is None else self.bias.to(x.dtype)

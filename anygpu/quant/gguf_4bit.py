@@ -25,8 +25,9 @@ taking the 8 d back): the 16-bit products then straddle zero like the weights, a
 of them; a simulation of the GEMV's fp16x2 sums gave half the error of codes q / 16.  The three types share a
 table, so a layer may stack their rows.
 
-Scales and offsets are kept in fp16 where that moves no value by more than 2^-11 of its block's magnitude
-(``narrow``), else in fp32: a decode step reads 0.625 bytes a weight instead of 0.75.  Exactness: in fp32, Q4_0 and IQ4 are the
+For a layer that computes in 16 bits (``convert(..., half_scales=True)``), scales and offsets are kept in fp16
+where that moves no value by more than 2^-11 of its block's magnitude (``narrow``), else in fp32: a decode step
+then reads 0.625 bytes a weight instead of 0.75.  Exactness: in fp32, Q4_0 and IQ4 are the
 file's values bit for bit, and for Q4_1 / Q4_K the offset (two exact fp32 terms) is rounded once when its terms'
 exponents lie far apart (half an ulp of the offset); in fp16, Q4_0's 8 d, Q4_1's 8 d and IQ4_NL's 128 d stay
 exact (fp16 d times a power of two), and the rest (Q4_K's 8 d sc and offsets, Q4_1's offset, IQ4_XS's scales) move
@@ -104,8 +105,9 @@ def _groups(raw: torch.Tensor, type_name: str) -> tuple[torch.Tensor, torch.Tens
     return codes, (128 * (fp16_values(b[:, :2])[:, None] * scales)).reshape(-1), None
 
 
-def convert(raw: torch.Tensor, type_name: str, n: int, k: int) -> Packed4bit:
-    """An [n, k] GGUF tensor's raw blocks (uint8, any device) -> the 4-bit matmul's tensors, on that device."""
+def convert(raw: torch.Tensor, type_name: str, n: int, k: int, half_scales: bool = False) -> Packed4bit:
+    """An [n, k] GGUF tensor's raw blocks (uint8, any device) -> the 4-bit matmul's tensors, on that device.
+    ``half_scales``: for a layer computing in fp16 / bf16, scales and offsets in fp16 where ``narrow`` allows."""
     if type_name not in TYPES:
         raise ValueError(f"type_name: expected one of {TYPES}, got {type_name!r}")
     block, size = BLOCK_SHAPES[type_name]
@@ -114,7 +116,9 @@ def convert(raw: torch.Tensor, type_name: str, n: int, k: int) -> Packed4bit:
     if raw.dtype != torch.uint8 or raw.numel() != n * k // block * size:
         raise ValueError(f"raw: expected {n * k // block * size} uint8 bytes of {type_name} blocks for [{n}, {k}], "
                          f"got {raw.numel()} {raw.dtype}")
-    codes, absmax, offset = narrow(*_groups(raw, type_name))
+    codes, absmax, offset = _groups(raw, type_name)
+    if half_scales:
+        codes, absmax, offset = narrow(codes, absmax, offset)
     packed = ((codes[:, 0::2] << 4) | codes[:, 1::2]).reshape(-1)
     return Packed4bit(packed, absmax.contiguous(), None if offset is None else offset.contiguous(),
                       code_table(TABLES[type_name], raw.device), TABLES[type_name])
