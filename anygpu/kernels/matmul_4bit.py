@@ -282,19 +282,24 @@ GEMV_CONFIGS = {
     # the busiest unit and the warps rarely waiting on memory: docs/perf/2026-12-05-gpu-s15.md). GGUF's linear Q4
     # codes decode by arithmetic instead (LINEAR).  Shape-specific entries follow (gemv_config: the first whose
     # MIN_/MAX_ bounds hold, else the general first entry): the gate/up shape (many rows, K <= 4096) splits 2 ways,
-    # the down shape (long K, few rows) takes 32 rows and 8 splits, and narrow layers (N <= 2048: TP shards, GQA's
-    # k/v) 512-column steps without prefetch and 8 splits, for programs enough to fill the GPU
-    # (tools/sweep_gemv_shapes.py picks them; the measurements are in docs/perf/2026-12-04-nf4-gemv-bounds.md).
+    # the down shape (long K, few rows) takes 32 rows and 8 splits with bitsandbytes' blocks of 64 but 16 rows with
+    # GGUF's blocks of 32 (twice as many scales and an offset: the 32-row program ran at half the 16-row one's
+    # speed, docs/perf/2026-12-05-gpu-s16.md), and narrow layers (N <= 2048: TP shards, GQA's k/v) 512-column
+    # steps without prefetch and 8 splits, for programs enough to fill the GPU (tools/sweep_gemv_shapes.py picks
+    # them, --q4k for GGUF's; the measurements are in docs/perf/2026-12-04-nf4-gemv-bounds.md).
     "nvidia": (LaunchConfig({"BLOCK_N": 16, "CHUNK": 256, "PREFETCH": True, "MAX_SPLIT": 4,
                              "SPLIT_MIN_CHUNKS": 2, "DECODE_PTX": True, "HALF2": True}, num_warps=1),
                LaunchConfig({"MIN_N": 16384, "MAX_K": 4096, "BLOCK_N": 16, "CHUNK": 256, "PREFETCH": True,
                              "MAX_SPLIT": 2, "SPLIT_MIN_CHUNKS": 2, "DECODE_PTX": True, "HALF2": True}, num_warps=1),
+               LaunchConfig({"MAX_N": 4096, "MIN_K": 12288, "MAX_BLOCKSIZE": 32, "BLOCK_N": 16, "CHUNK": 256,
+                             "PREFETCH": True, "MAX_SPLIT": 8, "SPLIT_MIN_CHUNKS": 2, "DECODE_PTX": True, "HALF2": True},
+                            num_warps=1),
                LaunchConfig({"MAX_N": 4096, "MIN_K": 12288, "BLOCK_N": 32, "CHUNK": 256, "PREFETCH": True,
                              "MAX_SPLIT": 8, "SPLIT_MIN_CHUNKS": 2, "DECODE_PTX": True, "HALF2": True}, num_warps=1),
                LaunchConfig({"MAX_N": 2048, "BLOCK_N": 16, "CHUNK": 512, "PREFETCH": False, "MAX_SPLIT": 8,
                              "SPLIT_MIN_CHUNKS": 2, "DECODE_PTX": True, "HALF2": True}, num_warps=1)),
 }
-SHAPE_BOUNDS = ("MIN_N", "MAX_N", "MIN_K", "MAX_K")
+SHAPE_BOUNDS = ("MIN_N", "MAX_N", "MIN_K", "MAX_K", "MAX_BLOCKSIZE")
 # MMA (1 to 8 rows on NVIDIA tensor cores, gemv_mma_4bit.py): WARPS warps of 16 weight rows a program, K split
 # up to MAX_SPLIT ways while each split keeps >= SPLIT_MIN_STEPS steps of 64 columns.  NVIDIA takes it for 2 to 8
 # rows, where tools/sweep_matmul_4bit.py --mma measured it ahead of the GEMM (a lane's operands in vector loads,
@@ -365,7 +370,7 @@ def plan(m: int, n: int, k: int, blocksize: int, dtype: torch.dtype, device: tor
         return Plan("dequant")  # blocks straddle rows: rare; the dequantize kernel handles any layout
     limits = select(PATH_LIMITS, target)
     if m <= limits["gemv"]:
-        cfg = gemv_config(n, k, target)
+        cfg = gemv_config(n, k, target, blocksize)
         c = cfg.constexprs
         return Plan("gemv", cfg, split_count(-(-k // c["CHUNK"]), c["MAX_SPLIT"], c.get("SPLIT_MIN_CHUNKS", 4)))
     if m <= limits.get("mma", 0) and blocksize % 64 == 0 and k % 64 == 0 and dtype in DTYPES:
@@ -393,14 +398,14 @@ def _mma_ptx_fits(x2: torch.Tensor, w: torch.Tensor, k: int) -> bool:
 
 
 
-def gemv_config(n: int, k: int, target) -> LaunchConfig:
-    """The GEMV config for an [n, k] weight: the first of the table's shape-specific entries whose bounds
-    (SHAPE_BOUNDS) hold, else its first, general entry."""
+def gemv_config(n: int, k: int, target, blocksize: int = 64) -> LaunchConfig:
+    """The GEMV config for an [n, k] weight of 4-bit blocks of ``blocksize``: the first of the table's
+    shape-specific entries whose bounds (SHAPE_BOUNDS) hold, else its first, general entry."""
     configs = select(GEMV_CONFIGS, target)
 
     def holds(c: dict) -> bool:
         return (n >= c.get("MIN_N", 0) and n <= c.get("MAX_N", n) and k >= c.get("MIN_K", 0)
-                and k <= c.get("MAX_K", k))
+                and k <= c.get("MAX_K", k) and blocksize <= c.get("MAX_BLOCKSIZE", blocksize))
     return next((c for c in configs[1:] if holds(c.constexprs)), configs[0])
 
 

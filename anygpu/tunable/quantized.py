@@ -65,7 +65,7 @@ def _plans_4bit(problem, device) -> dict:
         return offered  # only the dequantize path handles these
     target = device_target(device)
     if m <= 8:  # the GEMV decodes W once per row of x
-        gemv = K4.gemv_config(n, k, target)
+        gemv = K4.gemv_config(n, k, target, blocksize)
         for split in (1, 2, 4, 8, 16):
             offered[f"Gemv_sk{split}"] = K4.Plan("gemv", gemv, split)
     if m <= 8 and k % 64 == 0 and blocksize % 64 == 0:  # the tensor-core path: 8 rows for the decode of 1
