@@ -128,11 +128,13 @@ def test_nvidia_plan_takes_the_tensor_cores_for_two_to_eight_rows(monkeypatch):
     assert K.plan(4, 8192, 8192, 64, torch.float32, cuda).path == "gemm"
     # One row: the shape-specific GEMV entries where their bounds hold (gate/up-like, down-like: GGUF's blocks of 32
     # and bitsandbytes' of 64 apart), else the first.
-    first, wide, deep_gguf, deep, narrow = K.select(K.GEMV_CONFIGS, TARGETS["sm_90"])
+    first, deep_gguf, gguf, wide, deep, narrow = K.select(K.GEMV_CONFIGS, TARGETS["sm_90"])
     assert K.plan(1, 28672, 4096, 64, h, cuda) == K.Plan("gemv", wide, 2)
     assert K.plan(1, 4096, 14336, 64, h, cuda) == K.Plan("gemv", deep, 8)
     assert K.plan(1, 4096, 14336, 32, h, cuda) == K.Plan("gemv", deep_gguf, 8)
     assert deep_gguf.constexprs["BLOCK_N"] == 16 and deep.constexprs["BLOCK_N"] == 32
+    assert [K.plan(1, n, 4096, 32, h, cuda).config for n in (28672, 6144, 4096)] == [gguf] * 3
+    assert K.plan(1, 1024, 4096, 32, h, cuda).config is narrow
     assert K.plan(1, 1024, 14336, 64, h, cuda).config is deep  # the first entry whose bounds hold
     assert K.plan(1, 1024, 8192, 64, h, cuda) == K.Plan("gemv", narrow, 8)
     assert [K.plan(1, n, k, 64, h, cuda) for n, k in ((8192, 8192), (28672, 8192), (6144, 4096), (8192, 14336))] \

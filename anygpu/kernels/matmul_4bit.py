@@ -281,19 +281,22 @@ GEMV_CONFIGS = {
     # (NF4): the decoder's integer instructions (Hopper's integer pipe runs at half rate; Nsight Compute shows it
     # the busiest unit and the warps rarely waiting on memory: docs/perf/2026-12-05-gpu-s15.md). GGUF's linear Q4
     # codes decode by arithmetic instead (LINEAR).  Shape-specific entries follow (gemv_config: the first whose
-    # MIN_/MAX_ bounds hold, else the general first entry): the gate/up shape (many rows, K <= 4096) splits 2 ways,
-    # the down shape (long K, few rows) takes 32 rows and 8 splits with bitsandbytes' blocks of 64 but 16 rows with
-    # GGUF's blocks of 32 (twice as many scales and an offset: the 32-row program ran at half the 16-row one's
-    # speed, docs/perf/2026-12-05-gpu-s16.md), and narrow layers (N <= 2048: TP shards, GQA's k/v) 512-column
-    # steps without prefetch and 8 splits, for programs enough to fill the GPU (tools/sweep_gemv_shapes.py picks
-    # them, --q4k for GGUF's; the measurements are in docs/perf/2026-12-04-nf4-gemv-bounds.md).
+    # MIN_/MAX_ bounds hold, else the general first entry).  GGUF's blocks of 32 (twice as many scales, and
+    # offsets) first: the down shape (long K, few rows) 16 rows and 8 splits, the others from 4096 rows 512-column
+    # steps without prefetch (tools/sweep_gemv_shapes.py --q4k on the H200: NF4's 32-row down entry ran at half
+    # speed there, docs/perf/2026-12-05-gpu-s16.md).  Then bitsandbytes': the gate/up shape (many rows, K <= 4096)
+    # splits 2 ways, the down shape 32 rows and 8 splits; and for both, narrow layers (N <= 2048: TP shards, GQA's
+    # k/v) 512-column steps without prefetch and 8 splits, for programs enough to fill the GPU
+    # (tools/sweep_gemv_shapes.py; the measurements are in docs/perf/2026-12-04-nf4-gemv-bounds.md).
     "nvidia": (LaunchConfig({"BLOCK_N": 16, "CHUNK": 256, "PREFETCH": True, "MAX_SPLIT": 4,
                              "SPLIT_MIN_CHUNKS": 2, "DECODE_PTX": True, "HALF2": True}, num_warps=1),
-               LaunchConfig({"MIN_N": 16384, "MAX_K": 4096, "BLOCK_N": 16, "CHUNK": 256, "PREFETCH": True,
-                             "MAX_SPLIT": 2, "SPLIT_MIN_CHUNKS": 2, "DECODE_PTX": True, "HALF2": True}, num_warps=1),
                LaunchConfig({"MAX_N": 4096, "MIN_K": 12288, "MAX_BLOCKSIZE": 32, "BLOCK_N": 16, "CHUNK": 256,
                              "PREFETCH": True, "MAX_SPLIT": 8, "SPLIT_MIN_CHUNKS": 2, "DECODE_PTX": True, "HALF2": True},
                             num_warps=1),
+               LaunchConfig({"MIN_N": 4096, "MAX_BLOCKSIZE": 32, "BLOCK_N": 16, "CHUNK": 512, "PREFETCH": False,
+                             "MAX_SPLIT": 4, "SPLIT_MIN_CHUNKS": 2, "DECODE_PTX": True, "HALF2": True}, num_warps=1),
+               LaunchConfig({"MIN_N": 16384, "MAX_K": 4096, "BLOCK_N": 16, "CHUNK": 256, "PREFETCH": True,
+                             "MAX_SPLIT": 2, "SPLIT_MIN_CHUNKS": 2, "DECODE_PTX": True, "HALF2": True}, num_warps=1),
                LaunchConfig({"MAX_N": 4096, "MIN_K": 12288, "BLOCK_N": 32, "CHUNK": 256, "PREFETCH": True,
                              "MAX_SPLIT": 8, "SPLIT_MIN_CHUNKS": 2, "DECODE_PTX": True, "HALF2": True}, num_warps=1),
                LaunchConfig({"MAX_N": 2048, "BLOCK_N": 16, "CHUNK": 512, "PREFETCH": False, "MAX_SPLIT": 8,

@@ -183,7 +183,9 @@ def matmul_q4_k_cases(device: torch.device, quick: bool) -> list[Case]:
     cases = []
     for n, k in [(256, 512)] if small else MATMUL_WEIGHTS:
         weight = torch.randn(n, k, dtype=dtype, device=device) * 0.02
-        w = gguf_4bit.convert(gguf_4bit.quantize_q4_k(weight).reshape(-1), "Q4_K", n, k)
+        # the layer's form for 16-bit activations (GGUF4bitLinear.from_linear): fp16 scales where they fit
+        w = gguf_4bit.convert(gguf_4bit.quantize_q4_k(weight).reshape(-1), "Q4_K", n, k,
+                              half_scales=dtype != torch.float32)
         weight_bytes = w.packed.nbytes + w.absmax.nbytes + w.offset.nbytes
         for m in (1, 16) if small else Q4K_ROWS:
             x = torch.randn(m, k, dtype=dtype, device=device)
