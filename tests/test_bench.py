@@ -122,6 +122,16 @@ def test_failing_ours_raises(throwaway_suite):
         bench.run("_test_broken_ours", **FAST)
 
 
+def test_ops_pick_cases_and_unknown_ops_are_named(throwaway_suite):
+    a = torch.randn(8, 8)
+    throwaway_suite("_test_ops", lambda device, quick: [
+        Case("add", "8x8", lambda: a + a), Case("mul", "8x8", lambda: a * a), Case("mul", "8x8 again", lambda: a * a)])
+    report = bench.run("_test_ops", ops=("mul",), **FAST)
+    assert [(r["op"], r["shape"]) for r in report.rows] == [("mul", "8x8"), ("mul", "8x8 again")]
+    with pytest.raises(ValueError, match=r"ops: suite '_test_ops' has no cases of sub; its ops: add, mul"):
+        bench.run("_test_ops", ops=("mul", "sub"), **FAST)
+
+
 def test_case_checks_its_arguments():
     with pytest.raises(ValueError, match="bytes"):
         Case("x", "1", lambda: None, bytes=-1)
@@ -212,3 +222,22 @@ def test_decode_step_bytes_count_every_weight_once_and_the_kv_cache(quantize):
         assert decode_step_bytes(engine, 3, 10.5) == expect + 3 * 10.5 * per_token
     finally:
         engine.close()
+
+
+def test_cli_op_option_runs_those_cases_only(tmp_path):
+    import subprocess
+    import sys
+
+    def anygpu(*args):
+        return subprocess.run([sys.executable, "-m", "anygpu.cli", "bench", *args], capture_output=True, text=True,
+                              timeout=600)
+
+    out = tmp_path / "q.json"
+    run = anygpu("quant", "--quick", "--op", "matmul_q4_k", "--json", str(out), "-q")
+    assert run.returncode == 0, run.stderr[-2000:]
+    rows = json.loads(out.read_text())["rows"]
+    assert rows and {r["op"] for r in rows} == {"matmul_q4_k"}
+    run = anygpu("quant", "--quick", "--op", "no_such_op")
+    assert run.returncode == 2 and "--op" in run.stderr and "no_such_op" in run.stderr and "matmul_q4_k" in run.stderr
+    run = anygpu("model", "--op", "matmul_q4_k")
+    assert run.returncode == 2 and "--op" in run.stderr and "kernel-suite option" in run.stderr

@@ -101,8 +101,9 @@ def load_suites() -> dict[str, Suite]:
 
 
 def run(name: str, *, quick: bool = False, device: torch.device | None = None, progress: bool = True,
-        warmup_ms: float = 25, rep_ms: float = 100) -> Report:
-    """Run suite ``name`` on ``device`` (default: the active backend's).  ``quick``: small shapes only."""
+        warmup_ms: float = 25, rep_ms: float = 100, ops: tuple[str, ...] = ()) -> Report:
+    """Run suite ``name`` on ``device`` (default: the active backend's).  ``quick``: small shapes only; ``ops``:
+    only the cases of these ops (every name must be one of the suite's)."""
     suites = load_suites()
     if name not in suites:
         raise ValueError(f"suite: unknown suite {name!r}; known suites: {', '.join(sorted(suites)) or 'none'}")
@@ -111,6 +112,12 @@ def run(name: str, *, quick: bool = False, device: torch.device | None = None, p
     for case in cases:
         if not isinstance(case, Case):
             raise TypeError(f"suite {name!r} returned {type(case).__name__}, expected Case")
+    if ops:
+        known = sorted({c.op for c in cases})
+        unknown = sorted(set(ops) - set(known))
+        if unknown:
+            raise ValueError(f"ops: suite {name!r} has no cases of {', '.join(unknown)}; its ops: {', '.join(known)}")
+        cases = [c for c in cases if c.op in ops]
     # The ceilings come first, before the cases warm the device or fragment its memory.
     copy_bw = ceilings.copy_bandwidth(device)
     peak_dtype = ceilings.default_matmul_dtype(device) if any(c.flops for c in cases) else None

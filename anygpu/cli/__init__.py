@@ -42,6 +42,8 @@ def doctor(as_json, targets, no_probe):
 @click.argument("suite", required=False)
 @click.option("--list", "list_suites", is_flag=True, help="List the suites.")
 @click.option("--quick", is_flag=True, help="Small shapes (a smoke run).")
+@click.option("--op", "ops", multiple=True, metavar="NAME",
+              help="Kernel suites: only the cases of this op (repeatable; e.g. matmul_q4_k in the quant suite).")
 @click.option("--json", "json_path", default=None, metavar="PATH", help="Where to write the JSON results.")
 @click.option("--png", "png_path", default=None, metavar="PATH", help="Where to write a chart (needs matplotlib).")
 @click.option("--model", default=None, metavar="PATH|ORG/NAME[:TAG]",
@@ -83,7 +85,7 @@ def doctor(as_json, targets, no_probe):
               help="serve suite: choices per request (OpenAI's n); above 1, the run is repeated with n = 1 on as "
                    "many prompts and the output tokens/s ratio printed.")
 @quiet_option("No progress bars.", expose_value=False)
-def bench(suite, list_suites, quick, json_path, png_path, tp, url, api_key, request_rate, half_load,
+def bench(suite, list_suites, quick, ops, json_path, png_path, tp, url, api_key, request_rate, half_load,
           disconnect_fraction, client_procs, n, **model_options):
     """Run a benchmark SUITE on this backend against its baselines.
 
@@ -100,6 +102,9 @@ def bench(suite, list_suites, quick, json_path, png_path, tp, url, api_key, requ
         return
     gguf_file = model_options.pop("gguf_file")
     if suite in ("model", "serve"):
+        if ops:
+            raise click.BadParameter("a kernel-suite option (the model and serve suites run whole models)",
+                                     param_hint="--op")
         model_options["model"] = model_spec(model_options["model"], gguf_file)
     if suite == "model":
         require("llm", "anygpu bench model")
@@ -126,7 +131,12 @@ def bench(suite, list_suites, quick, json_path, png_path, tp, url, api_key, requ
     if suite not in harness.SUITES:
         raise click.BadParameter(f"expected one of {', '.join(sorted(harness.SUITES))}, got {suite!r}",
                                  param_hint="SUITE")
-    report = harness.run(suite, quick=quick)
+    try:
+        report = harness.run(suite, quick=quick, ops=ops)
+    except ValueError as e:
+        if not str(e).startswith("ops:"):
+            raise
+        raise click.BadParameter(str(e).removeprefix("ops: "), param_hint="--op") from e
     click.echo(report.table())
     json_path = json_path or f"bench-results/{suite}.json"
     report.write_json(json_path)
