@@ -446,9 +446,8 @@ def matmul_4bit(x: torch.Tensor, weight: torch.Tensor, absmax: torch.Tensor, cod
                 nested_code: torch.Tensor | None = None, nested_offset: torch.Tensor | None = None,
                 offset: torch.Tensor | None = None, plan_: Plan | None = None) -> torch.Tensor:
     """Launch on x's device.  x: [..., k] fp16/bf16 (fp32 works); weight: the packed bytes (any shape and
-    storage dtype, viewed as uint8); ``offset``: per block, as absmax (fp32 or fp16), added to each value (GGUF's
-    minimums); the
-    caller (the op) has checked every argument."""
+    storage dtype, viewed as uint8); ``offset``: per block, in absmax's dtype (fp32 or fp16), added to each value
+    (GGUF's minimums); the caller (the op) has checked every argument."""
     lead = x.shape[:-1]
     x2 = x.reshape(-1, k)
     if x2.stride(-1) != 1:

@@ -5,7 +5,8 @@ the CPU).
 The blocks are re-laid as ``anygpu.quant.gguf_4bit`` describes (nothing is re-quantized): packed codes in
 bitsandbytes' nibble order, a scale and (Q4_1, Q4_K) offset per 32 weights (fp16 where they fit, else fp32), a
 16-entry table, so a weight reads 0.5 byte plus 2 or 4 bytes per 32 (fp32: 4 or 8).  fp16 only for a model that
-computes in 16 bits, where it costs no accuracy the arithmetic keeps (``anygpu.quant.gguf_4bit``).  A fused projection (q/k/v, gate/up) is its sources' rows stacked.
+computes in 16 bits, where it costs no accuracy the arithmetic keeps (``anygpu.quant.gguf_4bit``).  A fused
+projection (q/k/v, gate/up) is its sources' rows stacked.
 Inference only: the weight is buffers, not parameters; a bias stays a parameter (the loader fills it).
 """
 
