@@ -4,9 +4,9 @@
     y = anygpu.ops.matmul_4bit(x, w.packed, w.absmax, w.code, 32, n, k, offset=w.offset)
 
 The kernels (``anygpu/kernels/matmul_4bit.py``) read bitsandbytes' layout: row-major, two codes a byte, element 2i
-in the high nibble and 2i + 1 in the low one, a scale (absmax) per block, any 16-entry fp32 table, and an
-optional offset per block (scales and offsets fp32, or fp16: see ``narrow`` below).  Each GGUF type maps onto it (``tests/test_gguf_4bit.py`` holds every one to
-``gguf.quants.dequantize``):
+in the high nibble and 2i + 1 in the low one, a scale (absmax) per block, any 16-entry fp32 table, and an optional
+offset per block (scales and offsets fp32, or fp16: see ``narrow`` below). Each GGUF type maps onto it
+(``tests/test_gguf_4bit.py`` holds every one to ``gguf.quants.dequantize``):
 
 | type   | GGUF value               | code table     | absmax          | offset             |
 |--------|--------------------------|----------------|-----------------|--------------------|
@@ -25,15 +25,15 @@ taking the 8 d back): the 16-bit products then straddle zero like the weights, a
 of them; a simulation of the GEMV's fp16x2 sums gave half the error of codes q / 16.  The three types share a
 table, so a layer may stack their rows.
 
-For a layer that computes in 16 bits (``convert(..., half_scales=True)``), scales and offsets are kept in fp16
-where that moves no value by more than 2^-11 of its block's magnitude (``narrow``), else in fp32: a decode step
-then reads 0.625 bytes a weight instead of 0.75.  Exactness: in fp32, Q4_0 and IQ4 are the
-file's values bit for bit, and for Q4_1 / Q4_K the offset (two exact fp32 terms) is rounded once when its terms'
-exponents lie far apart (half an ulp of the offset); in fp16, Q4_0's 8 d, Q4_1's 8 d and IQ4_NL's 128 d stay
-exact (fp16 d times a power of two), and the rest (Q4_K's 8 d sc and offsets, Q4_1's offset, IQ4_XS's scales) move
-a value by at most 2^-11 of its block's |scale| + |offset|: an error well under the 16-bit arithmetic's own that the kernels
-multiply codes and activations in (bf16: 2^-8), and under the CPU path's (``gguf_int4pack``, which rounds scales
-to the activations' 16-bit dtype).
+For a layer that computes in 16 bits (``convert(..., half_scales=True)``), scales and offsets are kept in fp16 where
+that moves no value by more than 2^-11 of its block's magnitude (``narrow``), else in fp32: a decode step then reads
+0.625 bytes a weight instead of 0.75 (Q4_K, Q4_1; 0.5625 instead of 0.625 without offsets). Exactness: in fp32, Q4_0
+and IQ4 are the file's values bit for bit, and for Q4_1 / Q4_K the offset (two exact fp32 terms) is rounded once
+when its terms' exponents lie far apart (half an ulp of the offset); in fp16, Q4_0's 8 d, Q4_1's 8 d and IQ4_NL's
+128 d stay exact (fp16 d times a power of two), and the rest (Q4_K's 8 d sc and offsets, Q4_1's offset, IQ4_XS's
+scales) move a value by at most 2^-11 of its block's |scale| + |offset|: an error well under the 16-bit arithmetic's
+own that the kernels multiply codes and activations in (bf16: 2^-8), and under the CPU path's (``gguf_int4pack``,
+which rounds scales to the activations' 16-bit dtype).
 
 GGUF's order inside a block: Q4_0 / Q4_1 / IQ4_NL's byte j holds element j (low nibble) and j + 16 (high); a Q4_K
 super-block's 128 bytes are 4 runs of 32, run r holding group 2r's element i in byte i's low nibble and group
