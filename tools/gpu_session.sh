@@ -4,7 +4,8 @@
 # steps: tests-engine, tests-issue4, tests-int8, tests-tp, bench-engine, bench-int8, bench-optim, bench-tp, bench-serve,
 # ncu-gemv (Nsight Compute on the decode GEMVs: tools/ncu_gemv.py; NCU_WEIGHT=q4_k for GGUF's),
 # linear-q4 (the arithmetic Q4 decoder's GPU tests, then the engine's q4_k decode with it off and on: ANYGPU_LINEAR_4BIT)
-# quant-matmul (the quant suite's NF4 and Q4_K matmul rows only)
+# quant-matmul (the quant suite's NF4 and Q4_K matmul rows only), bench-formats (bf16, nf4, int8, q4_k, q8_0 in one
+# engine run, batch 1 and 64 prompts)
 # (tests-tp and bench-tp need two GPUs: the nvidia-h200-x2 kind.)
 set -u
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target .gpu-site .whl/*.whl \
@@ -56,6 +57,12 @@ for step in "$@"; do
           --input-len 128 --output-len 256 --no-baseline --quantize bf16,q4_k -q --json "$OUT/q4k_b1_linear$on.json" \
           2>&1 | grep "anygpu\|vs the" | sed "s/^/linear=$on  /"
       done ;;
+    bench-formats)
+      # every weight format on one workload, ratios in one run: batch 1, then 64 prompts
+      timeout 200 python3 -m anygpu.cli bench model --random-config llama3-8b --num-prompts 1 --input-len 128 \
+        --output-len 256 --no-baseline --quantize bf16,nf4,int8,q4_k,q8_0 -q --json "$OUT/formats_b1.json" 2>&1 | tail -9
+      timeout 300 python3 -m anygpu.cli bench model --random-config llama3-8b --num-prompts 64 --input-len 512 \
+        --output-len 256 --no-baseline --quantize bf16,nf4,int8,q4_k,q8_0 -q --json "$OUT/formats_c64.json" 2>&1 | tail -9 ;;
     quant-matmul)
       timeout 300 python3 -m anygpu.cli bench quant --op matmul_q4_k --op matmul_nf4 -q --json "$OUT/quant_matmul.json" \
         2>&1 | tail -40 ;;
