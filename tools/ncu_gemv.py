@@ -60,7 +60,8 @@ def main():
         def four_bit():
             return matmul_4bit(x, packed.t(), state)
     else:
-        q = gguf_4bit.convert(gguf_4bit.quantize_q4_k(w).reshape(-1), "Q4_K", args.n, args.k)
+        # the layer's form for bf16 weights (GGUF4bitLinear.from_linear): fp16 scales and offsets
+        q = gguf_4bit.convert(gguf_4bit.quantize_q4_k(w).reshape(-1), "Q4_K", args.n, args.k, half_scales=True)
 
         def four_bit():
             return ops.matmul_4bit(x, q.packed, q.absmax, q.code, gguf_4bit.BLOCKSIZE, args.n, args.k, offset=q.offset)

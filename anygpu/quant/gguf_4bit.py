@@ -118,25 +118,25 @@ def convert(raw: torch.Tensor, type_name: str, n: int, k: int, half_scales: bool
                          f"got {raw.numel()} {raw.dtype}")
     codes, absmax, offset = _groups(raw, type_name)
     if half_scales:
-        codes, absmax, offset = narrow(codes, absmax, offset)
+        absmax, offset = narrow(absmax, offset)
     packed = ((codes[:, 0::2] << 4) | codes[:, 1::2]).reshape(-1)
     return Packed4bit(packed, absmax.contiguous(), None if offset is None else offset.contiguous(),
                       code_table(TABLES[type_name], raw.device), TABLES[type_name])
 
 
-def narrow(codes: torch.Tensor, absmax: torch.Tensor, offset: torch.Tensor | None) -> tuple:
-    """(codes, absmax, offset) with absmax and offset in fp16 when that moves no block's values by more than 2^-11
-    of the block's magnitude (|absmax| + |offset|: a value is code * absmax + offset, |code| <= 1), as fp16 rounding
-    does in its normal range; a small offset next to a larger scale may be subnormal.  Else as they are (fp32):
-    a scale that overflows fp16 or falls below its normal range, say."""
+def narrow(absmax: torch.Tensor, offset: torch.Tensor | None) -> tuple:
+    """(absmax, offset) in fp16 when that moves no block's values by more than 2^-11 of the block's magnitude
+    (|absmax| + |offset|: a value is code * absmax + offset, |code| <= 1), as fp16 rounding does in its normal
+    range; a small offset next to a larger scale may be subnormal. Else as they are (fp32): a scale that overflows
+    fp16 or falls below its normal range, say."""
     error = (absmax.half().float() - absmax).abs()
     size = absmax.abs()
     if offset is not None:
         error = error + (offset.half().float() - offset).abs()
         size = size + offset.abs()
     if not bool((error <= 2.0 ** -11 * size).all()):  # one device read per tensor, at load; inf / nan fail too
-        return codes, absmax, offset
-    return codes, absmax.half(), None if offset is None else offset.half()
+        return absmax, offset
+    return absmax.half(), None if offset is None else offset.half()
 
 
 def stackable(types) -> bool:

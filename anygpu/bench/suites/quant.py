@@ -166,9 +166,9 @@ def matmul_4bit_cases(device: torch.device, quick: bool) -> list[Case]:
     return cases
 
 
-# GGUF's Q4_K in the 4-bit matmul's layout (quant/gguf_4bit.py: codes (q - 8) / 8, an fp32 scale and offset per 32):
-# the decode shapes of a Q4_K_M model's 4-bit projections.  ANYGPU_LINEAR_4BIT=1 / 0 picks the decoder
-# (arithmetic / table), so two runs compare them.
+# GGUF's Q4_K in the 4-bit matmul's layout (quant/gguf_4bit.py: codes (q - 8) / 8, a scale and offset per 32, fp16
+# for bf16 weights): the decode shapes of a Q4_K_M model's 4-bit projections.  ANYGPU_LINEAR_4BIT=1 (the default)
+# / 0 picks the decoder (arithmetic / table), so two runs compare them.
 Q4K_ROWS = (1, 16, 64)
 
 
