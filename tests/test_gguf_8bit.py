@@ -78,6 +78,67 @@ def test_quantize_q8_0_matches_gguf_py_bytes():
     assert raw.shape == (24, 256 // 32 * 34) and np.array_equal(raw.numpy(), want)
 
 
+def test_quantize_q6_k_is_valid_q6_k_within_its_step():
+    """gguf-py decodes the bytes; each weight is its input rounded to the nearest of its group's stored step
+    (d * sc) times a code in [-32, 31]."""
+    torch.manual_seed(0)
+    w = torch.randn(16, 512) * 0.02
+    w[0, :256] = 0  # an all-zero super-block: d = 0, codes 32
+    w[1, 5] = 0.5  # an outlier: one group's scale much larger than the others'
+    raw = gguf_8bit.quantize_q6_k(w)
+    assert raw.shape == (16, 2 * 210) and raw.dtype == torch.uint8
+    got = gguf_values(raw.numpy(), "Q6_K", 16, 512)
+    p = gguf_8bit.convert(raw.reshape(-1), "Q6_K", 16, 512)
+    assert torch.equal(values(p), got)
+    step = p.scale.reshape(16, 512 // 16).repeat_interleave(16, dim=1)
+    nearest = torch.where(step != 0, w / step, 0).round().clamp(-32, 31) * step
+    assert torch.equal(got, nearest)
+    assert torch.equal(got[0, :256], torch.zeros(256)) and got[1, 5].item() == pytest.approx(0.5, rel=1e-3)
+    assert (got - w).norm() / w.norm() < 0.03
+    with pytest.raises(ValueError, match="w: expected \\[n, k\\] with k a multiple of 256"):
+        gguf_8bit.quantize_q6_k(torch.randn(2, 128))
+
+
+@pytest.mark.parametrize("type_name", ["Q8_0", "Q6_K", "Q5_K", "Q4_1"])
+def test_half_scales_move_no_weight_past_the_rule(type_name):
+    """``convert(..., half_scales=True)``: fp16 scale (and offset) for real quantizer output, each weight within
+    2^-11 of its block's magnitude of the file's value; Q8_0's scale is the file's fp16 d, so exact."""
+    raw = random_blocks(type_name, 32, 512, seed=5)
+    want = gguf_values(raw, type_name, 32, 512)
+    p = gguf_8bit.convert(torch.from_numpy(raw).reshape(-1), type_name, 32, 512, half_scales=True)
+    assert p.scale.dtype == torch.float16 and (p.offset is None or p.offset.dtype == torch.float16)
+    got = values(p._replace(scale=p.scale.float(), offset=None if p.offset is None else p.offset.float()))
+    q = p.codes.reshape(-1, p.blocksize).abs().amax(dim=1).float()
+    size = q * p.scale.float().abs() + (0 if p.offset is None else p.offset.float().abs())
+    bound = (2.0 ** -11 * size).repeat_interleave(p.blocksize).reshape(32, 512)
+    assert bool(((got - want).abs() <= bound).all())
+    if type_name == "Q8_0":
+        assert torch.equal(got, want)
+
+
+def test_half_scales_keep_fp32_where_fp16_would_lose():
+    """A scale past fp16's range (or below its normal range) keeps the whole tensor in fp32, exact."""
+    raw = random_blocks("Q8_0", 2, 64, seed=6).reshape(4, 34).copy()
+    raw[1, :2] = np.array([1e-7], dtype=np.float32).astype(np.float16).view(np.uint8)  # subnormal d: fp16 exact
+    p = gguf_8bit.convert(torch.from_numpy(raw).reshape(-1), "Q8_0", 2, 64, half_scales=True)
+    assert p.scale.dtype == torch.float16  # an fp16 d is exact in fp16 wherever it lies
+    q6 = random_blocks("Q6_K", 1, 256, seed=7).copy()
+    q6[0, 208:210] = np.array([60000.0], dtype=np.float16).view(np.uint8)  # d * sc overflows fp16
+    q6[0, 192] = 100
+    p = gguf_8bit.convert(torch.from_numpy(q6).reshape(-1), "Q6_K", 1, 256, half_scales=True)
+    assert p.scale.dtype == torch.float32 and torch.equal(values(p), gguf_values(q6, "Q6_K", 1, 256))
+
+
+def test_stack_of_fp16_and_fp32_parts_is_fp32():
+    parts = [gguf_8bit.convert(torch.from_numpy(random_blocks("Q8_0", 2, 256, 8)).reshape(-1), "Q8_0", 2, 256,
+                               half_scales=True),
+             gguf_8bit.convert(torch.from_numpy(random_blocks("Q5_K", 3, 256, 9)).reshape(-1), "Q5_K", 3, 256)]
+    w = gguf_8bit.stack(parts)
+    assert w.scale.dtype == w.offset.dtype == torch.float32
+    assert torch.equal(values(w), torch.cat([values(parts[0]._replace(scale=parts[0].scale.float())),
+                                             values(parts[1])]))
+
+
 def test_stack_mixes_blocks_and_offsets():
     q4k = random_blocks("Q4_K", 8, 256, 2)
     q6k = random_blocks("Q6_K", 4, 256, 3)

@@ -104,6 +104,35 @@ def test_mixed_file_loads_every_projection_packed_and_gives_the_dequantized_logi
     torch.testing.assert_close(full_logits(model, ids), full_logits(reference, ids))
 
 
+def assert_narrowed(layer: GGUF8bitLinear, w: torch.Tensor, what: str) -> None:
+    """The layer's values are ``w``'s (the file's), exactly with fp32 scales, within ``gguf_8bit.narrow``'s bound
+    (2^-11 of a block's largest |code| * |scale| + |offset|) with fp16 ones."""
+    got = layer.dequantize()
+    if layer.scale.dtype == torch.float32:
+        assert torch.equal(got, w), what
+        return
+    assert layer.offset is None or layer.offset.dtype == torch.float16, what
+    size = layer.codes.reshape(-1, layer.blocksize).abs().amax(dim=1).float() * layer.scale.float().abs()
+    if layer.offset is not None:
+        size = size + layer.offset.float().abs()
+    bound = (2.0 ** -11 * size).repeat_interleave(layer.blocksize).reshape(w.shape)
+    assert bool(((got - w).abs() <= bound).all()), what
+
+
+def test_bf16_model_loads_fp16_scales(mixed_file):
+    """A 16-bit model (the GPU engine's) takes each packed layer's scales in fp16 where ``narrow`` allows; its
+    logits stay within bf16's reach of the fp32-scale model's."""
+    ckpt = GGUFCheckpoint(mixed_file)
+    reference = dict(build_model(ckpt.config, ckpt.weights(progress=False)).named_modules())
+    model = build_model(ckpt.config, ckpt.weights(progress=False, skip=gguf_packed.packed_tensors(ckpt)),
+                        dtype=torch.bfloat16, prepare=lambda m: gguf_packed.pack_4bit(m, ckpt))
+    eight = {name: m for name, m in model.named_modules() if isinstance(m, GGUF8bitLinear)}
+    assert sorted(eight) == EIGHT_BIT
+    assert any(m.scale.dtype == torch.float16 for m in eight.values())
+    for name, layer in eight.items():
+        assert_narrowed(layer, reference[name].weight, name)
+
+
 def test_turned_off_dequantizes_on_gpus(monkeypatch):
     monkeypatch.setenv("ANYGPU_GPU_GGUF_PACKED", "0")
     assert not gguf_packed.enabled(torch.device("cuda", 0))
@@ -126,7 +155,7 @@ def test_engine_on_a_gpu_keeps_the_8bit_projections_packed(mixed_file, monkeypat
         reference = dict(build_model(ckpt.config, ckpt.weights(progress=False)).named_modules())
         for name, layer in eight.items():
             w = reference[name].weight.cuda()
-            assert torch.equal(layer.dequantize(), w), name
+            assert_narrowed(layer, w, name)  # a bf16 engine: fp16 scales where the rule allows
             for m in (1, 4, 16, 100):
                 x = torch.randn(m, layer.in_features, device="cuda", dtype=torch.bfloat16)
                 assert_accurate(layer(x), F.linear(x, w.bfloat16()), F.linear(x.float(), w), what=f"{name} m={m}")

@@ -80,6 +80,25 @@ def test_kernel_paths_match_reference(kdevice, dtype, m, n, k, bs, offset, bias)
                                                      f"split={plan.split_k} {dtype}")
 
 
+@pytest.mark.parametrize("m", [1, 17])
+def test_fp16_scales_are_the_widened_values(kdevice, m):
+    """fp16 scale and offset (``gguf_8bit.narrow``'s form): every path computes with their fp32 values."""
+    from anygpu.kernels.launch import device_target, select
+    from anygpu.kernels.matmul_int8_block import GEMM_CONFIGS, GEMV_CONFIGS, Plan, matmul_int8_block as kernel
+
+    codes, scale, off = make_weight(40, 512, 16, True, kdevice)
+    scale, off = scale.half(), off.half()
+    x = torch.randn(m, 512, device=kdevice).to(torch.bfloat16)
+    target = device_target(kdevice)
+    plans = [Plan("gemv", select(GEMV_CONFIGS, target)[0], 2)] if m == 1 else []
+    plans += [Plan("gemm", select(GEMM_CONFIGS, target)[0], 2), Plan("dequant")]
+    for plan in plans:
+        y = kernel(x, codes, scale, 16, None, off, plan_=plan)
+        check_close(y, x, codes, scale.float(), 16, None, off.float(), f"{plan.path} fp16 scales")
+    assert torch.equal(dequantize_weight(codes, scale, 16, torch.float32, off),
+                       dequantize_weight(codes, scale.float(), 16, torch.float32, off.float()))
+
+
 def test_large_codes_and_activations_stay_accurate(kdevice):
     """Q8_0's full code range against activations in the hundreds (fp16): the GEMV sums in fp32, the GEMM's
     decoded values are the weight's own."""
@@ -174,12 +193,14 @@ def test_bad_arguments_name_them():
         matmul_int8_block(x, codes.T.contiguous().T, scale, 32)
     with pytest.raises(ValueError, match=r"blocksize: expected one of \(16, 32\), got 64"):
         matmul_int8_block(x, codes, scale[:48], 64)
-    with pytest.raises(ValueError, match=r"scale: expected float32 of shape \(96,\)"):
+    with pytest.raises(ValueError, match=r"scale: expected float32 or float16 of shape \(96,\)"):
         matmul_int8_block(x, codes, scale[:-1], 32)
-    with pytest.raises(ValueError, match=r"scale: expected float32"):
-        matmul_int8_block(x, codes, scale.half(), 32)
-    with pytest.raises(ValueError, match=r"offset: expected float32 of shape \(96,\)"):
+    with pytest.raises(ValueError, match=r"scale: expected float32 or float16"):
+        matmul_int8_block(x, codes, scale.bfloat16(), 32)
+    with pytest.raises(ValueError, match=r"offset: expected torch.float32 \(scale's dtype\) of shape \(96,\)"):
         matmul_int8_block(x, codes, scale, 32, offset=offset[:-1])
+    with pytest.raises(ValueError, match=r"offset: expected torch.float16 \(scale's dtype\)"):
+        matmul_int8_block(x, codes, scale.half(), 32, offset=offset)
     with pytest.raises(ValueError, match=r"bias: expected torch.float16 of shape \(24,\)"):
         matmul_int8_block(x, codes, scale, 32, torch.randn(24))
     c2, s2, _ = make_weight(2, 48, 16, False)

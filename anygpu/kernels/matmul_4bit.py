@@ -536,13 +536,13 @@ def matmul_4bit(x: torch.Tensor, weight: torch.Tensor, absmax: torch.Tensor, cod
 DTYPES = (torch.float16, torch.bfloat16)
 
 
-def _signature(kernel: str):
+def _signature(kernel: str, scales: str = "fp32"):
     def sig(dtype: torch.dtype) -> dict:
         t = TRITON_DTYPE[dtype]
-        s = {"x_ptr": f"*{t}", "w_ptr": "*u8", "absmax_ptr": "*fp32", "code_ptr": "*fp32", "bias_ptr": f"*{t}",
+        s = {"x_ptr": f"*{t}", "w_ptr": "*u8", "absmax_ptr": f"*{scales}", "code_ptr": "*fp32", "bias_ptr": f"*{t}",
              "out_ptr": f"*{t}", "part_ptr": "*fp32", "counter_ptr": "*i32", "nested_code_ptr": "*fp32",
              "nested_absmax_ptr": "*fp32", "nested_offset_ptr": "*fp32"}
-        s.update({"offset_ptr": "*fp32"} if kernel != "mma" else {})
+        s.update({"offset_ptr": f"*{scales}"} if kernel != "mma" else {})
         s.update({"M": "i32"} if kernel in ("gemm", "mma") else {})
         s.update({"N": "i32", "K": "i32", "stride_xm": "i32", "stride_om": "i32"})
         s["stride_w"] = "i32"
@@ -599,6 +599,13 @@ GEMM_SPEC = register(KernelSpec(
                    # the GGUF variant also covers the split form, whose last split adds the partials
                    gguf=lambda c: {"BLOCKSIZE": 32, "NESTED": False, "SPLIT_K": c.constexprs["SPLIT_K"],
                                    "REDUCE": True, "LINEAR": c.constexprs.get("DECODE_PTX", False)})))
+# GGUF's fp16 absmax and offset (``gguf_4bit.narrow``, what 16-bit models load): the GGUF variant alone.
+GEMV_FP16_SCALES_SPEC = register(KernelSpec(
+    "gemv_4bit_fp16_scales", _gemv_4bit_kernel, _signature("gemv", "fp16"), DTYPES,
+    {key: cfgs[-1:] for key, cfgs in GEMV_SPEC.configs.items()}))
+GEMM_FP16_SCALES_SPEC = register(KernelSpec(
+    "gemm_4bit_fp16_scales", _gemm_4bit_kernel, _signature("gemm", "fp16"), DTYPES,
+    {key: cfgs[-1:] for key, cfgs in GEMM_SPEC.configs.items()}))
 MMA_SPEC = register(KernelSpec(
     "gemv_mma_4bit", _gemv_mma_4bit_kernel, _signature("mma"), DTYPES,
     _with_defaults(MMA_CONFIGS, lambda c: {"BLOCKSIZE": 64, "PARTIAL": True, "REDUCE": True, "NESTED": True,

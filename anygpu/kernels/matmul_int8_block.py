@@ -1,7 +1,7 @@
 """Int8-block matmul: ``out = x @ W.T (+ bias)``, ``W = scale[b] * q + offset[b]`` from int8 codes in registers.
 
-W [N, K] is int8 codes, row-major, one fp32 scale (and optionally one fp32 offset) per ``BLOCKSIZE`` (16 or 32)
-consecutive elements of a row: GGUF's 5-, 6- and 8-bit types (and the smaller ones) re-laid by
+W [N, K] is int8 codes, row-major, one scale (and optionally one offset; fp32, or fp16 both: loaded and widened
+to fp32) per ``BLOCKSIZE`` (16 or 32) consecutive elements of a row: GGUF's 5-, 6- and 8-bit types (and the smaller ones) re-laid by
 ``anygpu/quant/gguf_8bit.py`` without re-quantizing.  Pure Triton, so the same source runs on AMD and NVIDIA,
 but for one NVIDIA option (``DECODE_PTX``, below).  Three paths, chosen by ``plan`` (the one place the choice is made):
 
@@ -125,12 +125,12 @@ def _gemv_int8_block_kernel(x_ptr, q_ptr, scale_ptr, offset_ptr, bias_ptr, out_p
             prod = q.to(tl.float32) * xv[None, :]
             per_block = tl.sum(tl.reshape(prod, (BLOCK_N, SEGS, BLOCKSIZE)), axis=2)
         blk = blk_rows + k0 // BLOCKSIZE
-        sc = tl.load(scale_ptr + blk, mask=bmask, other=0.0)
+        sc = tl.load(scale_ptr + blk, mask=bmask, other=0.0).to(tl.float32)
         acc += per_block * sc
         if HAS_OFFSET:
             # sum over a block of (q * scale + offset) * x = scale * sum(q * x) + offset * sum(x)
             xs = tl.sum(tl.reshape(xv, (SEGS, BLOCKSIZE)), axis=1)
-            acc += tl.load(offset_ptr + blk, mask=bmask, other=0.0) * xs[None, :]
+            acc += tl.load(offset_ptr + blk, mask=bmask, other=0.0).to(tl.float32) * xs[None, :]
     acc = tl.sum(acc, axis=1)
     if PARTIAL:
         # this split's slice of the [SPLITS, M, N] fp32 partials; the tile's last split adds them (kernels/_split_k.py)
@@ -174,22 +174,22 @@ def _gemm_int8_block_kernel(x_ptr, q_ptr, scale_ptr, offset_ptr, bias_ptr, out_p
             # One block per step: unscaled codes (exact in x's dtype) dotted, the scale applied to the partial dot.
             part = tl.dot(x.to(dot_dtype), tl.trans(q.to(dot_dtype)))
             blk = n64 * blocks_per_row + k0 // BLOCKSIZE
-            acc += part * tl.load(scale_ptr + blk, mask=n_mask, other=0.0)[None, :]
+            acc += part * tl.load(scale_ptr + blk, mask=n_mask, other=0.0).to(tl.float32)[None, :]
             if HAS_OFFSET:
-                off = tl.load(offset_ptr + blk, mask=n_mask, other=0.0)
+                off = tl.load(offset_ptr + blk, mask=n_mask, other=0.0).to(tl.float32)
                 acc += tl.sum(x.to(tl.float32), axis=1)[:, None] * off[None, :]
         else:
             # Several blocks per step: the tile dequantized in fp32 and rounded once to x's dtype.
             SUB: tl.constexpr = BLOCK_K // BLOCKSIZE
             blk = n64[:, None] * blocks_per_row + k0 // BLOCKSIZE + tl.arange(0, SUB)[None, :]
-            sc = tl.load(scale_ptr + blk, mask=n_mask[:, None], other=0.0)
+            sc = tl.load(scale_ptr + blk, mask=n_mask[:, None], other=0.0).to(tl.float32)
             # bf16: the codes through bf16 (exact there) on their way to fp32, because Triton converts int8 to bf16
             # with byte permutes and int8 to fp32 with the (quarter-rate) conversion unit, one per code
             if dot_dtype == tl.bfloat16:
                 q = q.to(tl.bfloat16)
             w = tl.reshape(q.to(tl.float32), (BLOCK_N, SUB, BLOCKSIZE)) * sc[:, :, None]
             if HAS_OFFSET:
-                w += tl.load(offset_ptr + blk, mask=n_mask[:, None], other=0.0)[:, :, None]
+                w += tl.load(offset_ptr + blk, mask=n_mask[:, None], other=0.0).to(tl.float32)[:, :, None]
             w = tl.reshape(w, (BLOCK_N, BLOCK_K)).to(x_ptr.dtype.element_ty).to(dot_dtype)
             acc = tl.dot(x.to(dot_dtype), tl.trans(w), acc)
     if SPLIT_K == 1:
@@ -212,9 +212,9 @@ def _dequantize_int8_block_kernel(q_ptr, scale_ptr, offset_ptr, out_ptr, blocks,
     b_mask = b < blocks
     i = b[:, None] * BLOCKSIZE + tl.arange(0, BLOCKSIZE)[None, :]
     v = tl.load(q_ptr + i, mask=b_mask[:, None], other=0).to(tl.float32)
-    v = v * tl.load(scale_ptr + b, mask=b_mask, other=0.0)[:, None]
+    v = v * tl.load(scale_ptr + b, mask=b_mask, other=0.0).to(tl.float32)[:, None]
     if HAS_OFFSET:
-        v += tl.load(offset_ptr + b, mask=b_mask, other=0.0)[:, None]
+        v += tl.load(offset_ptr + b, mask=b_mask, other=0.0).to(tl.float32)[:, None]
     tl.store(out_ptr + i, v.to(out_ptr.dtype.element_ty), mask=b_mask[:, None])
 
 
@@ -325,7 +325,8 @@ def dequantize_weight(codes: torch.Tensor, scale: torch.Tensor, blocksize: int, 
 def matmul_int8_block(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, blocksize: int,
                       bias: torch.Tensor | None = None, offset: torch.Tensor | None = None,
                       plan_: Plan | None = None) -> torch.Tensor:
-    """Launch on x's device.  x: [..., k] fp16 / bf16 / fp32; codes: int8 [n, k]; scale, offset: fp32 per block;
+    """Launch on x's device.  x: [..., k] fp16 / bf16 / fp32; codes: int8 [n, k]; scale, offset: fp32 (or fp16)
+    per block;
     the caller (the op) has checked every argument."""
     n, k = codes.shape
     lead = x.shape[:-1]
@@ -380,13 +381,14 @@ def matmul_int8_block(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor,
 DTYPES = (torch.float16, torch.bfloat16)
 
 
-def _signature(kernel: str):
+def _signature(kernel: str, scales: str = "fp32"):
     def sig(dtype: torch.dtype) -> dict:
         t = TRITON_DTYPE[dtype]
         if kernel == "dequantize":
-            return {"q_ptr": "*i8", "scale_ptr": "*fp32", "offset_ptr": "*fp32", "out_ptr": f"*{t}", "blocks": "i32",
-                    "BLOCKSIZE": "constexpr", "BLOCKS": "constexpr", "HAS_OFFSET": "constexpr"}
-        s = {"x_ptr": f"*{t}", "q_ptr": "*i8", "scale_ptr": "*fp32", "offset_ptr": "*fp32", "bias_ptr": f"*{t}",
+            return {"q_ptr": "*i8", "scale_ptr": f"*{scales}", "offset_ptr": f"*{scales}", "out_ptr": f"*{t}",
+                    "blocks": "i32", "BLOCKSIZE": "constexpr", "BLOCKS": "constexpr", "HAS_OFFSET": "constexpr"}
+        s = {"x_ptr": f"*{t}", "q_ptr": "*i8", "scale_ptr": f"*{scales}", "offset_ptr": f"*{scales}",
+             "bias_ptr": f"*{t}",
              "out_ptr": f"*{t}", "part_ptr": "*fp32", "counter_ptr": "*i32"}
         s.update({"M": "i32"} if kernel == "gemm" else {})
         s.update({"N": "i32", "K": "i32", "stride_xm": "i32", "stride_om": "i32", "stride_q": "i32"})
@@ -436,3 +438,17 @@ GEMM_SPEC = register(KernelSpec(
 DEQUANTIZE_SPEC = register(KernelSpec(
     "dequantize_int8_block", _dequantize_int8_block_kernel, _signature("dequantize"), DTYPES,
     _compiled(DEQUANTIZE_CONFIGS, lambda c: {}, (), _VARIANTS)))
+# fp16 scales and offsets (``gguf_8bit.narrow``, what 16-bit models load): the first config of each key, with an
+# offset, so both loads widen.
+GEMV_FP16_SCALES_SPEC = register(KernelSpec(
+    "gemv_int8_block_fp16_scales", _gemv_int8_block_kernel, _signature("gemv", "fp16"), DTYPES,
+    {key: cfgs[-1:] for key, cfgs in _compiled(
+        GEMV_CONFIGS, lambda c: {"EVEN_K": True, "PARTIAL": True, "REDUCE": True, "HAS_BIAS": False},
+        ("MAX_SPLIT", "SPLIT_MIN_CHUNKS", "SPLIT_BELOW_PROGRAMS", "ADD_IN_KERNEL"),
+        ({**_VARIANTS[0]}, {**_VARIANTS[2]})).items()}))
+GEMM_FP16_SCALES_SPEC = register(KernelSpec(
+    "gemm_int8_block_fp16_scales", _gemm_int8_block_kernel, _signature("gemm", "fp16"), DTYPES,
+    {key: cfgs[-1:] for key, cfgs in _compiled(
+        GEMM_CONFIGS, lambda c: {"GROUP_M": 8, "SPLIT_K": 1, "REDUCE": True, "HAS_BIAS": True,
+                                 "DOT_IN_FP32": False},
+        ("MAX_M", "ADD_IN_KERNEL"), ({**_VARIANTS[0]}, {**_VARIANTS[2]})).items()}))

@@ -17,13 +17,14 @@ On a GPU (CUDA / ROCm, one process) the same projections are loaded by ``pack_4b
 GGUF 4-bit types of one code table (``anygpu.quant.gguf_4bit.TYPES``: Q4_0, Q4_1, Q4_K, IQ4_NL, IQ4_XS) become
 ``GGUF4bitLinear`` layers, the file's blocks re-laid for the 4-bit matmul kernels (the GEMV for decode, the GEMM
 for batches, the vendor GEMM for prompts); the others, with a Q8_0, Q6_K, Q5_K, Q5_0 or Q5_1 (or Q3_K / Q2_K) among
-their tensors, become ``GGUF8bitLinear`` layers (``anygpu.quant.gguf_8bit``: int8 codes, an fp32 scale and offset per
-block of 16 or 32, the int8-block matmul kernels).  A fused projection mixing the two classes, as llama.cpp's Q4_K_M
-does (q/k Q4_K, v Q6_K), goes whole to ``GGUF8bitLinear``: a 4-bit type fits that layout too (its codes are small
-integers), so the projection stays packed, and one layer runs one matmul; its 4-bit rows then read 1 byte a
-weight instead of 0.5, still less than the 2 of the bf16 copy made of such projections before.  Only the embedding
-is dequantized there into the model's dtype, as the weights iterator would.  ``ANYGPU_GPU_GGUF_PACKED=0``
-dequantizes them all.
+their tensors, become ``GGUF8bitLinear`` layers (``anygpu.quant.gguf_8bit``: int8 codes, a scale and offset per
+block of 16 or 32, fp16 in 16-bit models where ``gguf_8bit.narrow`` allows, the int8-block matmul kernels).  A
+fused projection mixing the two classes, as llama.cpp's Q4_K_M does (q/k Q4_K, v Q6_K), goes whole to
+``GGUF8bitLinear``: a 4-bit type fits that layout too (its codes are small integers), so the projection stays
+packed, and one layer runs one matmul; its 4-bit rows then read 1 byte a weight instead of 0.5, still less than
+the 2 of the bf16 copy made of such projections before.  The output head stays packed too (a Q6_K head, as the
+K-quant mixes store it, reads 1.125 bytes a weight).  Only the embedding is dequantized there into the model's
+dtype, as the weights iterator would.  ``ANYGPU_GPU_GGUF_PACKED=0`` dequantizes them all.
 """
 
 from __future__ import annotations
@@ -234,8 +235,9 @@ def pack_4bit(model: torch.nn.Module, checkpoint: GGUFCheckpoint) -> int:
                 continue
             if path != "embed_tokens" and all(t in gguf_8bit.TYPES for t in types):
                 blocksize = gguf_8bit.blocksize_for(types)  # the smallest block of the stacked sources
+                half = old.weight.dtype in (torch.float16, torch.bfloat16)
                 parts = [gguf_8bit.convert(_rows(mm, tensors[n], cfg).to(device).reshape(-1), tensors[n].type_name,
-                                           *tensors[n].shape, blocksize) for n in names]
+                                           *tensors[n].shape, blocksize, half_scales=half) for n in names]
                 setattr(parent, attr, GGUF8bitLinear(gguf_8bit.stack(parts), old.in_features, old.out_features,
                                                      old.bias))
                 kept += 1

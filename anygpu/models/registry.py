@@ -5,7 +5,8 @@
 ``weights()`` iterator or ``"random"`` (vLLM's dummy weights: uniform in [-1e-3, 1e-3], norms at 1, for
 benchmarks in real shapes without a download).  ``quantize`` re-quantizes every linear but the output head with
 ``anygpu.nn.quantize_model`` (nf4, fp4, int8 = LLM.int8() at threshold 6.0, q4_0 / q4_k / q8_0 = GGUF blocks),
-with a progress bar.  A bitsandbytes checkpoint (``config.quantization``) is not re-quantized: its stored layers
+with a progress bar.  The GGUF types also quantize an untied head on a GPU, to the type llama.cpp's mixes give
+it (``GGUF_HEAD_TYPES``), so the model reads per step what a llama.cpp file of that type would.  A bitsandbytes checkpoint (``config.quantization``) is not re-quantized: its stored layers
 load as they are (``bnb_load.py``).
 
 ``tp``: build one rank's shard of a tensor-parallel model.  Random weights are generated as full HF-named
@@ -22,6 +23,7 @@ from collections.abc import Callable, Iterable, Iterator
 import torch
 
 from ..nn import quantize_model
+from ..nn.linear_gguf_8bit import GGUF8bitLinear
 from .bnb_load import build_prequantized
 from .config import SUPPORTED_ARCHITECTURES, ModelConfig
 from .llama import LlamaForCausalLM
@@ -33,6 +35,11 @@ from .shape_check import expected_shapes
 ARCHITECTURES = {arch: LlamaForCausalLM for arch in SUPPORTED_ARCHITECTURES}
 # q4_*, q8_0: GGUF blocks (nn.GGUF4bitLinear, nn.GGUF8bitLinear)
 QUANT_TYPES = ("nf4", "fp4", "int8", "q4_0", "q4_k", "q8_0")
+# The output head of a GGUF type's model, as llama.cpp's quantizer stores it: Q6_K in every mix below Q8_0 (Q8_0
+# where a row is not whole 256-blocks), Q8_0 in a Q8_0 file.  bitsandbytes' types leave it alone, as transformers
+# does.  A tied head (it reads the embedding's weight) and a CPU model (no packed int8-block kernel there: the
+# reference would rebuild the head every step) keep theirs.
+GGUF_HEAD_TYPES = {"q4_0": "Q6_K", "q4_k": "Q6_K", "q8_0": "Q8_0"}
 
 
 def model_class(config: ModelConfig):
@@ -91,4 +98,18 @@ def build_model(config: ModelConfig, weights: Iterable[tuple[str, torch.Tensor]]
         # int8 is LLM.int8() with transformers' outlier threshold: activations' outlier columns stay in 16 bits.
         extra = {"threshold": 6.0} if quantize == "int8" else {}
         quantize_model(model, quantize, progress=progress, **extra)
+        if quantize in GGUF_HEAD_TYPES and torch.device(device).type != "cpu":
+            quantize_head(model, GGUF_HEAD_TYPES[quantize])
     return model.eval()
+
+
+def quantize_head(model: LlamaForCausalLM, type_name: str) -> bool:
+    """``model.lm_head`` as a ``GGUF8bitLinear`` of ``type_name`` (Q6_K, or Q8_0 where a row is not whole
+    256-blocks), unless tied to the embedding or its rows are not whole 32-blocks.  Returns whether it did."""
+    head = model.lm_head
+    if head.weight is model.embed_tokens.weight or head.in_features % 32:
+        return False
+    if type_name == "Q6_K" and head.in_features % 256:
+        type_name = "Q8_0"
+    model.lm_head = GGUF8bitLinear.from_linear(head, type_name)
+    return True

@@ -2,9 +2,10 @@
 Q5_K, Q5_0, Q5_1; any mix of them, and with 4-, 3- and 2-bit types in one fused projection), computed by the
 int8-block matmul (``anygpu.ops.matmul_int8_block``: Triton GEMV / GEMM on GPUs, the reference on the CPU).
 
-The blocks are re-laid as ``anygpu.quant.gguf_8bit`` describes (nothing is re-quantized; the values are the file's
-bit for bit): int8 codes [out, in], an fp32 scale and (Q5_K, Q5_1, ...) offset per block of 16 or 32, so a weight
-reads 1 byte plus 4 or 8 bytes per block, against 2 for the bf16 copy the GPU loader made of these types before.
+The blocks are re-laid as ``anygpu.quant.gguf_8bit`` describes (nothing is re-quantized): int8 codes [out, in], a
+scale and (Q5_K, Q5_1, ...) offset per block of 16 or 32, fp32 (the file's values bit for bit) or, in a 16-bit
+model, fp16 where ``gguf_8bit.narrow`` allows; so a weight reads 1 byte plus 2 to 8 bytes per block, against 2
+for the bf16 copy the GPU loader made of these types before.
 A fused projection (q/k/v, gate/up) is its sources' rows stacked at the smallest block among them.  Inference only:
 the weight is buffers, not parameters; a bias stays a parameter (the loader fills it).
 """
@@ -31,9 +32,10 @@ class GGUF8bitLinear(nn.Module):
                              f"{weight.blocksize}")
         blocks = out_features * in_features // weight.blocksize
         for name, t in (("scale", weight.scale), ("offset", weight.offset)):
-            if t is not None and (t.dtype != torch.float32 or tuple(t.shape) != (blocks,)):
-                raise ValueError(f"weight: expected the {name} as float32 of shape ({blocks},), got {t.dtype} "
-                                 f"{tuple(t.shape)}")
+            if t is not None and (t.dtype != weight.scale.dtype or t.dtype not in (torch.float32, torch.float16)
+                                  or tuple(t.shape) != (blocks,)):
+                raise ValueError(f"weight: expected the {name} as float32 or float16 (both alike) of shape "
+                                 f"({blocks},), got {t.dtype} {tuple(t.shape)}")
         self.in_features, self.out_features, self.blocksize = in_features, out_features, weight.blocksize
         self.register_buffer("codes", codes)
         self.register_buffer("scale", weight.scale)
@@ -42,18 +44,21 @@ class GGUF8bitLinear(nn.Module):
 
     @classmethod
     def from_linear(cls, linear: nn.Linear, type_name: str, device=None) -> GGUF8bitLinear:
-        """``linear``'s weight quantized to ``type_name`` ("Q8_0": ``gguf_8bit.quantize_q8_0``, gguf-py's bytes) on
-        ``device`` (default: the weight's)."""
-        quantizers = {"Q8_0": gguf_8bit.quantize_q8_0}
+        """``linear``'s weight quantized to ``type_name`` ("Q8_0": ``gguf_8bit.quantize_q8_0``, gguf-py's bytes;
+        "Q6_K": ``gguf_8bit.quantize_q6_k``) on ``device`` (default: the weight's); a 16-bit weight keeps its
+        scales in fp16 where ``gguf_8bit.narrow`` allows, as the GGUF loader does."""
+        quantizers = {"Q8_0": (gguf_8bit.quantize_q8_0, 32), "Q6_K": (gguf_8bit.quantize_q6_k, 256)}
         if type_name not in quantizers:
             raise ValueError(f"type_name: expected one of {tuple(quantizers)}, got {type_name!r}")
+        quantize, step = quantizers[type_name]
         w = linear.weight.detach().to(device or linear.weight.device)
         n, k = w.shape
-        if k % 32:
-            raise ValueError(f"linear: {type_name} needs in_features a multiple of 32, got {k}")
-        raw = quantizers[type_name](w).reshape(-1)
+        if k % step:
+            raise ValueError(f"linear: {type_name} needs in_features a multiple of {step}, got {k}")
+        raw = quantize(w).reshape(-1)
         bias = None if linear.bias is None else linear.bias.detach().to(w.device)
-        return cls(gguf_8bit.convert(raw, type_name, n, k), k, n, bias)
+        half = w.dtype in (torch.float16, torch.bfloat16)
+        return cls(gguf_8bit.convert(raw, type_name, n, k, half_scales=half), k, n, bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         bias = None if self.bias is None else self.bias.to(x.dtype)

@@ -8,8 +8,9 @@ time, so the full-precision weight of a layer is released as soon as it is repla
 else, such as a tied embedding, still holds it).  ``"q4_0"`` / ``"q4_k"``: GGUF's Q4_0 / Q4_K blocks (quantized in
 torch by ``anygpu.quant.gguf_4bit``, Q4_K without llama.cpp's search), held as ``GGUF4bitLinear``, what a GGUF file of
 that type loads as on a GPU (in_features a multiple of 32, or 256 for Q4_K).  ``"q8_0"``: GGUF's Q8_0 blocks
-(``anygpu.quant.gguf_8bit.quantize_q8_0``, gguf-py's bytes), held as ``GGUF8bitLinear`` (int8 codes, an fp32 scale
-per 32), what a Q8_0 file loads as on a GPU (in_features a multiple of 32).  Left alone:
+(``anygpu.quant.gguf_8bit.quantize_q8_0``, gguf-py's bytes), held as ``GGUF8bitLinear`` (int8 codes, a scale per
+32: fp16 in a 16-bit model, where Q8_0's fp16 d is exact), what a Q8_0 file loads as on a GPU (in_features a
+multiple of 32).  Left alone:
 
 - modules matched by ``skip`` (default ``("lm_head",)``: the output projection is usually tied to the
   embedding and is the most sensitive layer).  A pattern is a module name or a glob (``fnmatch``) and

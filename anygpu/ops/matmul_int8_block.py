@@ -1,7 +1,7 @@
 """``matmul_int8_block(x, codes, scale, blocksize) = x @ W.T (+ bias)`` with ``W = scale[b] * codes + offset[b]``.
 
-W [N, K] is int8 codes, row-major, with one fp32 scale (and optionally one fp32 offset) per ``blocksize`` (16 or
-32) consecutive elements of a row: the form every GGUF 5-, 6- and 8-bit type (and the smaller ones) takes exactly
+W [N, K] is int8 codes, row-major, with one scale (and optionally one offset; fp32, or fp16 both) per
+``blocksize`` (16 or 32) consecutive elements of a row: the form every GGUF 5-, 6- and 8-bit type (and the smaller ones) takes exactly
 (``anygpu/quant/gguf_8bit.py``).  Gradients flow to x (and bias) through the frozen weight.
 
 Kernels: ``anygpu/kernels/matmul_int8_block.py`` (a GEMV for decode, a dequant-fused ``tl.dot`` GEMM for batches,
@@ -17,6 +17,7 @@ from .define import define_op
 
 DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 BLOCKSIZES = (16, 32)
+SCALE_DTYPES = (torch.float32, torch.float16)  # fp16: gguf_8bit.narrow's form, for 16-bit models
 
 
 def check(x, codes, scale, blocksize, bias=None, offset=None) -> None:
@@ -36,12 +37,12 @@ def check(x, codes, scale, blocksize, bias=None, offset=None) -> None:
     if k % blocksize:
         raise ValueError(f"codes: expected in_features ({k}) to be a multiple of blocksize ({blocksize})")
     blocks = n * k // blocksize
-    if scale.dtype != torch.float32 or scale.dim() != 1 or scale.shape[0] != blocks:
-        raise ValueError(f"scale: expected float32 of shape ({blocks},) (one per block of {blocksize}), got "
-                         f"{scale.dtype} {tuple(scale.shape)}")
-    if offset is not None and (offset.dtype != torch.float32 or offset.dim() != 1 or offset.shape[0] != blocks):
-        raise ValueError(f"offset: expected float32 of shape ({blocks},) (one per block, as scale), got "
-                         f"{offset.dtype} {tuple(offset.shape)}")
+    if scale.dtype not in SCALE_DTYPES or scale.dim() != 1 or scale.shape[0] != blocks:
+        raise ValueError(f"scale: expected float32 or float16 of shape ({blocks},) (one per block of {blocksize}), "
+                         f"got {scale.dtype} {tuple(scale.shape)}")
+    if offset is not None and (offset.dtype != scale.dtype or offset.dim() != 1 or offset.shape[0] != blocks):
+        raise ValueError(f"offset: expected {scale.dtype} (scale's dtype) of shape ({blocks},) (one per block, as "
+                         f"scale), got {offset.dtype} {tuple(offset.shape)}")
     if bias is not None and (bias.shape != (n,) or bias.dtype != x.dtype):
         raise ValueError(f"bias: expected {x.dtype} of shape ({n},), got {bias.dtype} {tuple(bias.shape)}")
     for name, t in (("codes", codes), ("scale", scale), ("bias", bias), ("offset", offset)):
@@ -53,9 +54,9 @@ def dequantize_weight(codes, scale, blocksize, dtype, offset=None) -> torch.Tens
     """W [N, K] in ``dtype``: ``scale * code`` (``+ offset``) per block in fp32, rounded once (for GGUF's types the
     file's values bit for bit, ``gguf_8bit``'s rule)."""
     n, k = codes.shape
-    values = codes.reshape(-1, blocksize).float() * scale.reshape(-1, 1)
+    values = codes.reshape(-1, blocksize).float() * scale.float().reshape(-1, 1)
     if offset is not None:
-        values = values + offset.reshape(-1, 1)
+        values = values + offset.float().reshape(-1, 1)
     return values.reshape(n, k).to(dtype)
 
 

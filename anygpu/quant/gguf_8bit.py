@@ -30,10 +30,13 @@ block of 32 is two blocks of 16 with the same scale).  Exactness: each scale is 
 (fp16 d times an integer of at most 8 bits: at most 19 bits of fp32's 24, exact), each offset GGUF's subtrahend
 negated (exact), and ``scale * q + offset`` is then GGUF's own ``d * q - dm`` / ``d * q + m``: the same product
 (exact) and the same one rounding.  The cost is bytes: 1 + 4 / 32 bytes a weight for Q8_0 (the file's 34 / 32),
-1.25 for Q6_K and Q5_K (0.82 and 0.69 in the file), against 2 for the bf16 copy the loader made before.
+1.25 for Q6_K and Q5_K (0.82 and 0.69 in the file), against 2 for the bf16 copy the loader made before.  In a
+16-bit model (``convert(..., half_scales=True)``) scale and offset are fp16 where ``narrow`` allows: 1.0625 bytes
+a weight for Q8_0 (exact: its d is an fp16), 1.125 for Q6_K.
 
 ``quantize_q8_0``: float weights to Q8_0 blocks in torch, on any device (gguf-py's bytes; the model bench and
-``quantize_model(model, "q8_0")`` use it).
+``quantize_model(model, "q8_0")`` use it); ``quantize_q6_k``: to Q6_K blocks (the output head of a GGUF-type
+model, ``models/registry.GGUF_HEAD_TYPES``).
 """
 
 from __future__ import annotations
@@ -42,7 +45,7 @@ from typing import NamedTuple
 
 import torch
 
-from .gguf_blocks import (BLOCK_SHAPES, IQ4_KVALUES, _bits, _k_scale_min, _nibbles, _q5_high, fp16_values,
+from .gguf_blocks import (BLOCK_SHAPES, IQ4_KVALUES, QK_K, _bits, _k_scale_min, _nibbles, _q5_high, fp16_values,
                           stacked_offsets)
 
 # Types whose blocks fit the layout, and the block each is laid out in.
@@ -54,8 +57,8 @@ BLOCKSIZES = (16, 32)
 
 class PackedInt8Block(NamedTuple):
     codes: torch.Tensor  # int8 [n, k]
-    scale: torch.Tensor  # fp32 [n * k / blocksize]
-    offset: torch.Tensor | None  # fp32 [n * k / blocksize], or None
+    scale: torch.Tensor  # fp32 (or fp16: narrow) [n * k / blocksize]
+    offset: torch.Tensor | None  # scale's dtype [n * k / blocksize], or None
     blocksize: int  # 16 or 32
 
 
@@ -123,10 +126,12 @@ def _blocks(raw: torch.Tensor, type_name: str) -> tuple[torch.Tensor, torch.Tens
     return q, scale.reshape(-1), offset.reshape(-1)
 
 
-def convert(raw: torch.Tensor, type_name: str, n: int, k: int, blocksize: int | None = None) -> PackedInt8Block:
+def convert(raw: torch.Tensor, type_name: str, n: int, k: int, blocksize: int | None = None,
+            half_scales: bool = False) -> PackedInt8Block:
     """An [n, k] GGUF tensor's raw blocks (uint8, any device) -> the int8-block matmul's tensors, on that device.
     ``blocksize``: 16 or 32 (default: the type's own, ``NATIVE_BLOCK``); a type of 32-blocks laid out in 16-blocks
-    repeats each scale and offset (what stacking it with a Q6_K part needs)."""
+    repeats each scale and offset (what stacking it with a Q6_K part needs).  ``half_scales``: scale and offset
+    in fp16 where ``narrow`` allows it (for layers that compute in 16 bits)."""
     if type_name not in TYPES:
         raise ValueError(f"type_name: expected one of {TYPES}, got {type_name!r}")
     native = NATIVE_BLOCK[type_name]
@@ -146,8 +151,27 @@ def convert(raw: torch.Tensor, type_name: str, n: int, k: int, blocksize: int | 
     if blocksize != native:
         scale = scale.repeat_interleave(native // blocksize)
         offset = None if offset is None else offset.repeat_interleave(native // blocksize)
-    return PackedInt8Block(codes.reshape(n, k).contiguous(), scale.contiguous(),
-                           None if offset is None else offset.contiguous(), blocksize)
+    codes = codes.reshape(n, k).contiguous()
+    if half_scales:
+        scale, offset = narrow(codes, scale, offset, blocksize)
+    return PackedInt8Block(codes, scale.contiguous(), None if offset is None else offset.contiguous(), blocksize)
+
+
+def narrow(codes: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor | None, blocksize: int) -> tuple:
+    """(scale, offset) in fp16 when that moves no weight by more than 2^-11 of its block's magnitude (largest
+    |code| * |scale| + |offset|), as fp16 rounding does in its normal range: Q8_0's d always (it is an fp16 in
+    the file), the K-quants' d * sc products unless one falls below fp16's normal range.  Else as they are (fp32).
+    The bound is below bf16's own rounding (2^-9): a bf16 model loses nothing it had in the bf16 copy."""
+    lo, hi = torch.aminmax(codes.reshape(-1, blocksize), dim=1)
+    qmax = torch.maximum(-lo.float(), hi.float())
+    error = qmax * (scale.half().float() - scale).abs()
+    size = qmax * scale.abs()
+    if offset is not None:
+        error = error + (offset.half().float() - offset).abs()
+        size = size + offset.abs()
+    if not bool((error <= 2.0 ** -11 * size).all()):  # one device read per tensor, at load; inf / nan fail too
+        return scale, offset
+    return scale.half(), None if offset is None else offset.half()
 
 
 def blocksize_for(types) -> int:
@@ -172,6 +196,9 @@ def stack(parts: list[PackedInt8Block]) -> PackedInt8Block:
         raise ValueError(f"parts: expected one row length, got {sorted(ks)}")
     if len(parts) == 1:
         return parts[0]
+    if len({p.scale.dtype for p in parts}) > 1:  # fp16 and fp32 parts: all in fp32
+        parts = [p._replace(scale=p.scale.float(), offset=None if p.offset is None else p.offset.float())
+                 for p in parts]
     offset = stacked_offsets([p.offset for p in parts], [p.scale for p in parts])
     return PackedInt8Block(torch.cat([p.codes for p in parts]), torch.cat([p.scale for p in parts]), offset,
                            parts[0].blocksize)
@@ -192,3 +219,29 @@ def quantize_q8_0(w: torch.Tensor) -> torch.Tensor:
     floored = torch.floor(a)
     q = (torch.sign(v) * (floored + torch.floor(2 * (a - floored)))).to(torch.int8)  # gguf-py's np_roundf
     return torch.cat([d.half().view(torch.uint8), q.view(torch.uint8)], dim=1).reshape(n, k // 32 * 34)
+
+
+def quantize_q6_k(w: torch.Tensor) -> torch.Tensor:
+    """[n, k] floats (k a multiple of 256) -> Q6_K blocks (uint8 [n, k / 256 * 210]), in llama.cpp's stored format
+    but not its search: each group of 16 takes scale = its largest-magnitude value / -32 (so that value is code
+    -32 exactly), the super-block's d = the largest-magnitude scale / -128 (fp16), the int8 sub-scales round
+    against d, and the codes round against the stored d * sc.  (llama.cpp's make_qx_quants also searches for a
+    scale of lower error; random benchmark weights do not need it.)  What llama.cpp's K-quant mixes store the
+    output head in."""
+    if w.dim() != 2 or w.shape[1] % QK_K:
+        raise ValueError(f"w: expected [n, k] with k a multiple of {QK_K} (Q6_K super-blocks), got shape "
+                         f"{tuple(w.shape)}")
+    n, k = w.shape
+    x = w.float().reshape(-1, 16, 16)
+    pick = x.abs().argmax(dim=2, keepdim=True)
+    scale = torch.gather(x, 2, pick).squeeze(2) / -32  # [nb, 16], signed
+    d = (torch.gather(scale, 1, scale.abs().argmax(dim=1, keepdim=True)) / -128).half()  # [nb, 1]
+    df = d.float()
+    sc = torch.where(df != 0, scale / df, 0).round().clamp(-128, 127)
+    step = (df * sc)[..., None]
+    q = (torch.where(step != 0, x / step, 0).round().clamp(-32, 31) + 32).to(torch.uint8).reshape(-1, 2, 128)
+    low, high = q & 15, q >> 4
+    ql = (low[..., :64] | (low[..., 64:] << 4)).reshape(-1, 128)
+    qh = (high[..., :32] | (high[..., 32:64] << 2) | (high[..., 64:96] << 4) | (high[..., 96:] << 6)).reshape(-1, 64)
+    return torch.cat([ql, qh, sc.to(torch.int8).view(torch.uint8), d.view(torch.uint8)], dim=1).reshape(
+        n, k // QK_K * 210)
