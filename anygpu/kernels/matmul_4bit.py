@@ -231,6 +231,9 @@ def _gemm_4bit_kernel(x_ptr, w_ptr, absmax_ptr, code_ptr, bias_ptr, out_ptr, par
             # so the dots accumulate straight into acc.
             SUB: tl.constexpr = BLOCK_K // BLOCKSIZE
             blk = n64[:, None] * blocks_per_row + k0 // BLOCKSIZE + tl.arange(0, SUB)[None, :]
+            # NOTE: a row's SUB scales are contiguous and start at a multiple of SUB (K is whole steps here); said
+            # so, the pipeliner copies fp16 scales asynchronously as it does fp32 ones (it cannot copy 2 bytes).
+            blk = tl.max_contiguous(tl.multiple_of(blk, (SUB, SUB)), (1, SUB))
             sc = _block_scales(absmax_ptr, nested_code_ptr, nested_absmax_ptr, nested_offset_ptr, blk,
                                n_mask[:, None], NESTED).to(dot_dtype)[:, :, None]
             hi = tl.reshape(hi, (BLOCK_N, SUB, BLOCKSIZE // 2)) * sc

@@ -182,6 +182,9 @@ def _gemm_int8_block_kernel(x_ptr, q_ptr, scale_ptr, offset_ptr, bias_ptr, out_p
             # Several blocks per step: the tile dequantized in fp32 and rounded once to x's dtype.
             SUB: tl.constexpr = BLOCK_K // BLOCKSIZE
             blk = n64[:, None] * blocks_per_row + k0 // BLOCKSIZE + tl.arange(0, SUB)[None, :]
+            # NOTE: a row's SUB scales are contiguous and start at a multiple of SUB (K is whole steps here); said
+            # so, the pipeliner copies fp16 scales asynchronously as it does fp32 ones (it cannot copy 2 bytes).
+            blk = tl.max_contiguous(tl.multiple_of(blk, (SUB, SUB)), (1, SUB))
             sc = tl.load(scale_ptr + blk, mask=n_mask[:, None], other=0.0).to(tl.float32)
             # bf16: the codes through bf16 (exact there) on their way to fp32, because Triton converts int8 to bf16
             # with byte permutes and int8 to fp32 with the (quarter-rate) conversion unit, one per code
