@@ -415,7 +415,8 @@ def test_paged_decode_kernel_strided_q_and_empty_batch(kdevice):
 
 
 def test_plan_splits():
-    from anygpu.kernels.paged_decode import FILL, MIN_PARTITION, SplitPlan, fixed_splits, plan_splits
+    from anygpu.kernels.paged_decode import (FILL, MIN_PARTITION, SHORT_FROM, SHORT_PARTITION, SHORT_SPLITS,
+                                             SplitPlan, fixed_splits, plan_splits)
 
     h200, mi300x = 132, 304
     assert plan_splits(64, 8, 4096, h200, 64) == SplitPlan(1, 0)  # 512 programs already fill the GPU
@@ -423,13 +424,19 @@ def test_plan_splits():
     assert plan_splits(8, 8, 8192, h200, 64) == SplitPlan(8, 1024)  # 64 programs -> 512
     assert plan_splits(32, 8, 4096, h200, 64) == SplitPlan(2, 2048)  # 256 programs: under 2 per CU
     assert plan_splits(1, 8, 32768, mi300x, 64) == SplitPlan(64, 512)  # capped by MIN_PARTITION
-    assert plan_splits(1, 8, 300, h200, 64) == SplitPlan(1, 0)  # too short to split
+    assert plan_splits(1, 8, 8192, h200, 64) == SplitPlan(16, 512)  # a decode graph at max_model_len 8192
+    assert plan_splits(1, 8, 2048, h200, 64) == SplitPlan(16, 128)  # short: SHORT_SPLITS of >= SHORT_PARTITION
+    assert plan_splits(1, 8, 400, h200, 64) == SplitPlan(4, 128)  # 6 wanted, whole granules leave 4
+    assert plan_splits(8, 8, 2048, h200, 64) == SplitPlan(8, 256)  # 64 programs -> 512
+    assert plan_splits(1, 8, SHORT_FROM - 1, h200, 64) == SplitPlan(1, 0)  # too short to split
     assert plan_splits(0, 8, 4096, h200, 64) == SplitPlan(1, 0)
     for batch, heads, seqlen, cus, granule in [(1, 1, 100000, 132, 64), (3, 8, 5000, 80, 48), (2, 4, 131072, 304, 16),
-                                               (16, 8, 4096, 132, 64), (5, 2, 2049, 20, 32)]:
+                                               (16, 8, 4096, 132, 64), (5, 2, 2049, 20, 32), (1, 8, 700, 132, 64),
+                                               (2, 8, 300, 304, 32)]:
         plan = plan_splits(batch, heads, seqlen, cus, granule)
         if plan.num_splits > 1:
-            assert plan.partition_size % granule == 0 and plan.partition_size >= MIN_PARTITION
+            assert plan.partition_size % granule == 0 and plan.partition_size >= SHORT_PARTITION
+            assert plan.num_splits <= SHORT_SPLITS or plan.partition_size >= MIN_PARTITION
             assert (plan.num_splits - 1) * plan.partition_size < seqlen <= plan.num_splits * plan.partition_size
             assert batch * heads * (plan.num_splits - 1) < FILL * cus  # no more splits than it takes
     assert fixed_splits(100, 3, 16) == SplitPlan(3, 48)

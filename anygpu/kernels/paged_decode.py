@@ -14,10 +14,13 @@ arithmetic per byte.  The design follows from that:
   into partitions (a multiple of the tile and the block size); each split writes its normalised partial
   output and log2-sum-exp (fp32) to a workspace.  The split count is ``plan_splits``, a pure function of
   batch, Hkv, max_seqlen and the GPU's CU count; each program cuts its own sequence's keys into that many
-  equal partitions (a short sequence leaves some empty: those programs still run and write an empty partial).
+  equal partitions of whole granules (a short sequence fills only the first few: with the combine below the
+  others write nothing and are not waited for, so a graph captured for a long context, with many splits, costs
+  a short sequence only the splits it fills).
 - The splits are combined in the same launch: each split program then counts itself in on an int32 counter of
   its (sequence, KV head) (``_split_k.last_arrival``: barrier, acq_rel atomic at GPU scope), and the program
-  that arrives last reads the group's partials with ``.cg`` loads, combines them (``_merge_splits``) and
+  that arrives last (of the splits that hold keys) reads their partials with ``.cg`` loads, combines them
+  (``_merge_splits``) and
   stores the output, then leaves the counter at 0 for the next launch (and a CUDA graph's next replay): one
   launch per layer instead of two, and no program waits.  The combine runs elementwise, one split at a time in
   the order 0 .. n-1, so its bits depend neither on which program arrives last nor on how a kernel lays out
@@ -106,9 +109,10 @@ def _attend_tile(q, m_i, l_i, acc, tile, lo, hi, table, k_head, v_head, dims, di
 
 
 @triton.jit
-def _merge_splits(part_out_ptr, part_lse_ptr, out_ptr, lo, hi, num_splits, HEAD_DIM: tl.constexpr):
-    """Output elements [lo, hi) of the flat [batch * num_q_heads * HEAD_DIM] output, from the num_splits
-    partials of their rows: an online softmax over the splits' log2-sum-exps, one split at a time in order.
+def _merge_splits(part_out_ptr, part_lse_ptr, out_ptr, lo, hi, num_splits, used, HEAD_DIM: tl.constexpr):
+    """Output elements [lo, hi) of the flat [batch * num_q_heads * HEAD_DIM] output, from the first ``used`` of
+    the num_splits partials of their rows (the rest hold no key: lse -inf, weight 0, so leaving them out changes
+    no bit): an online softmax over the splits' log2-sum-exps, one split at a time in order.
     Every operation is per element (no reduction across a tile, whose order would follow the register
     layout), so the in-kernel combine and the fallback's launch give the same bits.  ``.cg`` loads: the other
     programs' partials are read from L2 (L1 is not coherent across SMs)."""
@@ -124,10 +128,10 @@ def _merge_splits(part_out_ptr, part_lse_ptr, out_ptr, lo, hi, num_splits, HEAD_
         total = tl.zeros([MERGE_BLOCK], tl.float32)
         acc = tl.zeros([MERGE_BLOCK], tl.float32)
         s = 0
-        while s < num_splits:
+        while s < used:
             for u in tl.static_range(MERGE_UNROLL):
                 # (a block-shaped condition: the interpreter's mask cannot be a scalar and'ed into a block)
-                live = mask & (tl.full([MERGE_BLOCK], s + u, tl.int32) < num_splits)
+                live = mask & (tl.full([MERGE_BLOCK], s + u, tl.int32) < used)
                 lse = tl.load(lse_at + (s + u), mask=live, other=float("-inf"), cache_modifier=".cg")
                 part = tl.load(part_at + (s + u) * HEAD_DIM, mask=live, other=0.0, cache_modifier=".cg")
                 m_new = tl.maximum(m, lse)
@@ -167,6 +171,10 @@ def _paged_decode_kernel(q_ptr, key_cache_ptr, value_cache_ptr, block_tables_ptr
     start = span_lo + split * part
     hi = tl.minimum(start + part, seqlen)
     lo = tl.maximum(start, first_key)
+    # The splits that hold keys are the first ``used`` (at least one, so a sequence without keys still writes its
+    # zeros); with the in-launch combine the others write nothing and count in nowhere, so a graph captured for a
+    # long context (many splits) costs a short sequence only the splits it fills.
+    used = tl.maximum(tl.where(part > 0, tl.cdiv(seqlen - span_lo, tl.maximum(part, 1)), 0), 1)
 
     rows = tl.arange(0, GROUP_PAD)
     dims = tl.arange(0, HEAD_DIM_PAD)
@@ -206,19 +214,18 @@ def _paged_decode_kernel(q_ptr, key_cache_ptr, value_cache_ptr, block_tables_ptr
         out_rows = b * num_q_heads + q_heads
         tl.store(out_ptr + out_rows[:, None] * HEAD_DIM + dims[None, :], o.to(out_ptr.dtype.element_ty),
                  mask=out_mask)
-    else:
+    elif (split < used) | (merge == 0):  # the reduce launch (merge 0) reads every split's partial
         part_rows = (b * num_q_heads + q_heads) * num_splits + split
         tl.store(part_out_ptr + part_rows[:, None] * HEAD_DIM + dims[None, :], o, mask=out_mask)
         lse = tl.where(l_i == 0.0, float("-inf"), m_i + tl.log2(l_safe))
         tl.store(part_lse_ptr + part_rows, lse, mask=row_mask)
         if merge:
-            # Every split program counts in, an empty one too (it wrote lse -inf), so the count always reaches
-            # num_splits; the last one combines the group's rows.
-            last = last_arrival(counter_ptr, b * tl.num_programs(1) + kv_head, num_splits)
+            # The used splits count in; the last of them combines the group's rows from their partials.
+            last = last_arrival(counter_ptr, b * tl.num_programs(1) + kv_head, used)
             if last:
                 first = (b * num_q_heads + kv_head * group) * HEAD_DIM
                 _merge_splits(part_out_ptr, part_lse_ptr, out_ptr, first, first + group * HEAD_DIM, num_splits,
-                              HEAD_DIM)
+                              used, HEAD_DIM)
 
 
 @triton.jit
@@ -227,18 +234,25 @@ def _paged_decode_reduce_kernel(part_out_ptr, part_lse_ptr, out_ptr, num_splits,
     output elements per program."""
     lo = tl.program_id(0).to(tl.int64) * MERGE_BLOCK
     _merge_splits(part_out_ptr, part_lse_ptr, out_ptr, lo, tl.minimum(lo + MERGE_BLOCK, numel), num_splits,
-                  HEAD_DIM)
+                  num_splits, HEAD_DIM)
 
 
 # --- split planning: a pure function, unit-tested -------------------------------------------------------
 
-MIN_PARTITION = 512  # tokens per split at least: below this the reduce and the workspace cost more than they save
+MIN_PARTITION = 512  # tokens per split of a long context at least
 # Split only when batch x KV heads programs are fewer than SPLIT_BELOW per CU, and then into as many partitions
 # as bring the grid to about FILL per CU (rounded down): on the H200 few long sequences read their cache at
 # 69 % of copy bandwidth with 2 programs per CU and 75-91 % with 4 (docs/perf/2026-12-01-paged-decode-splits.md),
 # while 4 per CU unsplit (64 sequences) already run at copy bandwidth and a split only adds the reduce.
 SPLIT_BELOW = 2
 FILL = 4
+# A short max_seqlen (a few hundred to a few thousand tokens) still splits, into up to SHORT_SPLITS partitions of
+# at least SHORT_PARTITION tokens, from SHORT_FROM tokens on: a single program walks its tiles one DRAM round
+# trip after another (b1, 512 tokens: 13.5 us single, 6.2 in 8 splits on an H100), while below SHORT_FROM the
+# combine costs more than it saves (docs/perf/2026-12-05-gpu-s17.md).
+SHORT_PARTITION = 64
+SHORT_SPLITS = 16
+SHORT_FROM = 256
 
 @dataclass(frozen=True)
 class SplitPlan:
@@ -260,12 +274,16 @@ def fixed_splits(max_seqlen: int, num_splits: int, granule: int) -> SplitPlan:
 
 def plan_splits(batch: int, num_kv_heads: int, max_seqlen: int, num_cus: int, granule: int) -> SplitPlan:
     """Split each sequence only when batch x num_kv_heads programs are fewer than SPLIT_BELOW per CU, into
-    about FILL per CU in all, none shorter than MIN_PARTITION tokens."""
+    about FILL per CU in all, none shorter than MIN_PARTITION tokens, or (from SHORT_FROM tokens) up to
+    SHORT_SPLITS of at least SHORT_PARTITION."""
     programs = batch * num_kv_heads
     if programs == 0 or programs >= SPLIT_BELOW * num_cus:
         return SplitPlan(1, 0)
     wanted = max(2, FILL * num_cus // programs)
-    return fixed_splits(max_seqlen, min(wanted, max_seqlen // MIN_PARTITION), granule)
+    cap = max_seqlen // MIN_PARTITION
+    if max_seqlen >= SHORT_FROM:
+        cap = max(cap, min(max_seqlen // SHORT_PARTITION, SHORT_SPLITS))
+    return fixed_splits(max_seqlen, min(wanted, cap), granule)
 
 
 # --- configs --------------------------------------------------------------------------------------------
