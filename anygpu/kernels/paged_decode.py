@@ -20,11 +20,10 @@ arithmetic per byte.  The design follows from that:
 - The splits are combined in the same launch: each split program then counts itself in on an int32 counter of
   its (sequence, KV head) (``_split_k.last_arrival``: barrier, acq_rel atomic at GPU scope), and the program
   that arrives last (of the splits that hold keys) reads their partials with ``.cg`` loads, combines them
-  (``_merge_splits``) and
-  stores the output, then leaves the counter at 0 for the next launch (and a CUDA graph's next replay): one
-  launch per layer instead of two, and no program waits.  The combine runs elementwise, one split at a time in
-  the order 0 .. n-1, so its bits depend neither on which program arrives last nor on how a kernel lays out
-  its registers: deterministic, and the same bits as the fallback.  Fallback: a launch captured in a CUDA
+  (``_merge_splits``) and stores the output, then leaves the counter at 0 for the next launch (and a CUDA
+  graph's next replay): one launch per layer instead of two, and no program waits.  The combine runs
+  elementwise, one split at a time in the order 0 .. n-1, so its bits depend neither on which program arrives
+  last nor on how a kernel lays out its registers: deterministic, and the same bits as the fallback.  Fallback: a launch captured in a CUDA
   graph before the device had its counters, and every launch on AMD GPUs (``_split_k.counters`` is None there:
   its docstring says why), writes the partials only, and ``_paged_decode_reduce_kernel`` combines them in a
   second launch, with the same helper.
@@ -248,8 +247,8 @@ SPLIT_BELOW = 2
 FILL = 4
 # A short max_seqlen (a few hundred to a few thousand tokens) still splits, into up to SHORT_SPLITS partitions of
 # at least SHORT_PARTITION tokens, from SHORT_FROM tokens on: a single program walks its tiles one DRAM round
-# trip after another (b1, 512 tokens: 13.5 us single, 6.2 in 8 splits on an H100), while below SHORT_FROM the
-# combine costs more than it saves (docs/perf/2026-12-05-gpu-s17.md).
+# trip after another, so a few hundred tokens take about twice as long in one program as in 8, while below
+# SHORT_FROM the combine costs more than it saves (docs/perf/2026-12-05-gpu-s17.md).
 SHORT_PARTITION = 64
 SHORT_SPLITS = 16
 SHORT_FROM = 256

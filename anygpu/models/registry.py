@@ -6,8 +6,8 @@
 benchmarks in real shapes without a download).  ``quantize`` re-quantizes every linear but the output head with
 ``anygpu.nn.quantize_model`` (nf4, fp4, int8 = LLM.int8() at threshold 6.0, q4_0 / q4_k / q8_0 = GGUF blocks),
 with a progress bar.  The GGUF types also quantize an untied head on a GPU, to the type llama.cpp's mixes give
-it (``GGUF_HEAD_TYPES``), so the model reads per step what a llama.cpp file of that type would.  A bitsandbytes checkpoint (``config.quantization``) is not re-quantized: its stored layers
-load as they are (``bnb_load.py``).
+it (``GGUF_HEAD_TYPES``), so the model reads per step what a llama.cpp file of that type would.  A bitsandbytes
+checkpoint (``config.quantization``) is not re-quantized: its stored layers load as they are (``bnb_load.py``).
 
 ``tp``: build one rank's shard of a tensor-parallel model.  Random weights are generated as full HF-named
 tensors, each from a seed derived from its name, and go through ``load_weights`` like a checkpoint's: every

@@ -19,6 +19,9 @@ from ..ops import matmul_int8_block
 from ..quant import gguf_8bit
 
 
+_ROWS_AT_A_TIME = 4096
+
+
 class GGUF8bitLinear(nn.Module):
     def __init__(self, weight: gguf_8bit.PackedInt8Block, in_features: int, out_features: int,
                  bias: torch.Tensor | None = None):
@@ -55,7 +58,8 @@ class GGUF8bitLinear(nn.Module):
         n, k = w.shape
         if k % step:
             raise ValueError(f"linear: {type_name} needs in_features a multiple of {step}, got {k}")
-        raw = quantize(w).reshape(-1)
+        # A slice of rows at a time: the quantizers' fp32 temporaries of a whole output head would be several GB.
+        raw = torch.cat([quantize(w[i: i + _ROWS_AT_A_TIME]) for i in range(0, n, _ROWS_AT_A_TIME)]).reshape(-1)
         bias = None if linear.bias is None else linear.bias.detach().to(w.device)
         half = w.dtype in (torch.float16, torch.bfloat16)
         return cls(gguf_8bit.convert(raw, type_name, n, k, half_scales=half), k, n, bias)
