@@ -49,7 +49,8 @@ from typing import NamedTuple
 
 import torch
 
-from .gguf_blocks import BLOCK_SHAPES, IQ4_KVALUES, QK_K, _k_scale_min, fp16_values, stacked_offsets
+from .gguf_blocks import (BLOCK_SHAPES, IQ4_KVALUES, QK_K, _k_scale_min, fp16_values, narrow_scales,
+                          stacked_offsets)
 
 TYPES = ("Q4_0", "Q4_1", "IQ4_NL", "IQ4_XS", "Q4_K")
 BLOCKSIZE = 32
@@ -125,18 +126,9 @@ def convert(raw: torch.Tensor, type_name: str, n: int, k: int, half_scales: bool
 
 
 def narrow(absmax: torch.Tensor, offset: torch.Tensor | None) -> tuple:
-    """(absmax, offset) in fp16 when that moves no block's values by more than 2^-11 of the block's magnitude
-    (|absmax| + |offset|: a value is code * absmax + offset, |code| <= 1), as fp16 rounding does in its normal
-    range; a small offset next to a larger scale may be subnormal. Else as they are (fp32): a scale that overflows
-    fp16 or falls below its normal range, say."""
-    error = (absmax.half().float() - absmax).abs()
-    size = absmax.abs()
-    if offset is not None:
-        error = error + (offset.half().float() - offset).abs()
-        size = size + offset.abs()
-    if not bool((error <= 2.0 ** -11 * size).all()):  # one device read per tensor, at load; inf / nan fail too
-        return absmax, offset
-    return absmax.half(), None if offset is None else offset.half()
+    """(absmax, offset) in fp16 where ``gguf_blocks.narrow_scales`` allows (the codes here are table values,
+    |code| <= 1)."""
+    return narrow_scales(absmax, offset, 1.0)
 
 
 def stackable(types) -> bool:

@@ -46,7 +46,7 @@ from typing import NamedTuple
 import torch
 
 from .gguf_blocks import (BLOCK_SHAPES, IQ4_KVALUES, QK_K, _bits, _k_scale_min, _nibbles, _q5_high, fp16_values,
-                          stacked_offsets)
+                          narrow_scales, stacked_offsets)
 
 # Types whose blocks fit the layout, and the block each is laid out in.
 NATIVE_BLOCK = {"Q8_0": 32, "Q6_K": 16, "Q5_K": 32, "Q5_0": 32, "Q5_1": 32, "Q4_0": 32, "Q4_1": 32, "Q4_K": 32,
@@ -158,20 +158,12 @@ def convert(raw: torch.Tensor, type_name: str, n: int, k: int, blocksize: int | 
 
 
 def narrow(codes: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor | None, blocksize: int) -> tuple:
-    """(scale, offset) in fp16 when that moves no weight by more than 2^-11 of its block's magnitude (largest
-    |code| * |scale| + |offset|), as fp16 rounding does in its normal range: Q8_0's d always (it is an fp16 in
-    the file), the K-quants' d * sc products unless one falls below fp16's normal range.  Else as they are (fp32).
-    The bound is below bf16's own rounding (2^-9): a bf16 model loses nothing it had in the bf16 copy."""
+    """(scale, offset) in fp16 where ``gguf_blocks.narrow_scales`` allows, each block's magnitude taken with its
+    largest |code|: Q8_0's d always (it is an fp16 in the file), the K-quants' d * sc products unless one falls
+    below fp16's normal range.  The bound (2^-11) is below bf16's own rounding (2^-9): a bf16 model loses nothing
+    it had in the bf16 copy."""
     lo, hi = torch.aminmax(codes.reshape(-1, blocksize), dim=1)
-    qmax = torch.maximum(-lo.float(), hi.float())
-    error = qmax * (scale.half().float() - scale).abs()
-    size = qmax * scale.abs()
-    if offset is not None:
-        error = error + (offset.half().float() - offset).abs()
-        size = size + offset.abs()
-    if not bool((error <= 2.0 ** -11 * size).all()):  # one device read per tensor, at load; inf / nan fail too
-        return scale, offset
-    return scale.half(), None if offset is None else offset.half()
+    return narrow_scales(scale, offset, torch.maximum(-lo.float(), hi.float()))
 
 
 def blocksize_for(types) -> int:

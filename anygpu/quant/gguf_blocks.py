@@ -66,6 +66,21 @@ def stacked_offsets(offsets: list[torch.Tensor | None], scales: list[torch.Tenso
     return torch.cat([o if o is not None else torch.zeros_like(sc) for o, sc in zip(offsets, scales)])
 
 
+def narrow_scales(scale: torch.Tensor, offset: torch.Tensor | None, code_max: torch.Tensor | float) -> tuple:
+    """(scale, offset) in fp16 when that moves no block's values by more than 2^-11 of the block's magnitude
+    (``code_max * |scale| + |offset|``, a value being ``code * scale + offset`` with ``|code| <= code_max``), as
+    fp16 rounding does in its normal range; a small offset next to a larger scale may be subnormal.  Else as they
+    are (fp32): a scale that overflows fp16 or falls below its normal range, say."""
+    error = code_max * (scale.half().float() - scale).abs()
+    size = code_max * scale.abs()
+    if offset is not None:
+        error = error + (offset.half().float() - offset).abs()
+        size = size + offset.abs()
+    if not bool((error <= 2.0 ** -11 * size).all()):  # one device read per tensor, at load; inf / nan fail too
+        return scale, offset
+    return scale.half(), None if offset is None else offset.half()
+
+
 def _nibbles(qs: torch.Tensor) -> torch.Tensor:
     """[n, k] bytes -> [n, 2k]: all low nibbles, then all high nibbles (gguf's order inside a 32-group)."""
     return torch.cat([qs & 0xF, qs >> 4], dim=-1)
