@@ -1,4 +1,9 @@
-"""Sweep (GPU): paged decode split counts and tile configs for few, long sequences; feeds SPLIT_BELOW / FILL and CONFIGS in kernels/paged_decode.py."""
+"""Sweep (GPU): paged decode split counts and tile configs for few, long sequences; feeds SPLIT_BELOW / FILL and CONFIGS in kernels/paged_decode.py.
+
+--short: few, short sequences instead (feeds SHORT_PARTITION / SHORT_SPLITS / SHORT_FROM): the plan against forced
+split counts with max_seqlen = the context (a short max_model_len) and with max_seqlen 8192 (a decode graph's).
+"""
+import sys
 import time
 import torch
 from anygpu.bench.timing import measure_graph
@@ -27,6 +32,17 @@ def case(batch, ctx, qh=32, kvh=8, d=128, bs=16):
 def t(fn):
     return measure_graph(fn, device=dev, warmup_ms=5, rep_ms=30)
 
+
+if "--short" in sys.argv:
+    for batch in (1, 8):
+        for ctx in (128, 192, 256, 384, 512, 1024, 2048):
+            for maxlen in (ctx, 8192):
+                q, kc, vc, tables, seqlens, nbytes = case(batch, maxlen)
+                seqlens.fill_(ctx)
+                res = [f"{s}:{t(lambda: PD.paged_decode(q, kc, vc, tables, seqlens, maxlen, num_splits=s)) * 1e3:.2f}us"
+                       for s in (None, 1, 2, 4, 8, 16, 64)]
+                print(f"b{batch} ctx{ctx} max_seqlen {maxlen}: " + "  ".join(res), flush=True)
+    sys.exit(0)
 
 orig = PD.CONFIGS
 for tile, warps, stages in [(64, 4, 3), (32, 4, 3), (64, 4, 4), (64, 8, 3), (128, 8, 3), (32, 2, 4), (64, 4, 2)]:
