@@ -1,8 +1,8 @@
 """Int8-block matmul: ``out = x @ W.T (+ bias)``, ``W = scale[b] * q + offset[b]`` from int8 codes in registers.
 
 W [N, K] is int8 codes, row-major, one scale (and optionally one offset; fp32, or fp16 both: loaded and widened
-to fp32) per ``BLOCKSIZE`` (16 or 32) consecutive elements of a row: GGUF's 5-, 6- and 8-bit types (and the smaller ones) re-laid by
-``anygpu/quant/gguf_8bit.py`` without re-quantizing.  Pure Triton, so the same source runs on AMD and NVIDIA,
+to fp32) per ``BLOCKSIZE`` (16 or 32) consecutive elements of a row: GGUF's 5-, 6- and 8-bit types (and the
+smaller ones) re-laid by ``anygpu/quant/gguf_8bit.py`` without re-quantizing.  Pure Triton, so the same source runs on AMD and NVIDIA,
 but for one NVIDIA option (``DECODE_PTX``, below).  Three paths, chosen by ``plan`` (the one place the choice is made):
 
 * ``gemv`` (one row of x, decode): a program owns BLOCK_N output rows and walks K in steps of CHUNK columns,
@@ -329,8 +329,7 @@ def matmul_int8_block(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor,
                       bias: torch.Tensor | None = None, offset: torch.Tensor | None = None,
                       plan_: Plan | None = None) -> torch.Tensor:
     """Launch on x's device.  x: [..., k] fp16 / bf16 / fp32; codes: int8 [n, k]; scale, offset: fp32 (or fp16)
-    per block;
-    the caller (the op) has checked every argument."""
+    per block; the caller (the op) has checked every argument."""
     n, k = codes.shape
     lead = x.shape[:-1]
     x2 = x.reshape(-1, k)
@@ -391,8 +390,7 @@ def _signature(kernel: str, scales: str = "fp32"):
             return {"q_ptr": "*i8", "scale_ptr": f"*{scales}", "offset_ptr": f"*{scales}", "out_ptr": f"*{t}",
                     "blocks": "i32", "BLOCKSIZE": "constexpr", "BLOCKS": "constexpr", "HAS_OFFSET": "constexpr"}
         s = {"x_ptr": f"*{t}", "q_ptr": "*i8", "scale_ptr": f"*{scales}", "offset_ptr": f"*{scales}",
-             "bias_ptr": f"*{t}",
-             "out_ptr": f"*{t}", "part_ptr": "*fp32", "counter_ptr": "*i32"}
+             "bias_ptr": f"*{t}", "out_ptr": f"*{t}", "part_ptr": "*fp32", "counter_ptr": "*i32"}
         s.update({"M": "i32"} if kernel == "gemm" else {})
         s.update({"N": "i32", "K": "i32", "stride_xm": "i32", "stride_om": "i32", "stride_q": "i32"})
         if kernel == "gemv":
@@ -441,8 +439,9 @@ GEMM_SPEC = register(KernelSpec(
 DEQUANTIZE_SPEC = register(KernelSpec(
     "dequantize_int8_block", _dequantize_int8_block_kernel, _signature("dequantize"), DTYPES,
     _compiled(DEQUANTIZE_CONFIGS, lambda c: {}, (), _VARIANTS)))
+
 # fp16 scales and offsets (``gguf_8bit.narrow``, what 16-bit models load): the first config of each key, with an
-# offset, so both loads widen.
+# offset, so both loads widen; the GEMV with whole steps (EVEN_K), the variant the engine's shapes run.
 GEMV_FP16_SCALES_SPEC = register(KernelSpec(
     "gemv_int8_block_fp16_scales", _gemv_int8_block_kernel, _signature("gemv", "fp16"), DTYPES,
     {key: cfgs[-1:] for key, cfgs in _compiled(

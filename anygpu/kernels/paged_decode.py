@@ -23,10 +23,10 @@ arithmetic per byte.  The design follows from that:
   (``_merge_splits``) and stores the output, then leaves the counter at 0 for the next launch (and a CUDA
   graph's next replay): one launch per layer instead of two, and no program waits.  The combine runs
   elementwise, one split at a time in the order 0 .. n-1, so its bits depend neither on which program arrives
-  last nor on how a kernel lays out its registers: deterministic, and the same bits as the fallback.  Fallback: a launch captured in a CUDA
-  graph before the device had its counters, and every launch on AMD GPUs (``_split_k.counters`` is None there:
-  its docstring says why), writes the partials only, and ``_paged_decode_reduce_kernel`` combines them in a
-  second launch, with the same helper.
+  last nor on how a kernel lays out its registers: deterministic, and the same bits as the fallback.
+  Fallback: a launch captured in a CUDA graph before the device had its counters, and every launch on AMD GPUs
+  (``_split_k.counters`` is None there: its docstring says why), writes the partials only, and
+  ``_paged_decode_reduce_kernel`` combines them in a second launch, with the same helper.
 - No host synchronisation: the grid comes from shapes and the caller's ``max_seqlen``; each program reads
   its own sequence length, so a max_seqlen above the true one (a decode graph's) costs no speed, and a low one
   never costs correctness.

@@ -225,8 +225,8 @@ def pack_4bit(model: torch.nn.Module, checkpoint: GGUFCheckpoint) -> int:
             parent, attr = _owner(model, layer, path)
             old = getattr(parent, attr)
             types = [tensors[n].type_name for n in names]
+            half = old.weight.dtype in (torch.float16, torch.bfloat16)  # 16-bit scales for 16-bit math
             if path != "embed_tokens" and gguf_4bit.stackable(types):
-                half = old.weight.dtype in (torch.float16, torch.bfloat16)  # 16-bit scales for 16-bit math
                 parts = [gguf_4bit.convert(_rows(mm, tensors[n], cfg).to(device).reshape(-1), tensors[n].type_name,
                                            *tensors[n].shape, half_scales=half) for n in names]
                 setattr(parent, attr, GGUF4bitLinear(gguf_4bit.stack(parts), old.in_features, old.out_features,
@@ -235,7 +235,6 @@ def pack_4bit(model: torch.nn.Module, checkpoint: GGUFCheckpoint) -> int:
                 continue
             if path != "embed_tokens" and all(t in gguf_8bit.TYPES for t in types):
                 blocksize = gguf_8bit.blocksize_for(types)  # the smallest block of the stacked sources
-                half = old.weight.dtype in (torch.float16, torch.bfloat16)
                 parts = [gguf_8bit.convert(_rows(mm, tensors[n], cfg).to(device).reshape(-1), tensors[n].type_name,
                                            *tensors[n].shape, blocksize, half_scales=half) for n in names]
                 setattr(parent, attr, GGUF8bitLinear(gguf_8bit.stack(parts), old.in_features, old.out_features,
