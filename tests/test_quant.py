@@ -51,12 +51,35 @@ def test_dynamic_map_matches_the_published_table():
 
 def test_kernel_constants_are_the_tables_midpoints():
     pytest.importorskip("triton")
-    from anygpu.kernels.quant_4bit import FP4_MIDPOINTS, FP4_ORDER_NIBBLES, NF4_MIDPOINTS
+    from anygpu.kernels.quant_4bit import FP4_MIDPOINTS, FP4_ORDER_NIBBLES
 
-    for quant_type, literals in (("nf4", NF4_MIDPOINTS), ("fp4", FP4_MIDPOINTS)):
-        midpoints, order = sorted_4bit(quant_type)
-        assert same_bits(torch.tensor(literals, dtype=torch.float32), midpoints)
+    assert same_bits(torch.tensor(FP4_MIDPOINTS, dtype=torch.float32), sorted_4bit("fp4")[0])
     assert [(FP4_ORDER_NIBBLES >> (4 * p)) & 15 for p in range(16)] == sorted_4bit("fp4")[1].tolist()
+
+
+def test_nf4_estimate_is_the_count_or_one_below_everywhere():
+    """The NF4 quantize kernel's cubic (``nf4_position``), rounded, must be the count g
+    of midpoints strictly below s or g - 1 for every s in [-1, 1]; the kernel's one compare with that midpoint
+    then gives g exactly.  On each interval between midpoints the cubic's extremes (at the ends and its
+    critical points, in fp64) keep 0.2 inside the bounds that guarantee it: fp32 evaluation moves it by ~1e-5."""
+    pytest.importorskip("triton")
+    import math
+
+    from anygpu.kernels.quant_4bit import NF4_ESTIMATE
+
+    c3, c2, c1, c0 = NF4_ESTIMATE
+    cubic = lambda s: ((c3 * s + c2) * s + c1) * s + c0  # noqa: E731
+    disc = c2 * c2 - 3 * c3 * c1  # critical points: 3 c3 s^2 + 2 c2 s + c1 = 0
+    critical = [(-c2 + sign * math.sqrt(disc)) / (3 * c3) for sign in (1, -1)] if disc >= 0 else []
+    edges = [-1.0, *sorted_4bit("nf4")[0].double().tolist(), 1.0]
+    for g in range(16):  # s in (edges[g], edges[g + 1]]: g midpoints below s
+        a, b = edges[g], edges[g + 1]
+        ys = [cubic(s) for s in [a, b] + [c for c in critical if a < c < b]]
+        low = -math.inf if g == 0 else 13.5 if g == 15 else g - 1.5  # rounds to g - 1 or more (g = 15: 14)
+        high = 0.5 if g == 0 else math.inf if g == 15 else g + 0.5  # rounds to g or less
+        assert low + 0.2 < min(ys) and max(ys) < high - 0.2, (g, min(ys), max(ys))
+        # and rounding needs no clamp: every value on [-1, 1] rounds into [0, 14]
+        assert -0.3 < min(ys) and max(ys) < 14.3, (g, min(ys), max(ys))
 
 
 # -- kernels against the references (GPU, or the interpreter on the CPU) ------------------------------
@@ -100,7 +123,7 @@ def test_4bit_kernels_are_bit_identical(kdevice, quant_type, shape, blocksize, d
 
 def test_ties_go_to_the_lower_code_in_kernels_and_reference(kdevice):
     """On a midpoint: the lower code; one float above it: the upper one.  Pins the kernels' thresholds
-    (the 4-bit ones are literals) to the last bit."""
+    (FP4's are literals, NF4's come from its table) to the last bit."""
     from anygpu.kernels.quant_4bit import quantize_4bit
     from anygpu.kernels.quant_blockwise import quantize_blockwise
 

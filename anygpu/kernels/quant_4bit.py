@@ -2,12 +2,13 @@
 ``anygpu/ops/quantize_4bit.py`` / ``dequantize_4bit.py``.
 
 Quantize: the blocks are scaled as for 8 bits (``quant_blockwise._scaled_blocks``: absmax in registers,
-IEEE reciprocal, one multiply), then each value's position among the 15 sorted midpoints of the table
-comes from a 4-level branch-free search over constants (``quant_blockwise.position16``; the midpoints
-are literals below, checked against the table by the tests).  NF4's code is the position.  FP4 has a
+IEEE reciprocal, one multiply), then NF4's code, the value's position among the 15 sorted midpoints of its
+table, is a cubic's estimate corrected by one compare with the midpoint it points at (``nf4_position``: the
+estimate is never more than one below, which the tests prove interval by interval).  FP4 has a
 rule per bitsandbytes backend (``FP4_RULE``, chosen by device in ``fp4_rule_for``; the reference,
 ``ops.quantize_4bit``, chooses alike): on the CPU (the interpreter) its reference backend's, the sorted
-position mapped through a 16-nibble constant (code 0 before code 8); on GPUs its CUDA kernel's
+position (a 4-level branch-free search over its midpoints as literals, ``quant_blockwise.position16``) mapped
+through a 16-nibble constant (code 0 before code 8); on GPUs its CUDA kernel's
 (``dQuantizeFP4`` in csrc/kernels.cu, also what ROCm runs), a sign bit from ``s < 0`` and the magnitude
 against its 7 literal thresholds in a 3-level search.  The two differ on the sign of tiny values' zero
 code (about 0.5 % of a normal weight's codes) and on values a few ulps from a threshold.  Not followed on
@@ -26,15 +27,12 @@ import torch
 import triton
 import triton.language as tl
 
-from .quant_tables import code_4bit
+from .quant_tables import code_4bit, sorted_4bit
 from .launch import TRITON_DTYPE, KernelSpec, LaunchConfig, on_device, register
-from .quant_blockwise import _scaled_blocks, position16, tile_for, to_output
+from .code_lut import table_load
+from .quant_blockwise import _scaled_blocks, above, position16, tile_for, to_output
 
-# The fp32 midpoints between neighbouring sorted table values (``ops.quant_common.sorted_4bit``), exactly.
-NF4_MIDPOINTS = (-0.8480963706970215, -0.6106328964233398, -0.4599952697753906, -0.33967941999435425,
-                 -0.23460739850997925, -0.13791173696517944, -0.045525018125772476, 0.03979014977812767,
-                 0.120255246758461, 0.2035212516784668, 0.2920137643814087, 0.3893125355243683,
-                 0.5016634464263916, 0.6427869200706482, 0.8614784479141235)
+# The fp32 midpoints between neighbouring sorted FP4 values (``ops.quant_common.sorted_4bit``), exactly.
 FP4_MIDPOINTS = (-0.8333333730697632, -0.5833333730697632, -0.4166666865348816, -0.2916666865348816,
                  -0.2083333432674408, -0.0859375, -0.0026041667442768812, 0.0, 0.0026041667442768812, 0.0859375,
                  0.2083333432674408, 0.2916666865348816, 0.4166666865348816, 0.5833333730697632, 0.8333333730697632)
@@ -50,6 +48,10 @@ FP4_REFERENCE, FP4_KERNELS_CU, FP4_KERNELS_CU_FTZ = 0, 1, 2
 FP4_CUDA_THRESHOLDS = (0.0026041700039058924, 0.0859375, 0.2083333283662796, 0.2916666567325592,
                        0.4166666865348816, 0.5833330154418945, 0.8333333134651184)
 FLT_MIN = 2.0 ** -126  # the smallest normal fp32
+# NF4's position estimate (``nf4_position``): y(s) = ((c3 s + c2) s + c1) s + c0, fitted so that y at midpoint i is
+# about i - 0.1 (a least-squares cubic; fp32 constants).  Rounded, y is the count of midpoints below s or one less.
+NF4_ESTIMATE = (-4.567687511444092, 0.5615256428718567, 11.484821319580078, 6.534946918487549)  # c3, c2, c1, c0
+NF4_ESTIMATE_3, NF4_ESTIMATE_2, NF4_ESTIMATE_1, NF4_ESTIMATE_0 = (tl.constexpr(c) for c in NF4_ESTIMATE)
 
 
 def fp4_rule_for(device: torch.device) -> int:
@@ -75,14 +77,24 @@ def _fp4_kernels_cu(s):
 
 
 @triton.jit
-def _code4(s, QUANT_TYPE: tl.constexpr, FP4_RULE: tl.constexpr):
+def nf4_position(s, mid_ptr, PTX: tl.constexpr):
+    """NF4's code of s: the count of its 15 midpoints (``mid_ptr``, sorted) strictly below s (NaN: 15), from a
+    cubic's estimate p0 (NF4_ESTIMATE) and one compare with midpoint p0, which the table gives (one gather from
+    60 bytes).  The estimate is within one below the count everywhere (``tests/test_quant.py`` proves it on
+    every interval between midpoints), so ``p0 + (s > mid[p0])`` is exact.  It replaces a 4-level select search
+    (4 compares and 11 selects an element) with 3 FMAs, a min, a rounding add and the compare."""
+    y = ((NF4_ESTIMATE_3 * s + NF4_ESTIMATE_2) * s + NF4_ESTIMATE_1) * s + NF4_ESTIMATE_0
+    y = tl.minimum(y, 14.0)  # only for a NaN s (14: its compare then gives 15); on [-1, 1], -0.5 < y < 14.5
+    p0 = (y + 12582912.0).to(tl.int32, bitcast=True) & 15  # 1.5 * 2**23 + y: y rounded, in the low bits
+    return p0 + above(s, table_load(mid_ptr + p0, PTX)).to(tl.int32)
+
+
+@triton.jit
+def _code4(s, mid_ptr, QUANT_TYPE: tl.constexpr, FP4_RULE: tl.constexpr, PTX: tl.constexpr):
     if QUANT_TYPE == 1 and FP4_RULE != 0:
         code = _fp4_kernels_cu(s)
     elif QUANT_TYPE == 0:
-        code = position16(s, -0.8480963706970215, -0.6106328964233398, -0.4599952697753906, -0.33967941999435425,
-                          -0.23460739850997925, -0.13791173696517944, -0.045525018125772476, 0.03979014977812767,
-                          0.120255246758461, 0.2035212516784668, 0.2920137643814087, 0.3893125355243683,
-                          0.5016634464263916, 0.6427869200706482, 0.8614784479141235)
+        code = nf4_position(s, mid_ptr, PTX)
     else:
         position = position16(s, -0.8333333730697632, -0.5833333730697632, -0.4166666865348816,
                               -0.2916666865348816, -0.2083333432674408, -0.0859375, -0.0026041667442768812, 0.0,
@@ -93,8 +105,9 @@ def _code4(s, QUANT_TYPE: tl.constexpr, FP4_RULE: tl.constexpr):
 
 
 @triton.jit
-def _quantize_4bit_kernel(a_ptr, q_ptr, absmax_ptr, n, n_words, n_full_blocks, QUANT_TYPE: tl.constexpr,
-                          BS: tl.constexpr, BLOCKS: tl.constexpr, FP4_RULE: tl.constexpr = 0):
+def _quantize_4bit_kernel(a_ptr, q_ptr, absmax_ptr, mid_ptr, n, n_words, n_full_blocks, QUANT_TYPE: tl.constexpr,
+                          BS: tl.constexpr, BLOCKS: tl.constexpr, FP4_RULE: tl.constexpr = 0,
+                          PTX: tl.constexpr = False):
     scaled, in_range, base, local = _scaled_blocks(a_ptr, absmax_ptr, n, n_full_blocks, BS, BLOCKS)
     if QUANT_TYPE == 1 and FP4_RULE == 2:
         # nvcc's flush-to-zero makes +-0 of a subnormal input, of 1 / absmax once absmax > 2**126 (the whole
@@ -104,7 +117,7 @@ def _quantize_4bit_kernel(a_ptr, q_ptr, absmax_ptr, n, n_words, n_full_blocks, Q
         huge = tl.max(tl.where(x > 8.507059173023462e+37, 1, 0), 1)[:, None] != 0
         scaled = tl.where((x < 1.1754943508222875e-38) | huge | (tl.abs(scaled) < 1.1754943508222875e-38), 0.0,
                           scaled)
-    code = _code4(scaled, QUANT_TYPE, FP4_RULE).to(tl.uint32)  # past the end: the code of 0 (every rule)
+    code = _code4(scaled, mid_ptr, QUANT_TYPE, FP4_RULE, PTX).to(tl.uint32)  # past the end: the code of 0 (every rule)
     # Pack 8 codes into a 32-bit word (little-endian: byte 0 = elements 0, 1; high nibble first), pairing
     # neighbours three times; whole words are stored without a pass through shared memory.
     high, low = tl.split(tl.reshape(code, [BLOCKS, BS // 2, 2]))
@@ -144,8 +157,9 @@ _NF4_TILE = {"QUANT_TYPE": NF4, "BS": 64, "BLOCKS": 16, "FP4_RULE": FP4_REFERENC
 _QUANTIZE_WAVE32 = (LaunchConfig(_NF4_TILE, num_warps=4),)  # 8 per thread
 QUANTIZE_CONFIGS = {"default": _QUANTIZE_WAVE32, "rdna3": _QUANTIZE_WAVE32, "rdna4": _QUANTIZE_WAVE32,
                     "amd": (LaunchConfig(_NF4_TILE, num_warps=2),),
-                    # tools/sweep_quantize.py on the H200: one warp per 16 blocks (the search is instruction bound)
-                    "nvidia": (LaunchConfig(_NF4_TILE, num_warps=1),)}
+                    # tools/sweep_quantize.py on the H200: one warp per 16 blocks (the search is instruction bound);
+                    # PTX: NF4's table gather as inline PTX (code_lut.table_load), what every NVIDIA launch passes
+                    "nvidia": (LaunchConfig({**_NF4_TILE, "PTX": True}, num_warps=1),)}
 # 16 bytes, 32 values per thread; AMD: LDS for the interleave's stages
 _DEQUANTIZE_WAVE32 = (LaunchConfig({"BS": 64, "BLOCKS": 128, "HAS_OFFSET": False}, num_warps=8),)
 DEQUANTIZE_CONFIGS = {"default": _DEQUANTIZE_WAVE32, "rdna3": _DEQUANTIZE_WAVE32, "rdna4": _DEQUANTIZE_WAVE32,
@@ -159,9 +173,9 @@ DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
 def _quantize_signature(dtype: torch.dtype) -> dict:
-    return {"a_ptr": f"*{TRITON_DTYPE[dtype]}", "q_ptr": "*i32", "absmax_ptr": "*fp32", "n": "i32", "n_words": "i32",
-            "n_full_blocks": "i32", "QUANT_TYPE": "constexpr", "BS": "constexpr", "BLOCKS": "constexpr",
-            "FP4_RULE": "constexpr"}
+    return {"a_ptr": f"*{TRITON_DTYPE[dtype]}", "q_ptr": "*i32", "absmax_ptr": "*fp32", "mid_ptr": "*fp32", "n": "i32",
+            "n_words": "i32", "n_full_blocks": "i32", "QUANT_TYPE": "constexpr", "BS": "constexpr",
+            "BLOCKS": "constexpr", "FP4_RULE": "constexpr", "PTX": "constexpr"}
 
 
 def _dequantize_signature(dtype: torch.dtype) -> dict:
@@ -189,9 +203,12 @@ def quantize_4bit(A: torch.Tensor, blocksize: int, quant_type: str, quant_storag
     absmax = torch.empty(n_blocks, dtype=torch.float32, device=A.device)
     blocks, options = tile_for(QUANTIZE_CONFIGS, A.device, blocksize)
     with on_device(A.device):
-        _quantize_4bit_kernel[(-(-n_blocks // blocks),)](a, words, absmax, n, words.numel(), n // blocksize,
+        mids = sorted_4bit("nf4", A.device)[0]  # NF4's search table (FP4's rules need none)
+        _quantize_4bit_kernel[(-(-n_blocks // blocks),)](a, words, absmax, mids, n, words.numel(), n // blocksize,
                                                         QUANT_TYPE=NF4 if quant_type == "nf4" else FP4,
-                                                        BS=blocksize, BLOCKS=blocks, FP4_RULE=rule, **options)
+                                                        BS=blocksize, BLOCKS=blocks, FP4_RULE=rule,
+                                                        PTX=A.device.type == "cuda" and not torch.version.hip,
+                                                        **options)
     packed = words.view(torch.uint8)
     if packed.numel() != n_bytes:
         packed = packed[:n_bytes].clone()  # an exact-size tensor, as the reference returns
