@@ -4,6 +4,7 @@
 # steps: tests-engine, tests-issue4, tests-int8, tests-tp, bench-engine, bench-int8, bench-optim, bench-tp, bench-serve,
 # ncu-gemv (Nsight Compute on the decode GEMVs: tools/ncu_gemv.py; NCU_WEIGHT=q4_k for GGUF's),
 # linear-q4 (the arithmetic Q4 decoder's GPU tests, then the engine's q4_k decode with it off and on: ANYGPU_LINEAR_4BIT)
+# sweep-gemm-rows (tools/sweep_gemm_rows.py: the 64-row GEMM tile for Q4_K, NF4, Q8_0),
 # quant-matmul (the quant suite's NF4 and Q4_K matmul rows only), bench-formats (bf16, nf4, int8, q4_k, q8_0 in one
 # engine run, batch 1 and 64 prompts)
 # (tests-tp and bench-tp need two GPUs: the nvidia-h200-x2 kind.)
@@ -63,6 +64,8 @@ for step in "$@"; do
         --output-len 256 --no-baseline --quantize bf16,nf4,int8,q4_k,q8_0 -q --json "$OUT/formats_b1.json" 2>&1 | tail -9
       timeout 300 python3 -m anygpu.cli bench model --random-config llama3-8b --num-prompts 64 --input-len 512 \
         --output-len 256 --no-baseline --quantize bf16,nf4,int8,q4_k,q8_0 -q --json "$OUT/formats_c64.json" 2>&1 | tail -9 ;;
+    sweep-gemm-rows)
+      for f in q4_k nf4 q8_0; do timeout 280 python3 tools/sweep_gemm_rows.py --format $f --rows 64 2>&1 | grep -v Warning; done ;;
     quant-matmul)
       timeout 300 python3 -m anygpu.cli bench quant --op matmul_q4_k --op matmul_nf4 -q --json "$OUT/quant_matmul.json" \
         2>&1 | tail -40 ;;
