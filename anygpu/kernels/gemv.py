@@ -31,17 +31,21 @@ def _gemv_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, N, K, stride_w, HAS_BIAS: tl.c
     prefetch_then_wait(w_bytes + n.to(tl.int64) * (stride_w * ELEM), n_mask, 0, K * ELEM, w_bytes, PDL)
     kk = tl.arange(0, BLOCK_K)
     rows = w_ptr + n.to(tl.int64)[:, None] * stride_w + kk[None, :]
+    # x's step as a [BLOCK_N, BLOCK_K] tile of pointers (every row the same): loaded in the weight tile's own
+    # layout, each lane reads the x values its weights need (from L1 after the first warp), where a [BLOCK_K]
+    # load would be moved into that layout through shared memory with two barriers every step.
+    x_tile = x_ptr + kk[None, :] + tl.zeros((BLOCK_N, 1), dtype=tl.int32)
     acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
         if EVEN_K:
             w = tl.load(rows + k0, mask=n_mask[:, None], other=0.0)
-            x = tl.load(x_ptr + k0 + kk)
+            x = tl.load(x_tile + k0)
         else:
-            k_mask = k0 + kk < K
-            w = tl.load(rows + k0, mask=n_mask[:, None] & k_mask[None, :], other=0.0)
-            x = tl.load(x_ptr + k0 + kk, mask=k_mask, other=0.0)
+            k_mask = (k0 + kk < K)[None, :]
+            w = tl.load(rows + k0, mask=n_mask[:, None] & k_mask, other=0.0)
+            x = tl.load(x_tile + k0, mask=k_mask, other=0.0)
         # Products summed per lane across steps, across lanes once at the end: one reduction per program.
-        acc += w.to(tl.float32) * x.to(tl.float32)[None, :]
+        acc += w.to(tl.float32) * x.to(tl.float32)
     out = tl.sum(acc, axis=1)
     if HAS_BIAS:
         out += tl.load(bias_ptr + n, mask=n_mask, other=0.0).to(tl.float32)
