@@ -70,13 +70,16 @@ def _list_columns(word, w0, cols_ptr, base, NW: tl.constexpr, POPC: tl.constexpr
     words before its own (a scan over NW words) plus those below it in its word (a popcount): a scan over
     all NW * 32 columns is several times slower."""
     count = _popcount(word, POPC).to(tl.int32)
-    before = tl.cumsum(count, axis=0) - count
-    j = tl.arange(0, 32)
-    below = _popcount(word[:, None] & ((tl.full([32], 1, tl.uint32) << j.to(tl.uint32)) - 1)[None, :], POPC)
-    below = below.to(tl.int32)
-    k = (w0 + tl.arange(0, NW))[:, None] * 32 + j[None, :]
-    tl.store(cols_ptr + base + before[:, None] + below, k, mask=((word[:, None] >> j[None, :].to(tl.uint32)) & 1) != 0)
-    return base + tl.sum(count, axis=0)
+    total = tl.sum(count, axis=0)
+    if total > 0:  # most steps list nothing (no outlier among their columns): skip the [NW, 32] scatter
+        before = tl.cumsum(count, axis=0) - count
+        j = tl.arange(0, 32)
+        below = _popcount(word[:, None] & ((tl.full([32], 1, tl.uint32) << j.to(tl.uint32)) - 1)[None, :], POPC)
+        below = below.to(tl.int32)
+        k = (w0 + tl.arange(0, NW))[:, None] * 32 + j[None, :]
+        tl.store(cols_ptr + base + before[:, None] + below, k,
+                 mask=((word[:, None] >> j[None, :].to(tl.uint32)) & 1) != 0)
+    return base + total
 
 
 @triton.jit
