@@ -16,19 +16,16 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from ._pdl import pdl_args, prefetch_then_wait
+from ._pdl import pdl_args, wait_then_release
 from .launch import TRITON_DTYPE, KernelSpec, LaunchConfig, cached_options, device_target, on_device, register, select
 
 
 @triton.jit
 def _gemv_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, N, K, stride_w, HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr,
                  BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr):
+    wait_then_release(PDL)
     n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = n < N
-    # The decode step's chain (kernels/_pdl.py): only this program's weight rows are read before it.
-    ELEM: tl.constexpr = w_ptr.dtype.element_ty.primitive_bitwidth // 8
-    w_bytes = w_ptr.to(tl.pointer_type(tl.int8))
-    prefetch_then_wait(w_bytes + n.to(tl.int64) * (stride_w * ELEM), n_mask, 0, K * ELEM, w_bytes, PDL)
     kk = tl.arange(0, BLOCK_K)
     rows = w_ptr + n.to(tl.int64)[:, None] * stride_w + kk[None, :]
     # x's step as a [BLOCK_N, BLOCK_K] tile of pointers (every row the same): loaded in the weight tile's own

@@ -52,13 +52,23 @@ import torch
 import triton
 import triton.language as tl
 
-from ._pdl import prefetch_l2
 from ._int8_epilogue import LIST_HEAD, _dequantize_store, _gathered, _list_head, _without_outlier_codes
 from ._program_order import grouped_tile
 from .launch import TRITON_DTYPE, KernelSpec, LaunchConfig, device_target, on_device, plan_hook, register, select
 from .int8_matmul_tma import GEMM_TMA_CONFIGS, gemm_tma, tma_applies
 from .int8_outlier_epilogue import outlier_epilogue
 from .int8_quantize import fp16_threshold, fp_exact_options, hopper_pdl, quantize_rows
+
+@triton.jit
+def _prefetch_l2(w_rows, n_mask, K, PREFETCH_K: tl.constexpr):
+    """Ask L2 for the first PREFETCH_K bytes of each weight row of this tile, a 128-byte line a thread-op
+    (NVIDIA ``prefetch.global.L2``: no registers, nothing waits for it)."""
+    line = tl.arange(0, PREFETCH_K // 128) * 128
+    ok = n_mask[:, None] & (line < K)[None, :]
+    ptrs = tl.where(ok, w_rows + line[None, :], w_rows + tl.zeros_like(line)[None, :])  # in bounds
+    tl.inline_asm_elementwise("prefetch.global.L2 [$1]; mov.u32 $0, 0;", "=r,l", [ptrs], dtype=tl.int32,
+                              is_pure=False, pack=1)
+
 
 @triton.jit
 def _int8_matmul_kernel(x_ptr, a_ptr, w_ptr, row_stats_ptr, scb_ptr, bias_ptr, cols_ptr, count_ptr, acc_ptr, out_ptr,
@@ -81,8 +91,7 @@ def _int8_matmul_kernel(x_ptr, a_ptr, w_ptr, row_stats_ptr, scb_ptr, bias_ptr, c
     a_rows = a_ptr + rm64[:, None] * K
     w_rows = w_ptr + rn.to(tl.int64)[:, None] * K
     if PDL:  # launched as a programmatic dependent of the launch that writes the codes (see int8_matmul)
-        # the weights do not depend on it: fetch them meanwhile
-        prefetch_l2(w_ptr + rn.to(tl.int64) * K, n_mask, 0, K, w_ptr, PDL_PREFETCH_K // 128)
+        _prefetch_l2(w_rows, n_mask, K, PDL_PREFETCH_K)  # the weights do not depend on it: fetch them meanwhile
         tl.extra.cuda.gdc_wait()  # that launch's writes are visible past this point
         if INT32_OUT:  # the epilogue launch may start now: it gathers its operands during our main loop
             tl.extra.cuda.gdc_launch_dependents()

@@ -31,7 +31,7 @@ import triton.language as tl
 
 from ._decode_4bit import _block_scales, _decode8, _decode_pairs, _dot8, _lookup, _tables
 from ._decode_4bit_linear import _decode_pairs_linear_codes, _dot8_linear, _linear_x_pairs, linear_code
-from ._pdl import pdl_args, prefetch_then_wait
+from ._pdl import pdl_args, wait_then_release
 from ._program_order import grouped_tile
 from ._split_k import split_count, split_k_buffers, store_or_reduce
 from .gemv_mma_4bit import _gemv_mma_4bit_kernel
@@ -64,6 +64,7 @@ def _gemv_4bit_kernel(x_ptr, w_ptr, absmax_ptr, code_ptr, bias_ptr, out_ptr, par
                       NESTED: tl.constexpr, HAS_BIAS: tl.constexpr,
                       DECODE_PTX: tl.constexpr, HALF2: tl.constexpr, HAS_OFFSET: tl.constexpr,
                       PDL: tl.constexpr = False, LINEAR: tl.constexpr = False):
+    wait_then_release(PDL)  # the decode step's chain (kernels/_pdl.py): nothing is read or written before it
     # One program: BLOCK_N output features of one row of x, over 1/SPLITS of K, CHUNK elements of each
     # row per step.  stride_w (a row's packed length in words or bytes) is an argument, not K // 8,
     # so that Triton sees it is a multiple of 16 and emits 16-byte loads.  A step covers CHUNK / SEG
@@ -82,11 +83,8 @@ def _gemv_4bit_kernel(x_ptr, w_ptr, absmax_ptr, code_ptr, bias_ptr, out_ptr, par
     per_split = tl.cdiv(chunks, SPLITS)
     c_start = pid_k * per_split
     c_end = tl.minimum(c_start + per_split, chunks)
-    PER_WORD: tl.constexpr = 8 if DECODE_PTX else 2
-    # The decode step's chain (kernels/_pdl.py): only this program's weights are read before it.
-    prefetch_then_wait(w_ptr + n64 * (stride_w * (PER_WORD // 2)), n_mask, c_start * (CHUNK // 2),
-                       tl.minimum(c_end * CHUNK, K) // 2, w_ptr, PDL)
     acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    PER_WORD: tl.constexpr = 8 if DECODE_PTX else 2
     if DECODE_PTX:
         if not LINEAR:  # LINEAR (HALF2 only): the table is _decode_4bit_linear.LINEAR_CODE, decoded by arithmetic
             t0, t1, t2, t3, u0, u1, u2, u3 = _tables(code_ptr, HALF2 and x_ptr.dtype.element_ty == tl.bfloat16)

@@ -36,7 +36,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from ._pdl import pdl_args, prefetch_then_wait
+from ._pdl import pdl_args, wait_then_release
 from ._program_order import grouped_tile
 from ._split_k import split_count, split_k_buffers, store_or_reduce
 from .launch import (TRITON_DTYPE, KernelSpec, LaunchConfig, cached_options, device_target, on_device, register,
@@ -71,6 +71,7 @@ def _gemv_int8_block_kernel(x_ptr, q_ptr, scale_ptr, offset_ptr, bias_ptr, out_p
                             BLOCKSIZE: tl.constexpr, BLOCK_N: tl.constexpr, CHUNK: tl.constexpr,
                             EVEN_K: tl.constexpr, PARTIAL: tl.constexpr, REDUCE: tl.constexpr, HAS_OFFSET: tl.constexpr,
                             HAS_BIAS: tl.constexpr, DECODE_PTX: tl.constexpr = False, PDL: tl.constexpr = False):
+    wait_then_release(PDL)  # the decode step's chain (kernels/_pdl.py): nothing is read or written before it
     # One program: BLOCK_N output features of one row of x, over 1/SPLITS of K, CHUNK columns a step (CHUNK a
     # multiple of the block).  K is a multiple of the block, so a step's blocks are whole; only the last step
     # can run past K (EVEN_K: none does).
@@ -87,9 +88,6 @@ def _gemv_int8_block_kernel(x_ptr, q_ptr, scale_ptr, offset_ptr, bias_ptr, out_p
     per_split = tl.cdiv(chunks, SPLITS)
     c_start = pid_k * per_split
     c_end = tl.minimum(c_start + per_split, chunks)
-    # The decode step's chain (kernels/_pdl.py): only this program's weights are read before it.
-    prefetch_then_wait(q_ptr + n64 * (stride_q * (4 if DECODE_PTX else 1)), n_mask, c_start * CHUNK,
-                       tl.minimum(c_end * CHUNK, K), q_ptr, PDL)
     kx = tl.arange(0, CHUNK)
     seg = tl.arange(0, SEGS)
     # DECODE_PTX: the codes as int32 words of 4 (stride_q then counts words)
