@@ -304,6 +304,24 @@ def test_paged_decode_kernel_split_path_equals_single_pass(kdevice):
     check_decode(windowed, q, kc, vc, tables, lens, None, 37, what="split fp32, window, graph bound")
 
 
+def test_paged_decode_kernel_split_count_alone_sets_the_sums(kdevice):
+    """A given num_splits launches exactly that many splits whatever max_seqlen says: an engine's eager step
+    (bounded by its own context) and its decode graph (bounded by max_model_len) pass the same count and must
+    get the same bits; and a count beyond what the context fills still sums every key."""
+    from anygpu.kernels.paged_decode import paged_decode as kernel
+
+    seqlens, q_heads, kv_heads = decode_shape(kdevice)
+    q, kc, vc, tables, lens, max_seqlen = paged_case(seqlens, q_heads, kv_heads, 64, 16, torch.float32, kdevice)
+    capacity = tables.shape[1] * 16
+    for splits in (3, 6, 16):
+        tight = kernel(q, kc, vc, tables, lens, max_seqlen // 2, num_splits=splits)
+        loose = kernel(q, kc, vc, tables, lens, capacity, num_splits=splits)
+        assert torch.equal(bits(tight), bits(loose)), f"{splits} splits"
+        check_decode(tight, q, kc, vc, tables, lens, what=f"{splits} splits")
+    many = kernel(q, kc, vc, tables, lens, 16, num_splits=64)  # more splits than granules of the longest context
+    check_decode(many, q, kc, vc, tables, lens, what="64 splits, bound 16")
+
+
 def _no_second_launch(monkeypatch, pd):
     """The reduce kernel, made to fail if launched: the decode kernel must combine its splits itself."""
     class Forbidden:
@@ -520,6 +538,8 @@ def test_paged_decode_bad_arguments_name_the_argument():
         ((q, kc, vc, tables, lens, 9, None, -2), "window_left: expected an int >= -1"),
         ((q, kc, vc, tables, lens, 9, None, -1, -1.0), "softcap: expected a finite float >= 0"),
         ((q, kc, vc, tables, lens.to("meta"), 9), "seqlens: expected q, key_cache, value_cache, block_tables and"),
+        ((q, kc, vc, tables, lens, 9, None, -1, 0.0, 0), r"num_splits: expected None or an int in \[1, 1024\]"),
+        ((q, kc, vc, tables, lens, 9, None, -1, 0.0, 10 ** 6), r"num_splits: expected None or an int in"),
     ]
     for args, message in cases:
         with pytest.raises(ValueError, match=message):

@@ -51,6 +51,7 @@ import torch
 import torch.distributed as dist
 
 from ..models.llama import MODES, AttentionBatch, LlamaForCausalLM
+from ..ops.paged_decode import planned_splits
 from .row_argmax import row_argmax
 from .sampler import Sampler, _plain_greedy, generator_states, prompt_logprobs, restore_generators, samples_without_history
 from .scheduler import ScheduledBatch
@@ -109,6 +110,7 @@ class ModelRunner:
         self.max_model_len = max_model_len
         self.max_blocks_per_seq = -(-max_model_len // block_size)
         self.sampler = Sampler()
+        self._splits: dict[int, int | None] = {}  # _decode_splits': batch size -> split count
         self._table_copies: dict[int, tuple[list[int], array]] = {}  # pack's: seq_id -> (block_table, its int64 copy)
         cfg = self.config
         # batch size -> (graph, its logits [size, V], their argmax [size]: the greedy tokens)
@@ -301,7 +303,7 @@ class ModelRunner:
             ids = last_greedy[:t] if last_greedy is not None else last_logits[:t].argmax(dim=-1)
         self._last = (None, None)
         attn = AttentionBatch(positions=positions, slot_mapping=slots, mode=mode, max_seqlen_q=max_q,
-                              max_seqlen_k=max_k)
+                              max_seqlen_k=max_k, num_splits=self._decode_splits(b) if mode == "decode" else None)
         if mode != "decode":
             attn.cu_seqlens_q = cu.int()
         if mode != "prefill":
@@ -453,6 +455,18 @@ class ModelRunner:
             time.sleep(0)  # lets other threads take the GIL, as a blocking sync would
 
     # -- decode graphs ---------------------------------------------------------------------------------
+    def _decode_splits(self, batch_size: int) -> int | None:
+        """paged_decode's split count for a decode step of ``batch_size`` sequences: the one its graph's size
+        plans for max_model_len, on eager steps too (enforce_eager included).  The count sets the order of the
+        attention's sums; without it an eager step planned for its own shorter context (one pass) and a
+        replayed one (several splits) picked different bf16 tokens."""
+        hit = self._splits.get(batch_size, False)
+        if hit is False:
+            size = next((s for s in graph_batch_sizes(self.max_num_seqs) if s >= batch_size), batch_size)
+            hit = self._splits[batch_size] = planned_splits(size, self.num_kv_heads, self.block_size,
+                                                            self.config.head_dim, self.max_model_len, self.device)
+        return hit
+
     def _graph_size(self, batch_size: int) -> int | None:
         return next((b for b in sorted(self.graphs) if b >= batch_size), None)
 
@@ -471,7 +485,7 @@ class ModelRunner:
             s = self._static
             attn = AttentionBatch(positions=s["positions"][:size], slot_mapping=s["slots"][:size], mode="decode",
                                   max_seqlen_q=1, seqlens_k=s["seqlens"][:size], max_seqlen_k=self.max_model_len,
-                                  block_tables=s["tables"][:size])
+                                  block_tables=s["tables"][:size], num_splits=self._decode_splits(size))
             with torch.inference_mode():
                 row_argmax(self.model.compute_logits(self.model(s["ids"][:size], attn)))  # warm up: compile, tune
                 torch.cuda.synchronize(dev)

@@ -380,11 +380,24 @@ def _device_state(device: torch.device) -> tuple[int, torch.Tensor]:
     return hit
 
 
+def _config(head_dim: int, device: torch.device):
+    head_dim_pad = max(16, 1 << (head_dim - 1).bit_length())
+    return launch_config(CONFIGS if head_dim_pad <= 128 else LARGE_HEAD_CONFIGS, device)
+
+
+def planned_splits(batch: int, num_kv_heads: int, block_size: int, head_dim: int, max_seqlen: int,
+                   device: torch.device) -> int:
+    """The split count the launcher plans for a call of this shape (``num_splits=None``)."""
+    tile = _config(head_dim, device)[0].constexprs["TILE_N"]
+    num_cus = _device_state(device)[0]
+    return plan_splits(batch, num_kv_heads, max_seqlen, num_cus, math.lcm(tile, block_size)).num_splits
+
+
 def paged_decode(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, block_tables: torch.Tensor,
                  seqlens: torch.Tensor, max_seqlen: int, scale: float | None = None, window_left: int = -1,
-                 softcap: float = 0.0, *, num_splits: int | None = None) -> torch.Tensor:
+                 softcap: float = 0.0, num_splits: int | None = None) -> torch.Tensor:
     """Launch on q's device (a GPU, or the CPU under TRITON_INTERPRET=1).  Arguments as in the op;
-    ``num_splits``: None picks with ``plan_splits``, 1 forces the single pass, k > 1 about k splits."""
+    ``num_splits``: None plans with ``plan_splits``, k >= 1 launches exactly k splits (1: the single pass)."""
     batch, q_heads, head_dim = q.shape
     _, block_size, kv_heads, _ = key_cache.shape
     out = q.new_empty(batch, q_heads, head_dim)
@@ -401,35 +414,33 @@ def paged_decode(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Te
         seqlens = seqlens.contiguous()
     if block_tables.stride(1) != 1:
         block_tables = block_tables.contiguous()
-    cfg, options = launch_config(CONFIGS if head_dim_pad <= 128 else LARGE_HEAD_CONFIGS, q.device)
+    cfg, options = _config(head_dim, q.device)
     tile = cfg.constexprs["TILE_N"]
     granule = math.lcm(tile, block_size)
     num_cus, no_workspace = _device_state(q.device)
     if num_splits is None:
-        plan = plan_splits(batch, kv_heads, max_seqlen, num_cus, granule)
-    else:
-        plan = fixed_splits(max_seqlen, num_splits, granule)
+        num_splits = plan_splits(batch, kv_heads, max_seqlen, num_cus, granule).num_splits
     scale = head_dim ** -0.5 if scale is None else scale
-    if plan.num_splits > 1:
-        part_out = torch.empty(batch, q_heads, plan.num_splits, head_dim, dtype=torch.float32, device=q.device)
-        part_lse = torch.empty(batch, q_heads, plan.num_splits, dtype=torch.float32, device=q.device)
+    if num_splits > 1:
+        part_out = torch.empty(batch, q_heads, num_splits, head_dim, dtype=torch.float32, device=q.device)
+        part_lse = torch.empty(batch, q_heads, num_splits, dtype=torch.float32, device=q.device)
     else:  # not written by the single pass
         part_out = part_lse = no_workspace
     kc, vc = key_cache, value_cache
     with on_device(q.device):  # counters() checks the current stream for a capture
         # One counter per (sequence, KV head) when splitting.  Asked for on an unsplit call too (one), so that a
         # warm-up step that does not split still makes the device's counters before a captured step that does.
-        arrivals = counters(q.device, batch * kv_heads if plan.num_splits > 1 else 1)
-        merge = plan.num_splits > 1 and arrivals is not None
-        _paged_decode_kernel[(batch, kv_heads, plan.num_splits)](
+        arrivals = counters(q.device, batch * kv_heads if num_splits > 1 else 1)
+        merge = num_splits > 1 and arrivals is not None
+        _paged_decode_kernel[(batch, kv_heads, num_splits)](
             q, kc, vc, block_tables, seqlens, out, part_out, part_lse, arrivals if merge else unused_counters(q.device),
             scale * LOG2E, scale / softcap if softcap > 0 else 0.0, softcap * LOG2E, window_left, group, q_heads,
-            granule, plan.num_splits, int(merge), q.stride(0), q.stride(1), kc.stride(0), kc.stride(1),
+            granule, num_splits, int(merge), q.stride(0), q.stride(1), kc.stride(0), kc.stride(1),
             kc.stride(2), vc.stride(0), vc.stride(1), vc.stride(2), block_tables.stride(0), HEAD_DIM=head_dim,
             HEAD_DIM_PAD=head_dim_pad, GROUP_PAD=max(16, 1 << (group - 1).bit_length()), BLOCK_SIZE=block_size,
             TILE_N=tile, USE_SOFTCAP=softcap > 0, **options, **pdl_args(q.device))
-        if plan.num_splits > 1 and not merge:  # captured without counters: the partials are combined here
+        if num_splits > 1 and not merge:  # captured without counters: the partials are combined here
             _, roptions = launch_config(REDUCE_CONFIGS, q.device)
             _paged_decode_reduce_kernel[(triton.cdiv(out.numel(), MERGE_BLOCK.value),)](
-                part_out, part_lse, out, plan.num_splits, out.numel(), HEAD_DIM=head_dim, **roptions)
+                part_out, part_lse, out, num_splits, out.numel(), HEAD_DIM=head_dim, **roptions)
     return out

@@ -75,6 +75,9 @@ class AttentionBatch:
     seqlens_k: torch.Tensor | None = None  # int32 [B]: context length after this step (decode, mixed)
     max_seqlen_k: int = 0
     block_tables: torch.Tensor | None = None  # int32 [B, max_blocks] (decode, mixed)
+    # decode: paged_decode's split count (None: the kernel plans it).  The runner sets the count of the decode
+    # graph for the batch's size on eager steps too, so a step sums alike eager or replayed.
+    num_splits: int | None = None
 
 
 class RMSNorm(nn.Module):
@@ -128,7 +131,7 @@ class Attention(nn.Module):
                                     batch.max_seqlen_q, self.scale, True, self.window_left, self.softcap)
         elif batch.mode == "decode":
             out = paged_decode(q, k_cache, v_cache, batch.block_tables, batch.seqlens_k, batch.max_seqlen_k,
-                               self.scale, self.window_left, self.softcap)
+                               self.scale, self.window_left, self.softcap, batch.num_splits)
         else:
             out = paged_prefill(q, k_cache, v_cache, batch.block_tables, batch.cu_seqlens_q, batch.seqlens_k,
                                 batch.max_seqlen_q, batch.max_seqlen_k, self.scale, self.window_left, self.softcap)

@@ -110,6 +110,13 @@ class Op:
             return self.cpu_impl(*args)
         return self.overload(*args)
 
+    def runs_kernel(self, device: torch.device) -> bool:
+        """Whether a call on ``device`` runs the Triton kernel (not the CPU implementation or the reference)."""
+        if device.type != "cuda" or self.gpu_kernel is None:
+            return False
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        return not _references_on(index) and _resolve(self.gpu_kernel) is not None
+
     @functools.cached_property
     def _num_arguments(self) -> int:
         return len(self.overload._schema.arguments)

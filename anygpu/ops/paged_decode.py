@@ -1,5 +1,5 @@
 """``paged_decode(q, key_cache, value_cache, block_tables, seqlens, max_seqlen, scale=None, window_left=-1,
-softcap=0.0)``: decode attention (one query token per sequence) over a paged KV cache.
+softcap=0.0, num_splits=None)``: decode attention (one query token per sequence) over a paged KV cache.
 
 - q: [B, Hq, D] fp16 / bf16 / fp32 (any batch and head stride); returns [B, Hq, D] in q's dtype.
 - key_cache, value_cache: [num_blocks, block_size, Hkv, D], q's dtype; Hq % Hkv == 0 (GQA, MQA); D <= 256.
@@ -12,6 +12,10 @@ softcap=0.0)``: decode attention (one query token per sequence) over a paged KV 
   kernel stays right with too low a bound (only slower); the reference reads positions up to the bound only.
 - scale: softmax scale (default D ** -0.5); window_left >= 0 keeps only keys at positions
   >= seqlen - 1 - window_left (-1: no window); softcap > 0 caps logits to softcap * tanh(logit / softcap).
+- num_splits: how many partitions the kernel cuts each sequence's keys into (split-KV), at most MAX_SPLITS; None
+  lets it plan from the batch and max_seqlen.  The split count sets the order of the kernel's sums, so two
+  calls agree to the bit only with the same count: the engine passes the count its decode graph for the batch
+  would use (``planned_splits``), so a step runs the same sums eager or replayed.  The references ignore it.
 
 Kernel: ``anygpu/kernels/paged_decode.py``.  The reference gathers every sequence's K and V through its block
 table, padded to the longest and masked, and computes softmax attention in fp32 with no host read of a tensor.
@@ -31,11 +35,12 @@ from .define import define_op
 
 DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 MAX_HEAD_DIM = 256
+MAX_SPLITS = 1024  # bounds the [B, Hq, num_splits, D] fp32 workspace a caller can ask for
 
 
 def check(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, block_tables: torch.Tensor,
           seqlens: torch.Tensor, max_seqlen: int, scale: float | None = None, window_left: int = -1,
-          softcap: float = 0.0) -> None:
+          softcap: float = 0.0, num_splits: int | None = None) -> None:
     if q.dim() != 3:
         raise ValueError(f"q: expected shape [batch, num_q_heads, head_dim], got {tuple(q.shape)}")
     if q.dtype not in DTYPES:
@@ -62,6 +67,9 @@ def check(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, b
         raise ValueError(f"window_left: expected an int >= -1 (-1: no window), got {window_left!r}")
     if not (math.isfinite(softcap) and softcap >= 0):
         raise ValueError(f"softcap: expected a finite float >= 0 (0: none), got {softcap!r}")
+    if num_splits is not None and (isinstance(num_splits, bool) or not isinstance(num_splits, int)
+                                   or not 1 <= num_splits <= MAX_SPLITS):
+        raise ValueError(f"num_splits: expected None or an int in [1, {MAX_SPLITS}], got {num_splits!r}")
     devices = {t.device for t in (q, key_cache, value_cache, block_tables, seqlens)}
     if len(devices) > 1:
         raise ValueError(f"seqlens: expected q, key_cache, value_cache, block_tables and seqlens on one device, "
@@ -122,14 +130,14 @@ def gather_attention(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torc
 
 def reference(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, block_tables: torch.Tensor,
               seqlens: torch.Tensor, max_seqlen: int, scale: float | None = None, window_left: int = -1,
-              softcap: float = 0.0) -> torch.Tensor:
+              softcap: float = 0.0, num_splits: int | None = None) -> torch.Tensor:
     return gather_attention(q, key_cache, value_cache, block_tables, seqlens, scale, window_left, softcap,
                             torch.float32, max_seqlen).to(q.dtype)
 
 
 def cpu_decode(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, block_tables: torch.Tensor,
                seqlens: torch.Tensor, max_seqlen: int, scale: float | None = None, window_left: int = -1,
-               softcap: float = 0.0) -> torch.Tensor:
+               softcap: float = 0.0, num_splits: int | None = None) -> torch.Tensor:
     """The CPU implementation: the reference's positions and math (fp32), sequence by sequence.  Only a
     sequence's own cache rows are gathered (its length is read on the host, free on the CPU), so nothing is
     padded, masked or zeroed, and a decode step, bound on the CPU by its count of small ops, runs about a third
@@ -170,16 +178,28 @@ def cpu_decode(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tens
     return (outs[0] if batch == 1 else torch.cat(outs)).to(q.dtype)
 
 
-def fake(q, key_cache, value_cache, block_tables, seqlens, max_seqlen, scale=None, window_left=-1, softcap=0.0):
+def fake(q, key_cache, value_cache, block_tables, seqlens, max_seqlen, scale=None, window_left=-1, softcap=0.0,
+         num_splits=None):
     return q.new_empty(q.shape)
 
 
 paged_decode = define_op(
     "paged_decode(Tensor q, Tensor key_cache, Tensor value_cache, Tensor block_tables, Tensor seqlens, "
-    "int max_seqlen, float? scale=None, int window_left=-1, float softcap=0.0) -> Tensor",
+    "int max_seqlen, float? scale=None, int window_left=-1, float softcap=0.0, int? num_splits=None) -> Tensor",
     check=check,
     reference=reference,
     fake=fake,
     gpu="paged_decode:paged_decode",
     cpu=cpu_decode,
 )
+
+
+def planned_splits(batch: int, num_kv_heads: int, block_size: int, head_dim: int, max_seqlen: int,
+                   device: torch.device) -> int | None:
+    """The split count the GPU kernel plans for a call of this shape, or None where no Triton kernel runs it
+    (the CPU, ``ANYGPU_KERNELS=reference``, a GPU Triton cannot target): there ``num_splits`` changes nothing."""
+    if not paged_decode.runs_kernel(device):
+        return None
+    from ..kernels.paged_decode import planned_splits as plan
+
+    return plan(batch, num_kv_heads, block_size, head_dim, max_seqlen, device)
