@@ -56,6 +56,33 @@ def _load_x(x_row, k0, K, kx, EVEN_K: tl.constexpr):
 
 
 @triton.jit
+def _x_pairs(x_row, k0, K, BLOCK_N: tl.constexpr, CHUNK: tl.constexpr, EVEN_K: tl.constexpr):
+    """x's step as the 16-bit pair words each packed word multiplies, [BLOCK_N, CHUNK / 8] int32 each (equal
+    rows): word w takes pairs 4w (xa), 4w + 1 (xb), 4w + 2 (xc), 4w + 3 (xd).
+    NOTE: loaded in the packed tile's own layout, so that nothing moves through shared memory: a lane holds 4
+    consecutive words of a row, whose 16 pairs are 64 contiguous bytes.  Tile r holds, at word 4q + c, pair
+    16q + 4r + c (four 16-byte loads a lane); a 4 x 4 exchange within the lane's registers (join, permute,
+    split) turns them into the words' own pairs."""
+    shape: tl.constexpr = (BLOCK_N, CHUNK // 8)
+    j = tl.arange(0, CHUNK // 8)
+    pair = 16 * (j // 4) + j % 4
+    xp = x_row.to(tl.pointer_type(tl.int32)) + k0 // 2 + (pair[None, :] + tl.zeros(shape, tl.int32))
+    if EVEN_K:
+        t0, t1, t2, t3 = tl.load(xp), tl.load(xp + 4), tl.load(xp + 8), tl.load(xp + 12)
+    else:
+        t0 = tl.load(xp, mask=(k0 + 2 * pair < K)[None, :], other=0)
+        t1 = tl.load(xp + 4, mask=(k0 + 2 * (pair + 4) < K)[None, :], other=0)
+        t2 = tl.load(xp + 8, mask=(k0 + 2 * (pair + 8) < K)[None, :], other=0)
+        t3 = tl.load(xp + 12, mask=(k0 + 2 * (pair + 12) < K)[None, :], other=0)
+    tiles = tl.reshape(tl.join(tl.join(t0, t2), tl.join(t1, t3)), (BLOCK_N, CHUNK // 32, 4, 4))  # [n, q, c, r]
+    words = tl.reshape(tl.permute(tiles, (0, 1, 3, 2)), (BLOCK_N, CHUNK // 8, 2, 2))  # [n, 4q + r, c // 2, c % 2]
+    even, odd = tl.split(words)
+    xa, xc = tl.split(even)
+    xb, xd = tl.split(odd)
+    return xa, xb, xc, xd
+
+
+@triton.jit
 def _gemv_4bit_kernel(x_ptr, w_ptr, absmax_ptr, code_ptr, bias_ptr, out_ptr, part_ptr, counter_ptr,
                       nested_code_ptr, nested_absmax_ptr, nested_offset_ptr, offset_ptr,
                       N, K, stride_xm, stride_om, stride_w, SPLITS,
@@ -111,22 +138,14 @@ def _gemv_4bit_kernel(x_ptr, w_ptr, absmax_ptr, code_ptr, bias_ptr, out_ptr, par
             # x as pairs in int32 words (x0|x1, x2|x3, ...), multiplied with the decoded codes in 16-bit pair
             # arithmetic (4 products per lane summed in 16 bits, then fp32): half the instructions of
             # converting each value to fp32 for an fp32 FMA.
-            j = tl.arange(0, CHUNK // 2)
-            xp = x_row.to(tl.pointer_type(tl.int32)) + k0 // 2 + j
-            xw = tl.load(xp) if EVEN_K else tl.load(xp, mask=k0 + 2 * j < K, other=0)
-            q02, q13 = tl.split(tl.reshape(xw, (CHUNK // 8, 2, 2)))
-            xa, xc = tl.split(q02)
-            xb, xd = tl.split(q13)
             shape: tl.constexpr = (BLOCK_N, CHUNK // 8)
+            xa, xb, xc, xd = _x_pairs(x_row, k0, K, BLOCK_N, CHUNK, EVEN_K)
             if LINEAR:
                 x15, x04, x37, x26 = _linear_x_pairs(xa, xb, xc, xd)
-                prod = _dot8_linear(packed, tl.broadcast_to(x15[None, :], shape), tl.broadcast_to(x04[None, :], shape),
-                                    tl.broadcast_to(x37[None, :], shape), tl.broadcast_to(x26[None, :], shape),
-                                    x_ptr.dtype.element_ty == tl.bfloat16)
+                prod = _dot8_linear(packed, x15, x04, x37, x26, x_ptr.dtype.element_ty == tl.bfloat16)
             else:
-                prod = _dot8(packed, tl.broadcast_to(xa[None, :], shape), tl.broadcast_to(xb[None, :], shape),
-                             tl.broadcast_to(xc[None, :], shape), tl.broadcast_to(xd[None, :], shape),
-                             t0, t1, t2, t3, u0, u1, u2, u3, x_ptr.dtype.element_ty == tl.bfloat16)
+                prod = _dot8(packed, xa, xb, xc, xd, t0, t1, t2, t3, u0, u1, u2, u3,
+                             x_ptr.dtype.element_ty == tl.bfloat16)
         elif DECODE_PTX:
             v1, v0, v3, v2, v5, v4, v7, v6 = _decode8(packed, t0, t1, t2, t3, u0, u1, u2, u3)
             # One wide load of 8 activations per word, split in registers into the 8 element positions.
