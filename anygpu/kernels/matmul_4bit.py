@@ -31,6 +31,7 @@ import triton.language as tl
 
 from ._decode_4bit import _block_scales, _decode8, _decode_pairs, _dot8, _lookup, _tables
 from ._decode_4bit_linear import _decode_pairs_linear_codes, _dot8_linear, _linear_x_pairs, linear_code
+from ._lane_quads import lane_quads
 from ._pdl import pdl_args, wait_then_release
 from ._program_order import grouped_tile
 from ._split_k import split_count, split_k_buffers, store_or_reduce
@@ -53,33 +54,6 @@ def _load_x(x_row, k0, K, kx, EVEN_K: tl.constexpr):
     if EVEN_K:
         return tl.load(x_row + k0 + kx).to(tl.float32)
     return tl.load(x_row + k0 + kx, mask=k0 + kx < K, other=0.0).to(tl.float32)
-
-
-@triton.jit
-def _x_pairs(x_row, k0, K, BLOCK_N: tl.constexpr, CHUNK: tl.constexpr, EVEN_K: tl.constexpr):
-    """x's step as the 16-bit pair words each packed word multiplies, [BLOCK_N, CHUNK / 8] int32 each (equal
-    rows): word w takes pairs 4w (xa), 4w + 1 (xb), 4w + 2 (xc), 4w + 3 (xd).
-    NOTE: loaded in the packed tile's own layout, so that nothing moves through shared memory: a lane holds 4
-    consecutive words of a row, whose 16 pairs are 64 contiguous bytes.  Tile r holds, at word 4q + c, pair
-    16q + 4r + c (four 16-byte loads a lane); a 4 x 4 exchange within the lane's registers (join, permute,
-    split) turns them into the words' own pairs."""
-    shape: tl.constexpr = (BLOCK_N, CHUNK // 8)
-    j = tl.arange(0, CHUNK // 8)
-    pair = 16 * (j // 4) + j % 4
-    xp = x_row.to(tl.pointer_type(tl.int32)) + k0 // 2 + (pair[None, :] + tl.zeros(shape, tl.int32))
-    if EVEN_K:
-        t0, t1, t2, t3 = tl.load(xp), tl.load(xp + 4), tl.load(xp + 8), tl.load(xp + 12)
-    else:
-        t0 = tl.load(xp, mask=(k0 + 2 * pair < K)[None, :], other=0)
-        t1 = tl.load(xp + 4, mask=(k0 + 2 * (pair + 4) < K)[None, :], other=0)
-        t2 = tl.load(xp + 8, mask=(k0 + 2 * (pair + 8) < K)[None, :], other=0)
-        t3 = tl.load(xp + 12, mask=(k0 + 2 * (pair + 12) < K)[None, :], other=0)
-    tiles = tl.reshape(tl.join(tl.join(t0, t2), tl.join(t1, t3)), (BLOCK_N, CHUNK // 32, 4, 4))  # [n, q, c, r]
-    words = tl.reshape(tl.permute(tiles, (0, 1, 3, 2)), (BLOCK_N, CHUNK // 8, 2, 2))  # [n, 4q + r, c // 2, c % 2]
-    even, odd = tl.split(words)
-    xa, xc = tl.split(even)
-    xb, xd = tl.split(odd)
-    return xa, xb, xc, xd
 
 
 @triton.jit
@@ -139,7 +113,9 @@ def _gemv_4bit_kernel(x_ptr, w_ptr, absmax_ptr, code_ptr, bias_ptr, out_ptr, par
             # arithmetic (4 products per lane summed in 16 bits, then fp32): half the instructions of
             # converting each value to fp32 for an fp32 FMA.
             shape: tl.constexpr = (BLOCK_N, CHUNK // 8)
-            xa, xb, xc, xd = _x_pairs(x_row, k0, K, BLOCK_N, CHUNK, EVEN_K)
+            # (kernels/_lane_quads.py: loaded in the packed tile's layout, nothing through shared memory)
+            xa, xb, xc, xd = lane_quads(x_row.to(tl.pointer_type(tl.int32)) + k0 // 2, (K - k0) // 2, BLOCK_N,
+                                        CHUNK // 8, EVEN_K)
             if LINEAR:
                 x15, x04, x37, x26 = _linear_x_pairs(xa, xb, xc, xd)
                 prod = _dot8_linear(packed, x15, x04, x37, x26, x_ptr.dtype.element_ty == tl.bfloat16)

@@ -36,6 +36,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
+from ._lane_quads import lane_quads
 from ._pdl import pdl_args, wait_then_release
 from ._program_order import grouped_tile
 from ._split_k import split_count, split_k_buffers, store_or_reduce
@@ -113,13 +114,10 @@ def _gemv_int8_block_kernel(x_ptr, q_ptr, scale_ptr, offset_ptr, bias_ptr, out_p
             xv = tl.load(x_row + k0 + kx, mask=k_mask, other=0.0).to(tl.float32)
             bmask = n_mask[:, None] & (k0 + seg * BLOCKSIZE < K)[None, :]
         if DECODE_PTX:
-            # x as the 4 element positions of each word, matching the word's 4 codes
-            x02, x13 = tl.split(tl.reshape(xv, (CHUNK // 4, 2, 2)))
-            x0, x2 = tl.split(x02)
-            x1, x3 = tl.split(x13)
-            words: tl.constexpr = (BLOCK_N, CHUNK // 4)
-            prod = _dot4_i8(q, tl.broadcast_to(x0[None, :], words), tl.broadcast_to(x1[None, :], words),
-                            tl.broadcast_to(x2[None, :], words), tl.broadcast_to(x3[None, :], words))
+            # x as the 4 element positions of each word, matching the word's 4 codes, in the code tile's layout
+            # (kernels/_lane_quads.py: nothing through shared memory)
+            x0, x1, x2, x3 = lane_quads(x_row + k0, K - k0, BLOCK_N, CHUNK // 4, EVEN_K)
+            prod = _dot4_i8(q, x0.to(tl.float32), x1.to(tl.float32), x2.to(tl.float32), x3.to(tl.float32))
             per_block = tl.sum(tl.reshape(prod, (BLOCK_N, SEGS, BLOCKSIZE // 4)), axis=2)
         else:
             prod = q.to(tl.float32) * xv[None, :]
