@@ -324,9 +324,17 @@ _NV = {"DECODE_PTX": True}
 GEMM_CONFIGS = {
     "default": (LaunchConfig({"MAX_M": 64, "BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 64,
                               "SPLIT_K": 2}, num_warps=4),),
+    # NVIDIA's 64-row bucket has a gate/up entry (many rows of W, short K) for GGUF's blocks of 32, where
+    # 64-column steps split 2 ways beat the general entry by 14 % on the H100 (tools/sweep_gemm_rows.py,
+    # docs/perf/2026-12-05-s19.md); wider tiles (BLOCK_N 128 / 256) lost there.
     "nvidia": tuple(LaunchConfig({"MAX_M": rows, "BLOCK_M": rows, "BLOCK_N": 64, "BLOCK_K": 128, "SPLIT_K": 4,
                                   "FOLD_SCALE": True, "ADD_IN_KERNEL": rows <= 32, **_NV}, num_warps=4, num_stages=3)
-                    for rows in (16, 32, 64)),
+                    for rows in (16, 32))
+              + (LaunchConfig({"MAX_M": 64, "MIN_N": 16384, "MAX_K": 4096, "MAX_BLOCKSIZE": 32, "BLOCK_M": 64,
+                               "BLOCK_N": 64, "BLOCK_K": 64, "SPLIT_K": 2, "FOLD_SCALE": True, "ADD_IN_KERNEL": True,
+                               **_NV}, num_warps=4, num_stages=3),
+                 LaunchConfig({"MAX_M": 64, "BLOCK_M": 64, "BLOCK_N": 64, "BLOCK_K": 128, "SPLIT_K": 4,
+                               "FOLD_SCALE": True, "ADD_IN_KERNEL": False, **_NV}, num_warps=4, num_stages=3)),
     "cdna3": (LaunchConfig({"MAX_M": 32, "BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 64,
                             "SPLIT_K": 4}, num_warps=4, num_stages=2, matrix_instr_nonkdim=16),
               LaunchConfig({"MAX_M": 64, "BLOCK_M": 64, "BLOCK_N": 128, "BLOCK_K": 64,
@@ -379,12 +387,12 @@ def plan(m: int, n: int, k: int, blocksize: int, dtype: torch.dtype, device: tor
         c = cfg.constexprs
         return Plan("mma", cfg, split_count(k // 64, c["MAX_SPLIT"], c["SPLIT_MIN_STEPS"]))
     if limits["gemm"] is None or m <= limits["gemm"]:
-        return _gemm_plan(m, k, target)
+        return _gemm_plan(m, n, k, blocksize, target)
     return Plan("dequant")
 
 
-def _gemm_plan(m: int, k: int, target) -> Plan:
-    cfg = gemm_config(m, target)
+def _gemm_plan(m: int, n: int, k: int, blocksize: int, target) -> Plan:
+    cfg = gemm_config(m, target, n, k, blocksize)
     split = cfg.constexprs["SPLIT_K"]
     while split > 1 and k // split < cfg.constexprs["BLOCK_K"]:
         split //= 2
@@ -403,17 +411,22 @@ def gemv_config(n: int, k: int, target, blocksize: int = 64) -> LaunchConfig:
     """The GEMV config for an [n, k] weight of 4-bit blocks of ``blocksize``: the first of the table's
     shape-specific entries whose bounds (SHAPE_BOUNDS) hold, else its first, general entry."""
     configs = select(GEMV_CONFIGS, target)
-
-    def holds(c: dict) -> bool:
-        return (n >= c.get("MIN_N", 0) and n <= c.get("MAX_N", n) and k >= c.get("MIN_K", 0)
-                and k <= c.get("MAX_K", k) and blocksize <= c.get("MAX_BLOCKSIZE", blocksize))
-    return next((c for c in configs[1:] if holds(c.constexprs)), configs[0])
+    return next((c for c in configs[1:] if shape_holds(c.constexprs, n, k, blocksize)), configs[0])
 
 
-def gemm_config(m: int, target) -> LaunchConfig:
-    """The GEMM config of the row bucket that takes ``m`` rows (the last bucket past them all)."""
+def shape_holds(c: dict, n: int, k: int, blocksize: int) -> bool:
+    """A config's SHAPE_BOUNDS (absent: no bound) hold for an [n, k] weight of blocks of ``blocksize``."""
+    return (n >= c.get("MIN_N", 0) and n <= c.get("MAX_N", n) and k >= c.get("MIN_K", 0)
+            and k <= c.get("MAX_K", k) and blocksize <= c.get("MAX_BLOCKSIZE", blocksize))
+
+
+def gemm_config(m: int, target, n: int = 0, k: int = 0, blocksize: int = 64) -> LaunchConfig:
+    """The GEMM config for ``m`` rows: the first entry whose row bucket (MAX_M) takes them and whose shape
+    bounds hold for an [n, k] weight (0: the bucket's general entry), else the last."""
     configs = select(GEMM_CONFIGS, target)
-    return next((c for c in configs if m <= c.constexprs["MAX_M"]), configs[-1])
+    return next((c for c in configs if m <= c.constexprs["MAX_M"]
+                 and (shape_holds(c.constexprs, n, k, blocksize) if n else not set(SHAPE_BOUNDS) & set(c.constexprs))),
+                configs[-1])
 
 
 def dequantize_weight(w, absmax, code, blocksize, n, k, dtype, nested_absmax=None, nested_code=None,
@@ -470,7 +483,7 @@ def matmul_4bit(x: torch.Tensor, weight: torch.Tensor, absmax: torch.Tensor, cod
     if p.path == "mma" and (offset is not None or (p.config.constexprs.get("DECODE_PTX", False)
                                                    and not _mma_ptx_fits(x2, w, k))):
         # The tensor-core path has no offset term, and its PTX needs aligned rows: the GEMM takes those calls.
-        p = _gemm_plan(m, k, device_target(x.device))
+        p = _gemm_plan(m, n, k, blocksize, device_target(x.device))
     if p.path == "dequant" or (p.path == "gemm" and x.dtype == torch.float32):
         wd = dequantize_weight(w, absmax, code, blocksize, n, k, x.dtype, nested_absmax, nested_code, nested_offset,
                                offset)
@@ -593,7 +606,7 @@ GEMM_SPEC = register(KernelSpec(
                                             "GROUP_M": 8, "DOT_IN_FP32": False, "SPLIT_K": 1,
                                             "REDUCE": False, "DECODE_PTX": c.constexprs.get("DECODE_PTX", False),
                                             "LINEAR": False},
-                   drop=("MAX_M", "FOLD_SCALE", "ADD_IN_KERNEL"),
+                   drop=("MAX_M", "FOLD_SCALE", "ADD_IN_KERNEL", *SHAPE_BOUNDS),
                    # the GGUF variant also covers the split form, whose last split adds the partials
                    gguf=lambda c: {"BLOCKSIZE": 32, "NESTED": False, "SPLIT_K": c.constexprs["SPLIT_K"],
                                    "REDUCE": True, "LINEAR": c.constexprs.get("DECODE_PTX", False)})))

@@ -240,8 +240,14 @@ GEMV_CONFIGS = {
 GEMM_CONFIGS = {
     "default": (LaunchConfig({"MAX_M": 64, "BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 64, "SPLIT_K": 2},
                              num_warps=4),),
+    # NVIDIA's 64-row bucket has a gate/up entry (many rows of W, short K): one split there, 13 % faster than
+    # four on the H100 (tools/sweep_gemm_rows.py --format q8_0, docs/perf/2026-12-05-s19.md).
     "nvidia": tuple(LaunchConfig({"MAX_M": rows, "BLOCK_M": rows, "BLOCK_N": 64, "BLOCK_K": 128, "SPLIT_K": 4,
-                                  "ADD_IN_KERNEL": rows <= 32}, num_warps=4, num_stages=3) for rows in (16, 32, 64)),
+                                  "ADD_IN_KERNEL": rows <= 32}, num_warps=4, num_stages=3) for rows in (16, 32))
+              + (LaunchConfig({"MAX_M": 64, "MIN_N": 16384, "MAX_K": 4096, "BLOCK_M": 64, "BLOCK_N": 64,
+                               "BLOCK_K": 128, "SPLIT_K": 1, "ADD_IN_KERNEL": True}, num_warps=4, num_stages=3),
+                 LaunchConfig({"MAX_M": 64, "BLOCK_M": 64, "BLOCK_N": 64, "BLOCK_K": 128, "SPLIT_K": 4,
+                               "ADD_IN_KERNEL": False}, num_warps=4, num_stages=3)),
     "cdna3": (LaunchConfig({"MAX_M": 32, "BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 64, "SPLIT_K": 4},
                            num_warps=4, num_stages=2, matrix_instr_nonkdim=16),
               LaunchConfig({"MAX_M": 64, "BLOCK_M": 64, "BLOCK_N": 64, "BLOCK_K": 64, "SPLIT_K": 2},
@@ -275,16 +281,24 @@ def plan(m: int, n: int, k: int, blocksize: int, dtype: torch.dtype, device: tor
             split = split_count(-(-k // c["CHUNK"]), c["MAX_SPLIT"], c["SPLIT_MIN_CHUNKS"])
         return Plan("gemv", cfg, split)
     if m <= limits["gemm"] and dtype != torch.float32:
-        cfg = gemm_config(m, target)
+        cfg = gemm_config(m, target, n, k)
         return Plan("gemm", cfg, gemm_split(cfg, k, blocksize))
     return Plan("dequant")
 
 
 
-def gemm_config(m: int, target) -> LaunchConfig:
-    """The GEMM config of the row bucket that takes ``m`` rows (the last bucket past them all)."""
+_SHAPE_BOUNDS = ("MIN_N", "MAX_K")
+
+
+def gemm_config(m: int, target, n: int = 0, k: int = 0) -> LaunchConfig:
+    """The GEMM config for ``m`` rows: the first entry whose row bucket (MAX_M) takes them and whose shape
+    bounds (MIN_N, MAX_K) hold for an [n, k] weight (n = 0: the bucket's general entry), else the last."""
+    def holds(c: dict) -> bool:
+        if not n:
+            return not set(_SHAPE_BOUNDS) & set(c)
+        return n >= c.get("MIN_N", 0) and k <= c.get("MAX_K", k)
     configs = select(GEMM_CONFIGS, target)
-    return next((c for c in configs if m <= c.constexprs["MAX_M"]), configs[-1])
+    return next((c for c in configs if m <= c.constexprs["MAX_M"] and holds(c.constexprs)), configs[-1])
 
 
 def gemm_block_k(cfg: LaunchConfig, k: int, blocksize: int) -> int:
@@ -431,7 +445,7 @@ GEMM_SPEC = register(KernelSpec(
     "gemm_int8_block", _gemm_int8_block_kernel, _signature("gemm"), DTYPES,
     _compiled(GEMM_CONFIGS, lambda c: {"GROUP_M": 8, "SPLIT_K": 1, "REDUCE": True, "HAS_BIAS": True,
                                        "DOT_IN_FP32": False},
-              ("MAX_M", "ADD_IN_KERNEL"),
+              ("MAX_M", "ADD_IN_KERNEL", *_SHAPE_BOUNDS),
               _VARIANTS + ({"BLOCKSIZE": 32, "HAS_OFFSET": True, "BLOCK_K": 32, "SPLIT_K": 2},
                            {"BLOCKSIZE": 16, "HAS_OFFSET": False, "BLOCK_K": 16, "SPLIT_K": 2}))))
 DEQUANTIZE_SPEC = register(KernelSpec(
@@ -451,4 +465,4 @@ GEMM_FP16_SCALES_SPEC = register(KernelSpec(
     {key: cfgs[-1:] for key, cfgs in _compiled(
         GEMM_CONFIGS, lambda c: {"GROUP_M": 8, "SPLIT_K": 1, "REDUCE": True, "HAS_BIAS": True,
                                  "DOT_IN_FP32": False},
-        ("MAX_M", "ADD_IN_KERNEL"), ({**_VARIANTS[0]}, {**_VARIANTS[2]})).items()}))
+        ("MAX_M", "ADD_IN_KERNEL", *_SHAPE_BOUNDS), ({**_VARIANTS[0]}, {**_VARIANTS[2]})).items()}))
