@@ -59,3 +59,28 @@ def test_launch_config_on_faked_rocm_devices(monkeypatch):
     cfg, opts = kconfig.launch_config(table, torch.device("cuda", 1))
     assert cfg.constexprs == {"B": 1} and opts == {"num_warps": 32}  # RDNA3 is wave32
     assert kconfig.launch_config(table, torch.device("cpu")) == (table["default"][0], {})  # the interpreter
+
+
+def test_quantized_gemm_configs_take_the_weight_shape():
+    """The 64-row bucket's gate/up entries (NVIDIA) are taken for that shape only: K-quant blocks of 32 for the
+    4-bit GEMM, any block for the int8-block one; other shapes, NF4's blocks of 64 and fewer rows keep the
+    general entries, and a call without a shape gets the bucket's general entry."""
+    import torch
+
+    from anygpu.kernels import matmul_4bit as K4
+    from anygpu.kernels import matmul_int8_block as K8
+
+    sm90 = TARGETS["sm_90"]
+    gate_up = K4.gemm_config(64, sm90, 28672, 4096, 32).constexprs
+    assert (gate_up["MIN_N"], gate_up["BLOCK_K"], gate_up["SPLIT_K"]) == (16384, 64, 2)
+    for args in [(64, sm90, 4096, 14336, 32), (64, sm90, 28672, 4096, 64), (64, sm90)]:
+        c = K4.gemm_config(*args).constexprs
+        assert "MIN_N" not in c and (c["MAX_M"], c["BLOCK_K"], c["SPLIT_K"]) == (64, 128, 4), args
+    assert K4.gemm_config(16, sm90, 28672, 4096, 32).constexprs["MAX_M"] == 16
+    assert K4.plan(64, 28672, 4096, 32, torch.bfloat16, torch.device("cpu")).config.constexprs.get("MIN_N") is None
+
+    c8 = K8.gemm_config(64, sm90, 28672, 4096).constexprs
+    assert (c8["MIN_N"], c8["SPLIT_K"]) == (16384, 1)
+    for args in [(64, sm90, 6144, 4096), (64, sm90)]:
+        assert "MIN_N" not in K8.gemm_config(*args).constexprs, args
+    assert K8.gemm_config(32, sm90, 28672, 4096).constexprs["MAX_M"] == 32
