@@ -112,7 +112,6 @@ def _gemv_4bit_kernel(x_ptr, w_ptr, absmax_ptr, code_ptr, bias_ptr, out_ptr, par
             # x as pairs in int32 words (x0|x1, x2|x3, ...), multiplied with the decoded codes in 16-bit pair
             # arithmetic (4 products per lane summed in 16 bits, then fp32): half the instructions of
             # converting each value to fp32 for an fp32 FMA.
-            shape: tl.constexpr = (BLOCK_N, CHUNK // 8)
             # (kernels/_lane_quads.py: loaded in the packed tile's layout, nothing through shared memory)
             xa, xb, xc, xd = lane_quads(x_row.to(tl.pointer_type(tl.int32)) + k0 // 2, (K - k0) // 2, BLOCK_N,
                                         CHUNK // 8, EVEN_K)
