@@ -84,6 +84,25 @@ def select(table: ConfigTable, target: Target | None) -> tuple:
     raise KeyError(f"config table has none of {keys}")
 
 
+# Keys a config may carry to restrict itself to weights of some shapes ([n, k], blocks of ``blocksize``);
+# run-time only: the launch tables drop them before compiling.
+SHAPE_BOUNDS = ("MIN_N", "MAX_N", "MIN_K", "MAX_K", "MAX_BLOCKSIZE")
+
+
+def shape_holds(c: dict, n: int, k: int, blocksize: int) -> bool:
+    """A config's SHAPE_BOUNDS (absent: no bound) hold for an [n, k] weight of blocks of ``blocksize``."""
+    return (n >= c.get("MIN_N", 0) and n <= c.get("MAX_N", n) and k >= c.get("MIN_K", 0)
+            and k <= c.get("MAX_K", k) and blocksize <= c.get("MAX_BLOCKSIZE", blocksize))
+
+
+def row_bucket(configs: tuple, m: int, n: int = 0, k: int = 0, blocksize: int = 0) -> LaunchConfig:
+    """A GEMM table's config for ``m`` rows: the first entry whose row bucket (MAX_M) takes them and whose shape
+    bounds hold for an [n, k] weight (n = 0: the bucket's general entry, one without bounds), else the last."""
+    def fits(c: dict) -> bool:
+        return shape_holds(c, n, k, blocksize) if n else not set(SHAPE_BOUNDS) & set(c)
+    return next((c for c in configs if m <= c.constexprs["MAX_M"] and fits(c.constexprs)), configs[-1])
+
+
 def device_target(device: torch.device) -> Target | None:
     """The targets-table row of the GPU a tensor lives on; None for CPU tensors (the interpreter)."""
     if device.type != "cuda":

@@ -36,8 +36,8 @@ from ._pdl import pdl_args, wait_then_release
 from ._program_order import grouped_tile
 from ._split_k import split_count, split_k_buffers, store_or_reduce
 from .gemv_mma_4bit import _gemv_mma_4bit_kernel
-from .launch import (TRITON_DTYPE, KernelSpec, LaunchConfig, cached_options, device_target, on_device, plan_hook,
-                     register, select, unit_stride)
+from .launch import (SHAPE_BOUNDS, TRITON_DTYPE, KernelSpec, LaunchConfig, cached_options, device_target, on_device,
+                     plan_hook, register, row_bucket, select, shape_holds, unit_stride)
 
 
 @triton.jit
@@ -299,7 +299,6 @@ GEMV_CONFIGS = {
                LaunchConfig({"MAX_N": 2048, "BLOCK_N": 16, "CHUNK": 512, "PREFETCH": False, "MAX_SPLIT": 8,
                              "SPLIT_MIN_CHUNKS": 2, "DECODE_PTX": True, "HALF2": True}, num_warps=1)),
 }
-SHAPE_BOUNDS = ("MIN_N", "MAX_N", "MIN_K", "MAX_K", "MAX_BLOCKSIZE")
 # MMA (1 to 8 rows on NVIDIA tensor cores, gemv_mma_4bit.py): WARPS warps of 16 weight rows a program, K split
 # up to MAX_SPLIT ways while each split keeps >= SPLIT_MIN_STEPS steps of 64 columns.  NVIDIA takes it for 2 to 8
 # rows, where tools/sweep_matmul_4bit.py --mma measured it ahead of the GEMM (a lane's operands in vector loads,
@@ -413,19 +412,9 @@ def gemv_config(n: int, k: int, target, blocksize: int = 64) -> LaunchConfig:
     return next((c for c in configs[1:] if shape_holds(c.constexprs, n, k, blocksize)), configs[0])
 
 
-def shape_holds(c: dict, n: int, k: int, blocksize: int) -> bool:
-    """A config's SHAPE_BOUNDS (absent: no bound) hold for an [n, k] weight of blocks of ``blocksize``."""
-    return (n >= c.get("MIN_N", 0) and n <= c.get("MAX_N", n) and k >= c.get("MIN_K", 0)
-            and k <= c.get("MAX_K", k) and blocksize <= c.get("MAX_BLOCKSIZE", blocksize))
-
-
 def gemm_config(m: int, target, n: int = 0, k: int = 0, blocksize: int = 64) -> LaunchConfig:
-    """The GEMM config for ``m`` rows: the first entry whose row bucket (MAX_M) takes them and whose shape
-    bounds hold for an [n, k] weight (0: the bucket's general entry), else the last."""
-    configs = select(GEMM_CONFIGS, target)
-    return next((c for c in configs if m <= c.constexprs["MAX_M"]
-                 and (shape_holds(c.constexprs, n, k, blocksize) if n else not set(SHAPE_BOUNDS) & set(c.constexprs))),
-                configs[-1])
+    """The GEMM config for ``m`` rows of x and an [n, k] weight (``launch.row_bucket``)."""
+    return row_bucket(select(GEMM_CONFIGS, target), m, n, k, blocksize)
 
 
 def dequantize_weight(w, absmax, code, blocksize, n, k, dtype, nested_absmax=None, nested_code=None,

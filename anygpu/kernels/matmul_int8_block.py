@@ -40,8 +40,8 @@ from ._lane_quads import lane_quads
 from ._pdl import pdl_args, wait_then_release
 from ._program_order import grouped_tile
 from ._split_k import split_count, split_k_buffers, store_or_reduce
-from .launch import (TRITON_DTYPE, KernelSpec, LaunchConfig, cached_options, device_target, on_device, register,
-                     select, unit_stride)
+from .launch import (SHAPE_BOUNDS, TRITON_DTYPE, KernelSpec, LaunchConfig, cached_options, device_target, on_device,
+                     register, row_bucket, select, unit_stride)
 
 
 # NVIDIA: 4 int8 codes of a word to exact fp32 values without the int-to-float conversion (a quarter-rate unit on
@@ -281,24 +281,15 @@ def plan(m: int, n: int, k: int, blocksize: int, dtype: torch.dtype, device: tor
             split = split_count(-(-k // c["CHUNK"]), c["MAX_SPLIT"], c["SPLIT_MIN_CHUNKS"])
         return Plan("gemv", cfg, split)
     if m <= limits["gemm"] and dtype != torch.float32:
-        cfg = gemm_config(m, target, n, k)
+        cfg = gemm_config(m, target, n, k, blocksize)
         return Plan("gemm", cfg, gemm_split(cfg, k, blocksize))
     return Plan("dequant")
 
 
 
-_SHAPE_BOUNDS = ("MIN_N", "MAX_K")
-
-
-def gemm_config(m: int, target, n: int = 0, k: int = 0) -> LaunchConfig:
-    """The GEMM config for ``m`` rows: the first entry whose row bucket (MAX_M) takes them and whose shape
-    bounds (MIN_N, MAX_K) hold for an [n, k] weight (n = 0: the bucket's general entry), else the last."""
-    def holds(c: dict) -> bool:
-        if not n:
-            return not set(_SHAPE_BOUNDS) & set(c)
-        return n >= c.get("MIN_N", 0) and k <= c.get("MAX_K", k)
-    configs = select(GEMM_CONFIGS, target)
-    return next((c for c in configs if m <= c.constexprs["MAX_M"] and holds(c.constexprs)), configs[-1])
+def gemm_config(m: int, target, n: int = 0, k: int = 0, blocksize: int = 32) -> LaunchConfig:
+    """The GEMM config for ``m`` rows of x and an [n, k] weight (``launch.row_bucket``)."""
+    return row_bucket(select(GEMM_CONFIGS, target), m, n, k, blocksize)
 
 
 def gemm_block_k(cfg: LaunchConfig, k: int, blocksize: int) -> int:
@@ -445,7 +436,7 @@ GEMM_SPEC = register(KernelSpec(
     "gemm_int8_block", _gemm_int8_block_kernel, _signature("gemm"), DTYPES,
     _compiled(GEMM_CONFIGS, lambda c: {"GROUP_M": 8, "SPLIT_K": 1, "REDUCE": True, "HAS_BIAS": True,
                                        "DOT_IN_FP32": False},
-              ("MAX_M", "ADD_IN_KERNEL", *_SHAPE_BOUNDS),
+              ("MAX_M", "ADD_IN_KERNEL", *SHAPE_BOUNDS),
               _VARIANTS + ({"BLOCKSIZE": 32, "HAS_OFFSET": True, "BLOCK_K": 32, "SPLIT_K": 2},
                            {"BLOCKSIZE": 16, "HAS_OFFSET": False, "BLOCK_K": 16, "SPLIT_K": 2}))))
 DEQUANTIZE_SPEC = register(KernelSpec(
@@ -465,4 +456,4 @@ GEMM_FP16_SCALES_SPEC = register(KernelSpec(
     {key: cfgs[-1:] for key, cfgs in _compiled(
         GEMM_CONFIGS, lambda c: {"GROUP_M": 8, "SPLIT_K": 1, "REDUCE": True, "HAS_BIAS": True,
                                  "DOT_IN_FP32": False},
-        ("MAX_M", "ADD_IN_KERNEL", *_SHAPE_BOUNDS), ({**_VARIANTS[0]}, {**_VARIANTS[2]})).items()}))
+        ("MAX_M", "ADD_IN_KERNEL", *SHAPE_BOUNDS), ({**_VARIANTS[0]}, {**_VARIANTS[2]})).items()}))
