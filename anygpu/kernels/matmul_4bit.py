@@ -323,8 +323,8 @@ GEMM_CONFIGS = {
     "default": (LaunchConfig({"MAX_M": 64, "BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 64,
                               "SPLIT_K": 2}, num_warps=4),),
     # NVIDIA's 64-row bucket has a gate/up entry (many rows of W, short K) for GGUF's blocks of 32, where
-    # 64-column steps split 2 ways beat the general entry by 14 % on the H100 (tools/sweep_gemm_rows.py,
-    # docs/perf/2026-12-05-s19.md); wider tiles (BLOCK_N 128 / 256) lost there.
+    # 64-column steps split 2 ways beat the general entry on the H100 and wider tiles (BLOCK_N 128 / 256) lost
+    # (tools/sweep_gemm_rows.py; numbers in docs/perf/2026-12-05-s19.md).
     "nvidia": tuple(LaunchConfig({"MAX_M": rows, "BLOCK_M": rows, "BLOCK_N": 64, "BLOCK_K": 128, "SPLIT_K": 4,
                                   "FOLD_SCALE": True, "ADD_IN_KERNEL": rows <= 32, **_NV}, num_warps=4, num_stages=3)
                     for rows in (16, 32))

@@ -240,8 +240,8 @@ GEMV_CONFIGS = {
 GEMM_CONFIGS = {
     "default": (LaunchConfig({"MAX_M": 64, "BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 64, "SPLIT_K": 2},
                              num_warps=4),),
-    # NVIDIA's 64-row bucket has a gate/up entry (many rows of W, short K): one split there, 13 % faster than
-    # four on the H100 (tools/sweep_gemm_rows.py --format q8_0, docs/perf/2026-12-05-s19.md).
+    # NVIDIA's 64-row bucket has a gate/up entry (many rows of W, short K): one split there beat four on the
+    # H100 (tools/sweep_gemm_rows.py --format q8_0; numbers in docs/perf/2026-12-05-s19.md).
     "nvidia": tuple(LaunchConfig({"MAX_M": rows, "BLOCK_M": rows, "BLOCK_N": 64, "BLOCK_K": 128, "SPLIT_K": 4,
                                   "ADD_IN_KERNEL": rows <= 32}, num_warps=4, num_stages=3) for rows in (16, 32))
               + (LaunchConfig({"MAX_M": 64, "MIN_N": 16384, "MAX_K": 4096, "BLOCK_M": 64, "BLOCK_N": 64,
