@@ -62,9 +62,9 @@ def test_launch_config_on_faked_rocm_devices(monkeypatch):
 
 
 def test_quantized_gemm_configs_take_the_weight_shape():
-    """The 64-row bucket's gate/up entries (NVIDIA) are taken for that shape only: K-quant blocks of 32 for the
-    4-bit GEMM, any block for the int8-block one; other shapes, NF4's blocks of 64 and fewer rows keep the
-    general entries, and a call without a shape gets the bucket's general entry."""
+    """The 64-row bucket's gate/up entries (NVIDIA) are taken for that shape only: for the 4-bit GEMM one for
+    K-quant blocks of 32 and one for larger blocks (NF4's 64), for the int8-block one any block; other shapes and
+    fewer rows keep the general entries, and a call without a shape gets the bucket's general entry."""
     import torch
 
     from anygpu.kernels import matmul_4bit as K4
@@ -73,7 +73,9 @@ def test_quantized_gemm_configs_take_the_weight_shape():
     sm90 = TARGETS["sm_90"]
     gate_up = K4.gemm_config(64, sm90, 28672, 4096, 32).constexprs
     assert (gate_up["MIN_N"], gate_up["BLOCK_K"], gate_up["SPLIT_K"]) == (16384, 64, 2)
-    for args in [(64, sm90, 4096, 14336, 32), (64, sm90, 28672, 4096, 64), (64, sm90)]:
+    nf4_gate_up = K4.gemm_config(64, sm90, 28672, 4096, 64).constexprs
+    assert (nf4_gate_up["MIN_N"], nf4_gate_up["BLOCK_N"], nf4_gate_up["SPLIT_K"]) == (16384, 128, 1)
+    for args in [(64, sm90, 4096, 14336, 32), (64, sm90, 4096, 14336, 64), (64, sm90, 28672, 8192, 64), (64, sm90)]:
         c = K4.gemm_config(*args).constexprs
         assert "MIN_N" not in c and (c["MAX_M"], c["BLOCK_K"], c["SPLIT_K"]) == (64, 128, 4), args
     assert K4.gemm_config(16, sm90, 28672, 4096, 32).constexprs["MAX_M"] == 16

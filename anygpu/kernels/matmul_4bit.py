@@ -322,15 +322,19 @@ _NV = {"DECODE_PTX": True}
 GEMM_CONFIGS = {
     "default": (LaunchConfig({"MAX_M": 64, "BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 64,
                               "SPLIT_K": 2}, num_warps=4),),
-    # NVIDIA's 64-row bucket has a gate/up entry (many rows of W, short K) for GGUF's blocks of 32, where
-    # 64-column steps split 2 ways beat the general entry on the H100 and wider tiles (BLOCK_N 128 / 256) lost
-    # (tools/sweep_gemm_rows.py; numbers in docs/perf/2026-12-05-s19.md).
+    # NVIDIA's 64-row bucket has two gate/up entries (many rows of W, short K): for GGUF's blocks of 32, 64-column
+    # steps split 2 ways beat the general entry on the H100 and wider tiles (BLOCK_N 128 / 256) lost; for larger
+    # blocks (NF4's 64) the reverse, 128-wide tiles unsplit (tools/sweep_gemm_rows.py; numbers in
+    # docs/perf/2026-12-05-s19.md and docs/perf/2026-12-06-s21.md).
     "nvidia": tuple(LaunchConfig({"MAX_M": rows, "BLOCK_M": rows, "BLOCK_N": 64, "BLOCK_K": 128, "SPLIT_K": 4,
                                   "FOLD_SCALE": True, "ADD_IN_KERNEL": rows <= 32, **_NV}, num_warps=4, num_stages=3)
                     for rows in (16, 32))
               + (LaunchConfig({"MAX_M": 64, "MIN_N": 16384, "MAX_K": 4096, "MAX_BLOCKSIZE": 32, "BLOCK_M": 64,
                                "BLOCK_N": 64, "BLOCK_K": 64, "SPLIT_K": 2, "FOLD_SCALE": True, "ADD_IN_KERNEL": True,
                                **_NV}, num_warps=4, num_stages=3),
+                 LaunchConfig({"MAX_M": 64, "MIN_N": 16384, "MAX_K": 4096, "BLOCK_M": 64, "BLOCK_N": 128,
+                               "BLOCK_K": 128, "SPLIT_K": 1, "FOLD_SCALE": True, "ADD_IN_KERNEL": True, **_NV},
+                              num_warps=4, num_stages=3),
                  LaunchConfig({"MAX_M": 64, "BLOCK_M": 64, "BLOCK_N": 64, "BLOCK_K": 128, "SPLIT_K": 4,
                                "FOLD_SCALE": True, "ADD_IN_KERNEL": False, **_NV}, num_warps=4, num_stages=3)),
     "cdna3": (LaunchConfig({"MAX_M": 32, "BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 64,
