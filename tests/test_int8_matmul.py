@@ -114,6 +114,24 @@ def test_hopper_medium_tiles_match_the_reference(kdevice, index):
         assert_matches_reference(y, x, CB, SCB, threshold, b)
 
 
+@pytest.mark.parametrize("split_k", [2, 3, 7])
+def test_split_k_adds_the_same_bits(kdevice, split_k):
+    """K split over programs (int32 slices added by the tile's last program): the same bits as one program over
+    all of K, with and without outlier columns and bias; 7 splits of 10 steps leave the last split empty."""
+    base = LaunchConfig({"BLOCK_M": 32, "BLOCK_N": 16, "BLOCK_K": 32, "GROUP_M": 2})
+    split = LaunchConfig({**base.constexprs, "SPLIT_K": split_k})
+    CB, SCB = weight()
+    x = activations(40)
+    bias = torch.randn(N, dtype=torch.float16)
+    for threshold, b in ((6.0, bias), (0.0, None)):
+        args = (x.to(kdevice), CB.to(kdevice), SCB.to(kdevice), threshold, None if b is None else b.to(kdevice))
+        one = K.int8_matmul(*args, plan_=Plan("gemm", base)).cpu()
+        out = poison_(torch.empty(40, N, dtype=x.dtype, device=kdevice))
+        y = K.int8_matmul(*args, out=out, plan_=Plan("gemm", split)).cpu()
+        assert same_bits(y, one)
+        assert_matches_reference(y, x, CB, SCB, threshold, b)
+
+
 @pytest.mark.parametrize("path, m", [("gemm", 33), ("gemm", 40), ("gemm", 3), ("gemm", 1)])
 def test_every_loop_with_small_tiles(kdevice, path, m, monkeypatch):
     """Small blocks, so each kernel's loops take several steps: the two-pass quantize, the outlier-column

@@ -1,6 +1,12 @@
 """Sweep (GPU): int8 (LLM.int8, t=6) matmul tile configs for 17..256 rows, graph-timed, weights rotated past L2,
-outlier columns planted as the bench does; feeds GEMM_MEDIUM_CONFIGS and PATH_LIMITS in kernels/int8_matmul.py.  Prints per (shape, M) the candidates by time."""
-import sys, time
+outlier columns planted as the bench does; feeds GEMM_MEDIUM_CONFIGS and PATH_LIMITS in kernels/int8_matmul.py.  Prints per (shape, M) the candidates by time,
+and torch._int_mm on the same codes (cuBLAS's int8 GEMM, no quantize or epilogue) for scale.
+
+    python3 tools/sweep_int8_rows.py [--rows 17,32,64,128,256] [--splits 1,2,4,8]
+
+--splits: each candidate tile also with K split that many ways (SPLIT_K; not the TMA kernel)."""
+import argparse
+import time
 import torch
 import torch.nn.functional as F
 from anygpu.bench.timing import measure_graph
@@ -9,19 +15,27 @@ from anygpu.kernels.launch import LaunchConfig
 from anygpu.kernels.int8_matmul_tma import GEMM_TMA_CONFIGS
 from anygpu.kernels.launch import select, device_target
 
+ap = argparse.ArgumentParser()
+ap.add_argument("--rows", default="17,32,64,128,256")
+ap.add_argument("--splits", default="1")
+ap.add_argument("--shapes", default="8192x8192,28672x4096,4096x14336,6144x4096,4096x4096")
+args = ap.parse_args()
 dev = torch.device("cuda")
 torch.manual_seed(0)
 T0 = time.time()
 
 
-def cfg(bm, bn, bk, w, s, g=8):
-    return LaunchConfig({"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "GROUP_M": g}, num_warps=w, num_stages=s)
+def cfg(bm, bn, bk, w, s, g=8, split=1):
+    extra = {"SPLIT_K": split} if split > 1 else {}
+    return LaunchConfig({"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "GROUP_M": g, **extra}, num_warps=w,
+                        num_stages=s)
 
 
-CANDS = [("gemm", cfg(*c)) for c in [
+CANDS = [("gemm", cfg(*c, split=sp)) for sp in map(int, args.splits.split(",")) for c in [
     (16, 32, 512, 2, 3), (16, 64, 256, 4, 3), (32, 32, 512, 2, 3), (32, 64, 256, 4, 3), (32, 128, 128, 4, 3),
     (64, 64, 256, 4, 3), (64, 128, 128, 4, 4), (64, 128, 256, 8, 3), (64, 256, 128, 8, 3), (128, 64, 128, 4, 4),
-    (128, 128, 64, 8, 4), (128, 128, 128, 8, 4), (128, 256, 64, 8, 3), (64, 64, 128, 4, 4), (32, 64, 128, 4, 4)]]
+    (128, 128, 64, 8, 4), (128, 128, 128, 8, 4), (128, 256, 64, 8, 3), (64, 64, 128, 4, 4), (32, 64, 128, 4, 4)]
+    if sp == 1 or c[0] in (32, 64)]  # split: 16-row tiles keep the codes of outlier columns (no split there)
 CANDS.append(("gemm_tma", select(GEMM_TMA_CONFIGS, device_target(dev))[0]))
 
 
@@ -36,13 +50,13 @@ def acts(m, k):
     return x.half().to(dev)
 
 
-for n, k in [(8192, 8192), (28672, 4096), (4096, 14336), (6144, 4096)]:
+for n, k in [tuple(map(int, sh.split("x"))) for sh in args.shapes.split(",")]:
     copies = max(2, -(-200_000_000 // (n * k)))
     ws = [(torch.randint(-127, 128, (n, k), dtype=torch.int8, device=dev), torch.rand(n, device=dev) + 0.5)
           for _ in range(copies)]
     wf = [torch.randn(n, k, dtype=torch.float16, device=dev) for _ in range(max(2, -(-200_000_000 // (n * k * 2))))]
     bias = torch.randn(n, dtype=torch.float16, device=dev)
-    for m in (17, 32, 64, 128, 256):
+    for m in map(int, args.rows.split(",")):
         x = acts(m, k)
         st = {"i": 0}
 
@@ -63,8 +77,11 @@ for n, k in [(8192, 8192), (28672, 4096), (4096, 14336), (6144, 4096)]:
             except Exception as e:  # noqa
                 res.append((float("inf"), path, c.constexprs, c.num_warps, c.num_stages, repr(e)[:80]))
         cur = t(lambda: (lambda w: K.int8_matmul(x, w[0], w[1], 6.0, bias))(rot(ws)))
+        codes = torch.randint(-127, 128, (m, k), dtype=torch.int8, device=dev)
+        int_mm = t(lambda: torch._int_mm(codes, rot(ws)[0].t()))
         res.sort(key=lambda r: r[0])
         print(f"== N={n} K={k} M={m}: F.linear {base*1e3:.1f} us; chosen {chosen.path} {chosen.config.constexprs} "
-              f"{cur*1e3:.1f} us ({base/cur:.2f}x)  [{time.time()-T0:.0f}s]", flush=True)
-        for r in res[:6]:
+              f"{cur*1e3:.1f} us ({base/cur:.2f}x); torch._int_mm alone {int_mm*1e3:.1f} us  [{time.time()-T0:.0f}s]",
+              flush=True)
+        for r in res[:8]:
             print(f"   {r[0]*1e3:7.1f} us {base/r[0]:.2f}x {r[1]} {r[2]} w{r[3]} s{r[4]} err {r[5]}", flush=True)
