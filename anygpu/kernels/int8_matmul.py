@@ -389,9 +389,10 @@ def _and_int32_out(table: dict) -> dict:
 GEMM_SMALL_SPEC = register(KernelSpec(
     "int8_matmul_gemm_small", _int8_matmul_kernel, _matmul_signature, DTYPES,
     _and_int32_out(hopper_pdl(_with(GEMM_SMALL_CONFIGS, KEPT=True), PDL=True))))
+# Tiles of more than 16 rows zero the outlier columns' codes (KEPT off) and launch without PDL (see int8_matmul).
 GEMM_SPEC = register(KernelSpec(
     "int8_matmul_gemm", _int8_matmul_kernel, _matmul_signature, DTYPES,
-    _with(GEMM_LARGE_CONFIGS, KEPT=False)))
+    _with(GEMM_LARGE_CONFIGS, KEPT=False, PDL=False)))
 GEMM_MEDIUM_SPEC = register(KernelSpec(
     "int8_matmul_gemm_medium", _int8_matmul_kernel, _matmul_signature, DTYPES,
-    _with(GEMM_MEDIUM_CONFIGS, KEPT=False)))
+    _with(GEMM_MEDIUM_CONFIGS, KEPT=False, PDL=False)))
