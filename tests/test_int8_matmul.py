@@ -114,24 +114,6 @@ def test_hopper_medium_tiles_match_the_reference(kdevice, index):
         assert_matches_reference(y, x, CB, SCB, threshold, b)
 
 
-@pytest.mark.parametrize("split_k", [2, 3, 7])
-def test_split_k_adds_the_same_bits(kdevice, split_k):
-    """K split over programs (int32 slices added by the tile's last program): the same bits as one program over
-    all of K, with and without outlier columns and bias; 7 splits of 10 steps leave the last split empty."""
-    base = LaunchConfig({"BLOCK_M": 32, "BLOCK_N": 16, "BLOCK_K": 32, "GROUP_M": 2})
-    split = LaunchConfig({**base.constexprs, "SPLIT_K": split_k})
-    CB, SCB = weight()
-    x = activations(40)
-    bias = torch.randn(N, dtype=torch.float16)
-    for threshold, b in ((6.0, bias), (0.0, None)):
-        args = (x.to(kdevice), CB.to(kdevice), SCB.to(kdevice), threshold, None if b is None else b.to(kdevice))
-        one = K.int8_matmul(*args, plan_=Plan("gemm", base)).cpu()
-        out = poison_(torch.empty(40, N, dtype=x.dtype, device=kdevice))
-        y = K.int8_matmul(*args, out=out, plan_=Plan("gemm", split)).cpu()
-        assert same_bits(y, one)
-        assert_matches_reference(y, x, CB, SCB, threshold, b)
-
-
 @pytest.mark.parametrize("m", [17, 70])
 def test_int_mm_path_matches_the_reference(kdevice, m):
     """torch._int_mm's int32 sums (codes of outlier columns zeroed) finished by the kernel's tail in a launch of
@@ -152,11 +134,36 @@ def test_int_mm_path_matches_the_reference(kdevice, m):
                       plan_=plan_for("int_mm", 16, 40, 304, torch.device(kdevice)))
 
 
+@pytest.mark.parametrize("zero_columns", [True, False], ids=["zeroed", "kept"])
+def test_listing_in_the_launch_leaves_the_flags_zero(kdevice, zero_columns):
+    """Several rows: the quantize launch's last program lists the flagged columns, zeroes their codes in every
+    row (zero_columns) and clears the device's flags, so the next launch lists only its own columns."""
+    device = torch.device(kdevice)
+    first, second = activations(40, outliers=False), activations(40, outliers=False)
+    first[3, [5, 77, 250]] = 8.0
+    second[39, [6, 299]] = -9.0
+    second[0, 6] = 7.0
+    for x, want in ((first, [5, 77, 250]), (second, [6, 299])):
+        codes, stats, (cols, count) = Q.quantize_rows(x.to(device), 6.0, zero_columns=zero_columns)
+        assert cols[: int(count)].tolist() == want
+        ref, _, _ = quantize_rows(x.half(), 6.0)  # the op's reference zeroes the outlier columns' codes
+        codes = codes.cpu()
+        assert same_bits(codes[:, [c for c in range(KDIM) if c not in want]], ref[:, [c for c in range(KDIM) if c not in want]])
+        if zero_columns:
+            assert (codes[:, want] == 0).all()
+        else:  # only the outlier entries' codes are 0: the others keep theirs
+            kept = x[:, want].abs() < 6.0
+            assert (codes[:, want][kept] != 0).float().mean() > 0.9 and (codes[:, want][~kept] == 0).all()
+        assert not Q._FLAGS[device].any()
+
+
+@pytest.mark.parametrize("in_launch", [True, False], ids=["listed-in-launch", "list-launch"])
 @pytest.mark.parametrize("path, m", [("gemm", 33), ("gemm", 40), ("gemm", 3), ("gemm", 1)])
-def test_every_loop_with_small_tiles(kdevice, path, m, monkeypatch):
+def test_every_loop_with_small_tiles(kdevice, path, m, in_launch, monkeypatch):
     """Small blocks, so each kernel's loops take several steps: the two-pass quantize, the outlier-column
-    list over several blocks and programs, the K loop; more outlier columns than one dot step of the list
-    takes."""
+    list over several blocks and programs (in the quantize launch's last program, or a launch of its own as on
+    AMD GPUs), the K loop; more outlier columns than one dot step of the list takes."""
+    monkeypatch.setattr(Q, "LIST_IN_LAUNCH", in_launch)
     monkeypatch.setattr(Q, "QUANTIZE_CONFIGS", {"default": (LaunchConfig({"MAX_BLOCK_K": 64}),)})
     monkeypatch.setattr(Q, "OUTLIER_LIST_CONFIGS", {"default": (LaunchConfig({"BLOCK_K": 64, "ZERO_ROWS": 3}),)})
     # 16-row tiles take the kept codes of outlier columns back out; 32-row tiles (m 40) have them zeroed

@@ -2,9 +2,7 @@
 outlier columns planted as the bench does; feeds GEMM_MEDIUM_CONFIGS and PATH_LIMITS in kernels/int8_matmul.py.  Prints per (shape, M) the candidates by time,
 and torch._int_mm on the same codes (cuBLAS's int8 GEMM, no quantize or epilogue) for scale.
 
-    python3 tools/sweep_int8_rows.py [--rows 17,32,64,128,256] [--splits 1,2,4,8]
-
---splits: each candidate tile also with K split that many ways (SPLIT_K; not the TMA kernel)."""
+    python3 tools/sweep_int8_rows.py [--rows 17,32,64,128,256] [--shapes 8192x8192,...]"""
 import argparse
 import time
 import torch
@@ -17,7 +15,6 @@ from anygpu.kernels.launch import select, device_target
 
 ap = argparse.ArgumentParser()
 ap.add_argument("--rows", default="17,32,64,128,256")
-ap.add_argument("--splits", default="1")
 ap.add_argument("--shapes", default="8192x8192,28672x4096,4096x14336,6144x4096,4096x4096")
 args = ap.parse_args()
 dev = torch.device("cuda")
@@ -25,17 +22,14 @@ torch.manual_seed(0)
 T0 = time.time()
 
 
-def cfg(bm, bn, bk, w, s, g=8, split=1):
-    extra = {"SPLIT_K": split} if split > 1 else {}
-    return LaunchConfig({"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "GROUP_M": g, **extra}, num_warps=w,
-                        num_stages=s)
+def cfg(bm, bn, bk, w, s, g=8):
+    return LaunchConfig({"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "GROUP_M": g}, num_warps=w, num_stages=s)
 
 
-CANDS = [("gemm", cfg(*c, split=sp)) for sp in map(int, args.splits.split(",")) for c in [
+CANDS = [("gemm", cfg(*c)) for c in [
     (16, 32, 512, 2, 3), (16, 64, 256, 4, 3), (32, 32, 512, 2, 3), (32, 64, 256, 4, 3), (32, 128, 128, 4, 3),
     (64, 64, 256, 4, 3), (64, 128, 128, 4, 4), (64, 128, 256, 8, 3), (64, 256, 128, 8, 3), (128, 64, 128, 4, 4),
-    (128, 128, 64, 8, 4), (128, 128, 128, 8, 4), (128, 256, 64, 8, 3), (64, 64, 128, 4, 4), (32, 64, 128, 4, 4)]
-    if sp == 1 or c[0] in (32, 64)]  # split: 16-row tiles keep the codes of outlier columns (no split there)
+    (128, 128, 64, 8, 4), (128, 128, 128, 8, 4), (128, 256, 64, 8, 3), (64, 64, 128, 4, 4), (32, 64, 128, 4, 4)]]
 CANDS.append(("gemm_tma", select(GEMM_TMA_CONFIGS, device_target(dev))[0]))
 # the int_mm path: torch._int_mm's sums, then the tail launch with these tiles
 CANDS += [("int_mm", cfg(bm, bn, 32, w, None)) for bm, bn, w in ((16, 64, 4), (32, 64, 4), (64, 64, 4), (32, 128, 4))]

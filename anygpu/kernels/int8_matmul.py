@@ -54,7 +54,6 @@ import triton.language as tl
 
 from ._int8_epilogue import LIST_HEAD, _dequantize_store, _gathered, _list_head, _without_outlier_codes
 from ._program_order import grouped_tile
-from ._split_k import counters, last_arrival, unused_counters
 from .launch import TRITON_DTYPE, KernelSpec, LaunchConfig, device_target, on_device, plan_hook, register, select
 from .int8_matmul_tma import GEMM_TMA_CONFIGS, gemm_tma, tma_applies
 from .int8_outlier_epilogue import outlier_epilogue
@@ -73,20 +72,16 @@ def _prefetch_l2(w_rows, n_mask, K, PREFETCH_K: tl.constexpr):
 
 @triton.jit
 def _int8_matmul_kernel(x_ptr, a_ptr, w_ptr, row_stats_ptr, scb_ptr, bias_ptr, cols_ptr, count_ptr, acc_ptr, out_ptr,
-                        part_ptr, counter_ptr, M, N, K, stride_xm, stride_om, BLOCK_M: tl.constexpr,
-                        BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, HAS_BIAS: tl.constexpr,
+                        M, N, K, stride_xm, stride_om, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                        BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, HAS_BIAS: tl.constexpr,
                         HAS_THRESHOLD: tl.constexpr, KEPT: tl.constexpr, PDL: tl.constexpr = False,
-                        INT32_OUT: tl.constexpr = False, SPLIT_K: tl.constexpr = 1, FROM_ACC: tl.constexpr = False):
+                        INT32_OUT: tl.constexpr = False, FROM_ACC: tl.constexpr = False):
     # x [M, K] (x's dtype, unit stride in K); a: the int8 codes [M, K]; w: CB int8 [N, K]; cols / count: the
     # outlier columns.  INT32_OUT (HAS_THRESHOLD off): the int32 sums go to acc [M, N], and
     # ``_outlier_epilogue_kernel`` (launched next) does the rest: a few rows with a threshold, see
-    # OUTLIER_EPILOGUE_ROWS.  SPLIT_K > 1 (axis 1 of the grid: a slice of K each): every program stores its int32
-    # sums to its slice of part [SPLIT_K, M, N], and the last to arrive on its tile's counter adds them and
-    # runs the tail (integer sums: exact, so the same bits as one program over all of K).
-    # FROM_ACC (the int_mm path): no main loop; the int32 sums are acc [M, N], made by torch._int_mm (cuBLAS), and
+    # OUTLIER_EPILOGUE_ROWS.  FROM_ACC (the int_mm path): no main loop; the int32 sums are acc [M, N], made by torch._int_mm (cuBLAS), and
     # this launch is their tail (outlier columns, scaling, bias, store).
-    tl.static_assert(SPLIT_K == 1 or not (PDL or INT32_OUT or KEPT))
-    tl.static_assert(not FROM_ACC or not (PDL or INT32_OUT or KEPT or SPLIT_K > 1))
+    tl.static_assert(not FROM_ACC or not (PDL or INT32_OUT or KEPT))
     pid_m, pid_n = grouped_tile(tl.program_id(0), M, N, BLOCK_M, BLOCK_N, GROUP_M)
     rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -115,29 +110,12 @@ def _int8_matmul_kernel(x_ptr, a_ptr, w_ptr, row_stats_ptr, scb_ptr, bias_ptr, c
               n_out, head, out_ptr, stride_om, HAS_BIAS, HAS_THRESHOLD, KEPT)
         return
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.int32)
-    k_first = 0
-    k_stop = K
-    if SPLIT_K > 1:
-        per_split = tl.cdiv(tl.cdiv(K, BLOCK_K), SPLIT_K) * BLOCK_K
-        k_first = tl.program_id(1) * per_split
-        k_stop = tl.minimum(k_first + per_split, K)
-    for k0 in range(k_first, k_stop, BLOCK_K):
+    for k0 in range(0, K, BLOCK_K):
         k = k0 + rk
         k_mask = k < K
         w = tl.load(w_rows + k[None, :], mask=n_mask[:, None] & k_mask[None, :], other=0)
         a = tl.load(a_rows + k[None, :], mask=m_mask[:, None] & k_mask[None, :], other=0)
         acc = tl.dot(a, tl.trans(w), acc, out_dtype=tl.int32)  # triton 3.6 wants it said
-    if SPLIT_K > 1:
-        tile_mask = m_mask[:, None] & n_mask[None, :]
-        part = part_ptr + rm64[:, None] * N + rn[None, :]
-        tl.store(part + tl.program_id(1).to(tl.int64) * M * N, acc, mask=tile_mask)
-        if last_arrival(counter_ptr, tl.program_id(0), SPLIT_K):
-            acc = tl.load(part, mask=tile_mask, other=0, cache_modifier=".cg")
-            for s in range(1, SPLIT_K):
-                acc += tl.load(part + s * M * N, mask=tile_mask, other=0, cache_modifier=".cg")
-            _tail(acc, x_rows, a_rows, w_rows, row_stat, scb, rm64, rn, m_mask, n_mask, x_ptr, bias_ptr, cols_ptr,
-                  n_out, head, out_ptr, stride_om, HAS_BIAS, HAS_THRESHOLD, KEPT)
-        return
     if INT32_OUT:
         tl.store(acc_ptr + rm64[:, None] * N + rn[None, :], acc, mask=m_mask[:, None] & n_mask[None, :])
         return
@@ -201,6 +179,7 @@ GEMM_MEDIUM_CONFIGS = {
 # The int_mm path's epilogue launch (FROM_ACC: the tail of a tile, no main loop; BLOCK_K unused).
 INT_MM_EPILOGUE_CONFIGS = {
     "default": (_cfg(32, 64, 32),),
+    "rdna3": (_cfg(16, 64, 32),),  # wave32: spills with 32 rows
 }
 # ``small``: the most rows the gemm path runs with GEMM_SMALL_CONFIGS.  Where a target has ``medium``: up to
 # that many rows run GEMM_MEDIUM_CONFIGS (the second from ``medium_wide_from`` rows on layers of N >= WIDE_N),
@@ -351,10 +330,10 @@ def int8_matmul(x: torch.Tensor, CB: torch.Tensor, SCB: torch.Tensor, threshold:
         if has_threshold:
             cols, count = outliers
         acc = torch._int_mm(codes, CB.t())
-        grid = (triton.cdiv(m, c["BLOCK_M"]) * triton.cdiv(n, c["BLOCK_N"]), 1)
+        grid = (triton.cdiv(m, c["BLOCK_M"]) * triton.cdiv(n, c["BLOCK_N"]),)
         with on_device(x.device):
             _int8_matmul_kernel[grid](
-                x2, codes, CB, stats, SCB, bias if bias is not None else dummy, cols, count, acc, out2, acc, acc,
+                x2, codes, CB, stats, SCB, bias if bias is not None else dummy, cols, count, acc, out2,
                 m, n, k, x2.stride(0), out2.stride(0), BLOCK_M=c["BLOCK_M"], BLOCK_N=c["BLOCK_N"],
                 BLOCK_K=c["BLOCK_K"], GROUP_M=c["GROUP_M"], HAS_BIAS=bias is not None, HAS_THRESHOLD=has_threshold,
                 KEPT=False, FROM_ACC=True, **fp_exact_options(cfg, x.device))
@@ -374,20 +353,14 @@ def int8_matmul(x: torch.Tensor, CB: torch.Tensor, SCB: torch.Tensor, threshold:
         acc = torch.empty(m, n, dtype=torch.int32, device=x.device)
     elif has_threshold:
         cols, count = outliers
-    tiles = triton.cdiv(m, c["BLOCK_M"]) * triton.cdiv(n, c["BLOCK_N"])
+    grid = (triton.cdiv(m, c["BLOCK_M"]) * triton.cdiv(n, c["BLOCK_N"]),)
     with on_device(x.device):
-        split_k = c.get("SPLIT_K", 1)
-        tile_counters = counters(x.device, tiles) if split_k > 1 else None
-        if tile_counters is None:  # no split asked, or no counters (AMD, or a first launch under graph capture)
-            split_k, tile_counters, part = 1, unused_counters(x.device), acc
-        else:  # the slices the programs of a tile add (kernels/_split_k.py's protocol, int32)
-            part = torch.empty(split_k, m, n, dtype=torch.int32, device=x.device)
-        _int8_matmul_kernel[(tiles, split_k)](
-            x2, codes, CB, stats, SCB, bias if bias is not None else dummy, cols, count, acc, out2, part,
-            tile_counters, m, n, k, x2.stride(0), out2.stride(0), BLOCK_M=c["BLOCK_M"], BLOCK_N=c["BLOCK_N"],
+        _int8_matmul_kernel[grid](
+            x2, codes, CB, stats, SCB, bias if bias is not None else dummy, cols, count, acc, out2,
+            m, n, k, x2.stride(0), out2.stride(0), BLOCK_M=c["BLOCK_M"], BLOCK_N=c["BLOCK_N"],
             BLOCK_K=c["BLOCK_K"], GROUP_M=c["GROUP_M"], HAS_BIAS=bias is not None,
             HAS_THRESHOLD=has_threshold and not split, KEPT=kept and not split, PDL=pdl,
-            INT32_OUT=split, SPLIT_K=split_k, **fp_exact_options(cfg, x.device, pdl=pdl))
+            INT32_OUT=split, **fp_exact_options(cfg, x.device, pdl=pdl))
     if split:
         outlier_epilogue(x2, codes, CB, stats, SCB, bias, outliers, acc, out2, pdl)
     return out
@@ -401,15 +374,16 @@ def _matmul_signature(dtype: torch.dtype) -> dict:
     t = TRITON_DTYPE[dtype]
     sig = {"x_ptr": f"*{t}", "a_ptr": "*i8", "w_ptr": "*i8", "row_stats_ptr": "*fp32", "scb_ptr": "*fp32",
            "bias_ptr": f"*{t}", "cols_ptr": "*i32", "count_ptr": "*i32", "acc_ptr": "*i32", "out_ptr": f"*{t}",
-           "part_ptr": "*i32", "counter_ptr": "*i32", "M": "i32", "N": "i32", "K": "i32", "stride_xm": "i32", "stride_om": "i32"}
+           "M": "i32", "N": "i32", "K": "i32", "stride_xm": "i32", "stride_om": "i32"}
     sig.update(dict.fromkeys(("BLOCK_M", "BLOCK_N", "BLOCK_K", "GROUP_M", "HAS_BIAS", "HAS_THRESHOLD", "KEPT", "PDL",
-                              "INT32_OUT", "SPLIT_K", "FROM_ACC"), "constexpr"))
+                              "INT32_OUT", "FROM_ACC"), "constexpr"))
     return sig
 
 
 def _with(table: dict, **extra) -> dict:
     """The tables with the launcher-set constexprs filled in (threshold and bias on: the most registers)."""
-    return {key: tuple(LaunchConfig({**cfg.constexprs, "HAS_BIAS": True, "HAS_THRESHOLD": True, **extra},
+    return {key: tuple(LaunchConfig({"INT32_OUT": False, "FROM_ACC": False, **cfg.constexprs, "HAS_BIAS": True,
+                                     "HAS_THRESHOLD": True, **extra},
                                     cfg.num_warps, cfg.num_stages, cfg.waves_per_eu, cfg.matrix_instr_nonkdim,
                                     cfg.kpack) for cfg in cfgs)
             for key, cfgs in table.items()}

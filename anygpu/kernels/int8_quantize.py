@@ -24,9 +24,11 @@ import torch
 import triton
 import triton.language as tl
 
+from ._split_k import counters, last_arrival
 from .launch import TRITON_DTYPE, KernelSpec, LaunchConfig, cached_options, device_target, on_device, register, select
 
 LIST_CHUNK = tl.constexpr(8192)  # columns a step when listing outlier columns (steps are sequential: few, wide)
+ZERO_STEP = tl.constexpr(32)  # listed columns and rows a step when the quantize launch zeroes their codes
 
 
 @triton.jit
@@ -143,10 +145,11 @@ def _list_row_outliers(x_ptr, cols_ptr, count_ptr, K, threshold, BLOCK_K: tl.con
 
 
 @triton.jit
-def _int8_quantize_kernel(x_ptr, codes_ptr, stats_ptr, flags_ptr, cols_ptr, count_ptr, M, K, stride_xm,
+def _int8_quantize_kernel(x_ptr, codes_ptr, stats_ptr, flags_ptr, cols_ptr, count_ptr, counter_ptr, M, K, stride_xm,
                           threshold, BLOCK_K: tl.constexpr, ONE_TILE: tl.constexpr,
                           HAS_THRESHOLD: tl.constexpr, LIST: tl.constexpr, MARK: tl.constexpr,
-                          PDL: tl.constexpr = False, POPC: tl.constexpr = False):
+                          PDL: tl.constexpr = False, POPC: tl.constexpr = False, LIST_LAST: tl.constexpr = False,
+                          ZERO: tl.constexpr = False):
     """A row's stats and codes (0 for outlier entries; the rest of an outlier column is dealt
     with later, see the module doc) and their outlier columns, marked (MARK 1: a flag per column, into zeros;
     2: each row's own bit words) for ``_outlier_list_kernel``.  LIST (a single row): an extra program (program
@@ -162,6 +165,35 @@ def _int8_quantize_kernel(x_ptr, codes_ptr, stats_ptr, flags_ptr, cols_ptr, coun
         _list_row_outliers(x_ptr, cols_ptr, count_ptr, K, threshold, LIST_CHUNK, POPC)
     else:
         _quantize_rows(x_ptr, codes_ptr, stats_ptr, flags_ptr, M, K, stride_xm, threshold, BLOCK_K, ONE_TILE, HAS_THRESHOLD, MARK if HAS_THRESHOLD else 0, PDL)
+        if LIST_LAST:  # the row programs flagged their columns (MARK 1); the last to finish lists them
+            tl.static_assert(MARK == 1 and HAS_THRESHOLD and not LIST)
+            if last_arrival(counter_ptr, 0, M):
+                _list_flags_then_clear(flags_ptr, codes_ptr, cols_ptr, count_ptr, M, K, LIST_CHUNK, ZERO, POPC)
+
+
+@triton.jit
+def _list_flags_then_clear(flags_ptr, codes_ptr, cols_ptr, count_ptr, M, K, BLOCK_K: tl.constexpr, ZERO: tl.constexpr,
+                           POPC: tl.constexpr):
+    """In the quantize launch's last program (LIST_LAST): the flagged columns, in order, into cols[:count], the
+    flags set back to 0 (the buffer is the device's, zero between launches: ``zero_flags``), and with ZERO every
+    row's code in those columns zeroed (a store per listed column and row, where the list launch's programs
+    walk every column)."""
+    base = tl.zeros([], tl.int32)
+    for k0 in range(0, K, BLOCK_K):
+        k = k0 + tl.arange(0, BLOCK_K)
+        flag = tl.load(flags_ptr + k, mask=k < K, other=0, cache_modifier=".cg") != 0
+        base = _list_columns(_pack(flag, BLOCK_K // 32), k0 // 32, cols_ptr, base, BLOCK_K // 32, POPC)
+        tl.store(flags_ptr + k, tl.zeros([BLOCK_K], tl.int8), mask=flag)
+    tl.store(count_ptr, base)
+    if ZERO:
+        tl.debug_barrier()  # the list's entries, stored by this program's threads, before any thread loads them
+        for j0 in range(0, base, ZERO_STEP):
+            j = j0 + tl.arange(0, ZERO_STEP)
+            col = tl.load(cols_ptr + j, mask=j < base, other=0)
+            for r0 in range(0, M, ZERO_STEP):
+                r = r0 + tl.arange(0, ZERO_STEP)
+                tl.store(codes_ptr + r.to(tl.int64)[:, None] * K + col[None, :], tl.zeros([ZERO_STEP, ZERO_STEP], tl.int8),
+                         mask=(r < M)[:, None] & (j < base)[None, :])
 
 
 @triton.jit
@@ -292,6 +324,29 @@ def _pow2(v: int) -> int:
     return 1 << max(v - 1, 0).bit_length()
 
 
+# The quantize launch lists the outlier columns of several rows itself (its last program, LIST_LAST) instead of a
+# list launch after it: one launch less per int8 matmul of 17 rows or more.
+LIST_IN_LAUNCH = True
+# The devices' int8 column flags, all zero between launches (each LIST_LAST launch clears the flags it set), and the
+# buffers they outgrew (a captured CUDA graph keeps the address it was captured with).
+_FLAGS: dict[torch.device, torch.Tensor] = {}
+_OUTGROWN_FLAGS: list[torch.Tensor] = []
+
+
+def zero_flags(device: torch.device, k: int) -> torch.Tensor | None:
+    """The device's zero int8 flags, at least ``k`` of them: made (or grown) now unless the current stream is
+    capturing a CUDA graph (None: the caller lists in a launch of its own)."""
+    buf = _FLAGS.get(device)
+    if buf is not None and buf.numel() >= k:
+        return buf
+    if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+        return None
+    if buf is not None:
+        _OUTGROWN_FLAGS.append(buf)
+    buf = _FLAGS[device] = torch.zeros(max(1 << 14, triton.next_power_of_2(k)), dtype=torch.int8, device=device)
+    return buf
+
+
 def quantize_rows(x2: torch.Tensor, threshold: float, zero_columns: bool = False, signal: bool = False,
                   mark_only: bool = False):
     """(codes int8 [M, K], row stats fp32 [M], outliers) of x2 [M, K] (unit stride in K): a program per row.
@@ -315,21 +370,31 @@ def quantize_rows(x2: torch.Tensor, threshold: float, zero_columns: bool = False
     list_launch = has_threshold and not listed and not marked  # the columns are listed by a launch of their own
     out_codes = torch.empty(m, k, dtype=torch.int8, device=device)
     stats = torch.empty(m, dtype=torch.float32, device=device)
-    words = marked or (list_launch and not zero_columns)  # else flags (the zeroing programs read them all)
     flags = cols = count = stats
-    if has_threshold:
-        if words:
-            flags = torch.empty(m * triton.cdiv(k, 32), dtype=torch.int32, device=device).view(torch.int8)
-        elif list_launch:
-            flags = torch.zeros(k, dtype=torch.int8, device=device)
-        cols = torch.empty(k, dtype=torch.int32, device=device)
-        count = torch.empty(1, dtype=torch.int32, device=device)
     with on_device(device):
+        # Listed by the quantize launch's last program, with the device's zero flags and arrival counter (none under
+        # a CUDA-graph capture that would have to make them, nor on AMD GPUs: kernels/_split_k.py's counters).
+        counter = counters(device, 1) if list_launch and LIST_IN_LAUNCH else None
+        if counter is not None:
+            flags = zero_flags(device, k)
+            if flags is None:
+                counter = None
+        in_launch = counter is not None
+        list_launch = list_launch and not in_launch
+        words = marked or (list_launch and not zero_columns)  # else flags (the zeroing programs read them all)
+        if has_threshold:
+            if words:
+                flags = torch.empty(m * triton.cdiv(k, 32), dtype=torch.int32, device=device).view(torch.int8)
+            elif list_launch:
+                flags = torch.zeros(k, dtype=torch.int8, device=device)
+            cols = torch.empty(k, dtype=torch.int32, device=device)
+            count = torch.empty(1, dtype=torch.int32, device=device)
         _int8_quantize_kernel[(m + listed,)](
-            x2, out_codes, stats, flags, cols, count, m, k, x2.stride(0), threshold,
+            x2, out_codes, stats, flags, cols, count, counter if in_launch else stats, m, k, x2.stride(0), threshold,
             BLOCK_K=block_k, ONE_TILE=block_k >= k, HAS_THRESHOLD=has_threshold, LIST=listed,
-            MARK=(2 if words else 1) if list_launch or marked else 0, PDL=signal,
-            POPC=cfg.constexprs.get("POPC", False), **fp_exact_options(cfg, device, pdl=signal))
+            MARK=(2 if words else 1) if list_launch or marked or in_launch else 0, PDL=signal,
+            POPC=cfg.constexprs.get("POPC", False), LIST_LAST=in_launch, ZERO=in_launch and zero_columns,
+            **fp_exact_options(cfg, device, pdl=signal))
         if list_launch:
             list_cfg = select(OUTLIER_LIST_CONFIGS, device_target(device))[0]
             c = list_cfg.constexprs
@@ -354,25 +419,31 @@ def hopper_pdl(table: dict, **pdl) -> dict:
 
 def _quantize_signature(dtype: torch.dtype) -> dict:
     return {"x_ptr": f"*{TRITON_DTYPE[dtype]}", "codes_ptr": "*i8", "stats_ptr": "*fp32", "flags_ptr": "*i8",
-            "cols_ptr": "*i32", "count_ptr": "*i32", "M": "i32", "K": "i32", "stride_xm": "i32",
+            "cols_ptr": "*i32", "count_ptr": "*i32", "counter_ptr": "*i32", "M": "i32", "K": "i32", "stride_xm": "i32",
             "threshold": "fp32", "BLOCK_K": "constexpr", "ONE_TILE": "constexpr",
             "HAS_THRESHOLD": "constexpr", "LIST": "constexpr", "MARK": "constexpr", "PDL": "constexpr",
-            "POPC": "constexpr"}
+            "POPC": "constexpr", "LIST_LAST": "constexpr", "ZERO": "constexpr"}
 
 
-def _quantize_forms(cfg: LaunchConfig) -> tuple:
+def _quantize_forms(cfg: LaunchConfig, list_last: bool = True) -> tuple:
     """The forms the launcher uses: the whole row in registers, listing the columns (a single row) or writing
     the row's bit words (a few rows), and two passes over K flagging the columns (many rows, longer than
     MAX_BLOCK_K), or writing the bit words in two (a few long rows, ``mark_only``)."""
     block = cfg.constexprs["MAX_BLOCK_K"]
+    forms = [(True, True, 0, False, False), (True, False, 2, False, False), (False, False, 1, False, False),
+             (False, False, 2, False, False)]
+    # several rows listed by the launch's last program (LIST_LAST; not on AMD GPUs: see zero_flags), codes of the
+    # columns zeroed or not
+    forms += [(one, False, 1, True, zero) for one in (True, False) for zero in (True, False) if list_last]
     return tuple(LaunchConfig({"BLOCK_K": block, "ONE_TILE": one, "LIST": listed, "MARK": mark,
-                               "HAS_THRESHOLD": True, "POPC": cfg.constexprs.get("POPC", False)}, cfg.num_warps)
-                 for one, listed, mark in ((True, True, 0), (True, False, 2), (False, False, 1), (False, False, 2)))
+                               "HAS_THRESHOLD": True, "POPC": cfg.constexprs.get("POPC", False),
+                               "LIST_LAST": last, "ZERO": zero}, cfg.num_warps)
+                 for one, listed, mark, last, zero in forms)
 
 
 QUANTIZE_SPEC = register(KernelSpec(
     "int8_quantize_rows", _int8_quantize_kernel, _quantize_signature, (torch.float16, torch.bfloat16, torch.float32),
-    hopper_pdl({key: _quantize_forms(cfgs[0]) for key, cfgs in QUANTIZE_CONFIGS.items()}, PDL=True)))
+    hopper_pdl({key: _quantize_forms(cfgs[0], key != "amd") for key, cfgs in QUANTIZE_CONFIGS.items()}, PDL=True)))
 
 
 def _list_forms(table: dict) -> dict:
