@@ -114,26 +114,6 @@ def test_hopper_medium_tiles_match_the_reference(kdevice, index):
         assert_matches_reference(y, x, CB, SCB, threshold, b)
 
 
-@pytest.mark.parametrize("m", [17, 70])
-def test_int_mm_path_matches_the_reference(kdevice, m):
-    """torch._int_mm's int32 sums (codes of outlier columns zeroed) finished by the kernel's tail in a launch of
-    its own: the reference's bits without outlier columns, the contract's units with them; more outlier columns
-    than the tail's first gather takes."""
-    CB, SCB = weight(40, 304)
-    x = activations(m, 304)
-    x[1:, 221:300:2] = 7.0  # 40 more outlier columns: past the 32 of the first gather
-    bias = torch.randn(40, dtype=torch.float16)
-    for threshold, b in ((6.0, bias), (0.0, None)):
-        out = poison_(torch.empty(m, 40, dtype=x.dtype, device=kdevice))
-        y = K.int8_matmul(x.to(kdevice), CB.to(kdevice), SCB.to(kdevice), threshold,
-                          None if b is None else b.to(kdevice), out=out,
-                          plan_=plan_for("int_mm", m, 40, 304, torch.device(kdevice))).cpu()
-        assert_matches_reference(y, x, CB, SCB, threshold, b)
-    with pytest.raises(ValueError, match="'int_mm' path takes more than 16 rows"):
-        K.int8_matmul(x[:16].to(kdevice), CB.to(kdevice), SCB.to(kdevice), 6.0,
-                      plan_=plan_for("int_mm", 16, 40, 304, torch.device(kdevice)))
-
-
 @pytest.mark.parametrize("zero_columns", [True, False], ids=["zeroed", "kept"])
 def test_listing_in_the_launch_leaves_the_flags_zero(kdevice, zero_columns):
     """Several rows: the quantize launch's last program lists the flagged columns, zeroes their codes in every
@@ -340,7 +320,7 @@ def test_plan_picks_paths_by_rows():
         assert K._plan(64, 8192, 8192, TARGETS[arch]).config is select(K.GEMM_SMALL_CONFIGS, TARGETS[arch])[0]
     with pytest.raises(ValueError, match="'gemm_tma' runs on NVIDIA sm_90"):
         plan_for("gemm_tma", 4096, 64, 64, cpu)
-    for gone in ("dequant", "fused", "fused_stats"):
+    for gone in ("dequant", "fused", "fused_stats", "int_mm"):
         with pytest.raises(ValueError, match="path: expected one of"):
             plan_for(gone, 1, 8, 8, cpu)
     assert fp16_threshold(6.1) == 6.1015625 and fp16_threshold(1e6) == float("inf")

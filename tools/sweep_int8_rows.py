@@ -31,8 +31,6 @@ CANDS = [("gemm", cfg(*c)) for c in [
     (64, 64, 256, 4, 3), (64, 128, 128, 4, 4), (64, 128, 256, 8, 3), (64, 256, 128, 8, 3), (128, 64, 128, 4, 4),
     (128, 128, 64, 8, 4), (128, 128, 128, 8, 4), (128, 256, 64, 8, 3), (64, 64, 128, 4, 4), (32, 64, 128, 4, 4)]]
 CANDS.append(("gemm_tma", select(GEMM_TMA_CONFIGS, device_target(dev))[0]))
-# the int_mm path: torch._int_mm's sums, then the tail launch with these tiles
-CANDS += [("int_mm", cfg(bm, bn, 32, w, None)) for bm, bn, w in ((16, 64, 4), (32, 64, 4), (64, 64, 4), (32, 128, 4))]
 
 
 def t(fn):  # ms
@@ -64,8 +62,6 @@ for n, k in [tuple(map(int, sh.split("x"))) for sh in args.shapes.split(",")]:
         res = []
         for path, c in CANDS:
             p = K.Plan(path, c)
-            if path == "int_mm" and not K.int_mm_takes(m, n, k):
-                continue
             try:
                 ref = K.int8_matmul(x, ws[0][0], ws[0][1], 6.0, bias)
                 got = K.int8_matmul(x, ws[0][0], ws[0][1], 6.0, bias, plan_=p)

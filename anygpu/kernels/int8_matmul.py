@@ -75,13 +75,11 @@ def _int8_matmul_kernel(x_ptr, a_ptr, w_ptr, row_stats_ptr, scb_ptr, bias_ptr, c
                         M, N, K, stride_xm, stride_om, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                         BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, HAS_BIAS: tl.constexpr,
                         HAS_THRESHOLD: tl.constexpr, KEPT: tl.constexpr, PDL: tl.constexpr = False,
-                        INT32_OUT: tl.constexpr = False, FROM_ACC: tl.constexpr = False):
+                        INT32_OUT: tl.constexpr = False):
     # x [M, K] (x's dtype, unit stride in K); a: the int8 codes [M, K]; w: CB int8 [N, K]; cols / count: the
     # outlier columns.  INT32_OUT (HAS_THRESHOLD off): the int32 sums go to acc [M, N], and
     # ``_outlier_epilogue_kernel`` (launched next) does the rest: a few rows with a threshold, see
-    # OUTLIER_EPILOGUE_ROWS.  FROM_ACC (the int_mm path): no main loop; the int32 sums are acc [M, N], made by torch._int_mm (cuBLAS), and
-    # this launch is their tail (outlier columns, scaling, bias, store).
-    tl.static_assert(not FROM_ACC or not (PDL or INT32_OUT or KEPT))
+    # OUTLIER_EPILOGUE_ROWS.
     pid_m, pid_n = grouped_tile(tl.program_id(0), M, N, BLOCK_M, BLOCK_N, GROUP_M)
     rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -100,15 +98,9 @@ def _int8_matmul_kernel(x_ptr, a_ptr, w_ptr, row_stats_ptr, scb_ptr, bias_ptr, c
     scb = tl.load(scb_ptr + rn, mask=n_mask, other=0.0)
     row_stat = tl.load(row_stats_ptr + rm, mask=m_mask, other=0.0)
     n_out = 0  # the outlier list's length, loaded once with its head
-    head = 0
     if HAS_THRESHOLD:
         n_out, head = _list_head(cols_ptr, count_ptr, K, LIST_HEAD)
 
-    if FROM_ACC:
-        acc = tl.load(acc_ptr + rm64[:, None] * N + rn[None, :], mask=m_mask[:, None] & n_mask[None, :], other=0)
-        _tail(acc, x_rows, a_rows, w_rows, row_stat, scb, rm64, rn, m_mask, n_mask, x_ptr, bias_ptr, cols_ptr,
-              n_out, head, out_ptr, stride_om, HAS_BIAS, HAS_THRESHOLD, KEPT)
-        return
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.int32)
     for k0 in range(0, K, BLOCK_K):
         k = k0 + rk
@@ -121,17 +113,10 @@ def _int8_matmul_kernel(x_ptr, a_ptr, w_ptr, row_stats_ptr, scb_ptr, bias_ptr, c
         return
     if PDL:  # the next launch (the next int8 matmul's quantize) may start: it waits for this one to end
         tl.extra.cuda.gdc_launch_dependents()
-    _tail(acc, x_rows, a_rows, w_rows, row_stat, scb, rm64, rn, m_mask, n_mask, x_ptr, bias_ptr, cols_ptr, n_out,
-          head, out_ptr, stride_om, HAS_BIAS, HAS_THRESHOLD, KEPT)
 
-
-@triton.jit
-def _tail(acc, x_rows, a_rows, w_rows, row_stat, scb, rm64, rn, m_mask, n_mask, x_ptr, bias_ptr, cols_ptr, n_out,
-          head, out_ptr, stride_om, HAS_BIAS: tl.constexpr, HAS_THRESHOLD: tl.constexpr, KEPT: tl.constexpr):
-    """After the main loop: the outlier columns' fix-ups (one round of gathers, issued together) and the store."""
     xo = 0.0  # the list head's columns of x and of the weight, for the epilogue
     wo = 0.0
-    if HAS_THRESHOLD:
+    if HAS_THRESHOLD:  # one round of gathers, issued together
         in_head = tl.arange(0, LIST_HEAD) < n_out
         xo = _gathered(x_rows, head, in_head, m_mask)
         wo = _gathered(w_rows, head, in_head, n_mask)
@@ -176,11 +161,6 @@ GEMM_MEDIUM_CONFIGS = {
     "default": (),  # no other target's PATH_LIMITS has a medium bucket
     "hopper": (_cfg(64, 64, 256, stages=3), _cfg(64, 128, 128, stages=4)),
 }
-# The int_mm path's epilogue launch (FROM_ACC: the tail of a tile, no main loop; BLOCK_K unused).
-INT_MM_EPILOGUE_CONFIGS = {
-    "default": (_cfg(32, 64, 32),),
-    "rdna3": (_cfg(16, 64, 32),),  # wave32: spills with 32 rows
-}
 # ``small``: the most rows the gemm path runs with GEMM_SMALL_CONFIGS.  Where a target has ``medium``: up to
 # that many rows run GEMM_MEDIUM_CONFIGS (the second from ``medium_wide_from`` rows on layers of N >= WIDE_N),
 # except rows past ``small_narrow`` on layers of N < WIDE_N (still the small tiles, which make more programs)
@@ -202,7 +182,7 @@ class Plan:
     config: LaunchConfig
 
 
-PATHS = ("gemm", "gemm_tma", "int_mm")
+PATHS = ("gemm", "gemm_tma")
 
 
 def plan(m: int, n: int, k: int, dtype: torch.dtype, device: torch.device, override: bool = True) -> Plan:
@@ -231,11 +211,6 @@ def _plan(m: int, n: int, k: int, target) -> Plan:
     return Plan("gemm", select(GEMM_LARGE_CONFIGS, target)[0])
 
 
-def int_mm_takes(m: int, n: int, k: int) -> bool:
-    """Whether ``torch._int_mm`` (cuBLASLt / hipBLASLt on GPUs) takes an [m, k] x [k, n] int8 product."""
-    return m > 16 and k % 8 == 0 and n % 8 == 0
-
-
 def plan_for(path: str, m: int, n: int, k: int, device: torch.device) -> Plan:
     """The plan of ``path`` with its default config on ``device``'s target (for tests and benchmarks)."""
     if path not in PATHS:
@@ -245,8 +220,6 @@ def plan_for(path: str, m: int, n: int, k: int, device: torch.device) -> Plan:
         if not tma_applies(k, target):
             raise ValueError(f"path: 'gemm_tma' runs on NVIDIA sm_90 with K a multiple of 16, not K={k} on {device}")
         return Plan(path, select(GEMM_TMA_CONFIGS, target)[0])
-    if path == "int_mm":
-        return Plan(path, select(INT_MM_EPILOGUE_CONFIGS, target)[0])
     small = m <= select(PATH_LIMITS, target)["small"]
     return Plan(path, select(GEMM_SMALL_CONFIGS if small else GEMM_LARGE_CONFIGS, target)[0])
 
@@ -322,22 +295,6 @@ def int8_matmul(x: torch.Tensor, CB: torch.Tensor, SCB: torch.Tensor, threshold:
     out2 = out.view(m, n)
     dummy = SCB
     cols = count = acc = dummy
-    if p.path == "int_mm":
-        if not int_mm_takes(m, n, k):
-            raise ValueError(f"plan: the 'int_mm' path takes more than 16 rows and N, K multiples of 8 on a GPU, "
-                             f"not [{m}, {k}] x [{n}, {k}] on {x.device}")
-        codes, stats, outliers = quantize_rows(x2, thr, zero_columns=True)
-        if has_threshold:
-            cols, count = outliers
-        acc = torch._int_mm(codes, CB.t())
-        grid = (triton.cdiv(m, c["BLOCK_M"]) * triton.cdiv(n, c["BLOCK_N"]),)
-        with on_device(x.device):
-            _int8_matmul_kernel[grid](
-                x2, codes, CB, stats, SCB, bias if bias is not None else dummy, cols, count, acc, out2,
-                m, n, k, x2.stride(0), out2.stride(0), BLOCK_M=c["BLOCK_M"], BLOCK_N=c["BLOCK_N"],
-                BLOCK_K=c["BLOCK_K"], GROUP_M=c["GROUP_M"], HAS_BIAS=bias is not None, HAS_THRESHOLD=has_threshold,
-                KEPT=False, FROM_ACC=True, **fp_exact_options(cfg, x.device))
-        return out
     if p.path == "gemm_tma":
         codes, stats, outliers = quantize_rows(x2, thr, zero_columns=True)
         if has_threshold:
@@ -376,14 +333,13 @@ def _matmul_signature(dtype: torch.dtype) -> dict:
            "bias_ptr": f"*{t}", "cols_ptr": "*i32", "count_ptr": "*i32", "acc_ptr": "*i32", "out_ptr": f"*{t}",
            "M": "i32", "N": "i32", "K": "i32", "stride_xm": "i32", "stride_om": "i32"}
     sig.update(dict.fromkeys(("BLOCK_M", "BLOCK_N", "BLOCK_K", "GROUP_M", "HAS_BIAS", "HAS_THRESHOLD", "KEPT", "PDL",
-                              "INT32_OUT", "FROM_ACC"), "constexpr"))
+                              "INT32_OUT"), "constexpr"))
     return sig
 
 
 def _with(table: dict, **extra) -> dict:
     """The tables with the launcher-set constexprs filled in (threshold and bias on: the most registers)."""
-    return {key: tuple(LaunchConfig({"INT32_OUT": False, "FROM_ACC": False, **cfg.constexprs, "HAS_BIAS": True,
-                                     "HAS_THRESHOLD": True, **extra},
+    return {key: tuple(LaunchConfig({**cfg.constexprs, "HAS_BIAS": True, "HAS_THRESHOLD": True, **extra},
                                     cfg.num_warps, cfg.num_stages, cfg.waves_per_eu, cfg.matrix_instr_nonkdim,
                                     cfg.kpack) for cfg in cfgs)
             for key, cfgs in table.items()}
@@ -405,6 +361,3 @@ GEMM_SPEC = register(KernelSpec(
 GEMM_MEDIUM_SPEC = register(KernelSpec(
     "int8_matmul_gemm_medium", _int8_matmul_kernel, _matmul_signature, DTYPES,
     _with(GEMM_MEDIUM_CONFIGS, KEPT=False, PDL=False)))
-INT_MM_EPILOGUE_SPEC = register(KernelSpec(
-    "int8_matmul_int_mm_epilogue", _int8_matmul_kernel, _matmul_signature, DTYPES,
-    _with(INT_MM_EPILOGUE_CONFIGS, KEPT=False, PDL=False, FROM_ACC=True)))

@@ -4,10 +4,12 @@ outlier entries (|x| >= threshold), and the outlier columns of x listed in incre
 
 A column is an outlier column when any row holds an outlier, which a program per row cannot know when
 it writes its codes: only its outlier entries' codes are 0.  The rows' programs mark their outlier
-columns and ``_outlier_list_kernel`` lists the marked columns (a single row lists them itself, in an extra
-program of the same launch).  Marks are each row's own bit words for a few rows (no buffer to zero
-first), or a flag per column, into zeros, for many rows, whose list launch also zeroes the columns' other
-codes.  Listing counts each 32-column word's bits (a popcount), scans the word counts, and adds the
+columns and the marked columns are listed: a single row's by an extra program of the same launch; several
+rows' on NVIDIA GPUs and in the interpreter by the launch's last program to finish (``LIST_LAST``: flags in
+the device's zero buffer, counted in on the split-K arrival counter), which also zeroes the columns' other
+codes where the matmul wants them zeroed; elsewhere (AMD GPUs, or a first launch under graph capture) by
+``_outlier_list_kernel``, a launch of its own.  Marks are each row's own bit words for a few rows (no buffer
+to zero first), or a flag per column, into zeros.  Listing counts each 32-column word's bits (a popcount), scans the word counts, and adds the
 popcount of the bits below each bit: a scan over every column is several times slower.
 
 Arithmetic as the reference's (``anygpu/ops/int8_matmul.py``): ``127 / absmax`` is torch's
