@@ -5,10 +5,10 @@ outlier entries (|x| >= threshold), and the outlier columns of x listed in incre
 A column is an outlier column when any row holds an outlier, which a program per row cannot know when
 it writes its codes: only its outlier entries' codes are 0.  The rows' programs mark their outlier
 columns and the marked columns are listed: a single row's by an extra program of the same launch; several
-rows' on NVIDIA GPUs and in the interpreter by the launch's last program to finish (``LIST_LAST``: flags in
-the device's zero buffer, counted in on the split-K arrival counter), which also zeroes the columns' other
-codes where the matmul wants them zeroed; elsewhere (AMD GPUs, or a first launch under graph capture) by
-``_outlier_list_kernel``, a launch of its own.  Marks are each row's own bit words for a few rows (no buffer
+rows' where the matmul wants the columns' other codes zeroed, on NVIDIA GPUs and in the interpreter, by the
+launch's last program to finish (``LIST_LAST``: flags in the device's zero buffer, counted in on the split-K
+arrival counter), which zeroes those codes too; otherwise (codes kept, AMD GPUs, or a first launch under
+graph capture) by ``_outlier_list_kernel``, a launch of its own.  Marks are each row's own bit words for a few rows (no buffer
 to zero first), or a flag per column, into zeros.  Listing counts each 32-column word's bits (a popcount), scans the word counts, and adds the
 popcount of the bits below each bit: a scan over every column is several times slower.
 
@@ -326,8 +326,11 @@ def _pow2(v: int) -> int:
     return 1 << max(v - 1, 0).bit_length()
 
 
-# The quantize launch lists the outlier columns of several rows itself (its last program, LIST_LAST) instead of a
-# list launch after it: one launch less per int8 matmul of 17 rows or more.
+# The quantize launch lists the outlier columns of several rows itself (its last program, LIST_LAST) and zeroes their
+# codes, for the matmul tiles that want them zeroed, instead of a list launch after it whose programs walk every
+# column of their rows (4-6 us less per matmul at 64-128 rows, H100).  The 16-row tiles, which keep the codes,
+# keep the list launch: there it is a programmatic dependent that overlaps the matmul's start, and listing in
+# the quantize launch measured no faster.
 LIST_IN_LAUNCH = True
 # The devices' int8 column flags, all zero between launches (each LIST_LAST launch clears the flags it set), and the
 # buffers they outgrew (a captured CUDA graph keeps the address it was captured with).
@@ -376,7 +379,7 @@ def quantize_rows(x2: torch.Tensor, threshold: float, zero_columns: bool = False
     with on_device(device):
         # Listed by the quantize launch's last program, with the device's zero flags and arrival counter (none under
         # a CUDA-graph capture that would have to make them, nor on AMD GPUs: kernels/_split_k.py's counters).
-        counter = counters(device, 1) if list_launch and LIST_IN_LAUNCH else None
+        counter = counters(device, 1) if list_launch and zero_columns and LIST_IN_LAUNCH else None
         if counter is not None:
             flags = zero_flags(device, k)
             if flags is None:
@@ -434,9 +437,8 @@ def _quantize_forms(cfg: LaunchConfig, list_last: bool = True) -> tuple:
     block = cfg.constexprs["MAX_BLOCK_K"]
     forms = [(True, True, 0, False, False), (True, False, 2, False, False), (False, False, 1, False, False),
              (False, False, 2, False, False)]
-    # several rows listed by the launch's last program (LIST_LAST; not on AMD GPUs: see zero_flags), codes of the
-    # columns zeroed or not
-    forms += [(one, False, 1, True, zero) for one in (True, False) for zero in (True, False) if list_last]
+    # several rows listed, and their codes zeroed, by the launch's last program (LIST_LAST; not on AMD GPUs)
+    forms += [(one, False, 1, True, True) for one in (True, False) if list_last]
     return tuple(LaunchConfig({"BLOCK_K": block, "ONE_TILE": one, "LIST": listed, "MARK": mark,
                                "HAS_THRESHOLD": True, "POPC": cfg.constexprs.get("POPC", False),
                                "LIST_LAST": last, "ZERO": zero}, cfg.num_warps)
