@@ -167,8 +167,9 @@ def test_every_loop_with_small_tiles(kdevice, path, m, in_launch, monkeypatch):
 @pytest.mark.parametrize("bias", [False, True], ids=["nobias", "bias"])
 @pytest.mark.parametrize("threshold", [0.0, 6.0])
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("config", [0, 1], ids=["many-rows", "49-64-rows"])
 @pytest.mark.parametrize("m", [3, 40, 130])
-def test_tensor_descriptor_kernel(kdevice, m, dtype, threshold, bias):
+def test_tensor_descriptor_kernel(kdevice, m, dtype, threshold, bias, config):
     """The TMA kernel (NVIDIA sm_90's many-row path), with small tiles in the interpreter: persistent programs
     walking several tiles each (4 in the interpreter), K a multiple of 16 but of no block (the descriptors
     read zeros past K, M and N), outlier columns zeroed by the list launch and added back in x's dtype."""
@@ -178,9 +179,11 @@ def test_tensor_descriptor_kernel(kdevice, m, dtype, threshold, bias):
     x[:, 200:220:2] = 11.0  # 10 more outlier columns: more than one dot step of the list
     b = torch.randn(N, dtype=dtype) if bias else None
     if torch.device(kdevice).type == "cpu":
-        chosen = Plan("gemm_tma", LaunchConfig({"BLOCK_M": 32, "BLOCK_N": 16, "BLOCK_K": 64, "GROUP_M": 2}))
+        chosen = Plan("gemm_tma", LaunchConfig({"BLOCK_M": 32, "BLOCK_N": 16, "BLOCK_K": 64, "GROUP_M": 2,
+                                                "PER_SM": 1 + config}))
     else:
-        chosen = path_plan("gemm_tma", m, N, k, kdevice)
+        path_plan("gemm_tma", m, N, k, kdevice)  # skips where the path does not run
+        chosen = Plan("gemm_tma", GEMM_TMA_CONFIGS["hopper"][config])
     out = poison_(torch.empty(m, N, dtype=dtype, device=kdevice))
     y = K.int8_matmul(x.to(kdevice), CB.to(kdevice), SCB.to(kdevice), threshold, None if b is None else b.to(kdevice),
                       out=out, plan_=chosen).cpu()
@@ -311,8 +314,12 @@ def test_plan_picks_paths_by_rows():
     # a few dozen to a few hundred rows: 64-row tiles, except narrow layers up to 64 rows (small tiles) and
     # wide ones from 65 rows (the TMA kernel)
     medium = K.GEMM_MEDIUM_CONFIGS["hopper"]
-    for m, n, k, want in ((48, 8192, 8192, K.GEMM_SMALL_CONFIGS["nvidia"][0]), (49, 8192, 8192, medium[0]),
-                          (64, 28672, 4096, medium[0]), (64, 4096, 14336, K.GEMM_SMALL_CONFIGS["nvidia"][0]),
+    tma_rows = GEMM_TMA_CONFIGS["hopper"][1]  # 49-64 rows on layers narrower than TMA_N
+    for m, n, k, want in ((48, 8192, 8192, K.GEMM_SMALL_CONFIGS["nvidia"][0]), (49, 8192, 8192, tma_rows),
+                          (64, 6144, 4096, tma_rows), (64, 4096, 14336, tma_rows),  # K % 16 != 0: no TMA
+                          (64, 4096, 14344, K.GEMM_SMALL_CONFIGS["nvidia"][0]), (64, 8192, 8200, medium[0]),
+                          (65, 8192, 8192, medium[0]),
+                          (64, 28672, 4096, medium[0]), (48, 4096, 14336, K.GEMM_SMALL_CONFIGS["nvidia"][0]),
                           (65, 4096, 14336, medium[0]), (128, 8192, 8192, medium[0]), (129, 8192, 8192, medium[1]),
                           (256, 6144, 4096, medium[0]), (257, 6144, 4096, GEMM_TMA_CONFIGS["hopper"][0])):
         assert K._plan(m, n, k, hopper).config is want, (m, n, k)

@@ -161,13 +161,17 @@ GEMM_MEDIUM_CONFIGS = {
     "default": (),  # no other target's PATH_LIMITS has a medium bucket
     "hopper": (_cfg(64, 64, 256, stages=3), _cfg(64, 128, 128, stages=4)),
 }
+# ``tma_rows`` (lo, hi): rows the TMA kernel runs with its second config on layers of N < TMA_N, before any other
+# rule (Hopper, 49-64 rows: 64 x 32 tiles beat the 16-row pointer tiles on the narrow decode layers, 20.5 against
+# 27.5 us at 6144 x 4096, and tied or won on the others; docs/perf/2026-12-06-s22-int8-rows.md).
 # ``small``: the most rows the gemm path runs with GEMM_SMALL_CONFIGS.  Where a target has ``medium``: up to
 # that many rows run GEMM_MEDIUM_CONFIGS (the second from ``medium_wide_from`` rows on layers of N >= WIDE_N),
 # except rows past ``small_narrow`` on layers of N < WIDE_N (still the small tiles, which make more programs)
 # and layers of N >= TMA_N from ``tma_wide_from`` rows (the TMA kernel's tiles fill the GPU there).
 PATH_LIMITS = {
     "default": {"small": 64},
-    "hopper": {"small": 48, "small_narrow": 64, "medium": 256, "medium_wide_from": 129, "tma_wide_from": 65},
+    "hopper": {"tma_rows": (49, 64), "small": 48, "small_narrow": 64, "medium": 256, "medium_wide_from": 129,
+               "tma_wide_from": 65},
 }
 WIDE_N = 8192
 TMA_N = 16384
@@ -199,6 +203,9 @@ def plan(m: int, n: int, k: int, dtype: torch.dtype, device: torch.device, overr
 @functools.lru_cache(maxsize=1024)
 def _plan(m: int, n: int, k: int, target) -> Plan:
     limits = select(PATH_LIMITS, target)
+    lo, hi = limits.get("tma_rows", (1, 0))
+    if lo <= m <= hi and n < TMA_N and tma_applies(k, target):
+        return Plan("gemm_tma", select(GEMM_TMA_CONFIGS, target)[1])
     narrow = n < WIDE_N
     if m <= limits["small"] or (narrow and m <= limits.get("small_narrow", 0)):
         return Plan("gemm", select(GEMM_SMALL_CONFIGS, target)[0])

@@ -53,12 +53,18 @@ def _int8_matmul_tma_kernel(a_desc, w_desc, x_ptr, w_ptr, row_stats_ptr, scb_ptr
 
 
 # No other target has a config: TMA copies let a 128 x 256 tile fit where the pointer kernel's spills.  At 16
-# rows its tiles lost to the pointer kernel's, so it starts past int8_matmul's PATH_LIMITS["small"].
+# rows its tiles lost to the pointer kernel's, so it starts past int8_matmul's PATH_LIMITS["small"].  The second
+# config is Hopper's for 49-64 rows on layers narrower than int8_matmul.TMA_N (PATH_LIMITS "tma_rows"): 64 x 32
+# tiles, two persistent programs an SM (docs/perf/2026-12-06-s22-int8-rows.md).  PER_SM is the launcher's
+# (programs an SM), not a kernel constexpr.
 GEMM_TMA_CONFIGS = {
     "default": (),
     "hopper": (LaunchConfig({"BLOCK_M": 128, "BLOCK_N": 256, "BLOCK_K": 128, "GROUP_M": 8}, num_warps=8,
-                            num_stages=4),),
+                            num_stages=4),
+               LaunchConfig({"BLOCK_M": 64, "BLOCK_N": 32, "BLOCK_K": 256, "GROUP_M": 8, "PER_SM": 2}, num_warps=4,
+                            num_stages=4)),
 }
+LAUNCH_ONLY = ("PER_SM",)
 
 
 def tma_applies(k: int, target) -> bool:
@@ -105,5 +111,6 @@ def _tma_signature(dtype: torch.dtype) -> dict:
 
 GEMM_TMA_SPEC = register(KernelSpec(
     "int8_matmul_gemm_tma", _int8_matmul_tma_kernel, _tma_signature, (torch.float16, torch.bfloat16),
-    {key: tuple(LaunchConfig({**cfg.constexprs, "HAS_BIAS": True, "HAS_THRESHOLD": True}, cfg.num_warps,
-                             cfg.num_stages) for cfg in cfgs) for key, cfgs in GEMM_TMA_CONFIGS.items()}))
+    {key: tuple(LaunchConfig({**{k: v for k, v in cfg.constexprs.items() if k not in LAUNCH_ONLY}, "HAS_BIAS": True,
+                              "HAS_THRESHOLD": True}, cfg.num_warps, cfg.num_stages) for cfg in cfgs)
+     for key, cfgs in GEMM_TMA_CONFIGS.items()}))
