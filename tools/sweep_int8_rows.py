@@ -1,5 +1,6 @@
 """Sweep (GPU): int8 (LLM.int8, t=6) matmul tile configs for 17..256 rows, graph-timed, weights rotated past L2,
-outlier columns planted as the bench does; feeds GEMM_MEDIUM_CONFIGS and PATH_LIMITS in kernels/int8_matmul.py.  Prints per (shape, M) the candidates by time,
+outlier columns planted as the bench does; feeds GEMM_MEDIUM_CONFIGS and PATH_LIMITS in kernels/int8_matmul.py and
+GEMM_TMA_CONFIGS in kernels/int8_matmul_tma.py.  Prints per (shape, M) the candidates by time,
 and torch._int_mm on the same codes (cuBLAS's int8 GEMM, no quantize or epilogue) for scale.
 
     python3 tools/sweep_int8_rows.py [--rows 17,32,64,128,256] [--shapes 8192x8192,...]"""
@@ -10,8 +11,6 @@ import torch.nn.functional as F
 from anygpu.bench.timing import measure_graph
 from anygpu.kernels import int8_matmul as K
 from anygpu.kernels.launch import LaunchConfig
-from anygpu.kernels.int8_matmul_tma import GEMM_TMA_CONFIGS
-from anygpu.kernels.launch import select, device_target
 
 ap = argparse.ArgumentParser()
 ap.add_argument("--rows", default="17,32,64,128,256")
@@ -30,7 +29,13 @@ CANDS = [("gemm", cfg(*c)) for c in [
     (16, 32, 512, 2, 3), (16, 64, 256, 4, 3), (32, 32, 512, 2, 3), (32, 64, 256, 4, 3), (32, 128, 128, 4, 3),
     (64, 64, 256, 4, 3), (64, 128, 128, 4, 4), (64, 128, 256, 8, 3), (64, 256, 128, 8, 3), (128, 64, 128, 4, 4),
     (128, 128, 64, 8, 4), (128, 128, 128, 8, 4), (128, 256, 64, 8, 3), (64, 64, 128, 4, 4), (32, 64, 128, 4, 4)]]
-CANDS.append(("gemm_tma", select(GEMM_TMA_CONFIGS, device_target(dev))[0]))
+# the TMA kernel's tiles (PER_SM: persistent programs an SM); its second table entry came from these
+CANDS += [("gemm_tma", LaunchConfig({"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "GROUP_M": 8, "PER_SM": per_sm},
+                                    num_warps=w, num_stages=s))
+          for bm, bn, bk, w, s, per_sm in ((128, 256, 128, 8, 4, 1), (64, 32, 256, 4, 4, 1), (64, 32, 256, 4, 4, 2),
+                                           (64, 32, 128, 4, 6, 1), (64, 64, 128, 4, 4, 1), (64, 64, 128, 4, 4, 2),
+                                           (64, 64, 256, 4, 4, 1), (64, 128, 128, 4, 4, 1), (64, 128, 128, 8, 4, 1),
+                                           (64, 128, 256, 8, 3, 1), (64, 256, 128, 8, 3, 1), (128, 128, 128, 8, 4, 1))]
 
 
 def t(fn):  # ms
