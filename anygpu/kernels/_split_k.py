@@ -138,15 +138,23 @@ def counters(device: torch.device, tiles: int) -> torch.Tensor | None:
     AMD keeps the second launch."""
     if _in_kernel_unproven(device):
         return None
-    buf = _COUNTERS.get(device)
-    if buf is not None and buf.numel() >= tiles:
+    return held_zeros(_COUNTERS, _OUTGROWN, device, tiles, torch.int32, MIN_COUNTERS)
+
+
+def held_zeros(held: dict, outgrown: list, device: torch.device, size: int, dtype: torch.dtype,
+               minimum: int) -> torch.Tensor | None:
+    """``held[device]``, a zero buffer of at least ``size`` elements that every launch using it leaves zero: made (or
+    grown, to a power of two and at least ``minimum``) now, unless the current stream is capturing a CUDA graph
+    (None).  A buffer it outgrows stays alive in ``outgrown``: a captured graph keeps the address it was captured
+    with."""
+    buf = held.get(device)
+    if buf is not None and buf.numel() >= size:
         return buf
     if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
         return None
     if buf is not None:
-        _OUTGROWN.append(buf)
-    buf = _COUNTERS[device] = torch.zeros(max(MIN_COUNTERS, triton.next_power_of_2(tiles)), dtype=torch.int32,
-                                          device=device)
+        outgrown.append(buf)
+    buf = held[device] = torch.zeros(max(minimum, triton.next_power_of_2(size)), dtype=dtype, device=device)
     return buf
 
 

@@ -26,7 +26,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._split_k import counters, last_arrival
+from ._split_k import counters, held_zeros, last_arrival
 from .launch import TRITON_DTYPE, KernelSpec, LaunchConfig, cached_options, device_target, on_device, register, select
 
 LIST_CHUNK = tl.constexpr(8192)  # columns a step when listing outlier columns (steps are sequential: few, wide)
@@ -339,17 +339,9 @@ _OUTGROWN_FLAGS: list[torch.Tensor] = []
 
 
 def zero_flags(device: torch.device, k: int) -> torch.Tensor | None:
-    """The device's zero int8 flags, at least ``k`` of them: made (or grown) now unless the current stream is
-    capturing a CUDA graph (None: the caller lists in a launch of its own)."""
-    buf = _FLAGS.get(device)
-    if buf is not None and buf.numel() >= k:
-        return buf
-    if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-        return None
-    if buf is not None:
-        _OUTGROWN_FLAGS.append(buf)
-    buf = _FLAGS[device] = torch.zeros(max(1 << 14, triton.next_power_of_2(k)), dtype=torch.int8, device=device)
-    return buf
+    """The device's zero int8 flags, at least ``k`` of them; None under a CUDA-graph capture that would have to make
+    them (the caller lists in a launch of its own)."""
+    return held_zeros(_FLAGS, _OUTGROWN_FLAGS, device, k, torch.int8, 1 << 14)
 
 
 def quantize_rows(x2: torch.Tensor, threshold: float, zero_columns: bool = False, signal: bool = False,
