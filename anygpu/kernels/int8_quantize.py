@@ -8,9 +8,10 @@ columns and the marked columns are listed: a single row's by an extra program of
 rows' where the matmul wants the columns' other codes zeroed, on NVIDIA GPUs and in the interpreter, by the
 launch's last program to finish (``LIST_LAST``: flags in the device's zero buffer, counted in on the split-K
 arrival counter), which zeroes those codes too; otherwise (codes kept, AMD GPUs, or a first launch under
-graph capture) by ``_outlier_list_kernel``, a launch of its own.  Marks are each row's own bit words for a few rows (no buffer
-to zero first), or a flag per column, into zeros.  Listing counts each 32-column word's bits (a popcount), scans the word counts, and adds the
-popcount of the bits below each bit: a scan over every column is several times slower.
+graph capture) by ``_outlier_list_kernel``, a launch of its own.  Marks are each row's own bit words for a
+few rows (no buffer to zero first), or a flag per column, into zeros.  Listing counts each 32-column word's
+bits (a popcount), scans the word counts, and adds the popcount of the bits below each bit: a scan over
+every column is several times slower.
 
 Arithmetic as the reference's (``anygpu/ops/int8_matmul.py``): ``127 / absmax`` is torch's
 ``reciprocal() * 127`` (an IEEE division, then a multiply), round-half-even, and the threshold compared as
@@ -150,8 +151,7 @@ def _list_row_outliers(x_ptr, cols_ptr, count_ptr, K, threshold, BLOCK_K: tl.con
 def _int8_quantize_kernel(x_ptr, codes_ptr, stats_ptr, flags_ptr, cols_ptr, count_ptr, counter_ptr, M, K, stride_xm,
                           threshold, BLOCK_K: tl.constexpr, ONE_TILE: tl.constexpr,
                           HAS_THRESHOLD: tl.constexpr, LIST: tl.constexpr, MARK: tl.constexpr,
-                          PDL: tl.constexpr = False, POPC: tl.constexpr = False, LIST_LAST: tl.constexpr = False,
-                          ZERO: tl.constexpr = False):
+                          PDL: tl.constexpr = False, POPC: tl.constexpr = False, LIST_LAST: tl.constexpr = False):
     """A row's stats and codes (0 for outlier entries; the rest of an outlier column is dealt
     with later, see the module doc) and their outlier columns, marked (MARK 1: a flag per column, into zeros;
     2: each row's own bit words) for ``_outlier_list_kernel``.  LIST (a single row): an extra program (program
@@ -170,16 +170,16 @@ def _int8_quantize_kernel(x_ptr, codes_ptr, stats_ptr, flags_ptr, cols_ptr, coun
         if LIST_LAST:  # the row programs flagged their columns (MARK 1); the last to finish lists them
             tl.static_assert(MARK == 1 and HAS_THRESHOLD and not LIST)
             if last_arrival(counter_ptr, 0, M):
-                _list_flags_then_clear(flags_ptr, codes_ptr, cols_ptr, count_ptr, M, K, LIST_CHUNK, ZERO, POPC)
+                _list_flags_zero_codes(flags_ptr, codes_ptr, cols_ptr, count_ptr, M, K, LIST_CHUNK, POPC)
 
 
 @triton.jit
-def _list_flags_then_clear(flags_ptr, codes_ptr, cols_ptr, count_ptr, M, K, BLOCK_K: tl.constexpr, ZERO: tl.constexpr,
+def _list_flags_zero_codes(flags_ptr, codes_ptr, cols_ptr, count_ptr, M, K, BLOCK_K: tl.constexpr,
                            POPC: tl.constexpr):
     """In the quantize launch's last program (LIST_LAST): the flagged columns, in order, into cols[:count], the
-    flags set back to 0 (the buffer is the device's, zero between launches: ``zero_flags``), and with ZERO every
-    row's code in those columns zeroed (a store per listed column and row, where the list launch's programs
-    walk every column)."""
+    flags set back to 0 (the buffer is the device's, zero between launches: ``zero_flags``), and every row's
+    code in those columns zeroed (a store per listed column and row, where the list launch's programs walk
+    every column)."""
     base = tl.zeros([], tl.int32)
     for k0 in range(0, K, BLOCK_K):
         k = k0 + tl.arange(0, BLOCK_K)
@@ -187,15 +187,14 @@ def _list_flags_then_clear(flags_ptr, codes_ptr, cols_ptr, count_ptr, M, K, BLOC
         base = _list_columns(_pack(flag, BLOCK_K // 32), k0 // 32, cols_ptr, base, BLOCK_K // 32, POPC)
         tl.store(flags_ptr + k, tl.zeros([BLOCK_K], tl.int8), mask=flag)
     tl.store(count_ptr, base)
-    if ZERO:
-        tl.debug_barrier()  # the list's entries, stored by this program's threads, before any thread loads them
-        for j0 in range(0, base, ZERO_STEP):
-            j = j0 + tl.arange(0, ZERO_STEP)
-            col = tl.load(cols_ptr + j, mask=j < base, other=0)
-            for r0 in range(0, M, ZERO_STEP):
-                r = r0 + tl.arange(0, ZERO_STEP)
-                tl.store(codes_ptr + r.to(tl.int64)[:, None] * K + col[None, :], tl.zeros([ZERO_STEP, ZERO_STEP], tl.int8),
-                         mask=(r < M)[:, None] & (j < base)[None, :])
+    tl.debug_barrier()  # the list's entries, stored by this program's threads, before any thread loads them
+    for j0 in range(0, base, ZERO_STEP):
+        j = j0 + tl.arange(0, ZERO_STEP)
+        col = tl.load(cols_ptr + j, mask=j < base, other=0)
+        for r0 in range(0, M, ZERO_STEP):
+            r = r0 + tl.arange(0, ZERO_STEP)
+            tl.store(codes_ptr + r.to(tl.int64)[:, None] * K + col[None, :], tl.zeros([ZERO_STEP, ZERO_STEP], tl.int8),
+                     mask=(r < M)[:, None] & (j < base)[None, :])
 
 
 @triton.jit
@@ -328,7 +327,7 @@ def _pow2(v: int) -> int:
 
 # The quantize launch lists the outlier columns of several rows itself (its last program, LIST_LAST) and zeroes their
 # codes, for the matmul tiles that want them zeroed, instead of a list launch after it whose programs walk every
-# column of their rows (4-6 us less per matmul at 64-128 rows, H100).  The 16-row tiles, which keep the codes,
+# column of their rows (docs/perf/2026-12-06-s22-int8-rows.md).  The 16-row tiles, which keep the codes,
 # keep the list launch: there it is a programmatic dependent that overlaps the matmul's start, and listing in
 # the quantize launch measured no faster.
 LIST_IN_LAUNCH = True
@@ -390,8 +389,7 @@ def quantize_rows(x2: torch.Tensor, threshold: float, zero_columns: bool = False
             x2, out_codes, stats, flags, cols, count, counter if in_launch else stats, m, k, x2.stride(0), threshold,
             BLOCK_K=block_k, ONE_TILE=block_k >= k, HAS_THRESHOLD=has_threshold, LIST=listed,
             MARK=(2 if words else 1) if list_launch or marked or in_launch else 0, PDL=signal,
-            POPC=cfg.constexprs.get("POPC", False), LIST_LAST=in_launch, ZERO=in_launch and zero_columns,
-            **fp_exact_options(cfg, device, pdl=signal))
+            POPC=cfg.constexprs.get("POPC", False), LIST_LAST=in_launch, **fp_exact_options(cfg, device, pdl=signal))
         if list_launch:
             list_cfg = select(OUTLIER_LIST_CONFIGS, device_target(device))[0]
             c = list_cfg.constexprs
@@ -419,7 +417,7 @@ def _quantize_signature(dtype: torch.dtype) -> dict:
             "cols_ptr": "*i32", "count_ptr": "*i32", "counter_ptr": "*i32", "M": "i32", "K": "i32", "stride_xm": "i32",
             "threshold": "fp32", "BLOCK_K": "constexpr", "ONE_TILE": "constexpr",
             "HAS_THRESHOLD": "constexpr", "LIST": "constexpr", "MARK": "constexpr", "PDL": "constexpr",
-            "POPC": "constexpr", "LIST_LAST": "constexpr", "ZERO": "constexpr"}
+            "POPC": "constexpr", "LIST_LAST": "constexpr"}
 
 
 def _quantize_forms(cfg: LaunchConfig, list_last: bool = True) -> tuple:
@@ -427,14 +425,13 @@ def _quantize_forms(cfg: LaunchConfig, list_last: bool = True) -> tuple:
     the row's bit words (a few rows), and two passes over K flagging the columns (many rows, longer than
     MAX_BLOCK_K), or writing the bit words in two (a few long rows, ``mark_only``)."""
     block = cfg.constexprs["MAX_BLOCK_K"]
-    forms = [(True, True, 0, False, False), (True, False, 2, False, False), (False, False, 1, False, False),
-             (False, False, 2, False, False)]
+    forms = [(True, True, 0, False), (True, False, 2, False), (False, False, 1, False), (False, False, 2, False)]
     # several rows listed, and their codes zeroed, by the launch's last program (LIST_LAST; not on AMD GPUs)
-    forms += [(one, False, 1, True, True) for one in (True, False) if list_last]
+    forms += [(one, False, 1, True) for one in (True, False) if list_last]
     return tuple(LaunchConfig({"BLOCK_K": block, "ONE_TILE": one, "LIST": listed, "MARK": mark,
-                               "HAS_THRESHOLD": True, "POPC": cfg.constexprs.get("POPC", False),
-                               "LIST_LAST": last, "ZERO": zero}, cfg.num_warps)
-                 for one, listed, mark, last, zero in forms)
+                               "HAS_THRESHOLD": True, "POPC": cfg.constexprs.get("POPC", False), "LIST_LAST": last},
+                              cfg.num_warps)
+                 for one, listed, mark, last in forms)
 
 
 QUANTIZE_SPEC = register(KernelSpec(
