@@ -140,6 +140,20 @@ def test_listing_in_the_launch_leaves_the_flags_zero(kdevice, zero_columns):
         assert (flags is not None or not zero_columns) and (flags is None or not flags.any())
 
 
+def test_listing_in_the_launch_walks_columns_past_one_step(kdevice):
+    """Rows longer than one listing step (LIST_CHUNK columns) and than the quantize's registers (two passes):
+    the columns of both steps listed in order, and zeroed."""
+    k = 8200
+    x = torch.randn(17, k)
+    x[3, 5] = 9.0
+    x[16, 8195] = -7.0
+    x[0, 8192] = 6.5
+    codes, _, (cols, count) = Q.quantize_rows(x.half().to(kdevice), 6.0, zero_columns=True)
+    assert cols[: int(count)].tolist() == [5, 8192, 8195]
+    ref, _, _ = quantize_rows(x.half(), 6.0)
+    assert same_bits(codes.cpu(), ref)  # the reference zeroes every code of its outlier columns
+
+
 @pytest.mark.parametrize("in_launch", [True, False], ids=["listed-in-launch", "list-launch"])
 @pytest.mark.parametrize("path, m", [("gemm", 33), ("gemm", 40), ("gemm", 3), ("gemm", 1)])
 def test_every_loop_with_small_tiles(kdevice, path, m, in_launch, monkeypatch):
