@@ -329,8 +329,11 @@ def _pow2(v: int) -> int:
 # codes, for the matmul tiles that want them zeroed, instead of a list launch after it whose programs walk every
 # column of their rows (docs/perf/2026-12-06-s22-int8-rows.md).  The 16-row tiles, which keep the codes,
 # keep the list launch: there it is a programmatic dependent that overlaps the matmul's start, and listing in
-# the quantize launch measured no faster.
+# the quantize launch measured no faster.  Up to LIST_IN_LAUNCH_ROWS rows only: the one program zeroes every listed
+# column of every row by itself, where the list launch spreads the rows over programs (a prefill of thousands of
+# rows with dozens of outlier columns would serialize that).
 LIST_IN_LAUNCH = True
+LIST_IN_LAUNCH_ROWS = 256
 # The devices' int8 column flags, all zero between launches (each LIST_LAST launch clears the flags it set), and the
 # buffers they outgrew (a captured CUDA graph keeps the address it was captured with).
 _FLAGS: dict[torch.device, torch.Tensor] = {}
@@ -370,7 +373,8 @@ def quantize_rows(x2: torch.Tensor, threshold: float, zero_columns: bool = False
     with on_device(device):
         # Listed by the quantize launch's last program, with the device's zero flags and arrival counter (none under
         # a CUDA-graph capture that would have to make them, nor on AMD GPUs: kernels/_split_k.py's counters).
-        counter = counters(device, 1) if list_launch and zero_columns and LIST_IN_LAUNCH else None
+        in_launch = list_launch and zero_columns and LIST_IN_LAUNCH and m <= LIST_IN_LAUNCH_ROWS
+        counter = counters(device, 1) if in_launch else None
         if counter is not None:
             flags = zero_flags(device, k)
             if flags is None:
