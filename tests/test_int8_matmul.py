@@ -160,7 +160,7 @@ def test_every_loop_with_small_tiles(kdevice, path, m, in_launch, monkeypatch):
     """Small blocks, so each kernel's loops take several steps: the two-pass quantize, the outlier-column
     list over several blocks and programs (in the quantize launch's last program, or a launch of its own as on
     AMD GPUs), the K loop; more outlier columns than one dot step of the list takes."""
-    monkeypatch.setattr(Q, "LIST_IN_LAUNCH", in_launch)
+    monkeypatch.setattr(Q, "LIST_IN_LAUNCH_ROWS", Q.LIST_IN_LAUNCH_ROWS if in_launch else 0)
     monkeypatch.setattr(Q, "QUANTIZE_CONFIGS", {"default": (LaunchConfig({"MAX_BLOCK_K": 64}),)})
     monkeypatch.setattr(Q, "OUTLIER_LIST_CONFIGS", {"default": (LaunchConfig({"BLOCK_K": 64, "ZERO_ROWS": 3}),)})
     # 16-row tiles take the kept codes of outlier columns back out; 32-row tiles (m 40) have them zeroed

@@ -332,7 +332,6 @@ def _pow2(v: int) -> int:
 # the quantize launch measured no faster.  Up to LIST_IN_LAUNCH_ROWS rows only: the one program zeroes every listed
 # column of every row by itself, where the list launch spreads the rows over programs (a prefill of thousands of
 # rows with dozens of outlier columns would serialize that).
-LIST_IN_LAUNCH = True
 LIST_IN_LAUNCH_ROWS = 256
 # The devices' int8 column flags, all zero between launches (each LIST_LAST launch clears the flags it set), and the
 # buffers they outgrew (a captured CUDA graph keeps the address it was captured with).
@@ -373,13 +372,11 @@ def quantize_rows(x2: torch.Tensor, threshold: float, zero_columns: bool = False
     with on_device(device):
         # Listed by the quantize launch's last program, with the device's zero flags and arrival counter (none under
         # a CUDA-graph capture that would have to make them, nor on AMD GPUs: kernels/_split_k.py's counters).
-        in_launch = list_launch and zero_columns and LIST_IN_LAUNCH and m <= LIST_IN_LAUNCH_ROWS
-        counter = counters(device, 1) if in_launch else None
-        if counter is not None:
-            flags = zero_flags(device, k)
-            if flags is None:
-                counter = None
-        in_launch = counter is not None
+        counter = counters(device, 1) if list_launch and zero_columns and m <= LIST_IN_LAUNCH_ROWS else None
+        held_flags = zero_flags(device, k) if counter is not None else None
+        in_launch = held_flags is not None
+        if in_launch:
+            flags = held_flags
         list_launch = list_launch and not in_launch
         words = marked or (list_launch and not zero_columns)  # else flags (the zeroing programs read them all)
         if has_threshold:
