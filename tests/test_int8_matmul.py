@@ -183,7 +183,7 @@ def test_every_loop_with_small_tiles(kdevice, path, m, in_launch, monkeypatch):
 @pytest.mark.parametrize("threshold", [0.0, 6.0])
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("m", [3, 40, 130])
-def test_tensor_descriptor_kernel(kdevice, m, dtype, threshold, bias, config=0):
+def test_tensor_descriptor_kernel(kdevice, m, dtype, threshold, bias, config=0, swap=False):
     """The TMA kernel (NVIDIA sm_90's many-row path), with small tiles in the interpreter: persistent programs
     walking several tiles each (4 in the interpreter), K a multiple of 16 but of no block (the descriptors
     read zeros past K, M and N), outlier columns zeroed by the list launch and added back in x's dtype."""
@@ -194,7 +194,7 @@ def test_tensor_descriptor_kernel(kdevice, m, dtype, threshold, bias, config=0):
     b = torch.randn(N, dtype=dtype) if bias else None
     if torch.device(kdevice).type == "cpu":
         chosen = Plan("gemm_tma", LaunchConfig({"BLOCK_M": 32, "BLOCK_N": 16, "BLOCK_K": 64, "GROUP_M": 2,
-                                                "PER_SM": 1 + config}))
+                                                "PER_SM": 2 if config in (1, 2) else 1, "SWAP": swap}))
     else:
         path_plan("gemm_tma", m, N, k, kdevice)  # skips where the path does not run
         chosen = Plan("gemm_tma", GEMM_TMA_CONFIGS["hopper"][config])
@@ -209,6 +209,15 @@ def test_tensor_descriptor_kernel_for_49_to_64_rows(kdevice, m):
     """Hopper's second TMA config (49-64 rows on narrower layers: two persistent programs an SM), on the GPU as
     the table has it; in the interpreter with small tiles, two programs per 'SM' walking the tiles."""
     test_tensor_descriptor_kernel(kdevice, m, torch.bfloat16, 6.0, True, config=1)
+
+
+@pytest.mark.parametrize("m,config", [(100, 2), (100, 3), (200, 4)])
+def test_tensor_descriptor_kernel_for_65_to_256_rows(kdevice, m, config):
+    """Hopper's TMA configs for 65-256 rows: 64 x 64 tiles two programs an SM, and the weight tile as the MMA's
+    first operand (SWAP, the sums transposed back for the epilogue); in the interpreter with small tiles."""
+    swap = GEMM_TMA_CONFIGS["hopper"][config].constexprs.get("SWAP", False)
+    assert swap == (config >= 3)
+    test_tensor_descriptor_kernel(kdevice, m, torch.float16, 6.0, True, config=config, swap=swap)
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
@@ -335,14 +344,15 @@ def test_plan_picks_paths_by_rows():
     # a few dozen to a few hundred rows: 64-row tiles, except narrow layers up to 64 rows (small tiles) and
     # wide ones from 65 rows (the TMA kernel)
     medium = K.GEMM_MEDIUM_CONFIGS["hopper"]
-    tma_rows = GEMM_TMA_CONFIGS["hopper"][1]  # 49-64 rows on layers narrower than TMA_N
-    for m, n, k, want in ((48, 8192, 8192, K.GEMM_SMALL_CONFIGS["nvidia"][0]), (49, 8192, 8192, tma_rows),
-                          (64, 6144, 4096, tma_rows), (64, 4096, 14336, tma_rows),  # K % 16 != 0: no TMA
+    tma = GEMM_TMA_CONFIGS["hopper"]  # [1]: 49-64 rows, [2]-[4] 65-256 rows, on layers narrower than TMA_N
+    for m, n, k, want in ((48, 8192, 8192, K.GEMM_SMALL_CONFIGS["nvidia"][0]), (49, 8192, 8192, tma[1]),
+                          (64, 6144, 4096, tma[1]), (64, 4096, 14336, tma[1]),  # K % 16 != 0: no TMA
                           (64, 4096, 14344, K.GEMM_SMALL_CONFIGS["nvidia"][0]), (64, 8192, 8200, medium[0]),
-                          (65, 8192, 8192, medium[0]),
+                          (65, 8192, 8192, tma[3]), (65, 8192, 8200, medium[0]), (129, 8192, 8200, medium[1]),
                           (64, 28672, 4096, medium[0]), (48, 4096, 14336, K.GEMM_SMALL_CONFIGS["nvidia"][0]),
-                          (65, 4096, 14336, medium[0]), (128, 8192, 8192, medium[0]), (129, 8192, 8192, medium[1]),
-                          (256, 6144, 4096, medium[0]), (257, 6144, 4096, GEMM_TMA_CONFIGS["hopper"][0])):
+                          (65, 4096, 14336, tma[2]), (128, 4096, 4096, tma[2]), (128, 6144, 4096, tma[3]),
+                          (129, 4096, 4096, tma[3]), (256, 6144, 4096, tma[4]), (256, 8192, 8192, tma[4]),
+                          (128, 28672, 4096, tma[0]), (257, 6144, 4096, tma[0])):
         assert K._plan(m, n, k, hopper).config is want, (m, n, k)
     for m, k, arch in ((4096, 8200, "sm_90"), (4096, 8192, "sm_80"), (4096, 8192, "gfx942"), (4096, 8192, "gfx950")):
         assert K._plan(m, 8192, k, TARGETS[arch]).path == "gemm", (k, arch)

@@ -46,6 +46,18 @@ def wait_then_release(PDL: tl.constexpr):
         gdc_launch_dependents()
 
 
+@triton.jit
+def prefetch_l2(rows, row_mask, K, PREFETCH_K: tl.constexpr):
+    """What a dependent may do before its wait: ask L2 for the first PREFETCH_K bytes of each of ``rows`` (byte
+    pointers [R, 1], e.g. a weight tile's rows, which no earlier launch writes), a 128-byte line a thread-op
+    (NVIDIA ``prefetch.global.L2``: no registers, nothing waits for it)."""
+    line = tl.arange(0, PREFETCH_K // 128) * 128
+    ok = row_mask[:, None] & (line < K)[None, :]
+    ptrs = tl.where(ok, rows + line[None, :], rows + tl.zeros_like(line)[None, :])  # in bounds
+    tl.inline_asm_elementwise("prefetch.global.L2 [$1]; mov.u32 $0, 0;", "=r,l", [ptrs], dtype=tl.int32,
+                              is_pure=False, pack=1)
+
+
 def target_supports_pdl(target: Target | None) -> bool:
     """Whether ``target`` and this Triton can launch kernels with PDL (the cross-compile builds that variant)."""
     return HAS_GDC and target is not None and target.vendor == "nvidia" and int(target.arch[3:]) >= 90

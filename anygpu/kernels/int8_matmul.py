@@ -53,22 +53,12 @@ import triton
 import triton.language as tl
 
 from ._int8_epilogue import LIST_HEAD, _dequantize_store, _gathered, _list_head, _without_outlier_codes
+from ._pdl import prefetch_l2
 from ._program_order import grouped_tile
 from .launch import TRITON_DTYPE, KernelSpec, LaunchConfig, device_target, on_device, plan_hook, register, select
 from .int8_matmul_tma import GEMM_TMA_CONFIGS, gemm_tma, tma_applies
 from .int8_outlier_epilogue import outlier_epilogue
 from .int8_quantize import fp16_threshold, fp_exact_options, hopper_pdl, quantize_rows
-
-@triton.jit
-def _prefetch_l2(w_rows, n_mask, K, PREFETCH_K: tl.constexpr):
-    """Ask L2 for the first PREFETCH_K bytes of each weight row of this tile, a 128-byte line a thread-op
-    (NVIDIA ``prefetch.global.L2``: no registers, nothing waits for it)."""
-    line = tl.arange(0, PREFETCH_K // 128) * 128
-    ok = n_mask[:, None] & (line < K)[None, :]
-    ptrs = tl.where(ok, w_rows + line[None, :], w_rows + tl.zeros_like(line)[None, :])  # in bounds
-    tl.inline_asm_elementwise("prefetch.global.L2 [$1]; mov.u32 $0, 0;", "=r,l", [ptrs], dtype=tl.int32,
-                              is_pure=False, pack=1)
-
 
 @triton.jit
 def _int8_matmul_kernel(x_ptr, a_ptr, w_ptr, row_stats_ptr, scb_ptr, bias_ptr, cols_ptr, count_ptr, acc_ptr, out_ptr,
@@ -91,7 +81,7 @@ def _int8_matmul_kernel(x_ptr, a_ptr, w_ptr, row_stats_ptr, scb_ptr, bias_ptr, c
     a_rows = a_ptr + rm64[:, None] * K
     w_rows = w_ptr + rn.to(tl.int64)[:, None] * K
     if PDL:  # launched as a programmatic dependent of the launch that writes the codes (see int8_matmul)
-        _prefetch_l2(w_rows, n_mask, K, PDL_PREFETCH_K)  # the weights do not depend on it: fetch them meanwhile
+        prefetch_l2(w_rows, n_mask, K, PDL_PREFETCH_K)  # the weights do not depend on it: fetch them meanwhile
         tl.extra.cuda.gdc_wait()  # that launch's writes are visible past this point
         if INT32_OUT:  # the epilogue launch may start now: it gathers its operands during our main loop
             tl.extra.cuda.gdc_launch_dependents()
@@ -161,20 +151,23 @@ GEMM_MEDIUM_CONFIGS = {
     "default": (),  # no other target's PATH_LIMITS has a medium bucket
     "hopper": (_cfg(64, 64, 256, stages=3), _cfg(64, 128, 128, stages=4)),
 }
-# ``tma_rows`` (lo, hi): rows the TMA kernel runs with its second config on layers of N < TMA_N, before any other
-# rule (Hopper, 49-64 rows: 64 x 32 tiles beat the 16-row pointer tiles on the narrow decode layers, 20.5 against
-# 27.5 us at 6144 x 4096, and tied or won on the others; docs/perf/2026-12-06-s22-int8-rows.md).
+# ``tma_rows``: (lo, hi, config, narrow config) buckets of rows the TMA kernel runs on layers of N < TMA_N, with
+# that GEMM_TMA_CONFIGS entry (the narrow one on layers of N <= TMA_NARROW_N), before any other rule (Hopper:
+# 49-64 rows in 64 x 32 tiles beat the 16-row pointer tiles on the decode layers, docs/perf/2026-12-06-s22-int8-rows.md;
+# 65-256 rows in the SWAP tiles or 64 x 64 beat the pointer kernel's 64-row tiles,
+# docs/perf/2026-12-06-s23-int8-quantize-pdl.md).
 # ``small``: the most rows the gemm path runs with GEMM_SMALL_CONFIGS.  Where a target has ``medium``: up to
 # that many rows run GEMM_MEDIUM_CONFIGS (the second from ``medium_wide_from`` rows on layers of N >= WIDE_N),
 # except rows past ``small_narrow`` on layers of N < WIDE_N (still the small tiles, which make more programs)
 # and layers of N >= TMA_N from ``tma_wide_from`` rows (the TMA kernel's tiles fill the GPU there).
 PATH_LIMITS = {
     "default": {"small": 64},
-    "hopper": {"tma_rows": (49, 64), "small": 48, "small_narrow": 64, "medium": 256, "medium_wide_from": 129,
+    "hopper": {"tma_rows": ((49, 64, 1, 1), (65, 128, 3, 2), (129, 256, 4, 3)), "small": 48, "small_narrow": 64, "medium": 256, "medium_wide_from": 129,
                "tma_wide_from": 65},
 }
 WIDE_N = 8192
 TMA_N = 16384
+TMA_NARROW_N = 4096
 # Row tiles up to this many rows take the kept codes' products out in the matmul; bigger ones have the
 # codes zeroed (the gather costs each 128x128 program more than a zeroing launch).
 KEPT_CODES_UP_TO_BLOCK_M = 16
@@ -203,9 +196,9 @@ def plan(m: int, n: int, k: int, dtype: torch.dtype, device: torch.device, overr
 @functools.lru_cache(maxsize=1024)
 def _plan(m: int, n: int, k: int, target) -> Plan:
     limits = select(PATH_LIMITS, target)
-    lo, hi = limits.get("tma_rows", (1, 0))
-    if lo <= m <= hi and n < TMA_N and tma_applies(k, target):
-        return Plan("gemm_tma", select(GEMM_TMA_CONFIGS, target)[1])
+    for lo, hi, wide, narrow in limits.get("tma_rows", ()):
+        if lo <= m <= hi and n < TMA_N and tma_applies(k, target):
+            return Plan("gemm_tma", select(GEMM_TMA_CONFIGS, target)[narrow if n <= TMA_NARROW_N else wide])
     narrow = n < WIDE_N
     if m <= limits["small"] or (narrow and m <= limits.get("small_narrow", 0)):
         return Plan("gemm", select(GEMM_SMALL_CONFIGS, target)[0])
@@ -236,8 +229,10 @@ def plan_for(path: str, m: int, n: int, k: int, device: torch.device) -> Plan:
 # depend on x), then waits for the codes (``gdc_wait``): at a few rows the matmul is a weight stream behind a
 # short quantize launch, so part of the stream starts during it.  The quantize launch is itself a
 # programmatic dependent of whatever ran before (it waits before touching memory), and the matmul lets the
-# next launch start after its main loop, which hides the launch latency between two int8 matmuls.
-# ANYGPU_INT8_PDL=0 turns it all off.  512 bytes: more of it delays the start of the main loop.
+# next launch start after its main loop, which hides the launch latency between two int8 matmuls.  The TMA
+# kernel does the same for its first tile (int8_matmul_tma.TMA_PREFETCH_K), behind a quantize launch that also
+# zeroes the outlier columns' codes.  ANYGPU_INT8_PDL=0 turns it all off.  512 bytes: more of it delays the
+# start of the 16-row tiles' main loop.
 PDL_PREFETCH_K = tl.constexpr(512)
 # 2..OUTLIER_EPILOGUE_ROWS rows (one row tile) with a threshold: no list launch before the matmul and no gathers
 # in its tail; the matmul stores its int32 sums (INT32_OUT) and ``outlier_epilogue``, a launch after it, lists
@@ -303,11 +298,12 @@ def int8_matmul(x: torch.Tensor, CB: torch.Tensor, SCB: torch.Tensor, threshold:
     dummy = SCB
     cols = count = acc = dummy
     if p.path == "gemm_tma":
-        codes, stats, outliers = quantize_rows(x2, thr, zero_columns=True)
+        pdl = uses_pdl(x.device)
+        codes, stats, outliers = quantize_rows(x2, thr, zero_columns=True, signal=pdl)
         if has_threshold:
             cols, count = outliers
         gemm_tma(x2, codes, CB, stats, SCB, bias if bias is not None else dummy, cols, count, out2, cfg,
-                  has_bias=bias is not None, has_threshold=has_threshold)
+                  has_bias=bias is not None, has_threshold=has_threshold, pdl=pdl)
         return out
     kept = c["BLOCK_M"] <= KEPT_CODES_UP_TO_BLOCK_M  # else zero the columns' codes
     pdl = kept and uses_pdl(x.device)

@@ -10,6 +10,7 @@ import triton
 import triton.language as tl
 
 from ._int8_epilogue import _dequantize_store
+from ._pdl import prefetch_l2
 from ._program_order import grouped_tile
 from .launch import TRITON_DTYPE, KernelSpec, LaunchConfig, on_device, register, select
 from .int8_quantize import fp_exact_options
@@ -24,22 +25,39 @@ except ImportError:
 def _int8_matmul_tma_kernel(a_desc, w_desc, x_ptr, w_ptr, row_stats_ptr, scb_ptr, bias_ptr, cols_ptr, count_ptr,
                             out_ptr, M, N, K, stride_xm, stride_om, programs, BLOCK_M: tl.constexpr,
                             BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-                            HAS_BIAS: tl.constexpr, HAS_THRESHOLD: tl.constexpr):
+                            HAS_BIAS: tl.constexpr, HAS_THRESHOLD: tl.constexpr, SWAP: tl.constexpr = False,
+                            PDL: tl.constexpr = False):
     """The GEMM for many rows on NVIDIA sm_90: the codes and CB [N, K] come through tensor descriptors (TMA
     copies into shared memory: no address arithmetic or registers per element, which let a 128 x 256 tile fit
     where the pointer kernel's spills), and ``programs`` persistent programs walk the tiles in grouped order.
-    The outlier columns' codes were zeroed by the list launch (``quantize_rows(zero_columns=True)``)."""
+    The outlier columns' codes were zeroed by the list launch (``quantize_rows(zero_columns=True)``).
+    SWAP: the weight tile is the MMA's first operand (its rows fill the instruction's M side where a tile has
+    few rows of x).  PDL: launched as a programmatic dependent of the quantize launch (see TMA_PREFETCH_K)."""
     tiles = tl.cdiv(M, BLOCK_M) * tl.cdiv(N, BLOCK_N)
+    if PDL:  # ask L2 for the first tile's weight rows (they do not depend on x) while the quantize launch ends
+        pid_m, pid_n = grouped_tile(tl.program_id(0), M, N, BLOCK_M, BLOCK_N, GROUP_M)
+        rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        prefetch_l2(w_ptr + rn.to(tl.int64)[:, None] * K, rn < N, K, TMA_PREFETCH_K)
+        tl.extra.cuda.gdc_wait()  # the codes, stats and outlier list are visible past this point
+        tl.extra.cuda.gdc_launch_dependents()  # every program is resident: the next launch may start (it waits)
     n_out = 0  # the outlier list's length, the same for every tile
     if HAS_THRESHOLD:
         n_out = tl.load(count_ptr)
     for tile in range(tl.program_id(0), tiles, programs):
         pid_m, pid_n = grouped_tile(tile, M, N, BLOCK_M, BLOCK_N, GROUP_M)
-        acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.int32)
-        for k0 in range(0, K, BLOCK_K):  # past K (and M, N) the descriptors read zeros
-            a = a_desc.load([pid_m * BLOCK_M, k0])
-            w = w_desc.load([pid_n * BLOCK_N, k0])
-            acc = tl.dot(a, w.T, acc, out_dtype=tl.int32)
+        if SWAP:
+            acc_t = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.int32)
+            for k0 in range(0, K, BLOCK_K):  # past K (and M, N) the descriptors read zeros
+                a = a_desc.load([pid_m * BLOCK_M, k0])
+                w = w_desc.load([pid_n * BLOCK_N, k0])
+                acc_t = tl.dot(w, a.T, acc_t, out_dtype=tl.int32)
+            acc = tl.trans(acc_t)
+        else:
+            acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.int32)
+            for k0 in range(0, K, BLOCK_K):
+                a = a_desc.load([pid_m * BLOCK_M, k0])
+                w = w_desc.load([pid_n * BLOCK_N, k0])
+                acc = tl.dot(a, w.T, acc, out_dtype=tl.int32)
         rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
         rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         m_mask = rm < M
@@ -53,17 +71,27 @@ def _int8_matmul_tma_kernel(a_desc, w_desc, x_ptr, w_ptr, row_stats_ptr, scb_ptr
 
 
 # No other target has a config: TMA copies let a 128 x 256 tile fit where the pointer kernel's spills.  At 16
-# rows its tiles lost to the pointer kernel's, so it starts past int8_matmul's PATH_LIMITS["small"].  The second
-# config is Hopper's for 49-64 rows on layers narrower than int8_matmul.TMA_N (PATH_LIMITS "tma_rows"): 64 x 32
-# tiles, two persistent programs an SM (docs/perf/2026-12-06-s22-int8-rows.md).  PER_SM is the launcher's
-# (programs an SM), not a kernel constexpr.
+# rows its tiles lost to the pointer kernel's, so it starts past int8_matmul's PATH_LIMITS["small"].  The others
+# are Hopper's for 49-256 rows on layers narrower than int8_matmul.TMA_N (PATH_LIMITS "tma_rows" picks them by
+# rows and layer width): 64 x 32 tiles, two persistent programs an SM, for 49-64 rows; then 64 x 64, and the
+# weight on the MMA's M side (SWAP) in 128 x 64 and 128 x 128 tiles (docs/perf/2026-12-06-s22-int8-rows.md,
+# docs/perf/2026-12-06-s23-int8-quantize-pdl.md).  PER_SM is the launcher's (programs an SM), not a constexpr.
 GEMM_TMA_CONFIGS = {
     "default": (),
     "hopper": (LaunchConfig({"BLOCK_M": 128, "BLOCK_N": 256, "BLOCK_K": 128, "GROUP_M": 8}, num_warps=8,
                             num_stages=4),
                LaunchConfig({"BLOCK_M": 64, "BLOCK_N": 32, "BLOCK_K": 256, "GROUP_M": 8, "PER_SM": 2}, num_warps=4,
-                            num_stages=4)),
+                            num_stages=4),
+               LaunchConfig({"BLOCK_M": 64, "BLOCK_N": 64, "BLOCK_K": 256, "GROUP_M": 8, "PER_SM": 2}, num_warps=4,
+                            num_stages=4),
+               LaunchConfig({"BLOCK_M": 128, "BLOCK_N": 64, "BLOCK_K": 256, "GROUP_M": 8, "SWAP": True}, num_warps=4,
+                            num_stages=4),
+               LaunchConfig({"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 256, "GROUP_M": 8, "SWAP": True},
+                            num_warps=8, num_stages=3)),
 }
+# With PDL, the bytes of each weight row of its first tile a program asks L2 for before it waits for the
+# quantize launch: 1024 beat 0 and 4096 in the sweep (the same record).
+TMA_PREFETCH_K = tl.constexpr(1024)
 LAUNCH_ONLY = ("PER_SM",)
 
 
@@ -75,8 +103,9 @@ def tma_applies(k: int, target) -> bool:
 
 
 def gemm_tma(x2, codes, CB, stats, SCB, bias, cols, count, out2, cfg: LaunchConfig, has_bias: bool,
-             has_threshold: bool) -> None:
-    """Launch the TMA kernel on the codes of x2 [m, k] (outlier columns zeroed) into out2 [m, n]."""
+             has_threshold: bool, pdl: bool = False) -> None:
+    """Launch the TMA kernel on the codes of x2 [m, k] (outlier columns zeroed) into out2 [m, n]; ``pdl``: as a
+    programmatic dependent of the quantize launch (``int8_matmul.uses_pdl``)."""
     m, k = codes.shape
     n = CB.shape[0]
     c = cfg.constexprs
@@ -95,7 +124,8 @@ def gemm_tma(x2, codes, CB, stats, SCB, bias, cols, count, out2, cfg: LaunchConf
         _int8_matmul_tma_kernel[(programs,)](
             a_desc, w_desc, x2, CB, stats, SCB, bias, cols, count, out2, m, n, k, x2.stride(0), out2.stride(0),
             programs, BLOCK_M=c["BLOCK_M"], BLOCK_N=c["BLOCK_N"], BLOCK_K=c["BLOCK_K"], GROUP_M=c["GROUP_M"],
-            HAS_BIAS=has_bias, HAS_THRESHOLD=has_threshold, **fp_exact_options(cfg, device))
+            HAS_BIAS=has_bias, HAS_THRESHOLD=has_threshold, SWAP=c.get("SWAP", False), PDL=pdl,
+            **fp_exact_options(cfg, device, pdl=pdl))
 
 
 # ---- cross-compilation specs ---------------------------------------------------------------------------
@@ -105,12 +135,14 @@ def _tma_signature(dtype: torch.dtype) -> dict:
            "x_ptr": f"*{t}", "w_ptr": "*i8", "row_stats_ptr": "*fp32", "scb_ptr": "*fp32", "bias_ptr": f"*{t}",
            "cols_ptr": "*i32", "count_ptr": "*i32", "out_ptr": f"*{t}", "M": "i32", "N": "i32", "K": "i32",
            "stride_xm": "i32", "stride_om": "i32", "programs": "i32"}
-    sig.update(dict.fromkeys(("BLOCK_M", "BLOCK_N", "BLOCK_K", "GROUP_M", "HAS_BIAS", "HAS_THRESHOLD"), "constexpr"))
+    sig.update(dict.fromkeys(("BLOCK_M", "BLOCK_N", "BLOCK_K", "GROUP_M", "HAS_BIAS", "HAS_THRESHOLD", "SWAP", "PDL"),
+                             "constexpr"))
     return sig
 
 
 GEMM_TMA_SPEC = register(KernelSpec(
     "int8_matmul_gemm_tma", _int8_matmul_tma_kernel, _tma_signature, (torch.float16, torch.bfloat16),
-    {key: tuple(LaunchConfig({**{k: v for k, v in cfg.constexprs.items() if k not in LAUNCH_ONLY}, "HAS_BIAS": True,
-                              "HAS_THRESHOLD": True}, cfg.num_warps, cfg.num_stages) for cfg in cfgs)
+    {key: tuple(LaunchConfig({"SWAP": False, **{k: v for k, v in cfg.constexprs.items() if k not in LAUNCH_ONLY},
+                              "HAS_BIAS": True, "HAS_THRESHOLD": True, "PDL": pdl}, cfg.num_warps, cfg.num_stages)
+                for cfg in cfgs for pdl in (False, True))  # Hopper launches it as a dependent where Triton can
      for key, cfgs in GEMM_TMA_CONFIGS.items()}))

@@ -442,11 +442,12 @@ QUANTIZE_SPEC = register(KernelSpec(
 
 def _list_forms(table: dict) -> dict:
     """The forms the launcher uses: zeroing the flagged columns (many rows), listing the rows' bit words (a
-    few rows), and on sm_90 that one as a programmatic dependent too."""
+    few rows), and on sm_90 both as a programmatic dependent too."""
     forms = {key: tuple(LaunchConfig({**cfg.constexprs, "ZERO": zero}, cfg.num_warps)
                         for cfg in cfgs for zero in (True, False)) for key, cfgs in table.items()}
     nvidia = table["nvidia" if "nvidia" in table else "default"]
-    pdl = tuple(LaunchConfig({**cfg.constexprs, "ZERO": False, "PDL": True}, cfg.num_warps) for cfg in nvidia)
+    pdl = tuple(LaunchConfig({**cfg.constexprs, "ZERO": zero, "PDL": True}, cfg.num_warps)
+                for cfg in nvidia for zero in (True, False))
     return {**forms, "hopper": forms["nvidia" if "nvidia" in forms else "default"] + pdl}
 
 
