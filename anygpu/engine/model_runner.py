@@ -57,6 +57,9 @@ from .sampler import Sampler, _plain_greedy, generator_states, prompt_logprobs, 
 from .scheduler import ScheduledBatch
 
 CPU_KV_CACHE_BYTES = 1 << 30
+# Prefill sizes the GPU warmup also runs (``_warmup``): powers of two and one past them, where the quantized GEMMs'
+# plans change kernel or config (int8_matmul.PATH_LIMITS and the 4-bit formats' row buckets).
+WARMUP_ROWS = (1, 2, 4, 8, 16, 17, 32, 33, 48, 49, 64, 65, 128, 129, 256, 257)
 # A step message: HEADER ints (mode index in MODES, tokens T, sequences B, block-table width, max_seqlen_q,
 # max_seqlen_k, logit rows R, ids from the last step: 1 when a decode step's ids are the argmax rows of the step
 # executed before it, on every rank), then ids [T], positions [T], slots [T], cu_seqlens_q [B + 1], seqlens_k
@@ -174,19 +177,24 @@ class ModelRunner:
         return min(cap, max(budget, 0) // self.block_bytes)
 
     def _warmup(self, tokens: int) -> None:
+        """A prefill at the full token budget (the KV cache gets what it leaves), then one at each of
+        WARMUP_ROWS below it: a GEMM's plan picks its kernel config by rows, and a config first met by a
+        request would be compiled in the middle of serving it (about a second of stall for every sequence
+        in the batch)."""
         cfg = self.config
         tokens = min(tokens, self.max_model_len)
         blocks = -(-tokens // self.block_size)
         cache = torch.zeros(2, cfg.num_layers, blocks, self.block_size, self.num_kv_heads, cfg.head_dim,
                             dtype=self.dtype, device=self.device)
         self.model.set_kv_caches([(cache[0, i], cache[1, i]) for i in range(cfg.num_layers)])
-        ids = torch.zeros(tokens, dtype=torch.long, device=self.device)
-        batch = AttentionBatch(positions=torch.arange(tokens, device=self.device),
-                               slot_mapping=torch.arange(tokens, device=self.device), mode="prefill",
-                               cu_seqlens_q=torch.tensor([0, tokens], dtype=torch.int32, device=self.device),
-                               max_seqlen_q=tokens)
         with torch.inference_mode():
-            self.model.compute_logits(self.model(ids, batch)[-1:])
+            for n in (tokens, *(r for r in WARMUP_ROWS if r < tokens)):
+                ids = torch.zeros(n, dtype=torch.long, device=self.device)
+                batch = AttentionBatch(positions=torch.arange(n, device=self.device),
+                                       slot_mapping=torch.arange(n, device=self.device), mode="prefill",
+                                       cu_seqlens_q=torch.tensor([0, n], dtype=torch.int32, device=self.device),
+                                       max_seqlen_q=n)
+                self.model.compute_logits(self.model(ids, batch)[-1:])
         del cache
         torch.cuda.synchronize(self.device)
         torch.cuda.empty_cache()
