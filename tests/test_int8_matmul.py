@@ -141,7 +141,7 @@ def test_listing_in_the_launch_leaves_the_flags_zero(kdevice, zero_columns):
 
 
 def test_listing_in_the_launch_walks_columns_past_one_step(kdevice):
-    """Rows longer than one listing step (LIST_CHUNK columns) and than the quantize's registers (two passes):
+    """Rows longer than one listing step (the quantize's MAX_BLOCK_K columns) and than its registers (two passes):
     the columns of both steps listed in order, and zeroed."""
     k = 8200
     x = torch.randn(17, k)

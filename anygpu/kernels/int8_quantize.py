@@ -30,7 +30,6 @@ import triton.language as tl
 from ._split_k import counters, held_zeros, last_arrival
 from .launch import TRITON_DTYPE, KernelSpec, LaunchConfig, cached_options, device_target, on_device, register, select
 
-LIST_CHUNK = tl.constexpr(8192)  # columns a step when listing outlier columns (steps are sequential: few, wide)
 ZERO_STEP = tl.constexpr(32)  # listed columns and rows a step when the quantize launch zeroes their codes
 
 
@@ -164,13 +163,15 @@ def _int8_quantize_kernel(x_ptr, codes_ptr, stats_ptr, flags_ptr, cols_ptr, coun
     if LIST and tl.program_id(0) == M:
         if PDL:
             tl.extra.cuda.gdc_launch_dependents()  # the next launch may start now: it waits for our writes itself
-        _list_row_outliers(x_ptr, cols_ptr, count_ptr, K, threshold, LIST_CHUNK, POPC)
+        # listed BLOCK_K columns a step (the row's block: a power of two, at most MAX_BLOCK_K): a wider step than
+        # the row costs its listing machinery for columns that are not there
+        _list_row_outliers(x_ptr, cols_ptr, count_ptr, K, threshold, BLOCK_K, POPC)
     else:
         _quantize_rows(x_ptr, codes_ptr, stats_ptr, flags_ptr, M, K, stride_xm, threshold, BLOCK_K, ONE_TILE, HAS_THRESHOLD, MARK if HAS_THRESHOLD else 0, PDL)
         if LIST_LAST:  # the row programs flagged their columns (MARK 1); the last to finish lists them
             tl.static_assert(MARK == 1 and HAS_THRESHOLD and not LIST)
             if last_arrival(counter_ptr, 0, M):
-                _list_flags_zero_codes(flags_ptr, codes_ptr, cols_ptr, count_ptr, M, K, LIST_CHUNK, POPC)
+                _list_flags_zero_codes(flags_ptr, codes_ptr, cols_ptr, count_ptr, M, K, BLOCK_K, POPC)
 
 
 @triton.jit
