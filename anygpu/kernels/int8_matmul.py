@@ -153,7 +153,8 @@ GEMM_MEDIUM_CONFIGS = {
 }
 # ``tma_rows``: (lo, hi, config, narrow config) buckets of rows the TMA kernel runs on layers of N < TMA_N, with
 # that GEMM_TMA_CONFIGS entry (the narrow one on layers of N <= TMA_NARROW_N), before any other rule (Hopper:
-# 49-64 rows in 64 x 32 tiles beat the 16-row pointer tiles on the decode layers, docs/perf/2026-12-06-s22-int8-rows.md;
+# 49-64 rows in 64 x 32 tiles beat the 16-row pointer tiles on the decode layers,
+# docs/perf/2026-12-06-s22-int8-rows.md;
 # 65-256 rows in the SWAP tiles or 64 x 64 beat the pointer kernel's 64-row tiles,
 # docs/perf/2026-12-06-s23-int8-quantize-pdl.md).
 # ``small``: the most rows the gemm path runs with GEMM_SMALL_CONFIGS.  Where a target has ``medium``: up to
@@ -162,8 +163,8 @@ GEMM_MEDIUM_CONFIGS = {
 # and layers of N >= TMA_N from ``tma_wide_from`` rows (the TMA kernel's tiles fill the GPU there).
 PATH_LIMITS = {
     "default": {"small": 64},
-    "hopper": {"tma_rows": ((49, 64, 1, 1), (65, 128, 3, 2), (129, 256, 4, 3)), "small": 48, "small_narrow": 64, "medium": 256, "medium_wide_from": 129,
-               "tma_wide_from": 65},
+    "hopper": {"tma_rows": ((49, 64, 1, 1), (65, 128, 3, 2), (129, 256, 4, 3)), "small": 48, "small_narrow": 64,
+               "medium": 256, "medium_wide_from": 129, "tma_wide_from": 65},
 }
 WIDE_N = 8192
 TMA_N = 16384

@@ -167,7 +167,8 @@ def _int8_quantize_kernel(x_ptr, codes_ptr, stats_ptr, flags_ptr, cols_ptr, coun
         # the row costs its listing machinery for columns that are not there
         _list_row_outliers(x_ptr, cols_ptr, count_ptr, K, threshold, BLOCK_K, POPC)
     else:
-        _quantize_rows(x_ptr, codes_ptr, stats_ptr, flags_ptr, M, K, stride_xm, threshold, BLOCK_K, ONE_TILE, HAS_THRESHOLD, MARK if HAS_THRESHOLD else 0, PDL)
+        _quantize_rows(x_ptr, codes_ptr, stats_ptr, flags_ptr, M, K, stride_xm, threshold, BLOCK_K, ONE_TILE,
+                       HAS_THRESHOLD, MARK if HAS_THRESHOLD else 0, PDL)
         if LIST_LAST:  # the row programs flagged their columns (MARK 1); the last to finish lists them
             tl.static_assert(MARK == 1 and HAS_THRESHOLD and not LIST)
             if last_arrival(counter_ptr, 0, M):
