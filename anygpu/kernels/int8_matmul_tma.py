@@ -142,7 +142,9 @@ def _tma_signature(dtype: torch.dtype) -> dict:
 
 GEMM_TMA_SPEC = register(KernelSpec(
     "int8_matmul_gemm_tma", _int8_matmul_tma_kernel, _tma_signature, (torch.float16, torch.bfloat16),
+    # as sm_90 launches it where Triton can (PDL; without it, the same kernel less the wait: as int8_quantize's
+    # hopper forms)
     {key: tuple(LaunchConfig({"SWAP": False, **{k: v for k, v in cfg.constexprs.items() if k not in LAUNCH_ONLY},
-                              "HAS_BIAS": True, "HAS_THRESHOLD": True, "PDL": pdl}, cfg.num_warps, cfg.num_stages)
-                for cfg in cfgs for pdl in (False, True))  # Hopper launches it as a dependent where Triton can
+                              "HAS_BIAS": True, "HAS_THRESHOLD": True, "PDL": True}, cfg.num_warps, cfg.num_stages)
+                for cfg in cfgs)
      for key, cfgs in GEMM_TMA_CONFIGS.items()}))
