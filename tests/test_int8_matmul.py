@@ -213,7 +213,7 @@ def test_tensor_descriptor_kernel_for_49_to_64_rows(kdevice, m):
 
 @pytest.mark.parametrize("m,config", [(100, 2), (100, 3), (200, 4)])
 def test_tensor_descriptor_kernel_for_65_to_256_rows(kdevice, m, config):
-    """Hopper's TMA configs for 65-256 rows: 64 x 64 tiles two programs an SM, and the weight tile as the MMA's
+    """Hopper's TMA configs for 65-256 rows: 64 x 64 tiles (PER_SM 2), and the weight tile as the MMA's
     first operand (SWAP, the sums transposed back for the epilogue); in the interpreter with small tiles."""
     swap = GEMM_TMA_CONFIGS["hopper"][config].constexprs.get("SWAP", False)
     assert swap == (config >= 3)

@@ -244,7 +244,8 @@ OUTLIER_EPILOGUE_ROWS = 16
 
 @functools.lru_cache(maxsize=16)
 def uses_pdl(device: torch.device) -> bool:
-    """Whether the small-M matmul on ``device`` launches as a programmatic dependent (see PDL_PREFETCH_K)."""
+    """Whether the int8 matmuls on ``device`` launch as programmatic dependents of their quantize launch: the
+    16-row tiles and the TMA kernel (see PDL_PREFETCH_K)."""
     target = device_target(device)
     if target is None or target.is_amd or os.environ.get("ANYGPU_INT8_PDL", "1") == "0":
         return False

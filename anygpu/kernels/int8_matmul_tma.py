@@ -39,7 +39,7 @@ def _int8_matmul_tma_kernel(a_desc, w_desc, x_ptr, w_ptr, row_stats_ptr, scb_ptr
         rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         prefetch_l2(w_ptr + rn.to(tl.int64)[:, None] * K, rn < N, K, TMA_PREFETCH_K)
         tl.extra.cuda.gdc_wait()  # the codes, stats and outlier list are visible past this point
-        tl.extra.cuda.gdc_launch_dependents()  # every program is resident: the next launch may start (it waits)
+        tl.extra.cuda.gdc_launch_dependents()  # once every program is past here the next launch may start (it waits)
     n_out = 0  # the outlier list's length, the same for every tile
     if HAS_THRESHOLD:
         n_out = tl.load(count_ptr)
@@ -73,7 +73,8 @@ def _int8_matmul_tma_kernel(a_desc, w_desc, x_ptr, w_ptr, row_stats_ptr, scb_ptr
 # No other target has a config: TMA copies let a 128 x 256 tile fit where the pointer kernel's spills.  At 16
 # rows its tiles lost to the pointer kernel's, so it starts past int8_matmul's PATH_LIMITS["small"].  The others
 # are Hopper's for 49-256 rows on layers narrower than int8_matmul.TMA_N (PATH_LIMITS "tma_rows" picks them by
-# rows and layer width): 64 x 32 tiles, two persistent programs an SM, for 49-64 rows; then 64 x 64, and the
+# rows and layer width): 64 x 32 tiles, two persistent programs an SM, for 49-64 rows; then 64 x 64 (PER_SM 2,
+# though 128 KiB of stages fit one an SM: the second runs after the first), and the
 # weight on the MMA's M side (SWAP) in 128 x 64 and 128 x 128 tiles (docs/perf/2026-12-06-s22-int8-rows.md,
 # docs/perf/2026-12-06-s23-int8-quantize-pdl.md).  PER_SM is the launcher's (programs an SM), not a constexpr.
 GEMM_TMA_CONFIGS = {
