@@ -114,6 +114,45 @@ def test_hopper_medium_tiles_match_the_reference(kdevice, index):
         assert_matches_reference(y, x, CB, SCB, threshold, b)
 
 
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("m, path", [(1, "gemm"), (3, "gemm"), (17, "gemm"), (70, "gemm"), (70, "gemm_tma")])
+def test_norm_fused_into_the_quantize_launch(kdevice, m, path, dtype):
+    """fused_add_rms_norm_int8_matmul: the quantize launch computes rms_norm(x + residual) itself (the single row's
+    list program too), and the results are the bits of the norm kernel followed by the int8 matmul, with and
+    without a threshold, on each of the quantize launch's forms (a row's list, a few rows' bit words and
+    epilogue launch, the flags listed in the launch or by a list launch, the TMA kernel's zeroed columns)."""
+    from anygpu.kernels.rms_norm import fused_add_rms_norm
+
+    if path == "gemm_tma" and torch.device(kdevice).type == "cpu":
+        chosen = Plan("gemm_tma", LaunchConfig({"BLOCK_M": 32, "BLOCK_N": 16, "BLOCK_K": 64, "GROUP_M": 2,
+                                                "PER_SM": 1}))
+    elif path == "gemm_tma":
+        path_plan(path, m, N, 304, kdevice)  # skips where the path does not run
+        chosen = Plan("gemm_tma", GEMM_TMA_CONFIGS["hopper"][0])
+    else:
+        chosen = path_plan(path, m, N, 304, kdevice)
+    CB, SCB = weight(k=304)  # K a multiple of 16, for the TMA kernel
+    res = torch.randn(m, 304)
+    res[::2, 5], res[1::3, 200] = 40.0, -35.0  # outlier columns of the normed rows (|h| ~ 15 there, ~1 elsewhere)
+    x, res = activations(m, k=304, dtype=dtype).to(kdevice), res.to(dtype).to(kdevice)
+    w = (1 + 0.1 * torch.randn(304)).to(dtype).to(kdevice)
+    bias = torch.randn(N, dtype=dtype).to(kdevice)
+    CB, SCB = CB.to(kdevice), SCB.to(kdevice)
+    set_plan_hook("int8_matmul", lambda *a: chosen)
+    try:
+        for threshold in (0.0, 6.0):
+            y, r = K.fused_add_rms_norm_int8_matmul(x, res, w, 1e-5, CB, SCB, threshold, bias)
+            h, r0 = fused_add_rms_norm(x, res, w, 1e-5)
+            y0 = K.int8_matmul(h, CB, SCB, threshold, bias)
+            assert same_bits(r.cpu(), r0.cpu()) and same_bits(y.cpu(), y0.cpu()), threshold
+            assert_matches_reference(y.cpu(), h.cpu(), CB.cpu(), SCB.cpu(), threshold, bias.cpu())
+            if threshold:
+                _, _, cols = quantize_rows(h.cpu().half(), threshold)
+                assert 0 < cols.numel() <= 2, cols  # the two planted columns (not in every row)
+    finally:
+        set_plan_hook("int8_matmul", None)
+
+
 @pytest.mark.parametrize("zero_columns", [True, False], ids=["zeroed", "kept"])
 def test_listing_in_the_launch_leaves_the_flags_zero(kdevice, zero_columns):
     """Several rows: the quantize launch's last program lists the flagged columns, zeroes their codes in every
@@ -564,3 +603,58 @@ def test_listing_counts_bits_with_popc_on_nvidia_only():
             src = ASTSource(fn=spec.fn, signature=spec.signature(dtype), constexprs=dict(cfg.constexprs))
             ptx = triton.compile(src, target=target.triton_target(), options=cfg.options(target)).asm["ptx"]
             assert "popc.b32" in ptx, (arch, spec.name)
+
+
+def test_fused_norm_op_is_the_two_ops_on_the_cpu():
+    """The op's CPU path is fused_add_rms_norm then int8_matmul, bit for bit, and it refuses bad arguments by name."""
+    from anygpu.ops import fused_add_rms_norm, fused_add_rms_norm_int8_matmul
+
+    CB, SCB = weight()
+    x, res = activations(4, dtype=torch.bfloat16), torch.randn(4, KDIM).bfloat16()
+    w = torch.rand(KDIM) + 0.5
+    for threshold, bias in ((0.0, None), (6.0, torch.randn(N))):
+        y, r = fused_add_rms_norm_int8_matmul(x, res, w, 1e-6, CB, SCB, threshold, bias)
+        h, r0 = fused_add_rms_norm(x, res, w, 1e-6)
+        assert same_bits(r, r0) and same_bits(y, int8_matmul_op(h, CB, SCB, threshold, bias))
+    torch.library.opcheck(fused_add_rms_norm_int8_matmul.overload, (x, res, w, 1e-6, CB, SCB, 6.0, None))
+    with pytest.raises(ValueError, match="residual: expected a torch.bfloat16 tensor of x's shape"):
+        fused_add_rms_norm_int8_matmul(x, res[:2], w, 1e-6, CB, SCB)
+    with pytest.raises(ValueError, match="CB: expected an int8"):
+        fused_add_rms_norm_int8_matmul(x, res, w, 1e-6, CB.float(), SCB)
+    with pytest.raises(ValueError, match="eps: expected a finite number"):
+        fused_add_rms_norm_int8_matmul(x, res, w, -1.0, CB, SCB)
+
+
+@pytest.mark.gpu
+def test_engine_tokens_are_the_same_with_the_norm_fused(monkeypatch):
+    """An int8 model's decoder runs its qkv and gate/up norms inside the quantize launch (models/projection.py):
+    the greedy tokens of a small random model (bf16, CUDA graphs) are those of the unfused norms."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a GPU")
+    from anygpu.bench.model import random_engine
+    from anygpu.engine import SamplingParams
+    from anygpu.models import projection
+
+    calls = []
+    fused = projection.fused_add_rms_norm_int8_matmul
+    monkeypatch.setattr(projection, "fused_add_rms_norm_int8_matmul", lambda *a: calls.append(1) or fused(*a))
+
+    def tokens():
+        torch.manual_seed(0)
+        engine = random_engine("tiny", dtype="bfloat16", progress=False, quantize="int8")
+        for i in range(3):
+            engine.add_request(str(i), [5 + i, 17, 300, 42, 7, 99], SamplingParams(max_tokens=48, temperature=0,
+                                                                                 ignore_eos=True))
+        done = {}
+        while engine.has_unfinished():
+            for o in engine.step():
+                done[o.request_id] = o.token_ids
+        return done
+
+    results = []
+    for flag in (True, False):
+        monkeypatch.setattr(projection, "FUSE_NORM_INTO_INT8", flag)
+        results.append(tokens())
+        assert bool(calls) == flag
+        calls.clear()
+    assert results[0] == results[1] and len(results[0]) == 3

@@ -58,7 +58,8 @@ from ._program_order import grouped_tile
 from .launch import TRITON_DTYPE, KernelSpec, LaunchConfig, device_target, on_device, plan_hook, register, select
 from .int8_matmul_tma import GEMM_TMA_CONFIGS, gemm_tma, tma_applies
 from .int8_outlier_epilogue import outlier_epilogue
-from .int8_quantize import fp16_threshold, fp_exact_options, hopper_pdl, quantize_rows
+from .int8_quantize import fp16_threshold, fp_exact_options, hopper_pdl, norm_fits, quantize_rows
+from .rms_norm import fused_add_rms_norm
 
 @triton.jit
 def _int8_matmul_kernel(x_ptr, a_ptr, w_ptr, row_stats_ptr, scb_ptr, bias_ptr, cols_ptr, count_ptr, acc_ptr, out_ptr,
@@ -262,10 +263,11 @@ def uses_pdl(device: torch.device) -> bool:
 
 def int8_matmul(x: torch.Tensor, CB: torch.Tensor, SCB: torch.Tensor, threshold: float = 0.0,
                 bias: torch.Tensor | None = None, *, out: torch.Tensor | None = None,
-                plan_: Plan | None = None) -> torch.Tensor:
+                plan_: Plan | None = None, _norm: tuple | None = None) -> torch.Tensor:
     """Launch on x's device.  x: [..., K] fp16/bf16/fp32; CB int8 [N, K]; SCB fp32 [N]; bias [N] (any float
     dtype) or None; the caller (the op) has checked them.  ``out``: a contiguous [..., N] tensor of x's
-    dtype to write (tests poison it); ``plan_``: a path other than ``plan``'s."""
+    dtype to write (tests poison it); ``plan_``: a path other than ``plan``'s.  ``_norm``: see
+    ``fused_add_rms_norm_int8_matmul``."""
     n, k = CB.shape
     lead = x.shape[:-1]
     m = math.prod(lead)
@@ -299,9 +301,15 @@ def int8_matmul(x: torch.Tensor, CB: torch.Tensor, SCB: torch.Tensor, threshold:
     out2 = out.view(m, n)
     dummy = SCB
     cols = count = acc = dummy
+    norm = None
+    if _norm is not None:  # the quantize launch normalizes x2 + residual into h; the matmul reads h's columns
+        residual, weight, eps, residual_out = _norm
+        norm = (residual.reshape(m, k), weight, eps, torch.empty(m, k, dtype=x.dtype, device=x.device),
+                residual_out.view(m, k))
     if p.path == "gemm_tma":
         pdl = uses_pdl(x.device)
-        codes, stats, outliers = quantize_rows(x2, thr, zero_columns=True, signal=pdl)
+        codes, stats, outliers = quantize_rows(x2, thr, zero_columns=True, signal=pdl, norm=norm)
+        x2 = x2 if norm is None else norm[3]
         if has_threshold:
             cols, count = outliers
         gemm_tma(x2, codes, CB, stats, SCB, bias if bias is not None else dummy, cols, count, out2, cfg,
@@ -310,7 +318,8 @@ def int8_matmul(x: torch.Tensor, CB: torch.Tensor, SCB: torch.Tensor, threshold:
     kept = c["BLOCK_M"] <= KEPT_CODES_UP_TO_BLOCK_M  # else zero the columns' codes
     pdl = kept and uses_pdl(x.device)
     split = kept and has_threshold and 1 < m <= min(c["BLOCK_M"], OUTLIER_EPILOGUE_ROWS)
-    codes, stats, outliers = quantize_rows(x2, thr, zero_columns=not kept, signal=pdl, mark_only=split)
+    codes, stats, outliers = quantize_rows(x2, thr, zero_columns=not kept, signal=pdl, mark_only=split, norm=norm)
+    x2 = x2 if norm is None else norm[3]
     if split:
         acc = torch.empty(m, n, dtype=torch.int32, device=x.device)
     elif has_threshold:
@@ -326,6 +335,23 @@ def int8_matmul(x: torch.Tensor, CB: torch.Tensor, SCB: torch.Tensor, threshold:
     if split:
         outlier_epilogue(x2, codes, CB, stats, SCB, bias, outliers, acc, out2, pdl)
     return out
+
+
+def fused_add_rms_norm_int8_matmul(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float,
+                                   CB: torch.Tensor, SCB: torch.Tensor, threshold: float = 0.0,
+                                   bias: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(int8_matmul(rms_norm(x + residual)), x + residual)``, the norm computed by the quantize launch
+    (``int8_quantize.py``, NORM): a decoder's residual add and norm before an int8 projection without a launch of
+    their own.  Rows longer than the quantize launch holds (``norm_fits``) run the two kernels."""
+    k = x.shape[-1]
+    m = x.numel() // k if k else 0
+    if m == 0 or CB.shape[0] == 0 or not norm_fits(k, x.device):
+        h, residual_out = fused_add_rms_norm(x, residual, weight, eps)
+        return int8_matmul(h, CB, SCB, threshold, bias), residual_out
+    residual = residual if residual.is_contiguous() else residual.contiguous()
+    weight = weight if weight.stride(0) == 1 else weight.contiguous()
+    residual_out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    return int8_matmul(x, CB, SCB, threshold, bias, _norm=(residual, weight, eps, residual_out)), residual_out
 
 
 # ---- cross-compilation specs ---------------------------------------------------------------------------

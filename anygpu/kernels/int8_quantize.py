@@ -28,6 +28,7 @@ import triton
 import triton.language as tl
 
 from ._split_k import counters, held_zeros, last_arrival
+from .rms_norm import _normalized
 from .launch import TRITON_DTYPE, KernelSpec, LaunchConfig, cached_options, device_target, on_device, register, select
 
 ZERO_STEP = tl.constexpr(32)  # listed columns and rows a step when the quantize launch zeroes their codes
@@ -135,12 +136,37 @@ def _rows_words(words_ptr, M, K, k0, BLOCK_K: tl.constexpr, ROW_STEP: tl.constex
 
 
 @triton.jit
-def _list_row_outliers(x_ptr, cols_ptr, count_ptr, K, threshold, BLOCK_K: tl.constexpr, POPC: tl.constexpr):
-    """The outlier columns of a single row x[0, :K] (its outlier entries), in order, in cols[:count]."""
+def _added_normed_row(x_ptr, res_ptr, norm_w_ptr, h_ptr, res_out_ptr, row, K, stride_xm, eps, BLOCK_K: tl.constexpr,
+                      STORE: tl.constexpr):
+    """NORM's prologue: row ``row`` of ``rms_norm(x + residual)`` (the whole row in one BLOCK_K), as
+    ``kernels/rms_norm.py``'s fused_add_rms_norm computes it, bit for bit; with STORE, the sum goes to res_out
+    and the normed row to h (both [M, K], unit stride), where the matmul gathers x's outlier columns from."""
+    cols = tl.arange(0, BLOCK_K)
+    mask = cols < K
+    r64 = row.to(tl.int64)
+    x = tl.load(x_ptr + r64 * stride_xm + cols, mask=mask, other=0.0).to(tl.float32)
+    res = tl.load(res_ptr + r64 * K + cols, mask=mask, other=0.0).to(tl.float32)
+    total = (x + res).to(res_out_ptr.dtype.element_ty)  # rounded before the norm reads it, as the unfused model
+    h = _normalized(total.to(tl.float32), norm_w_ptr, cols, mask, K, eps, h_ptr)
+    if STORE:
+        tl.store(res_out_ptr + r64 * K + cols, total, mask=mask)
+        tl.store(h_ptr + r64 * K + cols, h, mask=mask)
+    return h
+
+
+@triton.jit
+def _list_row_outliers(x_ptr, cols_ptr, count_ptr, K, threshold, res_ptr, norm_w_ptr, h_ptr, res_out_ptr, eps,
+                       BLOCK_K: tl.constexpr, POPC: tl.constexpr, NORM: tl.constexpr):
+    """The outlier columns of a single row x[0, :K] (its outlier entries), in order, in cols[:count].  NORM: of
+    the row normalized (computed here again: the row's own program writes it concurrently)."""
     base = tl.zeros([], tl.int32)
     for k0 in range(0, K, BLOCK_K):
         k = k0 + tl.arange(0, BLOCK_K)
-        mag = tl.abs(_as_fp16(tl.load(x_ptr + k, mask=k < K, other=0.0)))
+        if NORM:  # one step: NORM runs rows of at most BLOCK_K
+            mag = tl.abs(_as_fp16(_added_normed_row(x_ptr, res_ptr, norm_w_ptr, h_ptr, res_out_ptr,
+                                                    tl.zeros([], tl.int32), K, 0, eps, BLOCK_K, False)))
+        else:
+            mag = tl.abs(_as_fp16(tl.load(x_ptr + k, mask=k < K, other=0.0)))
         out = ((mag >= threshold) & (k < K)).to(tl.int32)
         base = _list_columns(_pack(out, BLOCK_K // 32), k0 // 32, cols_ptr, base, BLOCK_K // 32, POPC)
     tl.store(count_ptr, base)
@@ -148,16 +174,19 @@ def _list_row_outliers(x_ptr, cols_ptr, count_ptr, K, threshold, BLOCK_K: tl.con
 
 @triton.jit
 def _int8_quantize_kernel(x_ptr, codes_ptr, stats_ptr, flags_ptr, cols_ptr, count_ptr, counter_ptr, M, K, stride_xm,
-                          threshold, BLOCK_K: tl.constexpr, ONE_TILE: tl.constexpr,
-                          HAS_THRESHOLD: tl.constexpr, LIST: tl.constexpr, MARK: tl.constexpr,
-                          PDL: tl.constexpr = False, POPC: tl.constexpr = False, LIST_LAST: tl.constexpr = False):
+                          threshold, res_ptr, norm_w_ptr, h_ptr, res_out_ptr, eps, BLOCK_K: tl.constexpr,
+                          ONE_TILE: tl.constexpr, HAS_THRESHOLD: tl.constexpr, LIST: tl.constexpr, MARK: tl.constexpr,
+                          PDL: tl.constexpr = False, POPC: tl.constexpr = False, LIST_LAST: tl.constexpr = False,
+                          NORM: tl.constexpr = False):
     """A row's stats and codes (0 for outlier entries; the rest of an outlier column is dealt
     with later, see the module doc) and their outlier columns, marked (MARK 1: a flag per column, into zeros;
     2: each row's own bit words) for ``_outlier_list_kernel``.  LIST (a single row): an extra program (program
     M) lists the row's outlier columns instead, beside the row's program rather than after it.  PDL: launched
     as a programmatic dependent of whatever ran before (it may have written x, or still read memory these
     outputs reuse: every program waits for it first), and the next launch may start once each row's program
-    has loaded its row."""
+    has loaded its row.  NORM (ONE_TILE): the rows quantized are ``rms_norm(x + residual)``, computed here and
+    written to h, with the sum to res_out (``_added_normed_row``): the decoder's norm before an int8 projection
+    in the same launch."""
     if PDL:
         tl.extra.cuda.gdc_wait()
     if LIST and tl.program_id(0) == M:
@@ -165,10 +194,12 @@ def _int8_quantize_kernel(x_ptr, codes_ptr, stats_ptr, flags_ptr, cols_ptr, coun
             tl.extra.cuda.gdc_launch_dependents()  # the next launch may start now: it waits for our writes itself
         # listed BLOCK_K columns a step (the row's block: a power of two, at most MAX_BLOCK_K): a wider step than
         # the row costs its listing machinery for columns that are not there
-        _list_row_outliers(x_ptr, cols_ptr, count_ptr, K, threshold, BLOCK_K, POPC)
+        _list_row_outliers(x_ptr, cols_ptr, count_ptr, K, threshold, res_ptr, norm_w_ptr, h_ptr, res_out_ptr, eps,
+                           BLOCK_K, POPC, NORM)
     else:
         _quantize_rows(x_ptr, codes_ptr, stats_ptr, flags_ptr, M, K, stride_xm, threshold, BLOCK_K, ONE_TILE,
-                       HAS_THRESHOLD, MARK if HAS_THRESHOLD else 0, PDL)
+                       HAS_THRESHOLD, MARK if HAS_THRESHOLD else 0, PDL, res_ptr, norm_w_ptr, h_ptr, res_out_ptr, eps,
+                       NORM)
         if LIST_LAST:  # the row programs flagged their columns (MARK 1); the last to finish lists them
             tl.static_assert(MARK == 1 and HAS_THRESHOLD and not LIST)
             if last_arrival(counter_ptr, 0, M):
@@ -201,7 +232,8 @@ def _list_flags_zero_codes(flags_ptr, codes_ptr, cols_ptr, count_ptr, M, K, BLOC
 
 @triton.jit
 def _quantize_rows(x_ptr, codes_ptr, stats_ptr, flags_ptr, M, K, stride_xm, threshold, BLOCK_K: tl.constexpr,
-                   ONE_TILE: tl.constexpr, HAS_THRESHOLD: tl.constexpr, MARK: tl.constexpr, PDL: tl.constexpr = False):
+                   ONE_TILE: tl.constexpr, HAS_THRESHOLD: tl.constexpr, MARK: tl.constexpr, PDL: tl.constexpr,
+                   res_ptr, norm_w_ptr, h_ptr, res_out_ptr, eps, NORM: tl.constexpr):
     BLOCK_R: tl.constexpr = 1  # a row per program: the bit words (MARK 2) are each row's own
     r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     r_mask = r < M
@@ -211,7 +243,12 @@ def _quantize_rows(x_ptr, codes_ptr, stats_ptr, flags_ptr, M, K, stride_xm, thre
     rk = tl.arange(0, BLOCK_K)
     if ONE_TILE:  # the whole row in registers: one read
         mask = r_mask[:, None] & (rk < K)[None, :]
-        x16 = _as_fp16(tl.load(rows + rk[None, :], mask=mask, other=0.0))
+        if NORM:
+            h = _added_normed_row(x_ptr, res_ptr, norm_w_ptr, h_ptr, res_out_ptr, tl.program_id(0), K, stride_xm,
+                                  eps, BLOCK_K, True)
+            x16 = _as_fp16(tl.reshape(h, [BLOCK_R, BLOCK_K]))
+        else:
+            x16 = _as_fp16(tl.load(rows + rk[None, :], mask=mask, other=0.0))
         mag = tl.abs(x16)
         if PDL:  # after the row's load: the next launch's early loads (the matmul's L2 prefetch) do not queue
             tl.extra.cuda.gdc_launch_dependents()  # before it
@@ -229,6 +266,7 @@ def _quantize_rows(x_ptr, codes_ptr, stats_ptr, flags_ptr, M, K, stride_xm, thre
             q = tl.where(out, 0.0, q)
         tl.store(codes + rk[None, :], q.to(tl.int8), mask=mask)
     else:  # two passes: the absmax, then the codes (the second read mostly hits the cache)
+        tl.static_assert(not NORM, "NORM: rows of at most BLOCK_K")
         amax = tl.zeros([BLOCK_R], tl.float32)
         for k0 in range(0, K, BLOCK_K):
             k = k0 + rk
@@ -327,6 +365,12 @@ def _pow2(v: int) -> int:
     return 1 << max(v - 1, 0).bit_length()
 
 
+def norm_fits(k: int, device: torch.device) -> bool:
+    """Whether ``quantize_rows`` can fuse the norm (``norm``) into rows of ``k`` values on ``device``: the whole
+    row in one program's registers."""
+    return k <= select(QUANTIZE_CONFIGS, device_target(device))[0].constexprs["MAX_BLOCK_K"]
+
+
 # The quantize launch lists the outlier columns of several rows itself (its last program, LIST_LAST) and zeroes their
 # codes, for the matmul tiles that want them zeroed, instead of a list launch after it whose programs walk every
 # column of their rows (docs/perf/2026-12-06-s22-int8-rows.md).  The 16-row tiles, which keep the codes,
@@ -348,7 +392,7 @@ def zero_flags(device: torch.device, k: int) -> torch.Tensor | None:
 
 
 def quantize_rows(x2: torch.Tensor, threshold: float, zero_columns: bool = False, signal: bool = False,
-                  mark_only: bool = False):
+                  mark_only: bool = False, norm: tuple | None = None):
     """(codes int8 [M, K], row stats fp32 [M], outliers) of x2 [M, K] (unit stride in K): a program per row.
     Codes of outlier entries are 0, and with ``zero_columns`` (several rows) every code of an outlier column;
     otherwise those keep theirs (the matmul takes their products back out).  ``outliers``: None without a
@@ -359,11 +403,16 @@ def quantize_rows(x2: torch.Tensor, threshold: float, zero_columns: bool = False
     programmatic dependent of the one before (the first waits for it before reading x), and the last lets the
     next (the matmul) start early.  ``mark_only`` (several rows): no list launch; ``outliers`` is the rows' bit
     words (int8 storage of int32 [M, cdiv(K, 32)]; bit j of word i: column 32 i + j), which the matmul's
-    epilogue launch lists itself (``int8_matmul.outlier_epilogue``).  No host sync."""
+    epilogue launch lists itself (``int8_matmul.outlier_epilogue``).  ``norm``: ``(residual, weight, eps, h,
+    residual_out)``, the rows quantized are ``rms_norm(x2 + residual)``, written to h with the sum to
+    residual_out (all [M, K] with unit strides; K at most ``norm_fits``).  No host sync."""
     m, k = x2.shape
     device = x2.device
     cfg = select(QUANTIZE_CONFIGS, device_target(device))[0]
     block_k = max(32, min(_pow2(k), cfg.constexprs["MAX_BLOCK_K"]))
+    if norm is not None and block_k < k:
+        raise ValueError(f"norm: fused into the quantize launch for rows of at most {block_k} values, got {k}")
+    res, norm_w, eps, h, res_out = norm if norm is not None else (x2, x2, 0.0, x2, x2)
     has_threshold = threshold > 0
     listed = has_threshold and m == 1
     marked = has_threshold and mark_only and not listed  # bit words only: the matmul's epilogue lists them
@@ -390,7 +439,7 @@ def quantize_rows(x2: torch.Tensor, threshold: float, zero_columns: bool = False
             count = torch.empty(1, dtype=torch.int32, device=device)
         _int8_quantize_kernel[(m + listed,)](
             x2, out_codes, stats, flags, cols, count, counter if in_launch else stats, m, k, x2.stride(0), threshold,
-            BLOCK_K=block_k, ONE_TILE=block_k >= k, HAS_THRESHOLD=has_threshold, LIST=listed,
+            res, norm_w, h, res_out, float(eps), NORM=norm is not None, BLOCK_K=block_k, ONE_TILE=block_k >= k, HAS_THRESHOLD=has_threshold, LIST=listed,
             MARK=(2 if words else 1) if list_launch or marked or in_launch else 0, PDL=signal,
             POPC=cfg.constexprs.get("POPC", False), LIST_LAST=in_launch, **fp_exact_options(cfg, device, pdl=signal))
         if list_launch:
@@ -418,23 +467,28 @@ def hopper_pdl(table: dict, **pdl) -> dict:
 def _quantize_signature(dtype: torch.dtype) -> dict:
     return {"x_ptr": f"*{TRITON_DTYPE[dtype]}", "codes_ptr": "*i8", "stats_ptr": "*fp32", "flags_ptr": "*i8",
             "cols_ptr": "*i32", "count_ptr": "*i32", "counter_ptr": "*i32", "M": "i32", "K": "i32", "stride_xm": "i32",
-            "threshold": "fp32", "BLOCK_K": "constexpr", "ONE_TILE": "constexpr",
-            "HAS_THRESHOLD": "constexpr", "LIST": "constexpr", "MARK": "constexpr", "PDL": "constexpr",
-            "POPC": "constexpr", "LIST_LAST": "constexpr"}
+            "threshold": "fp32", "res_ptr": f"*{TRITON_DTYPE[dtype]}", "norm_w_ptr": f"*{TRITON_DTYPE[dtype]}",
+            "h_ptr": f"*{TRITON_DTYPE[dtype]}", "res_out_ptr": f"*{TRITON_DTYPE[dtype]}", "eps": "fp32",
+            "BLOCK_K": "constexpr", "ONE_TILE": "constexpr", "HAS_THRESHOLD": "constexpr", "LIST": "constexpr",
+            "MARK": "constexpr", "PDL": "constexpr", "POPC": "constexpr", "LIST_LAST": "constexpr",
+            "NORM": "constexpr"}
 
 
 def _quantize_forms(cfg: LaunchConfig, list_last: bool = True) -> tuple:
     """The forms the launcher uses: the whole row in registers, listing the columns (a single row) or writing
     the row's bit words (a few rows), and two passes over K flagging the columns (many rows, longer than
-    MAX_BLOCK_K), or writing the bit words in two (a few long rows, ``mark_only``)."""
+    MAX_BLOCK_K), or writing the bit words in two (a few long rows, ``mark_only``); and with the norm fused
+    (NORM, whole rows): a single row, a few rows' bit words, several rows' flags."""
     block = cfg.constexprs["MAX_BLOCK_K"]
-    forms = [(True, True, 0, False), (True, False, 2, False), (False, False, 1, False), (False, False, 2, False)]
+    forms = [(True, True, 0, False, False), (True, False, 2, False, False), (False, False, 1, False, False),
+             (False, False, 2, False, False)]
     # several rows listed, and their codes zeroed, by the launch's last program (LIST_LAST; not on AMD GPUs)
-    forms += [(one, False, 1, True) for one in (True, False) if list_last]
+    forms += [(one, False, 1, True, False) for one in (True, False) if list_last]
+    forms += [(True, True, 0, False, True), (True, False, 2, False, True), (True, False, 1, list_last, True)]
     return tuple(LaunchConfig({"BLOCK_K": block, "ONE_TILE": one, "LIST": listed, "MARK": mark,
-                               "HAS_THRESHOLD": True, "POPC": cfg.constexprs.get("POPC", False), "LIST_LAST": last},
-                              cfg.num_warps)
-                 for one, listed, mark, last in forms)
+                               "HAS_THRESHOLD": True, "POPC": cfg.constexprs.get("POPC", False), "LIST_LAST": last,
+                               "NORM": norm}, cfg.num_warps)
+                 for one, listed, mark, last, norm in forms)
 
 
 QUANTIZE_SPEC = register(KernelSpec(

@@ -6,9 +6,11 @@
 ``round`` is to x's dtype: the normalized row is rounded before the weight multiply, as HF's
 LlamaRMSNorm does (``weight * hidden.to(input_dtype)``), and the sum before the norm, as an unfused model
 stores its residual stream.  Everything else is fp32 (rstd: fp64, once per row); fp32 rows are computed
-in fp64 and rounded once.  The whole row lives in registers (BLOCK = the next power of two of the hidden
-size), so x (and the residual) are read once and each output written once: the kernels are memory bound
-and should run at copy bandwidth.  The references and the ops live in
+in fp64 and rounded once, and no multiply-add is contracted to an FMA (the int8 quantize launch computes the
+same norm in its prologue, ``int8_quantize.py`` NORM, where contraction is off for the reference's
+roundings: one compiler setting, one result).  The whole row lives in registers (BLOCK = the next power of
+two of the hidden size), so x (and the residual) are read once and each output written once: the kernels
+are memory bound and should run at copy bandwidth.  The references and the ops live in
 ``anygpu/ops/rms_norm.py`` and ``anygpu/ops/fused_add_rms_norm.py``.
 """
 
@@ -25,7 +27,14 @@ from .launch import TRITON_DTYPE, KernelSpec, LaunchConfig, device_target, on_de
 @triton.jit
 def _normalize_row(row, w_ptr, cols, mask, n_cols, eps, out_row_ptr):
     """Normalize one fp32 ``row`` (masked lanes hold 0, so they add nothing) and store it times the weight."""
-    out_ty = out_row_ptr.dtype.element_ty
+    tl.store(out_row_ptr + cols, _normalized(row, w_ptr, cols, mask, n_cols, eps, out_row_ptr), mask=mask)
+
+
+@triton.jit
+def _normalized(row, w_ptr, cols, mask, n_cols, eps, like_ptr):
+    """One fp32 ``row`` normalized and times the weight, in the element type of ``like_ptr`` (the output's):
+    also the prologue of the int8 quantize launch that fuses this norm (``int8_quantize.py``, NORM)."""
+    out_ty = like_ptr.dtype.element_ty
     w = tl.load(w_ptr + cols, mask=mask, other=0.0)
     if out_ty == tl.float32:
         # fp32 rows in fp64, rounded once: in fp32, HF's formula rounds about five times (mean, rsqrt, two
@@ -41,7 +50,7 @@ def _normalize_row(row, w_ptr, cols, mask, n_cols, eps, out_row_ptr):
         rstd = (1.0 / tl.sqrt(sum_sq / n_cols + eps)).to(tl.float32)
         normed = (row * rstd).to(out_ty).to(tl.float32)  # HF rounds to the input dtype before the weight
         y = normed * w.to(tl.float32)
-    tl.store(out_row_ptr + cols, y.to(out_ty), mask=mask)
+    return y.to(out_ty)
 
 
 @triton.jit
@@ -119,7 +128,10 @@ def _launch(device: torch.device, hidden: int) -> tuple[int, dict]:
         cfg = next((c for c in select(CONFIGS, target) if c.constexprs["BLOCK"] >= block), None)
         if cfg is None:
             raise ValueError(f"x: expected a last dimension of at most {MAX_HIDDEN}, got {hidden}")
-        hit = _LAUNCH_CACHE[key] = (block, cfg.options(target))
+        options = cfg.options(target)
+        if target is not None:  # no FMA contraction: the same bits as the int8 quantize launch's fused norm
+            options["enable_fp_fusion"] = False
+        hit = _LAUNCH_CACHE[key] = (block, options)
     return hit
 
 

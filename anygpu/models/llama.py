@@ -38,7 +38,6 @@ from ..ops import (
     flash_attn_varlen,
     fused_add_rms_norm,
     gelu_and_mul,
-    linear,
     paged_decode,
     paged_prefill,
     rms_norm,
@@ -48,19 +47,10 @@ from ..ops import (
 from .config import ModelConfig
 from .memory_check import check_model_fits
 from .parallel import LlamaShard, TensorParallel
+from .projection import norm_project, project
 from .rope import rotary_table
 
 MODES = ("prefill", "decode", "mixed")
-
-
-def project(layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
-    """``layer(x)`` for a projection: a plain ``nn.Linear`` on a GPU runs ``ops.linear`` (a Triton GEMV for one
-    row, the vendor GEMM otherwise); a quantized, adapted (PEFT), hooked or re-routed layer (``tunable.route``
-    sets its ``forward``) runs its own forward."""
-    if (type(layer) is nn.Linear and x.is_cuda and "forward" not in layer.__dict__
-            and not (layer._forward_hooks or layer._forward_pre_hooks)):
-        return linear(x, layer.weight, layer.bias)
-    return layer(x)
 
 
 @dataclass
@@ -113,9 +103,9 @@ class Attention(nn.Module):
         self.rotary: torch.Tensor | None = None  # a shared fp32 [max_position, rotary_dim] cos|sin table
         self.kv_cache: tuple[torch.Tensor, torch.Tensor] | None = None
 
-    def forward(self, x: torch.Tensor, batch: AttentionBatch) -> torch.Tensor:
-        tokens = x.shape[0]
-        qkv = project(self.qkv_proj, x)
+    def forward(self, qkv: torch.Tensor, batch: AttentionBatch) -> torch.Tensor:
+        """Attention from the layer's qkv projection (``qkv_proj``, run by the decoder layer) to o_proj's output."""
+        tokens = qkv.shape[0]
         q = qkv[:, : self.q_size].view(tokens, self.num_heads, self.head_dim)
         k = qkv[:, self.q_size: self.q_size + self.kv_size].view(tokens, self.num_kv_heads, self.head_dim)
         v = qkv[:, self.q_size + self.kv_size:].view(tokens, self.num_kv_heads, self.head_dim)
@@ -146,8 +136,8 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(shard.intermediate, cfg.hidden_size, bias=False)
         self.act = cfg.hidden_act
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate_up = project(self.gate_up_proj, x)
+    def forward(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """From the layer's gate/up projection (``gate_up_proj``, run by the decoder layer) to down_proj's output."""
         if self.act == "silu":
             h = silu_and_mul(gate_up)
         else:  # Gemma's gelu_pytorch_tanh, or the exact (erf) GELU
@@ -174,16 +164,18 @@ class DecoderLayer(nn.Module):
         self.mlp = MLP(cfg, shard, tp)
 
     def forward(self, x, residual, batch: AttentionBatch):
+        attn, mlp = self.self_attn, self.mlp
         if residual is None:
-            x, residual = self.input_layernorm(x), x
-        else:
-            x, residual = self.input_layernorm(x, residual)
-        x = self.self_attn(x, batch)
+            qkv, residual = project(attn.qkv_proj, self.input_layernorm(x)), x
+        else:  # the norms before qkv_proj and gate_up_proj: fused into an int8 projection's quantize launch
+            qkv, residual = norm_project(self.input_layernorm, attn.qkv_proj, x, residual)
+        x = attn(qkv, batch)
         if not self.sandwich:
-            x, residual = self.post_attention_layernorm(x, residual)
-            return self.mlp(x), residual
-        x, residual = self.pre_feedforward_layernorm(self.post_attention_layernorm(x), residual)
-        return self.post_feedforward_layernorm(self.mlp(x)), residual
+            gate_up, residual = norm_project(self.post_attention_layernorm, mlp.gate_up_proj, x, residual)
+            return mlp(gate_up), residual
+        gate_up, residual = norm_project(self.pre_feedforward_layernorm, mlp.gate_up_proj,
+                                         self.post_attention_layernorm(x), residual)
+        return self.post_feedforward_layernorm(mlp(gate_up)), residual
 
 
 class LlamaForCausalLM(nn.Module):
