@@ -631,30 +631,17 @@ def test_engine_tokens_are_the_same_with_the_norm_fused(monkeypatch):
     the greedy tokens of a small random model (bf16, CUDA graphs) are those of the unfused norms."""
     if not torch.cuda.is_available():
         pytest.skip("needs a GPU")
-    from anygpu.bench.model import random_engine
-    from anygpu.engine import SamplingParams
     from anygpu.models import projection
+
+    from .test_pdl import random_engine_tokens
 
     calls = []
     fused = projection.fused_add_rms_norm_int8_matmul
     monkeypatch.setattr(projection, "fused_add_rms_norm_int8_matmul", lambda *a: calls.append(1) or fused(*a))
-
-    def tokens():
-        torch.manual_seed(0)
-        engine = random_engine("tiny", dtype="bfloat16", progress=False, quantize="int8")
-        for i in range(3):
-            engine.add_request(str(i), [5 + i, 17, 300, 42, 7, 99], SamplingParams(max_tokens=48, temperature=0,
-                                                                                 ignore_eos=True))
-        done = {}
-        while engine.has_unfinished():
-            for o in engine.step():
-                done[o.request_id] = o.token_ids
-        return done
-
     results = []
     for flag in (True, False):
         monkeypatch.setattr(projection, "FUSE_NORM_INTO_INT8", flag)
-        results.append(tokens())
+        results.append(random_engine_tokens("int8"))
         assert bool(calls) == flag
         calls.clear()
     assert results[0] == results[1] and len(results[0]) == 3

@@ -81,25 +81,28 @@ def test_decode_chain_is_the_same_with_and_without_pdl(monkeypatch, quantize):
     plain (the bf16 GEMV), and quantized (the 4-bit GEMV: nf4, GGUF Q4_K; the int8-block GEMV: Q8_0)."""
     if not torch.cuda.is_available():
         pytest.skip("needs a GPU")
-    from anygpu.bench.model import random_engine
-    from anygpu.engine import SamplingParams
     from anygpu.kernels import _pdl
-
-    def tokens():
-        torch.manual_seed(0)
-        engine = random_engine("tiny", dtype="bfloat16", progress=False, quantize=quantize)
-        for i in range(3):
-            engine.add_request(str(i), [5 + i, 17, 300, 42, 7, 99], SamplingParams(max_tokens=48, temperature=0,
-                                                                                 ignore_eos=True))
-        done = {}
-        while engine.has_unfinished():
-            for o in engine.step():
-                done[o.request_id] = o.token_ids
-        return done
 
     results = []
     for flag in ("1", "0"):
         monkeypatch.setenv("ANYGPU_PDL", flag)
         monkeypatch.setattr(_pdl, "_ARGS", {})
-        results.append(tokens())
+        results.append(random_engine_tokens(quantize))
     assert results[0] == results[1] and len(results[0]) == 3
+
+
+def random_engine_tokens(quantize: str | None) -> dict:
+    """Greedy tokens of 3 requests x 48 on a small random model (bf16, CUDA graphs), by request id."""
+    from anygpu.bench.model import random_engine
+    from anygpu.engine import SamplingParams
+
+    torch.manual_seed(0)
+    engine = random_engine("tiny", dtype="bfloat16", progress=False, quantize=quantize)
+    for i in range(3):
+        engine.add_request(str(i), [5 + i, 17, 300, 42, 7, 99], SamplingParams(max_tokens=48, temperature=0,
+                                                                             ignore_eos=True))
+    done = {}
+    while engine.has_unfinished():
+        for o in engine.step():
+            done[o.request_id] = o.token_ids
+    return done
