@@ -623,6 +623,8 @@ def test_fused_norm_op_is_the_two_ops_on_the_cpu():
         fused_add_rms_norm_int8_matmul(x, res, w, 1e-6, CB.float(), SCB)
     with pytest.raises(ValueError, match="eps: expected a finite number"):
         fused_add_rms_norm_int8_matmul(x, res, w, -1.0, CB, SCB)
+    with pytest.raises(ValueError, match=r"^norm_weight: expected shape \(300,\)"):
+        fused_add_rms_norm_int8_matmul(x, res, w[:7], 1e-6, CB, SCB)
 
 
 @pytest.mark.gpu
