@@ -301,15 +301,14 @@ def int8_matmul(x: torch.Tensor, CB: torch.Tensor, SCB: torch.Tensor, threshold:
     out2 = out.view(m, n)
     dummy = SCB
     cols = count = acc = dummy
-    norm = None
-    if _norm is not None:  # the quantize launch normalizes x2 + residual into h; the matmul reads h's columns
+    rows, norm = x2, None  # what the quantize launch reads; x2: where the matmul gathers outlier columns from
+    if _norm is not None:  # the quantize launch normalizes rows + residual into x2
         residual, weight, eps, residual_out = _norm
-        norm = (residual.reshape(m, k), weight, eps, torch.empty(m, k, dtype=x.dtype, device=x.device),
-                residual_out.view(m, k))
+        x2 = torch.empty(m, k, dtype=x.dtype, device=x.device)
+        norm = (residual.reshape(m, k), weight, eps, x2, residual_out.view(m, k))
     if p.path == "gemm_tma":
         pdl = uses_pdl(x.device)
-        codes, stats, outliers = quantize_rows(x2, thr, zero_columns=True, signal=pdl, norm=norm)
-        x2 = x2 if norm is None else norm[3]
+        codes, stats, outliers = quantize_rows(rows, thr, zero_columns=True, signal=pdl, norm=norm)
         if has_threshold:
             cols, count = outliers
         gemm_tma(x2, codes, CB, stats, SCB, bias if bias is not None else dummy, cols, count, out2, cfg,
@@ -318,8 +317,7 @@ def int8_matmul(x: torch.Tensor, CB: torch.Tensor, SCB: torch.Tensor, threshold:
     kept = c["BLOCK_M"] <= KEPT_CODES_UP_TO_BLOCK_M  # else zero the columns' codes
     pdl = kept and uses_pdl(x.device)
     split = kept and has_threshold and 1 < m <= min(c["BLOCK_M"], OUTLIER_EPILOGUE_ROWS)
-    codes, stats, outliers = quantize_rows(x2, thr, zero_columns=not kept, signal=pdl, mark_only=split, norm=norm)
-    x2 = x2 if norm is None else norm[3]
+    codes, stats, outliers = quantize_rows(rows, thr, zero_columns=not kept, signal=pdl, mark_only=split, norm=norm)
     if split:
         acc = torch.empty(m, n, dtype=torch.int32, device=x.device)
     elif has_threshold:

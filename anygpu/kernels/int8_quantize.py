@@ -28,7 +28,7 @@ import triton
 import triton.language as tl
 
 from ._split_k import counters, held_zeros, last_arrival
-from .rms_norm import _normalized
+from .rms_norm import _normalized, _residual_sum
 from .launch import TRITON_DTYPE, KernelSpec, LaunchConfig, cached_options, device_target, on_device, register, select
 
 ZERO_STEP = tl.constexpr(32)  # listed columns and rows a step when the quantize launch zeroes their codes
@@ -144,9 +144,7 @@ def _added_normed_row(x_ptr, res_ptr, norm_w_ptr, h_ptr, res_out_ptr, row, K, st
     cols = tl.arange(0, BLOCK_K)
     mask = cols < K
     r64 = row.to(tl.int64)
-    x = tl.load(x_ptr + r64 * stride_xm + cols, mask=mask, other=0.0).to(tl.float32)
-    res = tl.load(res_ptr + r64 * K + cols, mask=mask, other=0.0).to(tl.float32)
-    total = (x + res).to(res_out_ptr.dtype.element_ty)  # rounded before the norm reads it, as the unfused model
+    total = _residual_sum(x_ptr + r64 * stride_xm, res_ptr + r64 * K, cols, mask, res_out_ptr)
     h = _normalized(total.to(tl.float32), norm_w_ptr, cols, mask, K, eps, h_ptr)
     if STORE:
         tl.store(res_out_ptr + r64 * K + cols, total, mask=mask)
@@ -439,8 +437,8 @@ def quantize_rows(x2: torch.Tensor, threshold: float, zero_columns: bool = False
             count = torch.empty(1, dtype=torch.int32, device=device)
         _int8_quantize_kernel[(m + listed,)](
             x2, out_codes, stats, flags, cols, count, counter if in_launch else stats, m, k, x2.stride(0), threshold,
-            res, norm_w, h, res_out, float(eps), NORM=norm is not None, BLOCK_K=block_k, ONE_TILE=block_k >= k, HAS_THRESHOLD=has_threshold, LIST=listed,
-            MARK=(2 if words else 1) if list_launch or marked or in_launch else 0, PDL=signal,
+            res, norm_w, h, res_out, float(eps), NORM=norm is not None, BLOCK_K=block_k, ONE_TILE=block_k >= k,
+            HAS_THRESHOLD=has_threshold, LIST=listed, MARK=(2 if words else 1) if list_launch or marked or in_launch else 0, PDL=signal,
             POPC=cfg.constexprs.get("POPC", False), LIST_LAST=in_launch, **fp_exact_options(cfg, device, pdl=signal))
         if list_launch:
             list_cfg = select(OUTLIER_LIST_CONFIGS, device_target(device))[0]

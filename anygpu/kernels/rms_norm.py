@@ -54,6 +54,15 @@ def _normalized(row, w_ptr, cols, mask, n_cols, eps, like_ptr):
 
 
 @triton.jit
+def _residual_sum(x_row_ptr, res_row_ptr, cols, mask, like_ptr):
+    """x + residual of one row, rounded to the element type of ``like_ptr`` (the new residual's) before the norm
+    reads it, as the unfused model's would be; also the int8 quantize launch's NORM prologue."""
+    x = tl.load(x_row_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+    res = tl.load(res_row_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+    return (x + res).to(like_ptr.dtype.element_ty)
+
+
+@triton.jit
 def _rms_norm_kernel(x_ptr, w_ptr, out_ptr, n_cols, x_row_stride, out_row_stride, eps,
                      BLOCK: tl.constexpr, PDL: tl.constexpr):
     wait_then_release(PDL)
@@ -71,10 +80,7 @@ def _fused_add_rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, n_co
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     mask = cols < n_cols
-    x = tl.load(x_ptr + row * x_row_stride + cols, mask=mask, other=0.0).to(tl.float32)
-    res = tl.load(res_ptr + row * res_row_stride + cols, mask=mask, other=0.0).to(tl.float32)
-    # The new residual is rounded to the dtype before the norm reads it, as the unfused model's would be.
-    total = (x + res).to(res_out_ptr.dtype.element_ty)
+    total = _residual_sum(x_ptr + row * x_row_stride, res_ptr + row * res_row_stride, cols, mask, res_out_ptr)
     tl.store(res_out_ptr + row * out_row_stride + cols, total, mask=mask)
     _normalize_row(total.to(tl.float32), w_ptr, cols, mask, n_cols, eps, out_ptr + row * out_row_stride)
 
