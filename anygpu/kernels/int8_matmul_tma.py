@@ -45,19 +45,16 @@ def _int8_matmul_tma_kernel(a_desc, w_desc, x_ptr, w_ptr, row_stats_ptr, scb_ptr
         n_out = tl.load(count_ptr)
     for tile in range(tl.program_id(0), tiles, programs):
         pid_m, pid_n = grouped_tile(tile, M, N, BLOCK_M, BLOCK_N, GROUP_M)
-        if SWAP:
-            acc_t = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.int32)
-            for k0 in range(0, K, BLOCK_K):  # past K (and M, N) the descriptors read zeros
-                a = a_desc.load([pid_m * BLOCK_M, k0])
-                w = w_desc.load([pid_n * BLOCK_N, k0])
-                acc_t = tl.dot(w, a.T, acc_t, out_dtype=tl.int32)
-            acc = tl.trans(acc_t)
-        else:
-            acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.int32)
-            for k0 in range(0, K, BLOCK_K):
-                a = a_desc.load([pid_m * BLOCK_M, k0])
-                w = w_desc.load([pid_n * BLOCK_N, k0])
+        acc = tl.zeros([BLOCK_N, BLOCK_M] if SWAP else [BLOCK_M, BLOCK_N], dtype=tl.int32)  # SWAP: transposed
+        for k0 in range(0, K, BLOCK_K):  # past K (and M, N) the descriptors read zeros
+            a = a_desc.load([pid_m * BLOCK_M, k0])
+            w = w_desc.load([pid_n * BLOCK_N, k0])
+            if SWAP:
+                acc = tl.dot(w, a.T, acc, out_dtype=tl.int32)
+            else:
                 acc = tl.dot(a, w.T, acc, out_dtype=tl.int32)
+        if SWAP:
+            acc = tl.trans(acc)
         rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
         rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         m_mask = rm < M
