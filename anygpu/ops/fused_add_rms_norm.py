@@ -19,8 +19,9 @@ from .rms_norm import cpu as rms_norm_cpu
 from .rms_norm import reference as rms_norm_reference
 
 
-def check(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float) -> None:
-    check_x_weight_eps(x, weight, eps)
+def check(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float,
+          weight_name: str = "weight") -> None:
+    check_x_weight_eps(x, weight, eps, weight_name)
     if residual.shape != x.shape or residual.dtype != x.dtype or residual.device != x.device:
         raise ValueError(f"residual: expected a {x.dtype} tensor of x's shape {tuple(x.shape)} on {x.device}, "
                          f"got {residual.dtype} {tuple(residual.shape)} on {residual.device}")

@@ -20,13 +20,7 @@ from .define import define_op
 
 
 def check(x, residual, norm_weight, eps, CB, SCB, threshold=0.0, bias=None) -> None:
-    try:
-        norm_op.check(x, residual, norm_weight, eps)
-    except ValueError as e:  # the norm op calls its weight "weight": name this op's argument
-        message = str(e)
-        if message.startswith("weight:"):
-            raise ValueError("norm_weight:" + message[len("weight:"):]) from None
-        raise
+    norm_op.check(x, residual, norm_weight, eps, weight_name="norm_weight")
     matmul_op.check(x, CB, SCB, threshold, bias)
 
 

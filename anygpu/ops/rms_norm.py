@@ -28,18 +28,19 @@ DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 MAX_HIDDEN = 16384  # kernels/rms_norm.py's largest row; checked here so every backend refuses the same inputs
 
 
-def check_x_weight_eps(x: torch.Tensor, weight: torch.Tensor, eps: float) -> None:
-    """The checks rms_norm and fused_add_rms_norm share."""
+def check_x_weight_eps(x: torch.Tensor, weight: torch.Tensor, eps: float, weight_name: str = "weight") -> None:
+    """The checks rms_norm and fused_add_rms_norm share (``weight_name``: what the calling op calls its weight)."""
     if x.dim() < 1 or x.shape[-1] > MAX_HIDDEN:
         raise ValueError(f"x: expected a tensor [..., hidden] with hidden <= {MAX_HIDDEN}, got shape {tuple(x.shape)}")
     if x.dtype not in DTYPES:
         raise ValueError(f"x: expected dtype float16, bfloat16 or float32, got {x.dtype}")
     if weight.dim() != 1 or weight.shape[0] != x.shape[-1]:
-        raise ValueError(f"weight: expected shape ({x.shape[-1]},) (x's last dimension), got {tuple(weight.shape)}")
+        raise ValueError(f"{weight_name}: expected shape ({x.shape[-1]},) (x's last dimension), got "
+                         f"{tuple(weight.shape)}")
     if weight.dtype not in DTYPES:
-        raise ValueError(f"weight: expected dtype float16, bfloat16 or float32, got {weight.dtype}")
+        raise ValueError(f"{weight_name}: expected dtype float16, bfloat16 or float32, got {weight.dtype}")
     if weight.device != x.device:
-        raise ValueError(f"weight: expected a tensor on x's device {x.device}, got {weight.device}")
+        raise ValueError(f"{weight_name}: expected a tensor on x's device {x.device}, got {weight.device}")
     if not 0.0 <= eps < math.inf:  # also refuses NaN; eps = 0 is allowed (an all-zero row then gives NaN)
         raise ValueError(f"eps: expected a finite number >= 0, got {eps!r}")
 
