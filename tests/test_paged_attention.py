@@ -340,8 +340,8 @@ def _ragged_split_case(device, q_heads, kv_heads, head_dim, dtype=torch.bfloat16
 
 
 @pytest.mark.parametrize("q_heads,kv_heads,head_dim,window_left,softcap",
-                         [(8, 2, 64, -1, 0.0), (16, 2, 80, 20, 2.5)])  # the second: 8 heads a group, so the
-def test_paged_decode_kernel_merges_splits_as_the_reduce_launch_did(  # combine runs two steps of rows; D not 2**k
+                         [(8, 2, 64, -1, 0.0), (16, 2, 80, 20, 2.5)])  # the second: 640 elements per group, so
+def test_paged_decode_kernel_merges_splits_as_the_reduce_launch_did(  # the combine runs two blocks; D not 2**k
         kdevice, monkeypatch, q_heads, kv_heads, head_dim, window_left, softcap):
     """The last split program of each (sequence, KV head) combines the partials: the same bits as the separate
     reduce launch (the CUDA-graph capture fallback), every call, with the counters left at 0."""

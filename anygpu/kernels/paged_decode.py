@@ -51,12 +51,10 @@ from .launch import TRITON_DTYPE, KernelSpec, LaunchConfig, launch_config, on_de
 LOG2E = 1.4426950408889634
 # Triton picks interpreter or compiler from this variable when a kernel is decorated; so do we.
 _INTERPRETED = tl.constexpr(os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"))
-# The combine of the splits: MERGE_ROWS query heads at a time (a [MERGE_ROWS, HEAD_DIM_PAD] tile: with 4 warps and
-# d 128, each thread holds 4 elements of one row, one 16-byte load per split), MERGE_UNROLL splits per loop step,
-# whose loads do not depend on the running sums and so are all in flight together.  A split's weight is a
-# function of its row's log2-sum-exp alone, so it is computed once a row, not once an element: the combine
-# issues a few instructions an element and split instead of two exponentials and a dozen more.
-MERGE_ROWS = tl.constexpr(4)
+# The combine of the splits: MERGE_BLOCK output elements at a time (4 per thread with 4 warps: one 16-byte load
+# per split), MERGE_UNROLL splits per loop step, whose loads do not depend on the running sums and so are all in
+# flight together: the combine waits on memory about n / MERGE_UNROLL times, not n.
+MERGE_BLOCK = tl.constexpr(512)
 MERGE_UNROLL = tl.constexpr(8)
 
 
@@ -110,47 +108,42 @@ def _attend_tile(q, m_i, l_i, acc, tile, lo, hi, table, k_head, v_head, dims, di
 
 
 @triton.jit
-def _merge_splits(part_out_ptr, part_lse_ptr, out_ptr, row_lo, row_hi, num_splits, used, HEAD_DIM: tl.constexpr,
-                  HEAD_DIM_PAD: tl.constexpr):
-    """Output rows [row_lo, row_hi) of the [batch * num_q_heads, HEAD_DIM] output, from the first ``used`` of the
-    num_splits partials of each row (the rest hold no key: lse -inf, weight 0, so leaving them out changes no
-    bit): an online softmax over the splits' log2-sum-exps, one split at a time in order.
-    No reduction across a tile (whose order would follow the register layout): each row's running max, weights
-    and sum are that row's own scalars, each element's sum its own, so the in-kernel combine and the fallback's
-    launch give the same bits.  ``.cg`` loads: the other programs' partials are read from L2 (L1 is not coherent
-    across SMs)."""
-    dims = tl.arange(0, HEAD_DIM_PAD)
-    dim_mask = dims < HEAD_DIM
+def _merge_splits(part_out_ptr, part_lse_ptr, out_ptr, lo, hi, num_splits, used, HEAD_DIM: tl.constexpr):
+    """Output elements [lo, hi) of the flat [batch * num_q_heads * HEAD_DIM] output, from the first ``used`` of
+    the num_splits partials of their rows (the rest hold no key: lse -inf, weight 0, so leaving them out changes
+    no bit): an online softmax over the splits' log2-sum-exps, one split at a time in order.
+    Every operation is per element (no reduction across a tile, whose order would follow the register
+    layout), so the in-kernel combine and the fallback's launch give the same bits.  ``.cg`` loads: the other
+    programs' partials are read from L2 (L1 is not coherent across SMs)."""
     # while, not for: see the note in _paged_decode_kernel.
-    r0 = row_lo
-    while r0 < row_hi:
-        rows = r0 + tl.arange(0, MERGE_ROWS)
-        row_mask = rows < row_hi
-        lse_at = part_lse_ptr + rows * num_splits
-        part_at = part_out_ptr + (rows * num_splits * HEAD_DIM)[:, None] + dims[None, :]
-        m = tl.full([MERGE_ROWS], float("-inf"), tl.float32)
-        total = tl.zeros([MERGE_ROWS], tl.float32)
-        acc = tl.zeros([MERGE_ROWS, HEAD_DIM_PAD], tl.float32)
+    start = lo
+    while start < hi:
+        e = start + tl.arange(0, MERGE_BLOCK)
+        mask = e < hi
+        row = e // HEAD_DIM  # batch * num_q_heads + head
+        lse_at = part_lse_ptr + row * num_splits
+        part_at = part_out_ptr + row * num_splits * HEAD_DIM + e % HEAD_DIM
+        m = tl.full([MERGE_BLOCK], float("-inf"), tl.float32)
+        total = tl.zeros([MERGE_BLOCK], tl.float32)
+        acc = tl.zeros([MERGE_BLOCK], tl.float32)
         s = 0
         while s < used:
             for u in tl.static_range(MERGE_UNROLL):
                 # (a block-shaped condition: the interpreter's mask cannot be a scalar and'ed into a block)
-                live = row_mask & (tl.full([MERGE_ROWS], s + u, tl.int32) < used)
+                live = mask & (tl.full([MERGE_BLOCK], s + u, tl.int32) < used)
                 lse = tl.load(lse_at + (s + u), mask=live, other=float("-inf"), cache_modifier=".cg")
-                part = tl.load(part_at + (s + u) * HEAD_DIM, mask=live[:, None] & dim_mask[None, :], other=0.0,
-                               cache_modifier=".cg")
+                part = tl.load(part_at + (s + u) * HEAD_DIM, mask=live, other=0.0, cache_modifier=".cg")
                 m_new = tl.maximum(m, lse)
                 m_base = tl.where(m_new == float("-inf"), 0.0, m_new)  # no keys yet (an empty split): no NaN
                 alpha = tl.exp2(m - m_base)
                 w = tl.exp2(lse - m_base)
                 total = total * alpha + w
-                acc = acc * alpha[:, None] + w[:, None] * part
+                acc = acc * alpha + w * part
                 m = m_new
             s += MERGE_UNROLL
-        o = tl.div_rn(acc, tl.where(total == 0.0, 1.0, total)[:, None])  # every split empty (seqlen 0): output 0
-        tl.store(out_ptr + rows[:, None] * HEAD_DIM + dims[None, :], o.to(out_ptr.dtype.element_ty),
-                 mask=row_mask[:, None] & dim_mask[None, :])
-        r0 += MERGE_ROWS
+        o = tl.div_rn(acc, tl.where(total == 0.0, 1.0, total))  # every split empty (seqlen 0): output 0
+        tl.store(out_ptr + e, o.to(out_ptr.dtype.element_ty), mask=mask)
+        start += MERGE_BLOCK
 
 
 # merge (0 or 1) is not specialised: the capture fallback runs the kernel the warm-up compiled, not a new one.
@@ -229,19 +222,18 @@ def _paged_decode_kernel(q_ptr, key_cache_ptr, value_cache_ptr, block_tables_ptr
             # The used splits count in; the last of them combines the group's rows from their partials.
             last = last_arrival(counter_ptr, b * tl.num_programs(1) + kv_head, used)
             if last:
-                first = b * num_q_heads + kv_head * group
-                _merge_splits(part_out_ptr, part_lse_ptr, out_ptr, first, first + group, num_splits, used, HEAD_DIM,
-                              HEAD_DIM_PAD)
+                first = (b * num_q_heads + kv_head * group) * HEAD_DIM
+                _merge_splits(part_out_ptr, part_lse_ptr, out_ptr, first, first + group * HEAD_DIM, num_splits,
+                              used, HEAD_DIM)
 
 
 @triton.jit
-def _paged_decode_reduce_kernel(part_out_ptr, part_lse_ptr, out_ptr, num_splits, num_rows, HEAD_DIM: tl.constexpr,
-                                HEAD_DIM_PAD: tl.constexpr):
-    """The fallback's second launch (a decode step captured before the device had counters): MERGE_ROWS output
-    rows (query heads) per program."""
-    lo = tl.program_id(0).to(tl.int64) * MERGE_ROWS
-    _merge_splits(part_out_ptr, part_lse_ptr, out_ptr, lo, tl.minimum(lo + MERGE_ROWS, num_rows), num_splits,
-                  num_splits, HEAD_DIM, HEAD_DIM_PAD)
+def _paged_decode_reduce_kernel(part_out_ptr, part_lse_ptr, out_ptr, num_splits, numel, HEAD_DIM: tl.constexpr):
+    """The fallback's second launch (a decode step captured before the device had counters): MERGE_BLOCK
+    output elements per program."""
+    lo = tl.program_id(0).to(tl.int64) * MERGE_BLOCK
+    _merge_splits(part_out_ptr, part_lse_ptr, out_ptr, lo, tl.minimum(lo + MERGE_BLOCK, numel), num_splits,
+                  num_splits, HEAD_DIM)
 
 
 # --- split planning: a pure function, unit-tested -------------------------------------------------------
@@ -332,7 +324,7 @@ LARGE_HEAD_CONFIGS = {
     "rdna4": _decode(_AOT_SHAPE_D256, 16, num_warps=16, num_stages=1),
 }
 
-REDUCE_CONFIGS = {"default": (LaunchConfig({"HEAD_DIM": 128, "HEAD_DIM_PAD": 128}, num_warps=4),)}
+REDUCE_CONFIGS = {"default": (LaunchConfig({"HEAD_DIM": 128}, num_warps=4),)}
 
 # The launcher takes fp16, bf16 and fp32.  CI cross-compiles, to stay under a minute on two cores, the
 # 16-bit dtypes decode runs in (fp32 is the same code with wider loads, compiled on first use), and at head
@@ -357,7 +349,7 @@ def _signature(dtype: torch.dtype) -> dict:
 
 def _reduce_signature(dtype: torch.dtype) -> dict:
     return {"part_out_ptr": "*fp32", "part_lse_ptr": "*fp32", "out_ptr": f"*{TRITON_DTYPE[dtype]}",
-            "num_splits": "i32", "num_rows": "i32", "HEAD_DIM": "constexpr", "HEAD_DIM_PAD": "constexpr"}
+            "num_splits": "i32", "numel": "i32", "HEAD_DIM": "constexpr"}
 
 
 SPEC = register(KernelSpec("paged_decode", _paged_decode_kernel, _signature, AOT_DTYPES, CONFIGS))
@@ -449,7 +441,6 @@ def paged_decode(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Te
             TILE_N=tile, USE_SOFTCAP=softcap > 0, **options, **pdl_args(q.device))
         if num_splits > 1 and not merge:  # captured without counters: the partials are combined here
             _, roptions = launch_config(REDUCE_CONFIGS, q.device)
-            _paged_decode_reduce_kernel[(triton.cdiv(batch * q_heads, MERGE_ROWS.value),)](
-                part_out, part_lse, out, num_splits, batch * q_heads, HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad,
-                **roptions)
+            _paged_decode_reduce_kernel[(triton.cdiv(out.numel(), MERGE_BLOCK.value),)](
+                part_out, part_lse, out, num_splits, out.numel(), HEAD_DIM=head_dim, **roptions)
     return out
