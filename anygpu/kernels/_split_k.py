@@ -16,7 +16,8 @@ freed (a captured graph keeps the address it was captured with); every launch le
 so graph replays need no memset.  Partials are a fresh ``torch.empty`` per call (fine under capture).  A launch
 captured while the device has no buffer large enough falls back to writing the partials only and adding them
 with ``_split_k_reduce_kernel`` (``reduce_partials``), a second launch: ``split_k_buffers`` decides, ``finish``
-runs the fallback's reduce.  Launchers share one host helper, ``split_k_buffers``.  The counters assume a
+runs the fallback's reduce.  Launchers share one host helper, ``split_k_buffers``; the GEMV and GEMM kernels of
+the 4-bit and int8-block formats share their epilogues, ``store_row`` and ``store_tile``.  The counters assume a
 device's split-K launches run one at a time (in one stream's order): two at once on two streams would share
 counters.
 """
@@ -74,6 +75,40 @@ def store_or_reduce(acc, part_ptr, out_ptr, bias_ptr, counter_ptr, part_offs, ou
         if last:
             add_partials(part_ptr + part_offs, slice_stride, SPLITS, bias_ptr, feature, out_ptr + out_offs, mask,
                          HAS_BIAS)
+
+
+@triton.jit
+def store_row(acc, part_ptr, out_ptr, bias_ptr, counter_ptr, m, n, n_mask, N, stride_om, split, SPLITS,
+              PARTIAL: tl.constexpr, REDUCE: tl.constexpr, HAS_BIAS: tl.constexpr):
+    """A GEMV program's epilogue (grid: feature tiles, rows, splits): ``acc``, the fp32 sums of features ``n`` of
+    row ``m``, stored in out's dtype (plus bias); with PARTIAL, this split's slice of the [SPLITS, M, N] partials,
+    which the tile's last split adds with REDUCE (``store_or_reduce``)."""
+    if PARTIAL:
+        store_or_reduce(acc, part_ptr, out_ptr, bias_ptr, counter_ptr, m.to(tl.int64) * N + n,
+                        m.to(tl.int64) * stride_om + n, n, n_mask, split, m * tl.num_programs(0) + tl.program_id(0),
+                        tl.num_programs(1) * N, SPLITS, REDUCE, HAS_BIAS)
+    else:
+        if HAS_BIAS:
+            acc += tl.load(bias_ptr + n, mask=n_mask, other=0.0).to(tl.float32)
+        tl.store(out_ptr + m.to(tl.int64) * stride_om + n, acc.to(out_ptr.dtype.element_ty), mask=n_mask)
+
+
+@triton.jit
+def store_tile(acc, part_ptr, out_ptr, bias_ptr, counter_ptr, rm, n, m_mask, n_mask, M, N, stride_om,
+               SPLIT_K: tl.constexpr, REDUCE: tl.constexpr, HAS_BIAS: tl.constexpr):
+    """A GEMM program's epilogue (grid: output tiles, splits): the [BLOCK_M, BLOCK_N] fp32 ``acc`` of rows ``rm`` and
+    features ``n``, stored in out's dtype (plus bias); split, this split's slice of the [SPLIT_K, M, N] partials,
+    which the tile's last split adds with REDUCE (``store_or_reduce``)."""
+    if SPLIT_K == 1:
+        if HAS_BIAS:
+            acc += tl.load(bias_ptr + n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
+        out = out_ptr + rm.to(tl.int64)[:, None] * stride_om + n[None, :]
+        tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=m_mask[:, None] & n_mask[None, :])
+    else:
+        store_or_reduce(acc, part_ptr, out_ptr, bias_ptr, counter_ptr, rm.to(tl.int64)[:, None] * N + n[None, :],
+                        rm.to(tl.int64)[:, None] * stride_om + n[None, :], n[None, :],
+                        m_mask[:, None] & n_mask[None, :], tl.program_id(1), tl.program_id(0), M * N, SPLIT_K, REDUCE,
+                        HAS_BIAS)
 
 
 @triton.jit

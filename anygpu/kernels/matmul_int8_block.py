@@ -39,7 +39,7 @@ import triton.language as tl
 from ._lane_quads import lane_quads
 from ._pdl import pdl_args, wait_then_release
 from ._program_order import grouped_tile
-from ._split_k import split_count, split_k_buffers, store_or_reduce
+from ._split_k import split_count, split_k_buffers, store_row, store_tile
 from .launch import (SHAPE_BOUNDS, TRITON_DTYPE, KernelSpec, LaunchConfig, cached_options, device_target, on_device,
                      register, row_bucket, select, unit_stride)
 
@@ -130,15 +130,8 @@ def _gemv_int8_block_kernel(x_ptr, q_ptr, scale_ptr, offset_ptr, bias_ptr, out_p
             xs = tl.sum(tl.reshape(xv, (SEGS, BLOCKSIZE)), axis=1)
             acc += tl.load(offset_ptr + blk, mask=bmask, other=0.0).to(tl.float32) * xs[None, :]
     acc = tl.sum(acc, axis=1)
-    if PARTIAL:
-        # this split's slice of the [SPLITS, M, N] fp32 partials; the tile's last split adds them (kernels/_split_k.py)
-        store_or_reduce(acc, part_ptr, out_ptr, bias_ptr, counter_ptr, m.to(tl.int64) * N + n,
-                        m.to(tl.int64) * stride_om + n, n, n_mask, pid_k, m * tl.num_programs(0) + tl.program_id(0),
-                        tl.num_programs(1) * N, SPLITS, REDUCE, HAS_BIAS)
-    else:
-        if HAS_BIAS:
-            acc += tl.load(bias_ptr + n, mask=n_mask, other=0.0).to(tl.float32)
-        tl.store(out_ptr + m.to(tl.int64) * stride_om + n, acc.to(out_ptr.dtype.element_ty), mask=n_mask)
+    store_row(acc, part_ptr, out_ptr, bias_ptr, counter_ptr, m, n, n_mask, N, stride_om, pid_k, SPLITS, PARTIAL, REDUCE,
+              HAS_BIAS)
 
 
 @triton.jit
@@ -193,16 +186,8 @@ def _gemm_int8_block_kernel(x_ptr, q_ptr, scale_ptr, offset_ptr, bias_ptr, out_p
                 w += tl.load(offset_ptr + blk, mask=n_mask[:, None], other=0.0).to(tl.float32)[:, :, None]
             w = tl.reshape(w, (BLOCK_N, BLOCK_K)).to(x_ptr.dtype.element_ty).to(dot_dtype)
             acc = tl.dot(x.to(dot_dtype), tl.trans(w), acc)
-    if SPLIT_K == 1:
-        if HAS_BIAS:
-            acc += tl.load(bias_ptr + n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
-        out = out_ptr + rm.to(tl.int64)[:, None] * stride_om + n[None, :]
-        tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=m_mask[:, None] & n_mask[None, :])
-    else:  # this split's slice of the [SPLIT_K, M, N] fp32 partials; the tile's last split adds them (_split_k.py)
-        store_or_reduce(acc, part_ptr, out_ptr, bias_ptr, counter_ptr, rm.to(tl.int64)[:, None] * N + n[None, :],
-                        rm.to(tl.int64)[:, None] * stride_om + n[None, :], n[None, :],
-                        m_mask[:, None] & n_mask[None, :], tl.program_id(1), tl.program_id(0), M * N, SPLIT_K, REDUCE,
-                        HAS_BIAS)
+    store_tile(acc, part_ptr, out_ptr, bias_ptr, counter_ptr, rm, n, m_mask, n_mask, M, N, stride_om, SPLIT_K, REDUCE,
+               HAS_BIAS)
 
 
 @triton.jit
