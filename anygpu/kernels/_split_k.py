@@ -97,8 +97,8 @@ def store_row(acc, part_ptr, out_ptr, bias_ptr, counter_ptr, m, n, n_mask, N, st
 def store_tile(acc, part_ptr, out_ptr, bias_ptr, counter_ptr, rm, n, m_mask, n_mask, M, N, stride_om,
                SPLIT_K: tl.constexpr, REDUCE: tl.constexpr, HAS_BIAS: tl.constexpr):
     """A GEMM program's epilogue (grid: output tiles, splits): the [BLOCK_M, BLOCK_N] fp32 ``acc`` of rows ``rm`` and
-    features ``n``, stored in out's dtype (plus bias); split, this split's slice of the [SPLIT_K, M, N] partials,
-    which the tile's last split adds with REDUCE (``store_or_reduce``)."""
+    features ``n``, stored in out's dtype (plus bias); with SPLIT_K > 1, this split's slice of the [SPLIT_K, M, N]
+    partials, which the tile's last split adds with REDUCE (``store_or_reduce``)."""
     if SPLIT_K == 1:
         if HAS_BIAS:
             acc += tl.load(bias_ptr + n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
