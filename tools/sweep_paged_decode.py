@@ -4,9 +4,8 @@
 split counts with max_seqlen = the context (a short max_model_len) and with max_seqlen 8192 (a decode graph's).
 --combine: what combining the splits costs (feeds the combine in the kernel, `_merge_splits` / `last_arrival`):
 the in-launch combine against the two-launch form (the capture fallback, forced) and against the splits' partials
-alone (a bound: the kernel launched with merge = 0 and no reduce launch, so no output).
+alone (a bound: the capture fallback without its reduce launch, so no output).
 """
-import math
 import sys
 import time
 import torch
@@ -37,41 +36,34 @@ def t(fn):
     return measure_graph(fn, device=dev, warmup_ms=5, rep_ms=30)
 
 
-def partials_only(q, kc, vc, tables, seqlens, max_seqlen, splits):
-    """The decode launch writing its splits' partials and nothing else (merge = 0, no reduce launch)."""
-    batch, qh, d = q.shape
-    kvh = kc.shape[2]
-    cfg, options = PD._config(d, dev)
-    tile = cfg.constexprs["TILE_N"]
-    out = torch.empty_like(q)
-    part_out = torch.empty(batch, qh, splits, d, dtype=torch.float32, device=dev)
-    part_lse = torch.empty(batch, qh, splits, dtype=torch.float32, device=dev)
-    from anygpu.kernels._pdl import pdl_args
-    from anygpu.kernels._split_k import unused_counters
+class _NoLaunch:
+    """Stands in for the fallback's reduce kernel: its launch does nothing."""
 
-    def run():
-        PD._paged_decode_kernel[(batch, kvh, splits)](
-            q, kc, vc, tables, seqlens, out, part_out, part_lse, unused_counters(dev), d ** -0.5 * PD.LOG2E, 0.0, 0.0,
-            -1, qh // kvh, qh, math.lcm(tile, kc.shape[1]), splits, 0, q.stride(0), q.stride(1), kc.stride(0),
-            kc.stride(1), kc.stride(2), vc.stride(0), vc.stride(1), vc.stride(2), tables.stride(0), HEAD_DIM=d,
-            HEAD_DIM_PAD=d, GROUP_PAD=max(16, 1 << (qh // kvh - 1).bit_length()), BLOCK_SIZE=kc.shape[1], TILE_N=tile, USE_SOFTCAP=False,
-            **options, **pdl_args(dev))
-    return run
+    def __getitem__(self, grid):
+        return lambda *args, **kwargs: None
+
+
+# How the launcher combines the splits, by what is patched into kernels/paged_decode.py while it runs: nothing
+# (the in-launch combine); no counters (the capture fallback's two launches); no counters and no reduce launch
+# (the splits' partials alone: a bound, the output is never written).
+COMBINES = {"in-launch": {}, "two launches": {"counters": lambda device, tiles: None},
+            "partials only": {"counters": lambda device, tiles: None, "_paged_decode_reduce_kernel": _NoLaunch()}}
 
 
 if "--combine" in sys.argv:
-    counters = PD.counters
     for batch, ctx, splits_list in [(1, 32768, (32, 64)), (2, 16384, (16, 32)), (8, 8192, (8,)), (1, 4096, (16,))]:
         q, kc, vc, tables, seqlens, nbytes = case(batch, ctx)
         res = []
         for s in splits_list:
-            for name, fn in [("in-launch", None), ("two launches", lambda device, tiles: None), ("partials only", 0)]:
-                if fn == 0:
-                    ms = t(partials_only(q, kc, vc, tables, seqlens, ctx, s))
-                else:
-                    PD.counters = counters if fn is None else fn
+            for name, patch in COMBINES.items():
+                saved = {attr: getattr(PD, attr) for attr in patch}
+                for attr, value in patch.items():
+                    setattr(PD, attr, value)
+                try:  # patched while the graph is captured: replays launch what was captured
                     ms = t(lambda: PD.paged_decode(q, kc, vc, tables, seqlens, ctx, num_splits=s))
-                    PD.counters = counters
+                finally:
+                    for attr, value in saved.items():
+                        setattr(PD, attr, value)
                 res.append(f"{s} {name}: {ms * 1e3:.1f}us/{100 * nbytes / (ms / 1e3) / bw:.0f}%")
         print(f"b{batch} ctx{ctx}: " + "  ".join(res), flush=True)
     sys.exit(0)
