@@ -438,7 +438,8 @@ def quantize_rows(x2: torch.Tensor, threshold: float, zero_columns: bool = False
         _int8_quantize_kernel[(m + listed,)](
             x2, out_codes, stats, flags, cols, count, counter if in_launch else stats, m, k, x2.stride(0), threshold,
             res, norm_w, h, res_out, float(eps), NORM=norm is not None, BLOCK_K=block_k, ONE_TILE=block_k >= k,
-            HAS_THRESHOLD=has_threshold, LIST=listed, MARK=(2 if words else 1) if list_launch or marked or in_launch else 0, PDL=signal,
+            HAS_THRESHOLD=has_threshold, LIST=listed,
+            MARK=(2 if words else 1) if list_launch or marked or in_launch else 0, PDL=signal,
             POPC=cfg.constexprs.get("POPC", False), LIST_LAST=in_launch, **fp_exact_options(cfg, device, pdl=signal))
         if list_launch:
             list_cfg = select(OUTLIER_LIST_CONFIGS, device_target(device))[0]
