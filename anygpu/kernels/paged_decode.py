@@ -56,7 +56,6 @@ _INTERPRETED = tl.constexpr(os.environ.get("TRITON_INTERPRET", "0") not in ("", 
 # flight together: the combine waits on memory about n / MERGE_UNROLL times, not n.
 MERGE_BLOCK = tl.constexpr(512)
 MERGE_UNROLL = tl.constexpr(8)
-FAN_IN = tl.constexpr(8)
 
 
 @triton.jit
@@ -109,69 +108,41 @@ def _attend_tile(q, m_i, l_i, acc, tile, lo, hi, table, k_head, v_head, dims, di
 
 
 @triton.jit
-def _fold(m, total, acc, lse, part):
-    """One partial (its normalised output ``part`` and log2-sum-exp ``lse``) folded into a combine's running
-    online softmax (max ``m``, weight ``total``, weighted sum ``acc``), per element."""
-    m_new = tl.maximum(m, lse)
-    m_base = tl.where(m_new == float("-inf"), 0.0, m_new)  # no keys yet (an empty split): no NaN
-    alpha = tl.exp2(m - m_base)
-    w = tl.exp2(lse - m_base)
-    return m_new, total * alpha + w, acc * alpha + w * part
-
-
-@triton.jit
-def _fold_run(lse_at, part_at, mask, count, step, HEAD_DIM: tl.constexpr):
-    """(m, total, acc) of the ``count`` partials at ``lse_at + i * step``, ``part_at + i * step * HEAD_DIM``,
-    folded in the order i = 0, 1, ...  ``.cg`` loads: other programs' partials are read from L2 (L1 is not
-    coherent across SMs)."""
-    m = tl.full(mask.shape, float("-inf"), tl.float32)
-    total = tl.zeros(mask.shape, tl.float32)
-    acc = tl.zeros(mask.shape, tl.float32)
+def _merge_splits(part_out_ptr, part_lse_ptr, out_ptr, lo, hi, num_splits, used, HEAD_DIM: tl.constexpr):
+    """Output elements [lo, hi) of the flat [batch * num_q_heads * HEAD_DIM] output, from the first ``used`` of
+    the num_splits partials of their rows (the rest hold no key: lse -inf, weight 0, so leaving them out changes
+    no bit): an online softmax over the splits' log2-sum-exps, one split at a time in order.
+    Every operation is per element (no reduction across a tile, whose order would follow the register
+    layout), so the in-kernel combine and the fallback's launch give the same bits.  ``.cg`` loads: the other
+    programs' partials are read from L2 (L1 is not coherent across SMs)."""
     # while, not for: see the note in _paged_decode_kernel.
-    i = 0
-    while i < count:
-        for u in tl.static_range(MERGE_UNROLL):
-            # (a block-shaped condition: the interpreter's mask cannot be a scalar and'ed into a block)
-            live = mask & (tl.full(mask.shape, i + u, tl.int32) < count)
-            lse = tl.load(lse_at + (i + u) * step, mask=live, other=float("-inf"), cache_modifier=".cg")
-            part = tl.load(part_at + (i + u) * step * HEAD_DIM, mask=live, other=0.0, cache_modifier=".cg")
-            m, total, acc = _fold(m, total, acc, lse, part)
-        i += MERGE_UNROLL
-    return m, total, acc
-
-
-@triton.jit
-def _normalize(m, total, acc):
-    """A combine's (output, log2-sum-exp); with no key at all (seqlen 0, or only empty splits): (0, -inf)."""
-    total_safe = tl.where(total == 0.0, 1.0, total)
-    return tl.div_rn(acc, total_safe), tl.where(total == 0.0, float("-inf"), m + tl.log2(total_safe))
-
-
-@triton.jit
-def _merge_splits(part_out_ptr, part_lse_ptr, out_ptr, lo, hi, num_splits, first, count, step, to_out,
-                  HEAD_DIM: tl.constexpr):
-    """Elements [lo, hi) of the flat [batch * num_q_heads * HEAD_DIM] output, from the partials ``first``,
-    ``first + step``, ... (``count`` of them) of their rows.  ``to_out``: the combined output, cast, to ``out_ptr``;
-    otherwise the combine is itself a partial (a group's) and replaces partial ``first`` in the workspace.
-    Every operation is per element (no reduction across a tile, whose order would follow the register layout),
-    so the in-kernel combine and the fallback's launch give the same bits."""
     start = lo
     while start < hi:
         e = start + tl.arange(0, MERGE_BLOCK)
         mask = e < hi
         row = e // HEAD_DIM  # batch * num_q_heads + head
-        lse_at = part_lse_ptr + row * num_splits + first
-        part_at = part_out_ptr + (row * num_splits + first) * HEAD_DIM + e % HEAD_DIM
-        m, total, acc = _fold_run(lse_at, part_at, mask, count, step, HEAD_DIM)
-        o, lse = _normalize(m, total, acc)
-        if to_out:
-            tl.store(out_ptr + e, o.to(out_ptr.dtype.element_ty), mask=mask)
-        else:
-            # Every lane of a row reads its lse: all have read it (barrier) before the lane of the row's last
-            # element, in the last block that touches the row, overwrites it.
-            tl.debug_barrier()
-            tl.store(part_at, o, mask=mask)
-            tl.store(lse_at, lse, mask=mask & (e % HEAD_DIM == HEAD_DIM - 1))
+        lse_at = part_lse_ptr + row * num_splits
+        part_at = part_out_ptr + row * num_splits * HEAD_DIM + e % HEAD_DIM
+        m = tl.full([MERGE_BLOCK], float("-inf"), tl.float32)
+        total = tl.zeros([MERGE_BLOCK], tl.float32)
+        acc = tl.zeros([MERGE_BLOCK], tl.float32)
+        s = 0
+        while s < used:
+            for u in tl.static_range(MERGE_UNROLL):
+                # (a block-shaped condition: the interpreter's mask cannot be a scalar and'ed into a block)
+                live = mask & (tl.full([MERGE_BLOCK], s + u, tl.int32) < used)
+                lse = tl.load(lse_at + (s + u), mask=live, other=float("-inf"), cache_modifier=".cg")
+                part = tl.load(part_at + (s + u) * HEAD_DIM, mask=live, other=0.0, cache_modifier=".cg")
+                m_new = tl.maximum(m, lse)
+                m_base = tl.where(m_new == float("-inf"), 0.0, m_new)  # no keys yet (an empty split): no NaN
+                alpha = tl.exp2(m - m_base)
+                w = tl.exp2(lse - m_base)
+                total = total * alpha + w
+                acc = acc * alpha + w * part
+                m = m_new
+            s += MERGE_UNROLL
+        o = tl.div_rn(acc, tl.where(total == 0.0, 1.0, total))  # every split empty (seqlen 0): output 0
+        tl.store(out_ptr + e, o.to(out_ptr.dtype.element_ty), mask=mask)
         start += MERGE_BLOCK
 
 
@@ -248,52 +219,21 @@ def _paged_decode_kernel(q_ptr, key_cache_ptr, value_cache_ptr, block_tables_ptr
         lse = tl.where(l_i == 0.0, float("-inf"), m_i + tl.log2(l_safe))
         tl.store(part_lse_ptr + part_rows, lse, mask=row_mask)
         if merge:
-            # Two levels of fan-in FAN_IN: the used splits count in on their bundle's counter (FAN_IN splits a
-            # bundle); the last of a bundle combines its partials into the bundle's first and counts in on the
-            # (sequence, KV head)'s counter; the last bundle combines the bundles into the output.  With one
-            # bundle (used <= FAN_IN) its combine is the output.
-            heads = tl.num_programs(0) * tl.num_programs(1)
-            head = b * tl.num_programs(1) + kv_head
-            bundle = split // FAN_IN
-            bundles = tl.cdiv(used, FAN_IN)
-            members = tl.minimum(used - bundle * FAN_IN, FAN_IN)
-            out_lo = (b * num_q_heads + kv_head * group) * HEAD_DIM
-            out_hi = out_lo + group * HEAD_DIM
-            if last_arrival(counter_ptr + heads, head * tl.cdiv(num_splits, FAN_IN) + bundle, members):
-                _merge_splits(part_out_ptr, part_lse_ptr, out_ptr, out_lo, out_hi, num_splits, bundle * FAN_IN,
-                              members, 1, bundles == 1, HEAD_DIM)
-                if bundles > 1:
-                    if last_arrival(counter_ptr, head, bundles):
-                        _merge_splits(part_out_ptr, part_lse_ptr, out_ptr, out_lo, out_hi, num_splits, 0, bundles,
-                                      FAN_IN, True, HEAD_DIM)
+            # The used splits count in; the last of them combines the group's rows from their partials.
+            last = last_arrival(counter_ptr, b * tl.num_programs(1) + kv_head, used)
+            if last:
+                first = (b * num_q_heads + kv_head * group) * HEAD_DIM
+                _merge_splits(part_out_ptr, part_lse_ptr, out_ptr, first, first + group * HEAD_DIM, num_splits,
+                              used, HEAD_DIM)
 
 
 @triton.jit
 def _paged_decode_reduce_kernel(part_out_ptr, part_lse_ptr, out_ptr, num_splits, numel, HEAD_DIM: tl.constexpr):
     """The fallback's second launch (a decode step captured before the device had counters): MERGE_BLOCK
-    output elements per program, combined as the in-launch combine does (bundles of FAN_IN splits, then the
-    bundles), so with the same bits.  It folds every split and bundle, where the in-launch combine stops at the
-    last that holds keys: an empty one (lse -inf) has weight 0 and changes no bit."""
-    e = tl.program_id(0).to(tl.int64) * MERGE_BLOCK + tl.arange(0, MERGE_BLOCK)
-    mask = e < numel
-    row = e // HEAD_DIM
-    lse_at = part_lse_ptr + row * num_splits
-    part_at = part_out_ptr + row * num_splits * HEAD_DIM + e % HEAD_DIM
-    if num_splits <= FAN_IN:
-        m, total, acc = _fold_run(lse_at, part_at, mask, num_splits, 1, HEAD_DIM)
-    else:
-        m = tl.full([MERGE_BLOCK], float("-inf"), tl.float32)
-        total = tl.zeros([MERGE_BLOCK], tl.float32)
-        acc = tl.zeros([MERGE_BLOCK], tl.float32)
-        first = 0
-        while first < num_splits:  # while, not for: see the note in _paged_decode_kernel
-            bm, btotal, bacc = _fold_run(lse_at + first, part_at + first * HEAD_DIM, mask,
-                                         tl.minimum(num_splits - first, FAN_IN), 1, HEAD_DIM)
-            bundle_out, bundle_lse = _normalize(bm, btotal, bacc)
-            m, total, acc = _fold(m, total, acc, bundle_lse, bundle_out)
-            first += FAN_IN
-    o, _ = _normalize(m, total, acc)
-    tl.store(out_ptr + e, o.to(out_ptr.dtype.element_ty), mask=mask)
+    output elements per program."""
+    lo = tl.program_id(0).to(tl.int64) * MERGE_BLOCK
+    _merge_splits(part_out_ptr, part_lse_ptr, out_ptr, lo, tl.minimum(lo + MERGE_BLOCK, numel), num_splits,
+                  num_splits, HEAD_DIM)
 
 
 # --- split planning: a pure function, unit-tested -------------------------------------------------------
@@ -490,8 +430,7 @@ def paged_decode(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Te
     with on_device(q.device):  # counters() checks the current stream for a capture
         # One counter per (sequence, KV head) when splitting.  Asked for on an unsplit call too (one), so that a
         # warm-up step that does not split still makes the device's counters before a captured step that does.
-        arrivals = counters(q.device, batch * kv_heads * (1 + triton.cdiv(num_splits, FAN_IN.value))
-                            if num_splits > 1 else 1)
+        arrivals = counters(q.device, batch * kv_heads if num_splits > 1 else 1)
         merge = num_splits > 1 and arrivals is not None
         _paged_decode_kernel[(batch, kv_heads, num_splits)](
             q, kc, vc, block_tables, seqlens, out, part_out, part_lse, arrivals if merge else unused_counters(q.device),
