@@ -108,22 +108,6 @@ def _attend_tile(q, m_i, l_i, acc, tile, lo, hi, table, k_head, v_head, dims, di
 
 
 @triton.jit
-def _load_split(lse_at, part_at, mask, i, used, HEAD_DIM: tl.constexpr):
-    live = mask & (tl.full(mask.shape, i, tl.int32) < used)
-    return (tl.load(lse_at + i, mask=live, other=float("-inf"), cache_modifier=".cg"),
-            tl.load(part_at + i * HEAD_DIM, mask=live, other=0.0, cache_modifier=".cg"))
-
-
-@triton.jit
-def _fold1(m, total, acc, lse, part):
-    m_new = tl.maximum(m, lse)
-    m_base = tl.where(m_new == float("-inf"), 0.0, m_new)
-    alpha = tl.exp2(m - m_base)
-    w = tl.exp2(lse - m_base)
-    return m_new, total * alpha + w, acc * alpha + w * part
-
-
-@triton.jit
 def _merge_splits(part_out_ptr, part_lse_ptr, out_ptr, lo, hi, num_splits, used, HEAD_DIM: tl.constexpr):
     """Output elements [lo, hi) of the flat [batch * num_q_heads * HEAD_DIM] output, from the first ``used`` of
     the num_splits partials of their rows (the rest hold no key: lse -inf, weight 0, so leaving them out changes
@@ -142,34 +126,21 @@ def _merge_splits(part_out_ptr, part_lse_ptr, out_ptr, lo, hi, num_splits, used,
         m = tl.full([MERGE_BLOCK], float("-inf"), tl.float32)
         total = tl.zeros([MERGE_BLOCK], tl.float32)
         acc = tl.zeros([MERGE_BLOCK], tl.float32)
-        nl0, np0 = _load_split(lse_at, part_at, mask, 0, used, HEAD_DIM)
-        nl1, np1 = _load_split(lse_at, part_at, mask, 1, used, HEAD_DIM)
-        nl2, np2 = _load_split(lse_at, part_at, mask, 2, used, HEAD_DIM)
-        nl3, np3 = _load_split(lse_at, part_at, mask, 3, used, HEAD_DIM)
-        nl4, np4 = _load_split(lse_at, part_at, mask, 4, used, HEAD_DIM)
-        nl5, np5 = _load_split(lse_at, part_at, mask, 5, used, HEAD_DIM)
-        nl6, np6 = _load_split(lse_at, part_at, mask, 6, used, HEAD_DIM)
-        nl7, np7 = _load_split(lse_at, part_at, mask, 7, used, HEAD_DIM)
         s = 0
         while s < used:
-            cl0, cp0, cl1, cp1, cl2, cp2, cl3, cp3, cl4, cp4, cl5, cp5, cl6, cp6, cl7, cp7 = nl0, np0, nl1, np1, nl2, np2, nl3, np3, nl4, np4, nl5, np5, nl6, np6, nl7, np7
-            nl0, np0 = _load_split(lse_at, part_at, mask, s + 8, used, HEAD_DIM)
-            nl1, np1 = _load_split(lse_at, part_at, mask, s + 9, used, HEAD_DIM)
-            nl2, np2 = _load_split(lse_at, part_at, mask, s + 10, used, HEAD_DIM)
-            nl3, np3 = _load_split(lse_at, part_at, mask, s + 11, used, HEAD_DIM)
-            nl4, np4 = _load_split(lse_at, part_at, mask, s + 12, used, HEAD_DIM)
-            nl5, np5 = _load_split(lse_at, part_at, mask, s + 13, used, HEAD_DIM)
-            nl6, np6 = _load_split(lse_at, part_at, mask, s + 14, used, HEAD_DIM)
-            nl7, np7 = _load_split(lse_at, part_at, mask, s + 15, used, HEAD_DIM)
-            m, total, acc = _fold1(m, total, acc, cl0, cp0)
-            m, total, acc = _fold1(m, total, acc, cl1, cp1)
-            m, total, acc = _fold1(m, total, acc, cl2, cp2)
-            m, total, acc = _fold1(m, total, acc, cl3, cp3)
-            m, total, acc = _fold1(m, total, acc, cl4, cp4)
-            m, total, acc = _fold1(m, total, acc, cl5, cp5)
-            m, total, acc = _fold1(m, total, acc, cl6, cp6)
-            m, total, acc = _fold1(m, total, acc, cl7, cp7)
-            s += 8
+            for u in tl.static_range(MERGE_UNROLL):
+                # (a block-shaped condition: the interpreter's mask cannot be a scalar and'ed into a block)
+                live = mask & (tl.full([MERGE_BLOCK], s + u, tl.int32) < used)
+                lse = tl.load(lse_at + (s + u), mask=live, other=float("-inf"), cache_modifier=".cg")
+                part = tl.load(part_at + (s + u) * HEAD_DIM, mask=live, other=0.0, cache_modifier=".cg")
+                m_new = tl.maximum(m, lse)
+                m_base = tl.where(m_new == float("-inf"), 0.0, m_new)  # no keys yet (an empty split): no NaN
+                alpha = tl.exp2(m - m_base)
+                w = tl.exp2(lse - m_base)
+                total = total * alpha + w
+                acc = acc * alpha + w * part
+                m = m_new
+            s += MERGE_UNROLL
         o = tl.div_rn(acc, tl.where(total == 0.0, 1.0, total))  # every split empty (seqlen 0): output 0
         tl.store(out_ptr + e, o.to(out_ptr.dtype.element_ty), mask=mask)
         start += MERGE_BLOCK
