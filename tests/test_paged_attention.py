@@ -162,14 +162,17 @@ def test_reshape_and_cache_bad_arguments_name_the_argument():
 # --- paged decode: the reference -------------------------------------------------------------------------
 
 
-def paged_case(seqlens, q_heads, kv_heads, head_dim, block_size, dtype, device, spare_blocks=3):
+def paged_case(seqlens, q_heads, kv_heads, head_dim, block_size, dtype, device, spare_blocks=3, in_order=False):
     """q, NaN-poisoned caches with the live tokens written through random, non-contiguous block tables, tables,
-    seqlens and max_seqlen.  Unused table entries hold GARBAGE_BLOCK."""
+    seqlens and max_seqlen.  Unused table entries hold GARBAGE_BLOCK.  ``in_order``: each sequence's blocks are
+    consecutive instead (as a fresh engine's pool hands them out), after ``spare_blocks`` unused ones."""
     batch = len(seqlens)
     max_blocks = max(1, -(-max(seqlens) // block_size)) + 1  # one more column than needed: never read
     used = [-(-n // block_size) for n in seqlens]
     num_blocks = sum(used) + spare_blocks
-    perm = torch.randperm(num_blocks).tolist()
+    perm = list(range(num_blocks))[::-1] if in_order else torch.randperm(num_blocks).tolist()
+    if in_order:
+        del perm[-spare_blocks:]  # the spare blocks first: sequences start past block 0
     tables = torch.full((batch, max_blocks), GARBAGE_BLOCK, dtype=torch.int32)
     key_cache = torch.full((num_blocks, block_size, kv_heads, head_dim), float("nan"), dtype=dtype)
     value_cache = key_cache.clone()
@@ -489,6 +492,24 @@ def test_paged_decode_cpu_implementation_is_accurate(dtype, window_left, softcap
     tolerance = 1e-5 if dtype == torch.float32 else 0.02
     torch.testing.assert_close(out.double(), naive_decode(q, kc, vc, tables, lens, 0.3, window_left, softcap),
                                rtol=tolerance, atol=tolerance)
+
+
+@pytest.mark.parametrize("window_left", [-1, 5])
+def test_paged_decode_cpu_implementation_reads_consecutive_blocks_in_place(window_left):
+    """Blocks a sequence holds in order are read as a view of the cache, not gathered: the same accuracy, and a
+    run of consecutive entries past the cache's last block still names block_tables (a slice would clip it)."""
+    from anygpu.ops.paged_decode import cpu_decode
+
+    q, kc, vc, tables, lens, max_seqlen = paged_case([19, 1, 0, 33, 8], 4, 2, 16, 8, torch.float32, "cpu",
+                                                     in_order=True)
+    assert tables[3, :5].tolist() == list(range(int(tables[3, 0]), int(tables[3, 0]) + 5))  # the in-place path
+    out = cpu_decode(q, kc, vc, tables, lens, max_seqlen, 0.3, window_left)
+    torch.testing.assert_close(out.double(), naive_decode(q, kc, vc, tables, lens, 0.3, window_left, 0.0),
+                               rtol=1e-5, atol=1e-5)
+    num_blocks = kc.shape[0]
+    tables[3, :5] = torch.arange(num_blocks - 3, num_blocks + 2, dtype=torch.int32)  # consecutive, 2 past the end
+    with pytest.raises(ValueError, match="block_tables: row 3 names a block outside the cache's"):
+        cpu_decode(q, kc, vc, tables, lens, max_seqlen)
 
 
 def test_paged_decode_cpu_implementation_reads_up_to_the_bound_and_names_a_bad_block():

@@ -156,9 +156,15 @@ def cpu_decode(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tens
             outs.append(torch.zeros(1, q_heads, head_dim, device=q.device))
             continue
         blocks = block_tables[b, start // block_size: -(-end // block_size)]
+        ids = blocks.tolist()
         try:
-            k = key_cache.index_select(0, blocks)
-            v = value_cache.index_select(0, blocks)
+            if ids == list(range(ids[0], ids[0] + len(ids))) and 0 <= ids[0] and ids[-1] < num_blocks:
+                # Consecutive blocks (a sequence's blocks usually are, taken in order from a fresh pool): a view,
+                # where the gather copies the sequence's whole K and V every step.
+                k, v = key_cache[ids[0]: ids[0] + len(ids)], value_cache[ids[0]: ids[0] + len(ids)]
+            else:
+                k = key_cache.index_select(0, blocks)
+                v = value_cache.index_select(0, blocks)
         except (IndexError, RuntimeError) as e:
             raise ValueError(f"block_tables: row {b} names a block outside the cache's {num_blocks} "
                              f"within its first {end} positions: {blocks.tolist()}") from e
