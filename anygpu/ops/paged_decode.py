@@ -139,9 +139,10 @@ def cpu_decode(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tens
                seqlens: torch.Tensor, max_seqlen: int, scale: float | None = None, window_left: int = -1,
                softcap: float = 0.0, num_splits: int | None = None) -> torch.Tensor:
     """The CPU implementation: the reference's positions and math (fp32), sequence by sequence.  Only a
-    sequence's own cache rows are gathered (its length is read on the host, free on the CPU), so nothing is
-    padded, masked or zeroed, and a decode step, bound on the CPU by its count of small ops, runs about a third
-    of the reference's.  Sums run in another order than the reference's (its accuracy rule, not its bits)."""
+    sequence's own cache rows are read (its length and blocks are read on the host, free on the CPU; consecutive
+    blocks as a view, others gathered), so nothing is padded, masked or zeroed, and a decode step, bound on the
+    CPU by its count of small ops, runs about a third of the reference's.  Sums run in another order than the
+    reference's (its accuracy rule, not its bits)."""
     batch, q_heads, head_dim = q.shape
     num_blocks, block_size, kv_heads, _ = key_cache.shape
     group = q_heads // kv_heads
