@@ -157,18 +157,19 @@ def cpu_decode(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tens
             outs.append(torch.zeros(1, q_heads, head_dim, device=q.device))
             continue
         blocks = block_tables[b, start // block_size: -(-end // block_size)]
-        ids = blocks.tolist()
+        ids = blocks.tolist()  # at least one: end > start
+        lo_block, hi_block = ids[0], ids[-1] + 1
         try:
-            if ids == list(range(ids[0], ids[0] + len(ids))) and 0 <= ids[0] and ids[-1] < num_blocks:
+            if ids == list(range(lo_block, hi_block)) and 0 <= lo_block and hi_block <= num_blocks:
                 # Consecutive blocks (a sequence's blocks usually are, taken in order from a fresh pool): a view,
                 # where the gather copies the sequence's whole K and V every step.
-                k, v = key_cache[ids[0]: ids[0] + len(ids)], value_cache[ids[0]: ids[0] + len(ids)]
+                k, v = key_cache[lo_block:hi_block], value_cache[lo_block:hi_block]
             else:
                 k = key_cache.index_select(0, blocks)
                 v = value_cache.index_select(0, blocks)
         except (IndexError, RuntimeError) as e:
             raise ValueError(f"block_tables: row {b} names a block outside the cache's {num_blocks} "
-                             f"within its first {end} positions: {blocks.tolist()}") from e
+                             f"within its first {end} positions: {ids}") from e
         first = start % block_size
         # [1, Hkv, n, D] fp32: positions start .. end - 1
         k = k.view(1, -1, kv_heads, head_dim)[:, first: first + end - start].transpose(1, 2).float()
