@@ -170,9 +170,9 @@ def paged_case(seqlens, q_heads, kv_heads, head_dim, block_size, dtype, device, 
     max_blocks = max(1, -(-max(seqlens) // block_size)) + 1  # one more column than needed: never read
     used = [-(-n // block_size) for n in seqlens]
     num_blocks = sum(used) + spare_blocks
-    perm = list(range(num_blocks))[::-1] if in_order else torch.randperm(num_blocks).tolist()
-    if in_order:
-        del perm[-spare_blocks:]  # the spare blocks first: sequences start past block 0
+    # popped from the end; in order: blocks spare_blocks, spare_blocks + 1, ... (the spare ones first, so
+    # sequences start past block 0)
+    perm = list(range(num_blocks - 1, spare_blocks - 1, -1)) if in_order else torch.randperm(num_blocks).tolist()
     tables = torch.full((batch, max_blocks), GARBAGE_BLOCK, dtype=torch.int32)
     key_cache = torch.full((num_blocks, block_size, kv_heads, head_dim), float("nan"), dtype=dtype)
     value_cache = key_cache.clone()
