@@ -38,16 +38,19 @@ def main():
         for k in (int(v) for v in args.k.split(",")):
             x = torch.randn(m, k, dtype=torch.bfloat16, device=dev)
             x[:, ::512] *= 12
-            cells = [us(lambda: x.clone()), us(lambda: Q.quantize_rows(x, 0.0)),
+            times = [us(lambda: x.clone()), us(lambda: Q.quantize_rows(x, 0.0)),
                      us(lambda: Q.quantize_rows(x, thr, zero_columns=True)),
                      us(lambda: Q.quantize_rows(x, thr, zero_columns=False))]
+            cells = [f"{t:.1f}" for t in times]
             if Q.norm_fits(k, dev):
                 r, h, r_out = torch.randn_like(x), torch.empty_like(x), torch.empty_like(x)
                 w = torch.ones(k, dtype=x.dtype, device=dev)
-                cells.append(us(lambda: Q.quantize_rows(x, thr, zero_columns=True, norm=(r, w, 1e-5, h, r_out))))
+                norm = (r, w, 1e-5, h, r_out)
+                cells.append(f"{us(lambda: Q.quantize_rows(x, thr, zero_columns=True, norm=norm)):.1f}")
+            else:
+                cells.append("-")
             count = int(Q.quantize_rows(x, thr, zero_columns=True)[2][1])
-            print(f"| {m} | {k} | {count} | " + " | ".join(f"{t:.1f}" for t in cells)
-                  + (" | - |" if len(cells) == 4 else " |"), flush=True)
+            print(f"| {m} | {k} | {count} | " + " | ".join(cells) + " |", flush=True)
 
 
 if __name__ == "__main__":
