@@ -179,16 +179,16 @@ def test_listing_in_the_launch_leaves_the_flags_zero(kdevice, zero_columns):
         assert (flags is not None or not zero_columns) and (flags is None or not flags.any())
 
 
-def test_listing_in_the_launch_walks_columns_past_one_step(kdevice):
-    """Rows longer than one listing step (the quantize's MAX_BLOCK_K columns) and than its registers (two passes):
-    the columns of both steps listed in order, and zeroed."""
-    k = 8200
+@pytest.mark.parametrize("k", [8200, 16400])
+def test_listing_in_the_launch_walks_columns_past_one_step(kdevice, k):
+    """Rows longer than the quantize's registers (MAX_BLOCK_K columns: two passes) and than one listing step of
+    bit words (16400: twice MAX_BLOCK_K): the columns of every step listed in order, and zeroed."""
     x = torch.randn(17, k)
     x[3, 5] = 9.0
-    x[16, 8195] = -7.0
+    x[16, k - 5] = -7.0
     x[0, 8192] = 6.5
     codes, _, (cols, count) = Q.quantize_rows(x.half().to(kdevice), 6.0, zero_columns=True)
-    assert cols[: int(count)].tolist() == [5, 8192, 8195]
+    assert cols[: int(count)].tolist() == [5, 8192, k - 5]
     ref, _, _ = quantize_rows(x.half(), 6.0)
     assert same_bits(codes.cpu(), ref)  # the reference zeroes every code of its outlier columns
 

@@ -6,8 +6,8 @@ A column is an outlier column when any row holds an outlier, which a program per
 it writes its codes: only its outlier entries' codes are 0.  The rows' programs mark their outlier
 columns and the marked columns are listed: a single row's by an extra program of the same launch; several
 rows' where the matmul wants the columns' other codes zeroed, on NVIDIA GPUs and in the interpreter, by the
-launch's last program to finish (``LIST_LAST``: flags in the device's zero buffer, counted in on the split-K
-arrival counter), which zeroes those codes too; otherwise (codes kept, AMD GPUs, or a first launch under
+launch's last program to finish (``LIST_LAST``: the rows OR their columns into bit words in the device's zero
+buffer, then count in on the split-K arrival counter), which zeroes those codes too; otherwise (codes kept, AMD GPUs, or a first launch under
 graph capture) by ``_outlier_list_kernel``, a launch of its own.  Marks are each row's own bit words for a
 few rows (no buffer to zero first), or a flag per column, into zeros.  Listing counts each 32-column word's
 bits (a popcount), scans the word counts, and adds the popcount of the bits below each bit: a scan over
@@ -103,6 +103,18 @@ def _flag_columns(out, k0, flags_ptr, K, BLOCK_K: tl.constexpr):
 
 
 @triton.jit
+def _or_column_words(out, k0, words_ptr, K, BLOCK_K: tl.constexpr):
+    """LIST_LAST's marks (MARK 3): the outlier columns of one row's [1, BLOCK_K] step ORed into the launch's bit
+    words (words_ptr: int8 storage of uint32 words, zero between launches; bit j of word i: column 32 i + j), one
+    atomic per word that holds a bit: the last program reads K / 32 words instead of K flags."""
+    NW: tl.constexpr = BLOCK_K // 32
+    w = k0 // 32 + tl.arange(0, NW)
+    bits = _pack(tl.max(out.to(tl.int32), axis=0), NW)
+    words = words_ptr.to(tl.pointer_type(tl.uint32), bitcast=True)
+    tl.atomic_or(words + w, bits, mask=(bits != 0) & (w < tl.cdiv(K, 32)), sem="relaxed", scope="gpu")
+
+
+@triton.jit
 def _mark_row_words(out, k0, words_ptr, row, K, BLOCK_K: tl.constexpr):
     """Write the outlier columns of one row's [1, BLOCK_K] step (``out``: its outlier entries) as bit words
     into the row's own cdiv(K, 32) words (words_ptr: int8 storage of int32 words): no zeroed buffer, no
@@ -178,7 +190,8 @@ def _int8_quantize_kernel(x_ptr, codes_ptr, stats_ptr, flags_ptr, cols_ptr, coun
                           NORM: tl.constexpr = False):
     """A row's stats and codes (0 for outlier entries; the rest of an outlier column is dealt
     with later, see the module doc) and their outlier columns, marked (MARK 1: a flag per column, into zeros;
-    2: each row's own bit words) for ``_outlier_list_kernel``.  LIST (a single row): an extra program (program
+    2: each row's own bit words) for ``_outlier_list_kernel``, or (MARK 3) ORed into the launch's bit words
+    for its last program (LIST_LAST).  LIST (a single row): an extra program (program
     M) lists the row's outlier columns instead, beside the row's program rather than after it.  PDL: launched
     as a programmatic dependent of whatever ran before (it may have written x, or still read memory these
     outputs reuse: every program waits for it first), and the next launch may start once each row's program
@@ -198,25 +211,28 @@ def _int8_quantize_kernel(x_ptr, codes_ptr, stats_ptr, flags_ptr, cols_ptr, coun
         _quantize_rows(x_ptr, codes_ptr, stats_ptr, flags_ptr, M, K, stride_xm, threshold, BLOCK_K, ONE_TILE,
                        HAS_THRESHOLD, MARK if HAS_THRESHOLD else 0, PDL, res_ptr, norm_w_ptr, h_ptr, res_out_ptr, eps,
                        NORM)
-        if LIST_LAST:  # the row programs flagged their columns (MARK 1); the last to finish lists them
-            tl.static_assert(MARK == 1 and HAS_THRESHOLD and not LIST)
+        if LIST_LAST:  # the row programs ORed their columns into bit words (MARK 3); the last to finish lists them
+            tl.static_assert(MARK == 3 and HAS_THRESHOLD and not LIST)
             if last_arrival(counter_ptr, 0, M):
-                _list_flags_zero_codes(flags_ptr, codes_ptr, cols_ptr, count_ptr, M, K, BLOCK_K, POPC)
+                # words a step: a row block's, or twice that for rows in two passes (K up to 16384 in one step)
+                _list_words_zero_codes(flags_ptr, codes_ptr, cols_ptr, count_ptr, M, K,
+                                       BLOCK_K // 32 if ONE_TILE else BLOCK_K // 16, POPC)
 
 
 @triton.jit
-def _list_flags_zero_codes(flags_ptr, codes_ptr, cols_ptr, count_ptr, M, K, BLOCK_K: tl.constexpr,
-                           POPC: tl.constexpr):
-    """In the quantize launch's last program (LIST_LAST): the flagged columns, in order, into cols[:count], the
-    flags set back to 0 (the buffer is the device's, zero between launches: ``zero_flags``), and every row's
-    code in those columns zeroed (a store per listed column and row, where the list launch's programs walk
-    every column)."""
+def _list_words_zero_codes(words_ptr, codes_ptr, cols_ptr, count_ptr, M, K, WORDS: tl.constexpr, POPC: tl.constexpr):
+    """In the quantize launch's last program (LIST_LAST): the columns set in the launch's bit words, in order, into
+    cols[:count], the words set back to 0 (the buffer is the device's, zero between launches: ``zero_flags``), and
+    every row's code in those columns zeroed (a store per listed column and row, where the list launch's programs
+    walk every column)."""
+    nwords = tl.cdiv(K, 32)
+    words = words_ptr.to(tl.pointer_type(tl.uint32), bitcast=True)
     base = tl.zeros([], tl.int32)
-    for k0 in range(0, K, BLOCK_K):
-        k = k0 + tl.arange(0, BLOCK_K)
-        flag = tl.load(flags_ptr + k, mask=k < K, other=0, cache_modifier=".cg") != 0
-        base = _list_columns(_pack(flag, BLOCK_K // 32), k0 // 32, cols_ptr, base, BLOCK_K // 32, POPC)
-        tl.store(flags_ptr + k, tl.zeros([BLOCK_K], tl.int8), mask=flag)
+    for w0 in range(0, nwords, WORDS):
+        w = w0 + tl.arange(0, WORDS)
+        word = tl.load(words + w, mask=w < nwords, other=0, cache_modifier=".cg")
+        base = _list_columns(word, w0, cols_ptr, base, WORDS, POPC)
+        tl.store(words + w, tl.zeros([WORDS], tl.uint32), mask=word != 0)
     tl.store(count_ptr, base)
     tl.debug_barrier()  # the list's entries, stored by this program's threads, before any thread loads them
     for j0 in range(0, base, ZERO_STEP):
@@ -255,6 +271,8 @@ def _quantize_rows(x_ptr, codes_ptr, stats_ptr, flags_ptr, M, K, stride_xm, thre
             mag = tl.where(out, 0.0, mag)
             if MARK == 1:
                 _flag_columns(out, 0, flags_ptr, K, BLOCK_K)
+            elif MARK == 3:
+                _or_column_words(out, 0, flags_ptr, K, BLOCK_K)
             elif MARK == 2:
                 _mark_row_words(out, 0, flags_ptr, tl.program_id(0), K, BLOCK_K)
         amax = tl.max(mag, axis=1)
@@ -275,6 +293,8 @@ def _quantize_rows(x_ptr, codes_ptr, stats_ptr, flags_ptr, M, K, stride_xm, thre
                 mag = tl.where(out, 0.0, mag)
                 if MARK == 1:
                     _flag_columns(out, k0, flags_ptr, K, BLOCK_K)
+                elif MARK == 3:
+                    _or_column_words(out, k0, flags_ptr, K, BLOCK_K)
                 elif MARK == 2:
                     _mark_row_words(out, k0, flags_ptr, tl.program_id(0), K, BLOCK_K)
             amax = tl.maximum(amax, tl.max(mag, axis=1))
@@ -422,7 +442,7 @@ def quantize_rows(x2: torch.Tensor, threshold: float, zero_columns: bool = False
         # Listed by the quantize launch's last program, with the device's zero flags and arrival counter (none under
         # a CUDA-graph capture that would have to make them, nor on AMD GPUs: kernels/_split_k.py's counters).
         counter = counters(device, 1) if list_launch and zero_columns and m <= LIST_IN_LAUNCH_ROWS else None
-        held_flags = zero_flags(device, k) if counter is not None else None
+        held_flags = zero_flags(device, 4 * triton.cdiv(k, 32)) if counter is not None else None
         in_launch = held_flags is not None
         if in_launch:
             flags = held_flags
@@ -439,7 +459,7 @@ def quantize_rows(x2: torch.Tensor, threshold: float, zero_columns: bool = False
             x2, out_codes, stats, flags, cols, count, counter if in_launch else stats, m, k, x2.stride(0), threshold,
             res, norm_w, h, res_out, float(eps), NORM=norm is not None, BLOCK_K=block_k, ONE_TILE=block_k >= k,
             HAS_THRESHOLD=has_threshold, LIST=listed,
-            MARK=(2 if words else 1) if list_launch or marked or in_launch else 0, PDL=signal,
+            MARK=3 if in_launch else (2 if words else 1) if list_launch or marked else 0, PDL=signal,
             POPC=cfg.constexprs.get("POPC", False), LIST_LAST=in_launch, **fp_exact_options(cfg, device, pdl=signal))
         if list_launch:
             list_cfg = select(OUTLIER_LIST_CONFIGS, device_target(device))[0]
@@ -482,8 +502,9 @@ def _quantize_forms(cfg: LaunchConfig, list_last: bool = True) -> tuple:
     forms = [(True, True, 0, False, False), (True, False, 2, False, False), (False, False, 1, False, False),
              (False, False, 2, False, False)]
     # several rows listed, and their codes zeroed, by the launch's last program (LIST_LAST; not on AMD GPUs)
-    forms += [(one, False, 1, True, False) for one in (True, False) if list_last]
-    forms += [(True, True, 0, False, True), (True, False, 2, False, True), (True, False, 1, list_last, True)]
+    forms += [(one, False, 3, True, False) for one in (True, False) if list_last]
+    forms += [(True, True, 0, False, True), (True, False, 2, False, True), (True, False, 1, False, True)]
+    forms += [(True, False, 3, True, True)] if list_last else []
     return tuple(LaunchConfig({"BLOCK_K": block, "ONE_TILE": one, "LIST": listed, "MARK": mark,
                                "HAS_THRESHOLD": True, "POPC": cfg.constexprs.get("POPC", False), "LIST_LAST": last,
                                "NORM": norm}, cfg.num_warps)
