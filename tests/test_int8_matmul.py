@@ -175,8 +175,8 @@ def test_listing_in_the_launch_leaves_the_flags_zero(kdevice, zero_columns):
         else:  # only the outlier entries' codes are 0: the others keep theirs
             kept = x[:, want].abs() < 6.0
             assert (codes[:, want][kept] != 0).float().mean() > 0.9 and (codes[:, want][~kept] == 0).all()
-        flags = Q._FLAGS.get(cols.device)  # made by the first launch that lists in the launch
-        assert (flags is not None or not zero_columns) and (flags is None or not flags.any())
+        words = Q._WORDS.get(cols.device)  # made by the first launch that lists in the launch
+        assert (words is not None or not zero_columns) and (words is None or not words.any())
 
 
 @pytest.mark.parametrize("k", [8200, 16400])

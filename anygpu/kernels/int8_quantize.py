@@ -7,9 +7,9 @@ it writes its codes: only its outlier entries' codes are 0.  The rows' programs 
 columns and the marked columns are listed: a single row's by an extra program of the same launch; several
 rows' where the matmul wants the columns' other codes zeroed, on NVIDIA GPUs and in the interpreter, by the
 launch's last program to finish (``LIST_LAST``: the rows OR their columns into bit words in the device's zero
-buffer, then count in on the split-K arrival counter), which zeroes those codes too; otherwise (codes kept, AMD GPUs, or a first launch under
-graph capture) by ``_outlier_list_kernel``, a launch of its own.  Marks are each row's own bit words for a
-few rows (no buffer to zero first), or a flag per column, into zeros.  Listing counts each 32-column word's
+buffer, then count in on the split-K arrival counter), which zeroes those codes too; otherwise (codes kept, AMD
+GPUs, or a first launch under graph capture) by ``_outlier_list_kernel``, a launch of its own, from marks that are
+each row's own bit words for a few rows (no buffer to zero first), or a flag per column, into zeros.  Listing counts each 32-column word's
 bits (a popcount), scans the word counts, and adds the popcount of the bits below each bit: a scan over
 every column is several times slower.
 
@@ -222,7 +222,7 @@ def _int8_quantize_kernel(x_ptr, codes_ptr, stats_ptr, flags_ptr, cols_ptr, coun
 @triton.jit
 def _list_words_zero_codes(words_ptr, codes_ptr, cols_ptr, count_ptr, M, K, WORDS: tl.constexpr, POPC: tl.constexpr):
     """In the quantize launch's last program (LIST_LAST): the columns set in the launch's bit words, in order, into
-    cols[:count], the words set back to 0 (the buffer is the device's, zero between launches: ``zero_flags``), and
+    cols[:count], the words set back to 0 (the buffer is the device's, zero between launches: ``zero_words``), and
     every row's code in those columns zeroed (a store per listed column and row, where the list launch's programs
     walk every column)."""
     nwords = tl.cdiv(K, 32)
@@ -397,16 +397,16 @@ def norm_fits(k: int, device: torch.device) -> bool:
 # column of every row by itself, where the list launch spreads the rows over programs (a prefill of thousands of
 # rows with dozens of outlier columns would serialize that).
 LIST_IN_LAUNCH_ROWS = 256
-# The devices' int8 column flags, all zero between launches (each LIST_LAST launch clears the flags it set), and the
-# buffers they outgrew (a captured CUDA graph keeps the address it was captured with).
-_FLAGS: dict[torch.device, torch.Tensor] = {}
-_OUTGROWN_FLAGS: list[torch.Tensor] = []
+# The devices' LIST_LAST bit words (int8 storage of uint32 words), all zero between launches (each LIST_LAST launch
+# clears the words it set), and the buffers they outgrew (a captured CUDA graph keeps the address it was captured with).
+_WORDS: dict[torch.device, torch.Tensor] = {}
+_OUTGROWN_WORDS: list[torch.Tensor] = []
 
 
-def zero_flags(device: torch.device, k: int) -> torch.Tensor | None:
-    """The device's zero int8 flags, at least ``k`` of them; None under a CUDA-graph capture that would have to make
-    them (the caller lists in a launch of its own)."""
-    return held_zeros(_FLAGS, _OUTGROWN_FLAGS, device, k, torch.int8, 1 << 14)
+def zero_words(device: torch.device, nbytes: int) -> torch.Tensor | None:
+    """The device's zero bit words, at least ``nbytes`` bytes of them; None under a CUDA-graph capture that would have
+    to make them (the caller lists in a launch of its own)."""
+    return held_zeros(_WORDS, _OUTGROWN_WORDS, device, nbytes, torch.int8, 1 << 14)
 
 
 def quantize_rows(x2: torch.Tensor, threshold: float, zero_columns: bool = False, signal: bool = False,
@@ -439,13 +439,13 @@ def quantize_rows(x2: torch.Tensor, threshold: float, zero_columns: bool = False
     stats = torch.empty(m, dtype=torch.float32, device=device)
     flags = cols = count = stats
     with on_device(device):
-        # Listed by the quantize launch's last program, with the device's zero flags and arrival counter (none under
+        # Listed by the quantize launch's last program, with the device's zero bit words and arrival counter (none under
         # a CUDA-graph capture that would have to make them, nor on AMD GPUs: kernels/_split_k.py's counters).
         counter = counters(device, 1) if list_launch and zero_columns and m <= LIST_IN_LAUNCH_ROWS else None
-        held_flags = zero_flags(device, 4 * triton.cdiv(k, 32)) if counter is not None else None
-        in_launch = held_flags is not None
+        held_words = zero_words(device, 4 * triton.cdiv(k, 32)) if counter is not None else None
+        in_launch = held_words is not None
         if in_launch:
-            flags = held_flags
+            flags = held_words
         list_launch = list_launch and not in_launch
         words = marked or (list_launch and not zero_columns)  # else flags (the zeroing programs read them all)
         if has_threshold:
