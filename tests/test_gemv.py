@@ -115,3 +115,87 @@ def test_opcheck():
     x, w, b = torch.randn(2, 8, requires_grad=True), torch.randn(3, 8, requires_grad=True), torch.randn(3)
     torch.library.opcheck(ops.linear.overload, (x, w, b))
     torch.library.opcheck(ops.linear.overload, (x.detach(), w.detach(), None))
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("n,k,bias", [(40, 1024, True), (37, 1000, False), (WIDE_FROM + 24, 512, False)])
+def test_silu_and_mul_epilogue_has_the_bits_of_the_two_kernels(kdevice, small_wide_class, dtype, n, k, bias):
+    """``linear_silu_and_mul``'s one-row GEMV (gate and up rows in one program, SiLU-and-mul in its epilogue) gives
+    the bits of the GEMV then the silu_and_mul kernel, D odd and off the tiles included."""
+    from anygpu.kernels.gemv import gemv, linear_silu_and_mul
+    from anygpu.kernels.silu_and_mul import silu_and_mul
+
+    g = torch.Generator().manual_seed(3 * n + k)
+    x = torch.randn(1, k, generator=g).to(dtype).to(kdevice)
+    w = torch.randn(2 * n, k, generator=g).to(dtype).to(kdevice)
+    b = torch.randn(2 * n, generator=g).to(dtype).to(kdevice) if bias else None
+    got = linear_silu_and_mul(x, w, b)
+    assert got.shape == (1, n) and got.dtype == dtype
+    assert torch.equal(got, silu_and_mul(gemv(x, w, b)))
+    assert torch.equal(linear_silu_and_mul(x[0], w, b), got[0])
+    several = torch.randn(3, k, generator=g).to(dtype).to(kdevice)  # more rows: the projection, then the kernel
+    assert torch.equal(linear_silu_and_mul(several, w, b), silu_and_mul(F.linear(several, w, b)))
+
+
+def test_linear_silu_and_mul_op_on_the_cpu_and_its_checks():
+    x, w, b = torch.randn(2, 5, 8), torch.randn(6, 8), torch.randn(6)
+    assert torch.equal(ops.linear_silu_and_mul(x, w, b), ops.silu_and_mul(F.linear(x, w, b)))
+    with pytest.raises(ValueError, match="weight: expected an even number of rows"):
+        ops.linear_silu_and_mul(x, torch.randn(5, 8), None)
+    with pytest.raises(ValueError, match="weight: expected"):
+        ops.linear_silu_and_mul(x, torch.randn(6, 7), None)
+    torch.library.opcheck(ops.linear_silu_and_mul.overload, (x, w, b))
+
+
+def _engine_tokens(device: str) -> tuple[list[int], list]:
+    """Greedy tokens of one request x 24 on a small random model, and each token's log-probability (all the
+    logits' bits show in them)."""
+    from anygpu.bench.model import random_engine
+    from anygpu.engine import SamplingParams
+
+    torch.manual_seed(0)
+    kwargs = {"dtype": "bfloat16"} if device == "cuda" else {}
+    engine = random_engine("tiny", progress=False, **kwargs)
+    engine.add_request("0", [5, 17, 300, 42, 7, 99],
+                       SamplingParams(max_tokens=24, temperature=0, ignore_eos=True, logprobs=1))
+    out = None
+    while engine.has_unfinished():
+        out = next(iter(engine.step()), out)
+    engine.close()
+    return out.token_ids, [entry[t].logprob for t, entry in zip(out.token_ids, out.outputs[0].logprobs)]
+
+
+def test_mlp_from_normed_is_the_projection_then_the_gate():
+    """``MLP.from_normed`` (the decoder's path where the gate/up projection and SiLU-and-mul are one op) equals the
+    two ops then the down projection, on the CPU (where the op is the reference composition)."""
+    from anygpu.bench.model import random_config
+    from anygpu.models.llama import MLP
+    from anygpu.models.parallel import LlamaShard, TensorParallel
+
+    cfg = random_config("tiny")
+    torch.manual_seed(0)
+    mlp = MLP(cfg, LlamaShard.of(cfg, TensorParallel()), TensorParallel())
+    h = torch.randn(3, cfg.hidden_size)
+    with torch.no_grad():
+        assert torch.equal(mlp.from_normed(h), mlp(mlp.gate_up_proj(h)))
+
+
+@pytest.mark.gpu
+def test_decoder_tokens_are_the_same_with_the_gate_fused(monkeypatch):
+    """On a GPU the decoder's gate/up projection and SiLU-and-mul run as one op (``MLP.from_normed``; one row a
+    step here: the GEMV's epilogue, under CUDA graphs): the tokens and log-probabilities of the two ops."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a GPU")
+    from anygpu.models import llama
+
+    calls = []
+    fused = llama.linear_silu_and_mul
+    monkeypatch.setattr(llama, "linear_silu_and_mul", lambda *a: calls.append(1) or fused(*a))
+    real = llama.fuses_silu_and_mul
+    results = []
+    for on in (True, False):
+        monkeypatch.setattr(llama, "fuses_silu_and_mul", lambda layer, x, on=on: on and real(layer, x))
+        results.append(_engine_tokens("cuda"))
+        assert bool(calls) == on
+        calls.clear()
+    assert results[0] == results[1] and len(results[0][0]) == 24 and len(results[0][1]) == 24
