@@ -22,19 +22,10 @@ from .launch import TRITON_DTYPE, KernelSpec, LaunchConfig, cached_options, devi
 
 @triton.jit
 def _gemv_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, N, K, stride_w, HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr,
-                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr, SILU_MUL: tl.constexpr = False):
-    # SILU_MUL: W is a SwiGLU's gate and up rows [2 N, K] and out is silu(gate) * up [N]: a program's first
-    # BLOCK_N / 2 rows are gate rows, the rest the up rows N further on, so it holds both halves of its outputs.
+                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr):
     wait_then_release(PDL)
-    if SILU_MUL:
-        HALF: tl.constexpr = BLOCK_N // 2
-        i = tl.arange(0, BLOCK_N)
-        j = tl.program_id(0) * HALF + i % HALF
-        n = j + (i // HALF) * N
-        n_mask = j < N
-    else:
-        n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-        n_mask = n < N
+    n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_mask = n < N
     kk = tl.arange(0, BLOCK_K)
     rows = w_ptr + n.to(tl.int64)[:, None] * stride_w + kk[None, :]
     # x's step as a [BLOCK_N, BLOCK_K] tile of pointers (every row the same): loaded in the weight tile's own
@@ -55,15 +46,7 @@ def _gemv_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, N, K, stride_w, HAS_BIAS: tl.c
     out = tl.sum(acc, axis=1)
     if HAS_BIAS:
         out += tl.load(bias_ptr + n, mask=n_mask, other=0.0).to(tl.float32)
-    if SILU_MUL:
-        # the unfused path's bits: the projection rounded to x's dtype, then silu_and_mul's fp32 arithmetic
-        out = out.to(out_ptr.dtype.element_ty).to(tl.float32)
-        gate, up = tl.split(tl.permute(tl.reshape(out, [2, HALF]), (1, 0)))
-        jj = tl.program_id(0) * HALF + tl.arange(0, HALF)
-        y = tl.div_rn(gate, 1.0 + tl.exp(-gate)) * up
-        tl.store(out_ptr + jj, y.to(out_ptr.dtype.element_ty), mask=jj < N)
-    else:
-        tl.store(out_ptr + n, out.to(out_ptr.dtype.element_ty), mask=n_mask)
+    tl.store(out_ptr + n, out.to(out_ptr.dtype.element_ty), mask=n_mask)
 
 
 # Configs tried in order, the first whose MIN_N <= N.  From tools/sweep_gemv.py on the H200 over Llama-3-8B's
@@ -91,48 +74,32 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> 
     return F.linear(x, weight, bias)
 
 
-def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, silu_mul: bool = False) -> torch.Tensor:
+def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     """x [1, K] or [K] (unit stride), weight [N, K] (unit stride in K), bias [N] or None, all one 16-bit dtype on
-    one device: returns x @ weight.T + bias, shaped as F.linear would; ``silu_mul``: silu_and_mul of that (N even,
-    the result [..., N / 2])."""
+    one device: returns x @ weight.T + bias, shaped as F.linear would."""
     n, k = weight.shape
-    n_out = n // 2 if silu_mul else n
-    out = torch.empty(*x.shape[:-1], n_out, dtype=x.dtype, device=x.device)
+    out = torch.empty(*x.shape[:-1], n, dtype=x.dtype, device=x.device)
     cfg = config(n, x.device)
     c = cfg.constexprs
-    rows = c["BLOCK_N"] // 2 if silu_mul else c["BLOCK_N"]  # outputs a program makes
     with on_device(x.device):
-        _gemv_kernel[(triton.cdiv(n_out, rows),)](
-            x, weight, bias if bias is not None else weight, out, n_out, k, weight.stride(0),
-            HAS_BIAS=bias is not None, EVEN_K=k % c["BLOCK_K"] == 0, BLOCK_N=c["BLOCK_N"], BLOCK_K=c["BLOCK_K"],
-            SILU_MUL=silu_mul, **cached_options(cfg, x.device), **pdl_args(x.device))
+        _gemv_kernel[(triton.cdiv(n, c["BLOCK_N"]),)](
+            x, weight, bias if bias is not None else weight, out, n, k, weight.stride(0), HAS_BIAS=bias is not None,
+            EVEN_K=k % c["BLOCK_K"] == 0, BLOCK_N=c["BLOCK_N"], BLOCK_K=c["BLOCK_K"], **cached_options(cfg, x.device),
+            **pdl_args(x.device))
     return out
-
-
-def linear_silu_and_mul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """``ops.linear_silu_and_mul``'s GPU implementation: the GEMV with the SiLU-and-mul in its epilogue for one
-    row (``linear``'s conditions), else the projection and the silu_and_mul kernel."""
-    if (x.numel() == x.shape[-1] and x.dtype in DTYPES and x.stride(-1) == 1 and weight.stride(-1) == 1
-            and (bias is None or bias.stride(-1) == 1) and x.numel() > 0 and weight.shape[0] > 0):
-        return gemv(x, weight, bias, silu_mul=True)
-    from .silu_and_mul import silu_and_mul
-
-    return silu_and_mul(F.linear(x, weight, bias), None)
 
 
 def _signature(dtype: torch.dtype) -> dict:
     t = TRITON_DTYPE[dtype]
     return {"x_ptr": f"*{t}", "w_ptr": f"*{t}", "bias_ptr": f"*{t}", "out_ptr": f"*{t}", "N": "i32", "K": "i32",
             "stride_w": "i32", "HAS_BIAS": "constexpr", "EVEN_K": "constexpr", "BLOCK_N": "constexpr",
-            "BLOCK_K": "constexpr", "PDL": "constexpr", "SILU_MUL": "constexpr"}
+            "BLOCK_K": "constexpr", "PDL": "constexpr"}
 
 
 def _aot_configs() -> dict:
-    """Each config with the constexprs the kernel takes (MIN_N is the launcher's), bias and even K set, with and
-    without the SiLU-and-mul epilogue."""
+    """Each config with the constexprs the kernel takes (MIN_N is the launcher's), bias and even K set."""
     return {key: tuple(LaunchConfig({"HAS_BIAS": True, "EVEN_K": True, "BLOCK_N": c.constexprs["BLOCK_N"],
-                                     "BLOCK_K": c.constexprs["BLOCK_K"], "SILU_MUL": silu}, num_warps=c.num_warps)
-                       for c in table for silu in (False, True))
+                                     "BLOCK_K": c.constexprs["BLOCK_K"]}, num_warps=c.num_warps) for c in table)
             for key, table in CONFIGS.items()}
 
 

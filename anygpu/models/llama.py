@@ -5,8 +5,7 @@ engine's scheduler mixes prefills, prefill chunks and decodes in one step.  Per 
 
     rms_norm / fused_add_rms_norm -> qkv_proj (one fused Linear) -> rotary_and_cache (rotary in place on q and k,
     NeoX pairs, and the new K/V into the paged cache: one launch) -> attention -> o_proj
-    -> fused_add_rms_norm -> gate_up_proj (one fused Linear) -> silu_and_mul (one op with the projection where it
-    is a plain Linear on a GPU: linear_silu_and_mul) -> down_proj
+    -> fused_add_rms_norm -> gate_up_proj (one fused Linear) -> silu_and_mul -> down_proj
 
 Other families are this model with switches (``families.py``: ``config.family``) and config values: q/k norm
 per head, Gemma's sandwich norms, (1 + weight) norms (folded into the weight at load), scaled embeddings, GELU,
@@ -39,7 +38,6 @@ from ..ops import (
     flash_attn_varlen,
     fused_add_rms_norm,
     gelu_and_mul,
-    linear_silu_and_mul,
     paged_decode,
     paged_prefill,
     rms_norm,
@@ -49,7 +47,7 @@ from ..ops import (
 from .config import ModelConfig
 from .memory_check import check_model_fits
 from .parallel import LlamaShard, TensorParallel
-from .projection import fuses_silu_and_mul, norm_project, project
+from .projection import norm_project, project
 from .rope import rotary_table
 
 MODES = ("prefill", "decode", "mixed")
@@ -138,15 +136,6 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(shard.intermediate, cfg.hidden_size, bias=False)
         self.act = cfg.hidden_act
 
-    def fuses_gate(self, x: torch.Tensor) -> bool:
-        """Whether ``from_normed`` runs the gate/up projection and SiLU-and-mul as one op (``fuses_silu_and_mul``)."""
-        return self.act == "silu" and fuses_silu_and_mul(self.gate_up_proj, x)
-
-    def from_normed(self, h: torch.Tensor) -> torch.Tensor:
-        """From the MLP's normed input to down_proj's output, the projection and the gate in one op (``fuses_gate``)."""
-        w = self.gate_up_proj
-        return self.tp.all_reduce(project(self.down_proj, linear_silu_and_mul(h, w.weight, w.bias)))
-
     def forward(self, gate_up: torch.Tensor) -> torch.Tensor:
         """From the layer's gate/up projection (``gate_up_proj``, run by the decoder layer) to down_proj's output."""
         if self.act == "silu":
@@ -182,9 +171,6 @@ class DecoderLayer(nn.Module):
             qkv, residual = norm_project(self.input_layernorm, attn.qkv_proj, x, residual)
         x = attn(qkv, batch)
         if not self.sandwich:
-            if mlp.fuses_gate(x):
-                h, residual = self.post_attention_layernorm(x, residual)
-                return mlp.from_normed(h), residual
             gate_up, residual = norm_project(self.post_attention_layernorm, mlp.gate_up_proj, x, residual)
             return mlp(gate_up), residual
         gate_up, residual = norm_project(self.pre_feedforward_layernorm, mlp.gate_up_proj,

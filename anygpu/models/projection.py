@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 from ..nn.linear8bit import Linear8bitLt
-from ..ops import fused_add_rms_norm_int8_matmul, linear, linear_silu_and_mul
+from ..ops import fused_add_rms_norm_int8_matmul, linear
 
 # ANYGPU_FUSED_NORM=0: the norm before an int8 projection runs as its own launch (to compare, or rule it out).
 FUSE_NORM_INTO_INT8 = os.environ.get("ANYGPU_FUSED_NORM", "1") != "0"
@@ -27,13 +27,6 @@ def project(layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
     if type(layer) is nn.Linear and x.is_cuda and _plain(layer):
         return linear(x, layer.weight, layer.bias)
     return layer(x)
-
-
-def fuses_silu_and_mul(layer: nn.Module, x: torch.Tensor) -> bool:
-    """Whether ``silu_and_mul(project(layer, x))`` runs as one op (``ops.linear_silu_and_mul``: at one row of x a
-    GEMV with the gate in its epilogue, the same bits, one launch fewer): a plain ``nn.Linear`` on a GPU with
-    gradients off."""
-    return type(layer) is nn.Linear and x.is_cuda and _plain(layer) and not torch.is_grad_enabled()
 
 
 def norm_project(norm: nn.Module, layer: nn.Module, x: torch.Tensor,
