@@ -154,9 +154,9 @@ def test_norm_fused_into_the_quantize_launch(kdevice, m, path, dtype):
 
 
 @pytest.mark.parametrize("zero_columns", [True, False], ids=["zeroed", "kept"])
-def test_listing_in_the_launch_leaves_the_flags_zero(kdevice, zero_columns):
-    """Several rows: the quantize launch's last program lists the flagged columns, zeroes their codes in every
-    row and clears the device's flags, so the next launch lists only its own columns; with the codes kept, the
+def test_listing_in_the_launch_leaves_the_words_zero(kdevice, zero_columns):
+    """Several rows: the quantize launch's last program lists the marked columns, zeroes their codes in every
+    row and clears the device's bit words, so the next launch lists only its own columns; with the codes kept, the
     list launch lists them."""
     device = torch.device(kdevice)
     first, second = activations(40, outliers=False), activations(40, outliers=False)

@@ -9,9 +9,9 @@ rows' where the matmul wants the columns' other codes zeroed, on NVIDIA GPUs and
 launch's last program to finish (``LIST_LAST``: the rows OR their columns into bit words in the device's zero
 buffer, then count in on the split-K arrival counter), which zeroes those codes too; otherwise (codes kept, AMD
 GPUs, or a first launch under graph capture) by ``_outlier_list_kernel``, a launch of its own, from marks that are
-each row's own bit words for a few rows (no buffer to zero first), or a flag per column, into zeros.  Listing counts each 32-column word's
-bits (a popcount), scans the word counts, and adds the popcount of the bits below each bit: a scan over
-every column is several times slower.
+each row's own bit words for a few rows (no buffer to zero first), or a flag per column, into zeros.  Listing
+counts each 32-column word's bits (a popcount), scans the word counts, and adds the popcount of the bits below
+each bit: a scan over every column is several times slower.
 
 Arithmetic as the reference's (``anygpu/ops/int8_matmul.py``): ``127 / absmax`` is torch's
 ``reciprocal() * 127`` (an IEEE division, then a multiply), round-half-even, and the threshold compared as
