@@ -79,6 +79,25 @@ def test_kernel_paths_match_reference(kdevice, dtype, m, n, k, bs, nested, bias)
         check_close(y, x, w, absmax, code, bs, n, k, b, nest, f"{plan.path} split={plan.split_k} {dtype}")
 
 
+@pytest.mark.parametrize("nested", [True, False])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_vendor_gemm_path_dequantizes_in_one_kernel(kdevice, nested, dtype):
+    """The long-prompt path's weight (double quantization decoded inside the dequantize kernel) has the bits of
+    the op's reference dequantization: absmax codes through the nested table, its block of 256 scales, plus
+    the offset, then code * absmax in fp32, rounded once.  Blocks past the first 256 check the nested index."""
+    from anygpu.kernels.matmul_4bit import dequantize_weight as kernel_dequantize
+
+    n, k = 72, 512  # 576 blocks of 64: three nested blocks, the last partial
+    w, absmax, code, nest = make_weight(n, k, 64, nested, kdevice)
+    got = kernel_dequantize(w, absmax, code, 64, n, k, dtype, *nest)
+    want = dequantize_weight(w.cpu(), absmax.cpu(), code.cpu(), 64, n, k, dtype, *(t if t is None else t.cpu()
+                                                                                   for t in nest))
+    if kdevice.type == "cpu":  # the interpreter: numpy's fp32 arithmetic, step for step
+        assert torch.equal(got, want)
+    else:  # a GPU may fuse the nested multiply-add into one FMA: one fp32 ulp of a scale at most
+        torch.testing.assert_close(got.cpu(), want, rtol=2 ** -7 if dtype == torch.bfloat16 else 2 ** -22, atol=0)
+
+
 def test_leading_dims_and_empty_batch(kdevice):
     from anygpu.kernels.matmul_4bit import matmul_4bit as kernel
 

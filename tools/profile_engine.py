@@ -22,7 +22,7 @@ from anygpu.engine import LLMEngine, SamplingParams
 
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("--quantize", default=None)
+    ap.add_argument("--quantize", default=None, help="a quantization type (bf16 or none: the model's own dtype)")
     ap.add_argument("--batch", type=int, default=1)
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--input-len", type=int, default=128)
@@ -30,7 +30,8 @@ def main():
     ap.add_argument("--prefill", action="store_true", help="profile warm prefill steps instead of decode steps")
     args = ap.parse_args()
     cfg = random_config("llama3-8b")
-    engine = LLMEngine("llama3-8b", config=cfg, quantize=args.quantize, max_num_seqs=args.batch,
+    quantize = None if args.quantize in (None, "bf16", "none") else args.quantize
+    engine = LLMEngine("llama3-8b", config=cfg, quantize=quantize, max_num_seqs=args.batch,
                        max_model_len=args.input_len + 4 * args.steps + 64, progress=False, tp=args.tp)
     if args.prefill:
         profile_prefill(engine, cfg, args)

@@ -27,6 +27,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ._decode_4bit import _block_scales
 from .quant_tables import code_4bit, sorted_4bit
 from .launch import TRITON_DTYPE, KernelSpec, LaunchConfig, on_device, register
 from .code_lut import table_load
@@ -130,14 +131,17 @@ def _quantize_4bit_kernel(a_ptr, q_ptr, absmax_ptr, mid_ptr, n, n_words, n_full_
 
 
 @triton.jit
-def _dequantize_4bit_kernel(q_ptr, absmax_ptr, table_ptr, out_ptr, offset_ptr, n, n_bytes, BS: tl.constexpr,
-                            BLOCKS: tl.constexpr, HAS_OFFSET: tl.constexpr):
+def _dequantize_4bit_kernel(q_ptr, absmax_ptr, table_ptr, out_ptr, offset_ptr, nested_code_ptr, nested_absmax_ptr,
+                            nested_offset_ptr, n, n_bytes, BS: tl.constexpr, BLOCKS: tl.constexpr,
+                            HAS_OFFSET: tl.constexpr, NESTED: tl.constexpr):
     first = tl.program_id(0).to(tl.int64) * BLOCKS
     rows = tl.arange(0, BLOCKS)
     byte_local = rows[:, None] * (BS // 2) + tl.arange(0, BS // 2)[None, :]
     byte_left = tl.minimum(n_bytes - first * (BS // 2), BLOCKS * (BS // 2)).to(tl.int32)
     packed = tl.load(q_ptr + first * (BS // 2) + byte_local, mask=byte_local < byte_left, other=0).to(tl.int32)
-    absmax = tl.load(absmax_ptr + first + rows, mask=rows * (BS // 2) < byte_left, other=0.0).to(tl.float32)[:, None]
+    # NOTE: with NESTED the scales decode as in the matmul kernels (one helper), so every 4-bit path agrees
+    absmax = _block_scales(absmax_ptr, nested_code_ptr, nested_absmax_ptr, nested_offset_ptr, first + rows,
+                           rows * (BS // 2) < byte_left, NESTED)[:, None]
     high = tl.load(table_ptr + (packed >> 4)) * absmax
     low = tl.load(table_ptr + (packed & 15)) * absmax
     if HAS_OFFSET:
@@ -161,12 +165,15 @@ QUANTIZE_CONFIGS = {"default": _QUANTIZE_WAVE32, "rdna3": _QUANTIZE_WAVE32, "rdn
                     # PTX: NF4's table gather as inline PTX (code_lut.table_load), what every NVIDIA launch passes
                     "nvidia": (LaunchConfig({**_NF4_TILE, "PTX": True}, num_warps=1),)}
 # 16 bytes, 32 values per thread; AMD: LDS for the interleave's stages
-_DEQUANTIZE_WAVE32 = (LaunchConfig({"BS": 64, "BLOCKS": 128, "HAS_OFFSET": False}, num_warps=8),)
+_DEQUANTIZE_WAVE32 = (LaunchConfig({"BS": 64, "BLOCKS": 128, "HAS_OFFSET": False, "NESTED": False}, num_warps=8),)
 DEQUANTIZE_CONFIGS = {"default": _DEQUANTIZE_WAVE32, "rdna3": _DEQUANTIZE_WAVE32, "rdna4": _DEQUANTIZE_WAVE32,
-                      "amd": (LaunchConfig({"BS": 64, "BLOCKS": 64, "HAS_OFFSET": False}, num_warps=4),)}
-# Cross-compiled besides: each target's tile in GGUF's layout (blocks of 32 with an offset, quant/gguf_4bit.py).
+                      "amd": (LaunchConfig({"BS": 64, "BLOCKS": 64, "HAS_OFFSET": False, "NESTED": False},
+                                                       num_warps=4),)}
+# Cross-compiled besides: each target's tile in GGUF's layout (blocks of 32 with an offset, quant/gguf_4bit.py)
+# and with double quantization decoded (the 4-bit matmul's vendor-GEMM path: matmul_4bit.dequantize_weight).
 _DEQUANTIZE_SPEC_CONFIGS = {key: cfgs + (LaunchConfig({**cfgs[0].constexprs, "BS": 32, "HAS_OFFSET": True},
-                                                      cfgs[0].num_warps),)
+                                                      cfgs[0].num_warps),
+                                         LaunchConfig({**cfgs[0].constexprs, "NESTED": True}, cfgs[0].num_warps))
                             for key, cfgs in DEQUANTIZE_CONFIGS.items()}
 
 DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -180,8 +187,9 @@ def _quantize_signature(dtype: torch.dtype) -> dict:
 
 def _dequantize_signature(dtype: torch.dtype) -> dict:
     return {"q_ptr": "*u8", "absmax_ptr": "*fp32", "table_ptr": "*fp32", "out_ptr": f"*{TRITON_DTYPE[dtype]}",
-            "offset_ptr": "*fp32", "n": "i32", "n_bytes": "i32", "BS": "constexpr", "BLOCKS": "constexpr",
-            "HAS_OFFSET": "constexpr"}
+            "offset_ptr": "*fp32", "nested_code_ptr": "*fp32", "nested_absmax_ptr": "*fp32",
+            "nested_offset_ptr": "*fp32", "n": "i32", "n_bytes": "i32", "BS": "constexpr", "BLOCKS": "constexpr",
+            "HAS_OFFSET": "constexpr", "NESTED": "constexpr"}
 
 
 QUANTIZE_SPEC = register(KernelSpec("quantize_4bit", _quantize_4bit_kernel, _quantize_signature, DTYPES,
@@ -224,7 +232,8 @@ def dequantize_4bit(A: torch.Tensor, absmax: torch.Tensor, blocksize: int, quant
     blocks, options = tile_for(DEQUANTIZE_CONFIGS, A.device, blocksize)
     with on_device(A.device):
         absmax = absmax.contiguous()
-        _dequantize_4bit_kernel[(-(-n // (blocks * blocksize)),)](packed, absmax, table, out, absmax, n, (n + 1) // 2,
-                                                                 BS=blocksize, BLOCKS=blocks, HAS_OFFSET=False,
+        _dequantize_4bit_kernel[(-(-n // (blocks * blocksize)),)](packed, absmax, table, out, absmax, absmax, absmax,
+                                                                 absmax, n, (n + 1) // 2, BS=blocksize,
+                                                                 BLOCKS=blocks, HAS_OFFSET=False, NESTED=False,
                                                                  **options)
     return out
