@@ -19,6 +19,8 @@ loads; twice more, and 8 codes make a 32-bit word, stored straight from register
 Dequantize: one byte gives two codes; each looks up the 16-entry table (64 bytes: one cache line, L1
 resident) and is multiplied by its block's absmax in fp32 (plus, with HAS_OFFSET, the block's offset: GGUF's
 Q4_1 / Q4_K minimums, for the 4-bit matmul's vendor-GEMM path); the pair is interleaved back, one rounding.
+With NESTED (that path again, for double-quantized weights) each block's absmax is decoded first, from its
+8-bit code, the nested table and its group's scale, as the matmul kernels decode it.
 """
 
 from __future__ import annotations
