@@ -170,7 +170,7 @@ QUANTIZE_CONFIGS = {"default": _QUANTIZE_WAVE32, "rdna3": _QUANTIZE_WAVE32, "rdn
 _DEQUANTIZE_WAVE32 = (LaunchConfig({"BS": 64, "BLOCKS": 128, "HAS_OFFSET": False, "NESTED": False}, num_warps=8),)
 DEQUANTIZE_CONFIGS = {"default": _DEQUANTIZE_WAVE32, "rdna3": _DEQUANTIZE_WAVE32, "rdna4": _DEQUANTIZE_WAVE32,
                       "amd": (LaunchConfig({"BS": 64, "BLOCKS": 64, "HAS_OFFSET": False, "NESTED": False},
-                                                       num_warps=4),)}
+                                           num_warps=4),)}
 # Cross-compiled besides: each target's tile in GGUF's layout (blocks of 32 with an offset, quant/gguf_4bit.py)
 # and with double quantization decoded (the 4-bit matmul's vendor-GEMM path: matmul_4bit.dequantize_weight).
 _DEQUANTIZE_SPEC_CONFIGS = {key: cfgs + (LaunchConfig({**cfgs[0].constexprs, "BS": 32, "HAS_OFFSET": True},
