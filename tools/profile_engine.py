@@ -17,6 +17,7 @@ import time
 import torch
 
 from anygpu.bench.model import random_config, random_prompts
+from anygpu.cli.bench_model import UNQUANTIZED
 from anygpu.engine import LLMEngine, SamplingParams
 
 
@@ -30,7 +31,7 @@ def main():
     ap.add_argument("--prefill", action="store_true", help="profile warm prefill steps instead of decode steps")
     args = ap.parse_args()
     cfg = random_config("llama3-8b")
-    quantize = None if args.quantize in (None, "bf16", "none") else args.quantize
+    quantize = None if args.quantize in UNQUANTIZED else args.quantize
     engine = LLMEngine("llama3-8b", config=cfg, quantize=quantize, max_num_seqs=args.batch,
                        max_model_len=args.input_len + 4 * args.steps + 64, progress=False, tp=args.tp)
     if args.prefill:

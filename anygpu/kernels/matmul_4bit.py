@@ -410,21 +410,11 @@ def dequantize_weight(w, absmax, code, blocksize, n, k, dtype, nested_absmax=Non
     """W [n, k] in ``dtype`` (for the vendor-GEMM path): the dequantize kernel of ``quant_4bit`` with this
     weight's own table, double quantization decoded in the kernel and the per-block ``offset`` added in fp32
     before the one rounding.  One launch: a prompt's prefill calls this for every projection."""
-    from .quant_4bit import DEQUANTIZE_CONFIGS, _dequantize_4bit_kernel
-    from .quant_blockwise import tile_for
+    from .quant_4bit import dequantize_into
 
-    nested = nested_absmax is not None
-    nest = (nested_code, nested_absmax, nested_offset) if nested else (absmax, absmax, absmax)
-    out = torch.empty(n, k, dtype=dtype, device=w.device)
-    numel = n * k
-    blocks, options = tile_for(DEQUANTIZE_CONFIGS, w.device, blocksize)
-    with on_device(w.device):
-        _dequantize_4bit_kernel[(-(-numel // (blocks * blocksize)),)](w.reshape(-1), absmax, code, out,
-                                                                      absmax if offset is None else offset, *nest,
-                                                                      numel, (numel + 1) // 2, BS=blocksize,
-                                                                      BLOCKS=blocks, HAS_OFFSET=offset is not None,
-                                                                      NESTED=nested, **options)
-    return out
+    nested = (nested_code, nested_absmax, nested_offset) if nested_absmax is not None else None
+    return dequantize_into(torch.empty(n, k, dtype=dtype, device=w.device), w.reshape(-1), absmax, code, blocksize,
+                           offset, nested)
 
 
 def matmul_4bit(x: torch.Tensor, weight: torch.Tensor, absmax: torch.Tensor, code: torch.Tensor, blocksize: int,

@@ -227,15 +227,25 @@ def quantize_4bit(A: torch.Tensor, blocksize: int, quant_type: str, quant_storag
 
 def dequantize_4bit(A: torch.Tensor, absmax: torch.Tensor, blocksize: int, quant_type: str, shape: list[int],
                     dtype: torch.dtype) -> torch.Tensor:
-    packed = A.reshape(-1).view(torch.uint8)
     out = torch.empty(shape, dtype=dtype, device=A.device)
+    return dequantize_into(out, A.reshape(-1).view(torch.uint8), absmax.contiguous(), code_4bit(quant_type, A.device),
+                           blocksize)
+
+
+def dequantize_into(out: torch.Tensor, packed: torch.Tensor, absmax: torch.Tensor, table: torch.Tensor,
+                    blocksize: int, offset: torch.Tensor | None = None,
+                    nested: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+    """Fill ``out`` (contiguous) with the values of ``packed`` (flat uint8 codes, two a byte): ``table[code] *
+    absmax[block]`` (``+ offset[block]``), ``absmax`` first decoded from ``nested`` = (nested code, nested absmax,
+    nested offset) when given: the one launch of the dequantize kernel (``dequantize_4bit`` and the 4-bit
+    matmul's vendor-GEMM path)."""
     n = out.numel()
-    table = code_4bit(quant_type, A.device)
-    blocks, options = tile_for(DEQUANTIZE_CONFIGS, A.device, blocksize)
-    with on_device(A.device):
-        absmax = absmax.contiguous()
-        _dequantize_4bit_kernel[(-(-n // (blocks * blocksize)),)](packed, absmax, table, out, absmax, absmax, absmax,
-                                                                 absmax, n, (n + 1) // 2, BS=blocksize,
-                                                                 BLOCKS=blocks, HAS_OFFSET=False, NESTED=False,
-                                                                 **options)
+    blocks, options = tile_for(DEQUANTIZE_CONFIGS, out.device, blocksize)
+    with on_device(out.device):
+        _dequantize_4bit_kernel[(-(-n // (blocks * blocksize)),)](packed, absmax, table, out,
+                                                                 absmax if offset is None else offset,
+                                                                 *(nested or (absmax, absmax, absmax)), n,
+                                                                 (n + 1) // 2, BS=blocksize, BLOCKS=blocks,
+                                                                 HAS_OFFSET=offset is not None,
+                                                                 NESTED=nested is not None, **options)
     return out
