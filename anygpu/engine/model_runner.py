@@ -22,6 +22,8 @@ parallelism rank 0 hands the message to ``workers.send`` before executing it, an
   ``close()`` releases them: NCCL cannot destroy a communicator while a graph that captured one of its
   collectives exists (``destroy_process_group`` would wait forever), so under tensor parallelism the graphs go
   first.
+- **Prefill graphs** (``prefill_graphs.py``, one rank): a lone fresh prompt of up to 512 tokens (and the token
+  budget) runs padded to a bucket's row count, replayed from a graph unless ``enforce_eager``.
 - **Greedy tokens in the graph**: each decode graph also captures the argmax of its logits rows, the token a
   greedy row samples (``Sampler``'s shortcut computes exactly that, on the same fp32 logits: the first largest
   value, NaN above all).  When every sequence of the step is plainly greedy (``sampler._plain_greedy``: no
@@ -52,6 +54,7 @@ import torch.distributed as dist
 
 from ..models.llama import MODES, AttentionBatch, LlamaForCausalLM
 from ..ops.paged_decode import planned_splits
+from .prefill_graphs import PrefillGraphs
 from .row_argmax import row_argmax
 from .sampler import Sampler, _plain_greedy, generator_states, prompt_logprobs, restore_generators, samples_without_history
 from .scheduler import ScheduledBatch
@@ -144,9 +147,15 @@ class ModelRunner:
         model.set_kv_caches([(self.kv_cache[0, i], self.kv_cache[1, i]) for i in range(cfg.num_layers)])
         # Decode graphs over the Triton kernels and over the ops' references alike (ANYGPU_KERNELS=reference, or a
         # GPU Triton cannot target): a decode step's references never wait for the host.
+        # A lone prompt's prefill at a bucket's row count (prefill_graphs.py), eager steps included.
+        self.prefill = None
+        if self.device.type == "cuda" and self.tp.world_size == 1:
+            self.prefill = PrefillGraphs(model, self.device, min(max_num_batched_tokens, max_model_len))
         if self.device.type == "cuda" and not enforce_eager:
             try:
                 self._capture_decode_graphs()
+                if self.prefill is not None:
+                    self.prefill.capture()
             except BaseException:
                 self.close()  # graphs captured so far would block the process group's destruction
                 raise
@@ -157,6 +166,8 @@ class ModelRunner:
         for graph, _, _ in self.graphs.values():
             graph.reset()
         self.graphs.clear()
+        if getattr(self, "prefill", None) is not None:
+            self.prefill.close()
 
     # -- KV cache sizing -------------------------------------------------------------------------------
     def _blocks_that_fit(self, kv_cache_memory, utilization, max_num_batched_tokens) -> int:
@@ -310,6 +321,11 @@ class ModelRunner:
             last_logits, last_greedy = self._last
             ids = last_greedy[:t] if last_greedy is not None else last_logits[:t].argmax(dim=-1)
         self._last = (None, None)
+        if mode == "prefill" and b == 1 and num_rows == 1 and self.prefill is not None:
+            bucket = self.prefill.bucket(t)
+            if bucket is not None:  # a lone prompt, its last token's logits only
+                logits, greedy = self.prefill.run(ids, positions, slots, bucket)
+                return logits, greedy if self.graph_argmax else None
         attn = AttentionBatch(positions=positions, slot_mapping=slots, mode=mode, max_seqlen_q=max_q,
                               max_seqlen_k=max_k, num_splits=self._decode_splits(b) if mode == "decode" else None)
         if mode != "decode":
