@@ -142,3 +142,14 @@ def test_gpu_prefill_graphs_equal_eager(dtype):
     assert none == [] and captured == list(buckets_for(300))  # capped by max_model_len
     assert seen == seen_eager == [16, 16, 32, 64, 128]
     assert graphs == eager
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA or ROCm GPU (prefill graphs)")
+def test_gpu_references_prefill_eagerly(monkeypatch):
+    """Attention's reference reads the sequence bounds on the host, which a graph cannot capture: no prefill
+    graphs then (the engine still starts), and the prompts are padded alike."""
+    monkeypatch.setenv("ANYGPU_KERNELS", "reference")
+    out, seen, captured = _gpu_tokens("float32")
+    assert captured == [] and seen == [16, 16, 32, 64, 128]
+    assert all(len(tokens) == 8 for tokens, _ in out)

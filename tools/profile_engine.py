@@ -6,7 +6,8 @@ Prints the split of a step run one at a time between scheduling, input preparati
 and the scheduler's update (host clock), then profiles steps as the engine runs them (run-ahead included): the
 GPU kernels by total time.  ``--prefill``: the warm prefill of ``--batch`` prompts of ``--input-len`` tokens
 instead (what a request's TTFT is made of): host wall time against the GPU's kernel time and launch count, and
-the kernels by total time (prefill runs eagerly, outside the decode graphs).
+the kernels by total time (a lone prompt of up to 512 tokens replays its bucket's prefill graph, several prompts
+run eagerly: ``engine/prefill_graphs.py``).
 """
 
 from __future__ import annotations

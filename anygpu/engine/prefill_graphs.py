@@ -25,6 +25,7 @@ from __future__ import annotations
 import torch
 
 from ..models.llama import AttentionBatch
+from ..ops import flash_attn_varlen
 from .row_argmax import row_argmax
 
 BUCKETS = (16, 32, 64, 96, 128, 192, 256, 384, 512)
@@ -68,7 +69,11 @@ class PrefillGraphs:
         return self.model.compute_logits(hidden.index_select(0, self.row[t]))
 
     def capture(self) -> None:
-        """One graph per bucket, in a pool of their own; the inputs are a full bucket of padding (no cache write)."""
+        """One graph per bucket, in a pool of their own; the inputs are a full bucket of padding (no cache write).
+        None where attention runs its reference (``ANYGPU_KERNELS=reference``, a GPU Triton cannot target): it
+        reads the sequence bounds on the host, which a graph cannot capture."""
+        if not flash_attn_varlen.runs_kernel(self.device):
+            return
         pool = None
         for t in reversed(self.buckets):
             with torch.inference_mode():
