@@ -85,10 +85,11 @@ def test_memory_limit_above_device_rejected():
 
 @pytest.mark.gpu
 def test_gpu_memory_limit_is_enforced_and_cache_trimmed():
-    # Engines earlier tests dropped without close() may still sit in reference cycles with their CUDA graphs,
-    # whose private pools the allocator cannot release: collect them, so the trim below has only this test's blocks.
+    # Other tests in this process may leave small tensors alive (cached tables, fixtures): the free rest of the
+    # allocator segments they sit in is cache that no trim can release.  Measure this test's blocks against that.
     gc.collect()
     anygpu.clear_cache()
+    kept = anygpu.get_cache_memory()
     total = backend.module().total_memory()
     anygpu.set_memory_limit(4 * 2**30)
     with pytest.raises(torch.cuda.OutOfMemoryError):  # torch.OutOfMemoryError is 2.5+
@@ -98,4 +99,4 @@ def test_gpu_memory_limit_is_enforced_and_cache_trimmed():
     del x
     assert anygpu.get_cache_memory() >= 256 * 2**20  # freed but cached by the allocator
     anygpu.set_cache_limit(2**20)
-    assert anygpu.get_cache_memory() <= 2**20
+    assert anygpu.get_cache_memory() <= max(kept, 2**20)  # this test's 256 MiB released
