@@ -54,7 +54,7 @@ ENGINE_OPTIONS = [
     click.option("--tune", is_flag=True, help="Route dense linears through TunableOp (per-shape GEMM selection)."),
     click.option("--max-model-len", type=click.IntRange(min=2), default=None,
                  help="Context length (default: the model's)."),
-    click.option("--eager", is_flag=True, help="No CUDA/HIP graphs for decode steps."),
+    click.option("--eager", is_flag=True, help="No CUDA/HIP graphs (decode steps, a lone prompt's prefill)."),
     click.option("--threads", type=click.IntRange(min=1), default=None, expose_value=False, callback=apply_threads,
                  help="CPU threads for torch's ops. Default: half the cores this process may use (at least 1): "
                       "more threads spin-wait for each other, which makes decode slower when other work is busy."),
