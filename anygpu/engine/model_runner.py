@@ -161,12 +161,12 @@ class ModelRunner:
                 raise
 
     def close(self) -> None:
-        """Release the decode graphs (before the process group is destroyed, see above); later steps run eagerly.
-        Safe to call twice."""
+        """Release the decode and prefill graphs (before the process group is destroyed, see above); later steps run
+        eagerly.  Safe to call twice."""
         for graph, _, _ in self.graphs.values():
             graph.reset()
         self.graphs.clear()
-        if getattr(self, "prefill", None) is not None:
+        if self.prefill is not None:
             self.prefill.close()
 
     # -- KV cache sizing -------------------------------------------------------------------------------
