@@ -1,12 +1,19 @@
-"""Dequantized 4-bit weights kept per layer on the CPU, within one process-wide byte budget.
+"""Full-precision copies of quantized weights kept per layer on the CPU, within one process-wide byte budget.
 
-Why a cache: on the CPU ``matmul_4bit`` is its reference, ``F.linear(x, dequant(W))``, which rebuilds the whole
-weight on every call (a decode step is then many times slower than the unquantized model).  PyTorch has no CPU
-kernel that computes from NF4/FP4 codes exactly: ``_weight_int4pack_mm_for_cpu`` is affine int4 (evenly spaced
-levels with a scale and a zero point per group) and NF4's 16 levels are not evenly spaced, so any re-encoding
-would change the result beyond the accuracy rule.  Dequantizing once and keeping the weight gives the reference's
-exact bits at the unquantized model's speed, at the unquantized model's memory cost for the cached layers: hence
-the budget, after which layers fall back to dequantizing per call.
+Why a cache: on the CPU a quantized layer's op is its reference, which rebuilds the whole weight on every call (a
+decode step is then many times slower than the unquantized model):
+- ``Linear4bit``: ``matmul_4bit``'s ``F.linear(x, dequant(W))``.  PyTorch has no CPU kernel that computes from
+  NF4/FP4 codes exactly: ``_weight_int4pack_mm_for_cpu`` is affine int4 (evenly spaced levels with a scale and a
+  zero point per group) and NF4's 16 levels are not evenly spaced, so any re-encoding would change the result
+  beyond the accuracy rule.  Cached: the dequantized weight in x's dtype.
+- ``Linear8bitLt`` on a CPU without a fast ``torch._int_mm`` (no AVX-512): the exact int32 product of x's codes
+  and the weight's runs as fp32 products, converting the int8 codes to fp32 on every call.  Cached: the codes
+  as fp32 (``ops.int8_matmul.forward``'s ``CB_float``).
+- ``GGUF8bitLinear`` (``--quantize q8_0`` and the other int8-block types; GGUF files on the CPU load into
+  ``GGUFLinear`` instead, packed): ``F.linear(x, dequant(W))`` again.  Cached: the dequantized weight.
+Keeping the copy gives the reference's exact bits at the unquantized model's speed, at the unquantized model's
+memory cost for the cached layers: hence the budget, after which layers fall back to computing from the codes on
+every call.
 
 - Budget: ``ANYGPU_CPU_WEIGHT_CACHE_MB`` (0 turns the cache off), by default a quarter of the machine's RAM;
   ``set_limit(bytes)`` changes it for this process.  Bytes are counted while a cached tensor is alive (a
@@ -128,9 +135,42 @@ def build(sources: tuple[torch.Tensor, ...], dtype: torch.dtype, numel: int, mak
     if not _reserve(nbytes):
         return None
     try:
-        weight = make()
+        # a normal tensor even in inference mode: a later training step may save it for backward
+        with torch.inference_mode(False), torch.no_grad():
+            weight = make()
     except BaseException:
         _release(nbytes)
         raise
     weakref.finalize(weight, _release, nbytes)
     return Entry(weight, sources, dtype)
+
+
+def lookup(owner, sources: tuple[torch.Tensor, ...], dtype: torch.dtype, numel: int, make) -> torch.Tensor | None:
+    """``owner``'s cached weight (``owner._cpu_weight``, an Entry) if it was built from ``sources`` in ``dtype``;
+    else a new one from ``make()`` (``numel`` elements of ``dtype``) where the budget allows, else None."""
+    entry = owner.__dict__.get("_cpu_weight")
+    if entry is not None and entry.valid_for(*sources, dtype):
+        return entry.weight
+    owner.__dict__["_cpu_weight"] = None  # stale: release it before building its successor
+    entry = build(sources, dtype, numel, make)
+    owner.__dict__["_cpu_weight"] = entry
+    return None if entry is None else entry.weight
+
+
+class CachesCPUWeight:
+    """For a layer class that keeps one (``lookup``): a copy or a pickle of the layer rebuilds its own copy (and
+    pays for it in the budget), and a move, a dtype change or a state_dict load drops it at once (the next call's
+    validity check would catch a new weight too, but the old copy's memory should not wait for that call)."""
+
+    def __getstate__(self):
+        state = dict(super().__getstate__())
+        state["_cpu_weight"] = None
+        return state
+
+    def _apply(self, fn, recurse=True):
+        self.__dict__["_cpu_weight"] = None  # .to(), .cuda(), .half(): the weight may move or change
+        return super()._apply(fn, recurse)
+
+    def _load_from_state_dict(self, *args, **kwargs):
+        self.__dict__["_cpu_weight"] = None
+        return super()._load_from_state_dict(*args, **kwargs)

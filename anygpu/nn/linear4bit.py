@@ -52,7 +52,7 @@ def _is_quant_state_key(suffix: str) -> bool:
     return suffix in QUANT_STATE_ITEMS or suffix.startswith("quant_state.")
 
 
-class Linear4bit(nn.Linear):
+class Linear4bit(cpu_cache.CachesCPUWeight, nn.Linear):
     def __init__(self, input_features: int, output_features: int, bias: bool = True, compute_dtype=None,
                  compress_statistics: bool = True, quant_type: str = "fp4", quant_storage: torch.dtype = torch.uint8,
                  device=None, blocksize: int | None = None):
@@ -145,17 +145,10 @@ class Linear4bit(nn.Linear):
         """The dequantized weight in ``dtype`` from the layer's CPU cache (see ``_cpu_weight_cache``), built on a
         miss if the budget allows; None when it does not or the weight is not a CPU 4-bit weight."""
         param, absmax = self.weight, quant_state.absmax
-        entry = getattr(self, "_cpu_weight", None)
-        if entry is not None and entry.valid_for(param, absmax, dtype):
-            return entry.weight
         if param.device.type != "cpu" or dtype not in COMPUTE_DTYPES or absmax.device.type != "cpu":
             return None
-        sources = (param, absmax)
-        self._cpu_weight = None  # stale: release it before building its successor
         n, k = (int(d) for d in quant_state.shape)
-        entry = cpu_cache.build(sources, dtype, n * k, lambda: self._dequantize(quant_state, n, k, dtype))
-        self._cpu_weight = entry
-        return None if entry is None else entry.weight
+        return cpu_cache.lookup(self, (param, absmax), dtype, n * k, lambda: self._dequantize(quant_state, n, k, dtype))
 
     def _dequantize(self, quant_state, n: int, k: int, dtype: torch.dtype) -> torch.Tensor:
         # The arguments anygpu.quant.matmul.matmul_4bit gives the op, so the weight is the reference's, bit for bit.
@@ -191,15 +184,6 @@ class Linear4bit(nn.Linear):
         if errors:
             raise ValueError(errors[0])
 
-    def __getstate__(self):
-        state = dict(super().__getstate__())
-        state["_cpu_weight"] = None  # a copy or a pickle rebuilds its own (and pays for it in the budget)
-        return state
-
-    def _apply(self, fn, recurse=True):
-        self._cpu_weight = None  # .to(), .cuda(), .half(): the weight may move or change
-        return super()._apply(fn, recurse)
-
     # -- state_dict in bitsandbytes' format -------------------------------------------------------
 
     def _save_to_state_dict(self, destination, prefix, keep_vars):
@@ -222,7 +206,6 @@ class Linear4bit(nn.Linear):
         # copy, as load_state_dict does, unless told to assign: a layer must not alias another module's tensors
         copy = not (local_metadata or {}).get("assign_to_params_buffers", False)
         weight = rest.pop(weight_key, None)
-        self._cpu_weight = None
         if weight is not None and stats:
             self._load_prequantized(weight, stats, copy)
         elif weight is not None:

@@ -15,14 +15,18 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+import torch.nn.functional as F
+
 from ..ops import matmul_int8_block
+from ..ops.matmul_int8_block import DTYPES, dequantize_weight
 from ..quant import gguf_8bit
+from . import _cpu_weight_cache as cpu_cache
 
 
 _ROWS_AT_A_TIME = 4096
 
 
-class GGUF8bitLinear(nn.Module):
+class GGUF8bitLinear(cpu_cache.CachesCPUWeight, nn.Module):
     def __init__(self, weight: gguf_8bit.PackedInt8Block, in_features: int, out_features: int,
                  bias: torch.Tensor | None = None):
         super().__init__()
@@ -66,11 +70,16 @@ class GGUF8bitLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         bias = None if self.bias is None else self.bias.to(x.dtype)
+        if (x.device.type == "cpu" and self.codes.device.type == "cpu" and x.dtype in DTYPES
+                and x.shape[-1] == self.in_features):
+            # The op's CPU reference is F.linear(x, dequantize(W)): the same with the weight kept (_cpu_weight_cache)
+            sources = (self.codes, self.scale) + (() if self.offset is None else (self.offset,))
+            weight = cpu_cache.lookup(self, sources, x.dtype, self.codes.numel(), lambda: self.dequantize(x.dtype))
+            if weight is not None:
+                return F.linear(x, weight, bias)
         return matmul_int8_block(x, self.codes, self.scale, self.blocksize, bias, self.offset)
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-        from ..ops.matmul_int8_block import dequantize_weight
-
         return dequantize_weight(self.codes, self.scale, self.blocksize, dtype, self.offset)
 
     def extra_repr(self) -> str:
