@@ -6,14 +6,13 @@ decode step is then many times slower than the unquantized model):
   NF4/FP4 codes exactly: ``_weight_int4pack_mm_for_cpu`` is affine int4 (evenly spaced levels with a scale and a
   zero point per group) and NF4's 16 levels are not evenly spaced, so any re-encoding would change the result
   beyond the accuracy rule.  Cached: the dequantized weight in x's dtype.
-- ``Linear8bitLt`` on a CPU without a fast ``torch._int_mm`` (no AVX-512): the exact int32 product of x's codes
-  and the weight's runs as fp32 products, converting the int8 codes to fp32 on every call.  Cached: the codes
-  as fp32 (``ops.int8_matmul.forward``'s ``CB_float``).
 - ``GGUF8bitLinear`` (``--quantize q8_0`` and the other int8-block types; GGUF files on the CPU load into
   ``GGUFLinear`` instead, packed): ``F.linear(x, dequant(W))`` again.  Cached: the dequantized weight.
 Keeping the copy gives the reference's exact bits at the unquantized model's speed, at the unquantized model's
 memory cost for the cached layers: hence the budget, after which layers fall back to computing from the codes on
-every call.
+every call.  (Not cached: ``Linear8bitLt``'s int8 codes.  Where ``torch._int_mm`` is slow (AVX2) its exact
+products convert the codes to fp32 on every call; keeping them as fp32 measured no faster, reading 4 bytes a weight
+instead of converting 1: docs/perf/2026-12-05-cpu-decode-s11.md and 2026-12-07-s32.md.)
 
 - Budget: ``ANYGPU_CPU_WEIGHT_CACHE_MB`` (0 turns the cache off), by default a quarter of the machine's RAM;
   ``set_limit(bytes)`` changes it for this process.  Bytes are counted while a cached tensor is alive (a

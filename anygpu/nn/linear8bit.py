@@ -29,10 +29,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from ..ops.int8_matmul import forward as int8_forward
-from ..ops.int8_matmul import int_mm_applies
 from ..quant.int8 import int8_vectorwise_quant, matmul_8bit
-from . import _cpu_weight_cache as cpu_cache
 from ._source_linear import source_weight
 from .int8params import Int8Params
 
@@ -102,7 +99,7 @@ def _weight_format_name(value) -> str:
     return value
 
 
-class Linear8bitLt(cpu_cache.CachesCPUWeight, nn.Linear):
+class Linear8bitLt(nn.Linear):
     def __init__(self, input_features: int, output_features: int, bias: bool = True, has_fp16_weights: bool = True,
                  threshold: float = 0.0, index=None, device=None):
         threshold = check_threshold(threshold)
@@ -145,22 +142,9 @@ class Linear8bitLt(cpu_cache.CachesCPUWeight, nn.Linear):
         if weight.dtype == torch.int8:
             if getattr(weight, "SCB", None) is None:
                 raise ValueError("weight: int8 codes without their SCB row scales (load the SCB from the checkpoint)")
-            codes = weight.data  # a plain tensor: no subclass dispatch per call
-            if x.device.type == "cpu" and not torch.is_grad_enabled():
-                codes_f32 = self._cpu_codes(weight, codes)
-                if codes_f32 is not None:  # the op's own arithmetic, the same bits (see _cpu_codes)
-                    return int8_forward(x, codes, weight.SCB, self._threshold, bias, codes_f32)
-            return matmul_8bit(x, codes, weight.SCB, self._threshold, bias)
+            return matmul_8bit(x, weight.data, weight.SCB, self._threshold, bias)
         CB, SCB, _ = int8_vectorwise_quant(weight.detach().to(torch.float16))  # has_fp16_weights: per call
         return matmul_8bit(x, CB, SCB, self._threshold, bias, B=weight)
-
-    def _cpu_codes(self, weight, codes: torch.Tensor) -> torch.Tensor | None:
-        """The int8 codes as fp32, kept in the CPU weight cache (``_cpu_weight_cache``) where the CPU has no fast
-        ``torch._int_mm`` (AVX2): there the op converts them on every call for its exact fp32 products.  None
-        where ``_int_mm`` runs, the weight is not on the CPU, or the budget is spent."""
-        if int_mm_applies(1, codes.shape[1], codes.shape[0], codes.device) or codes.device.type != "cpu":
-            return None
-        return cpu_cache.lookup(self, (weight,), torch.float32, codes.numel(), codes.float)
 
     # -- full-precision view, for adapters that merge into the weight (PEFT's merge_and_unload) ------
 

@@ -1,6 +1,7 @@
 """``GGUF8bitLinear``: a linear layer whose weight stays in GGUF blocks of the 5-, 6- and 8-bit types (Q8_0, Q6_K,
 Q5_K, Q5_0, Q5_1; any mix of them, and with 4-, 3- and 2-bit types in one fused projection), computed by the
-int8-block matmul (``anygpu.ops.matmul_int8_block``: Triton GEMV / GEMM on GPUs, the reference on the CPU).
+int8-block matmul (``anygpu.ops.matmul_int8_block``: Triton GEMV / GEMM on GPUs, the reference on the CPU, whose
+dequantized weight the layer keeps within the CPU weight cache's budget: ``_cpu_weight_cache.py``).
 
 The blocks are re-laid as ``anygpu.quant.gguf_8bit`` describes (nothing is re-quantized): int8 codes [out, in], a
 scale and (Q5_K, Q5_1, ...) offset per block of 16 or 32, fp32 (the file's values bit for bit) or, in a 16-bit

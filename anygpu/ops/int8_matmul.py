@@ -77,10 +77,8 @@ def _cpu_int_mm_is_fast() -> bool:
 EXACT_FP32_K = 1024
 
 
-def int_matmul(A: torch.Tensor, B: torch.Tensor, use_int_mm: bool,
-               B_float: torch.Tensor | None = None) -> torch.Tensor:
-    """Exact int32 ``A @ B.T`` for int8 A [M, K] and B [N, K].  ``B_float``: ``B.float()`` kept by the caller
-    (the CPU without a fast ``_int_mm``: the product is then B's conversion-free fp32 path, the same bits)."""
+def int_matmul(A: torch.Tensor, B: torch.Tensor, use_int_mm: bool) -> torch.Tensor:
+    """Exact int32 ``A @ B.T`` for int8 A [M, K] and B [N, K]."""
     M, K, N = A.shape[0], A.shape[1], B.shape[0]
     if M == 0 or K == 0:
         return torch.zeros(M, N, dtype=torch.int32, device=A.device)
@@ -94,9 +92,8 @@ def int_matmul(A: torch.Tensor, B: torch.Tensor, use_int_mm: bool,
     # any summation order), the slices added in int32: twice float64's speed on the CPU.
     acc = None
     for start in range(0, K, EXACT_FP32_K):
-        a = A[:, start: start + EXACT_FP32_K]
-        b = B[:, start: start + EXACT_FP32_K].float() if B_float is None else B_float[:, start: start + EXACT_FP32_K]
-        part = (a.float() @ b.t()).to(torch.int32)
+        a, b = A[:, start: start + EXACT_FP32_K], B[:, start: start + EXACT_FP32_K]
+        part = (a.float() @ b.float().t()).to(torch.int32)
         acc = part if acc is None else acc.add_(part)
     return acc
 
@@ -130,19 +127,13 @@ def check(x, CB, SCB, threshold=0.0, bias=None) -> None:
 
 
 def reference(x, CB, SCB, threshold=0.0, bias=None):
-    return forward(x, CB, SCB, threshold, bias)
-
-
-def forward(x, CB, SCB, threshold=0.0, bias=None, CB_float=None):
-    """The reference's arithmetic; ``CB_float`` (``CB.float()``, which a CPU layer may keep: ``int_matmul``) changes
-    nothing in the result."""
     N, K = CB.shape
     rows = x.reshape(math.prod(x.shape[:-1]), K)
     if rows.shape[0] == 0 or K == 0:
         y = torch.zeros(rows.shape[0], N, dtype=x.dtype, device=x.device)
         return (y if bias is None else y + bias.to(x.dtype)).reshape(*x.shape[:-1], N)
     codes, row_stats, outlier_cols = quantize_rows(rows.to(torch.float16), threshold)
-    acc = int_matmul(codes, CB, CB_float is None and int_mm_applies(*codes.shape, N, x.device), CB_float)
+    acc = int_matmul(codes, CB, int_mm_applies(*codes.shape, N, x.device))
     y = dequantize_int32(acc, row_stats, SCB, bias, x.dtype)
     if outlier_cols is not None and outlier_cols.numel():
         # Outlier columns (zero in the codes) in x's own precision, against the dequantized weight columns.
