@@ -6,8 +6,9 @@ decode step is then many times slower than the unquantized model):
   NF4/FP4 codes exactly: ``_weight_int4pack_mm_for_cpu`` is affine int4 (evenly spaced levels with a scale and a
   zero point per group) and NF4's 16 levels are not evenly spaced, so any re-encoding would change the result
   beyond the accuracy rule.  Cached: the dequantized weight in x's dtype.
-- ``GGUF8bitLinear`` (``--quantize q8_0`` and the other int8-block types; GGUF files on the CPU load into
-  ``GGUFLinear`` instead, packed): ``F.linear(x, dequant(W))`` again.  Cached: the dequantized weight.
+- ``GGUF8bitLinear`` and ``GGUF4bitLinear`` (``--quantize q8_0 / q4_0 / q4_k``; GGUF files on the CPU load into
+  ``GGUFLinear`` instead, packed, where PyTorch's int4 CPU kernel takes them): ``F.linear(x, dequant(W))`` again.
+  Cached: the dequantized weight.
 Keeping the copy gives the reference's exact bits at the unquantized model's speed, at the unquantized model's
 memory cost for the cached layers: hence the budget, after which layers fall back to computing from the codes on
 every call.  (Not cached: ``Linear8bitLt``'s int8 codes.  Where ``torch._int_mm`` is slow (AVX2) its exact

@@ -1,6 +1,6 @@
 """``GGUF4bitLinear``: a linear layer whose weight stays in a GGUF 4-bit type's blocks (Q4_0, Q4_1, Q4_K, IQ4_NL,
 IQ4_XS), computed by the 4-bit matmul (``anygpu.ops.matmul_4bit``: Triton GEMV / GEMM on GPUs, the reference on
-the CPU).
+the CPU, whose dequantized weight the layer keeps within the CPU weight cache's budget: ``_cpu_weight_cache.py``).
 
 The blocks are re-laid as ``anygpu.quant.gguf_4bit`` describes (nothing is re-quantized): packed codes in
 bitsandbytes' nibble order, a scale and (Q4_1, Q4_K) offset per 32 weights (fp16 where they fit, else fp32), a
@@ -15,13 +15,17 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+import torch.nn.functional as F
+
 from ..ops import matmul_4bit
+from ..ops.matmul_4bit import DTYPES, dequantize_weight
 from ..quant import gguf_4bit
+from . import _cpu_weight_cache as cpu_cache
 
 BLOCKSIZE = gguf_4bit.BLOCKSIZE
 
 
-class GGUF4bitLinear(nn.Module):
+class GGUF4bitLinear(cpu_cache.CachesCPUWeight, nn.Module):
     def __init__(self, weight: gguf_4bit.Packed4bit, in_features: int, out_features: int,
                  bias: torch.Tensor | None = None):
         super().__init__()
@@ -52,12 +56,18 @@ class GGUF4bitLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         bias = None if self.bias is None else self.bias.to(x.dtype)
+        if (x.device.type == "cpu" and self.packed.device.type == "cpu" and x.dtype in DTYPES
+                and x.shape[-1] == self.in_features):
+            # The op's CPU reference is F.linear(x, dequantize(W)): the same with the weight kept (_cpu_weight_cache)
+            sources = (self.packed, self.absmax, self.code) + (() if self.offset is None else (self.offset,))
+            weight = cpu_cache.lookup(self, sources, x.dtype, self.out_features * self.in_features,
+                                      lambda: self.dequantize(x.dtype))
+            if weight is not None:
+                return F.linear(x, weight, bias)
         return matmul_4bit(x, self.packed, self.absmax, self.code, BLOCKSIZE, self.out_features, self.in_features,
                            bias, offset=self.offset)
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-        from ..ops.matmul_4bit import dequantize_weight
-
         return dequantize_weight(self.packed, self.absmax, self.code, BLOCKSIZE, self.out_features,
                                  self.in_features, dtype, offset=self.offset)
 
