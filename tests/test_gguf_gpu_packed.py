@@ -180,5 +180,15 @@ def test_quantize_model_to_gguf_types(quant_type):
     assert full_logits(model, [1, 5, 9]).isfinite().all()
     with pytest.raises(ValueError, match="compute_dtype: not used by quant_type='q4_k'"):
         quantize_model(torch.nn.Sequential(torch.nn.Linear(256, 8)), "q4_k", compute_dtype=torch.float16)
-    with pytest.raises(ValueError, match="model: q4_k needs in_features a multiple of 256"):
-        quantize_model(torch.nn.Sequential(torch.nn.Linear(96, 8)), "q4_k")
+    if quant_type == "q4_k":
+        # in_features a multiple of 32, not of 256: Q8_0 for that layer, as llama.cpp falls back, said and reported
+        mixed = torch.nn.Sequential(torch.nn.Linear(256, 96), torch.nn.Linear(96, 8))
+        with pytest.warns(UserWarning, match="1 layer in q8_0 instead of q4_k"):
+            report = quantize_model(mixed, "q4_k", progress=False)
+        assert report.fallbacks == {"1": "q8_0"} and "q8_0 instead" in str(report)
+        assert isinstance(mixed[0], GGUF4bitLinear) and isinstance(mixed[1], GGUF8bitLinear)
+        # a layer no block fits: refused before any layer is replaced
+        untouched = torch.nn.Sequential(torch.nn.Linear(256, 40), torch.nn.Linear(40, 8))
+        with pytest.raises(ValueError, match=r"model: q4_k needs in_features a multiple of 32; .* 1 \(40\)"):
+            quantize_model(untouched, "q4_k")
+        assert all(type(m) is torch.nn.Linear for m in untouched)

@@ -7,7 +7,8 @@ replaces each ``nn.Linear`` in its parent by a ``Linear4bit`` (``"nf4"``, ``"fp4
 time, so the full-precision weight of a layer is released as soon as it is replaced (unless something
 else, such as a tied embedding, still holds it).  ``"q4_0"`` / ``"q4_k"``: GGUF's Q4_0 / Q4_K blocks (quantized in
 torch by ``anygpu.quant.gguf_4bit``, Q4_K without llama.cpp's search), held as ``GGUF4bitLinear``, what a GGUF file of
-that type loads as on a GPU (in_features a multiple of 32, or 256 for Q4_K).  ``"q8_0"``: GGUF's Q8_0 blocks
+that type loads as on a GPU (in_features a multiple of 32, or 256 for Q4_K: other layers fall back to Q8_0, as
+llama.cpp's quantizer falls back, said in a warning and the report).  ``"q8_0"``: GGUF's Q8_0 blocks
 (``anygpu.quant.gguf_8bit.quantize_q8_0``, gguf-py's bytes), held as ``GGUF8bitLinear`` (int8 codes, a scale per
 32: fp16 in a 16-bit model, where Q8_0's fp16 d is exact), what a Q8_0 file loads as on a GPU (in_features a
 multiple of 32).  Left alone:
@@ -35,6 +36,7 @@ from __future__ import annotations
 import fnmatch
 import logging
 import time
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import NamedTuple
@@ -99,14 +101,44 @@ def _check_gguf(options: QuantizeOptions) -> None:
                              f"dtype), got {value!r}")
 
 
+# A row of a GGUF weight is whole blocks.  Where a layer's in_features is not a multiple of the asked type's super-
+# block but is of 32, the layer takes a 32-block type of more bits instead, as llama.cpp's quantizer falls back
+# (its Q4_K goes to Q5_0, which anygpu does not make: Q8_0 here).
+GGUF_FALLBACK = {"q4_k": "q8_0"}
+
+
+def gguf_type_for(quant_type: str, in_features: int) -> str | None:
+    """The GGUF type a layer of ``in_features`` inputs gets for ``quant_type`` (itself or its fallback), or None
+    where no block fits."""
+    for t in (quant_type, GGUF_FALLBACK.get(quant_type)):
+        if t is not None and in_features % BLOCK_SHAPES[t.upper()][0] == 0:
+            return t
+    return None
+
+
 def _to_gguf(linear: nn.Linear, options: QuantizeOptions) -> nn.Module:
-    step = BLOCK_SHAPES[options.quant_type.upper()][0]  # a row is whole GGUF blocks
-    if linear.in_features % step:
-        raise ValueError(f"model: {options.quant_type} needs in_features a multiple of {step}, got a "
-                         f"{linear.in_features}-input nn.Linear (skip it)")
-    if options.quant_type == "q8_0":
+    kind = gguf_type_for(options.quant_type, linear.in_features)  # quantize_model checked every layer first
+    if kind == "q8_0":
         return GGUF8bitLinear.from_linear(linear, "Q8_0", device=options.device)
-    return GGUF4bitLinear.from_linear(linear, options.quant_type.upper(), device=options.device)
+    return GGUF4bitLinear.from_linear(linear, kind.upper(), device=options.device)
+
+
+def _gguf_fallbacks(model: nn.Module, chosen: list[str], quant_type: str) -> dict[str, str]:
+    """{layer: the type it falls back to}; a ValueError naming the layers no GGUF block fits, before any is
+    replaced (a model is never left half quantized)."""
+    fallbacks, unfit = {}, []
+    for name in chosen:
+        k = model.get_submodule(name).in_features
+        kind = gguf_type_for(quant_type, k)
+        if kind is None:
+            unfit.append(f"{name} ({k})")
+        elif kind != quant_type:
+            fallbacks[name] = kind
+    if unfit:
+        step = BLOCK_SHAPES["Q8_0"][0]
+        raise ValueError(f"model: {quant_type} needs in_features a multiple of {step}; these nn.Linear layers are "
+                         f"not: {', '.join(unfit[:5])}{' ...' if len(unfit) > 5 else ''} (leave them out with skip=)")
+    return fallbacks
 
 
 def _to_linear4bit(linear: nn.Linear, options: QuantizeOptions) -> nn.Module:
@@ -138,6 +170,7 @@ class QuantizeReport:
     quant_type: str
     replaced: list[str] = field(default_factory=list)
     skipped: list[str] = field(default_factory=list)
+    fallbacks: dict[str, str] = field(default_factory=dict)  # GGUF types: layers quantized to another type
     parameter_bytes_before: int = 0
     parameter_bytes_after: int = 0
     active_memory_before: int = 0
@@ -159,11 +192,18 @@ class QuantizeReport:
         lines = [
             f"quantize_model: {len(self.replaced)} nn.Linear -> {self.quant_type} in {self.seconds:.2f} s, "
             f"{len(self.skipped)} left in full precision" + (f" ({', '.join(self.skipped)})" if self.skipped else ""),
+            *(["  " + _fallback_line(self.quant_type, self.fallbacks)] if self.fallbacks else []),
             f"  parameter bytes: {_mib(self.parameter_bytes_before)} -> {_mib(self.parameter_bytes_after)} "
             f"({self.ratio:.1%}, saved {_mib(self.saved_bytes)})",
             f"  {active} ({self.backend}): {_mib(self.active_memory_before)} -> {_mib(self.active_memory_after)}",
         ]
         return "\n".join(lines)
+
+
+def _fallback_line(quant_type: str, fallbacks: dict[str, str]) -> str:
+    n, kinds = len(fallbacks), ", ".join(sorted(set(fallbacks.values())))
+    return (f"{n} layer{'s' if n != 1 else ''} in {kinds} instead of {quant_type} (in_features not a multiple of "
+            f"{BLOCK_SHAPES[quant_type.upper()][0]}, as llama.cpp falls back)")
 
 
 def _mib(n: int) -> str:
@@ -281,7 +321,11 @@ def quantize_model(model: nn.Module, quant_type: str = "nf4", *, skip=None, comp
         raise ValueError(f"model: the nn.Linear layers {on_meta[:3]} have their weights on the meta device: "
                          f"load the weights first (or load a quantized state_dict into Linear4bit layers)")
 
+    fallbacks = _gguf_fallbacks(model, chosen, quant_type) if quantizer.replace is _to_gguf else {}
+    if fallbacks:
+        warnings.warn(f"quantize_model: {_fallback_line(quant_type, fallbacks)}", UserWarning, stacklevel=2)
     report = QuantizeReport(quant_type, skipped=[n for n in candidates if n not in chosen] + unsafe,
+                            fallbacks=fallbacks,
                             parameter_bytes_before=parameter_bytes(model),
                             active_memory_before=backend.get_active_memory(), backend=backend.name())
     start = time.perf_counter()
