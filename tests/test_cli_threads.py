@@ -1,5 +1,5 @@
-"""``--threads`` (generate, chat, serve, bench) and ``anygpu bench model --quantize LIST``: parsing and errors, and
-one real generate run with the option."""
+"""``--threads`` (generate, chat, serve, bench) and ``--quantize`` (``anygpu bench model``'s lists; the types the
+engine commands take): parsing and errors, and real generate runs with the options."""
 
 from __future__ import annotations
 
@@ -111,3 +111,28 @@ def test_bench_serve_n_repeats_the_run_with_one_choice(tmp_path):
     assert report["n_speedup"] == pytest.approx(results["server"]["output_throughput"]
                                                 / results["server_n1"]["output_throughput"])
     assert anygpu("bench", "serve", "--n", "17").returncode == 2
+
+
+def test_generate_and_serve_take_every_quantize_type_the_engine_builds():
+    from anygpu.cli.bench_model import QUANTIZE_CHOICES
+    from anygpu.cli.generate import ENGINE_OPTIONS
+    from anygpu.models.registry import QUANT_TYPES
+
+    assert QUANTIZE_CHOICES == QUANT_TYPES
+
+    def probe(**kwargs):
+        pass
+
+    for option in ENGINE_OPTIONS:  # the options generate, chat and serve share
+        probe = option(probe)
+    choice = next(p for p in click.command()(probe).params if p.name == "quantize").type
+    assert tuple(choice.choices) == QUANT_TYPES
+
+
+def test_generate_with_a_gguf_quantize_type(smollm_path):  # noqa: F811
+    """q4_k on SmolLM2: its 576-input layers fall back to Q8_0 (a warning), the 1536-input ones take Q4_K."""
+    run = anygpu("generate", "What is the capital of France?", "--quantize", "q4_k", "--threads", "1",
+                 "--max-tokens", "8")
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert "in q8_0 instead of q4_k" in run.stderr
+    assert run.stdout.strip()

