@@ -32,6 +32,9 @@ import threading
 import weakref
 
 import torch
+import torch.nn.functional as F
+
+FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)  # what the quantized ops take
 
 _lock = threading.Lock()
 _limit: int | None = None  # None: read the environment on first use
@@ -155,6 +158,17 @@ def lookup(owner, sources: tuple[torch.Tensor, ...], dtype: torch.dtype, numel: 
     entry = build(sources, dtype, numel, make)
     owner.__dict__["_cpu_weight"] = entry
     return None if entry is None else entry.weight
+
+
+def linear(owner, x: torch.Tensor, bias: torch.Tensor | None, sources: tuple[torch.Tensor, ...], numel: int,
+           dequantize) -> torch.Tensor | None:
+    """``F.linear(x, dequantize(x.dtype), bias)`` with the weight kept (``lookup``): a layer whose op's CPU reference
+    is exactly that (the GGUF block layers).  None where it does not apply (x or the weight off the CPU, a dtype the
+    op refuses, or the budget spent): the caller runs its op, which also names any bad argument."""
+    if x.device.type != "cpu" or sources[0].device.type != "cpu" or x.dtype not in FLOAT_DTYPES:
+        return None
+    weight = lookup(owner, sources, x.dtype, numel, lambda: dequantize(x.dtype))
+    return None if weight is None else F.linear(x, weight, bias)
 
 
 class CachesCPUWeight:

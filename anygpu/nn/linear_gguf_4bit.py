@@ -15,10 +15,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-import torch.nn.functional as F
-
 from ..ops import matmul_4bit
-from ..ops.matmul_4bit import DTYPES, dequantize_weight
+from ..ops.matmul_4bit import dequantize_weight
 from ..quant import gguf_4bit
 from . import _cpu_weight_cache as cpu_cache
 
@@ -56,14 +54,12 @@ class GGUF4bitLinear(cpu_cache.CachesCPUWeight, nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         bias = None if self.bias is None else self.bias.to(x.dtype)
-        if (x.device.type == "cpu" and self.packed.device.type == "cpu" and x.dtype in DTYPES
-                and x.shape[-1] == self.in_features):
-            # The op's CPU reference is F.linear(x, dequantize(W)): the same with the weight kept (_cpu_weight_cache)
+        if x.dim() and x.shape[-1] == self.in_features:  # (else the op names the mismatch)
+            # the op's CPU reference is F.linear(x, dequantize(W)): the same with the weight kept
             sources = (self.packed, self.absmax, self.code) + (() if self.offset is None else (self.offset,))
-            weight = cpu_cache.lookup(self, sources, x.dtype, self.out_features * self.in_features,
-                                      lambda: self.dequantize(x.dtype))
-            if weight is not None:
-                return F.linear(x, weight, bias)
+            y = cpu_cache.linear(self, x, bias, sources, self.out_features * self.in_features, self.dequantize)
+            if y is not None:
+                return y
         return matmul_4bit(x, self.packed, self.absmax, self.code, BLOCKSIZE, self.out_features, self.in_features,
                            bias, offset=self.offset)
 

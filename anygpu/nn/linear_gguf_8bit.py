@@ -16,10 +16,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-import torch.nn.functional as F
-
 from ..ops import matmul_int8_block
-from ..ops.matmul_int8_block import DTYPES, dequantize_weight
+from ..ops.matmul_int8_block import dequantize_weight
 from ..quant import gguf_8bit
 from . import _cpu_weight_cache as cpu_cache
 
@@ -71,13 +69,12 @@ class GGUF8bitLinear(cpu_cache.CachesCPUWeight, nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         bias = None if self.bias is None else self.bias.to(x.dtype)
-        if (x.device.type == "cpu" and self.codes.device.type == "cpu" and x.dtype in DTYPES
-                and x.shape[-1] == self.in_features):
-            # The op's CPU reference is F.linear(x, dequantize(W)): the same with the weight kept (_cpu_weight_cache)
+        if x.dim() and x.shape[-1] == self.in_features:  # (else the op names the mismatch)
+            # the op's CPU reference is F.linear(x, dequantize(W)): the same with the weight kept
             sources = (self.codes, self.scale) + (() if self.offset is None else (self.offset,))
-            weight = cpu_cache.lookup(self, sources, x.dtype, self.codes.numel(), lambda: self.dequantize(x.dtype))
-            if weight is not None:
-                return F.linear(x, weight, bias)
+            y = cpu_cache.linear(self, x, bias, sources, self.codes.numel(), self.dequantize)
+            if y is not None:
+                return y
         return matmul_int8_block(x, self.codes, self.scale, self.blocksize, bias, self.offset)
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
