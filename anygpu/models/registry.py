@@ -24,10 +24,12 @@ import torch
 
 from ..nn import quantize_model
 from ..nn.linear_gguf_8bit import GGUF8bitLinear
+from . import gguf_packed
 from .bnb_load import build_prequantized
 from .config import SUPPORTED_ARCHITECTURES, ModelConfig
 from .llama import LlamaForCausalLM
 from .parallel import TensorParallel
+from .quantize_packed import QUANTIZERS, pack_quantized
 from .shape_check import expected_shapes
 
 # Every family shares one implementation: what each changes is declared in families.py and read from the config
@@ -97,7 +99,11 @@ def build_model(config: ModelConfig, weights: Iterable[tuple[str, torch.Tensor]]
     if quantize is not None:
         # int8 is LLM.int8() with transformers' outlier threshold: activations' outlier columns stay in 16 bits.
         extra = {"threshold": 6.0} if quantize == "int8" else {}
-        quantize_model(model, quantize, progress=progress, **extra)
+        packed, where = [], torch.device(device)
+        if quantize in QUANTIZERS and where.type == "cpu" and gguf_packed.enabled(where, tp.world_size if tp else 1):
+            packed = pack_quantized(model, quantize)  # packed GGUFLinear layers, as a GGUF file loads on the CPU
+        if not packed or any(type(m) is torch.nn.Linear for name, m in model.named_modules() if name != "lm_head"):
+            quantize_model(model, quantize, progress=progress, **extra)
         if quantize in GGUF_HEAD_TYPES and torch.device(device).type != "cpu":
             quantize_head(model, GGUF_HEAD_TYPES[quantize])
     return model.eval()

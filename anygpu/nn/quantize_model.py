@@ -206,6 +206,11 @@ def _fallback_line(quant_type: str, fallbacks: dict[str, str]) -> str:
             f"{BLOCK_SHAPES[quant_type.upper()][0]}, as llama.cpp falls back)")
 
 
+def warn_fallbacks(quant_type: str, fallbacks: dict[str, str]) -> None:
+    """Say which layers took another GGUF type (``gguf_type_for``), as llama.cpp's quantizer logs its fallbacks."""
+    warnings.warn(f"quantize_model: {_fallback_line(quant_type, fallbacks)}", UserWarning, stacklevel=3)
+
+
 def _mib(n: int) -> str:
     return f"{n / 2**20:.2f} MiB"
 
@@ -323,7 +328,7 @@ def quantize_model(model: nn.Module, quant_type: str = "nf4", *, skip=None, comp
 
     fallbacks = _gguf_fallbacks(model, chosen, quant_type) if quantizer.replace is _to_gguf else {}
     if fallbacks:
-        warnings.warn(f"quantize_model: {_fallback_line(quant_type, fallbacks)}", UserWarning, stacklevel=2)
+        warn_fallbacks(quant_type, fallbacks)
     report = QuantizeReport(quant_type, skipped=[n for n in candidates if n not in chosen] + unsafe,
                             fallbacks=fallbacks,
                             parameter_bytes_before=parameter_bytes(model),
