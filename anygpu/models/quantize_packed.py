@@ -18,32 +18,35 @@ import torch
 from torch import nn
 
 from ..nn.linear_gguf import GGUFLinear
-from ..nn.quantize_model import gguf_type_for, warn_fallbacks
+from ..nn.quantize_model import DEFAULT_SKIP, gguf_type_for, warn_fallbacks
 from ..quant import gguf_4bit, gguf_8bit, gguf_int4pack
 
 QUANTIZERS = {"q4_0": gguf_4bit.quantize_q4_0, "q4_k": gguf_4bit.quantize_q4_k, "q8_0": gguf_8bit.quantize_q8_0}
 
 
-def pack_quantized(model: nn.Module, quant_type: str, skip: tuple[str, ...] = ("lm_head",)) -> list[str]:
+def pack_quantized(model: nn.Module, quant_type: str,
+                   skip: tuple[str, ...] = DEFAULT_SKIP) -> tuple[list[str], list[str]]:
     """Replace each ``nn.Linear`` of ``model`` (a CPU model; not the modules named in ``skip``) that the CPU int4
-    layout takes by a packed ``GGUFLinear`` of ``quant_type``; returns the names replaced."""
-    replaced, fallbacks = [], {}
+    layout takes by a packed ``GGUFLinear`` of ``quant_type``; returns (the names packed, the names left to
+    ``quantize_model``)."""
+    packed, left, fallbacks = [], [], {}
     for name, module in list(model.named_modules()):
-        if type(module) is not nn.Linear or name.rsplit(".", 1)[-1] in skip or module.weight.device.type != "cpu":
+        if type(module) is not nn.Linear or name.rsplit(".", 1)[-1] in skip:
             continue
         n, k = module.weight.shape
         kind = gguf_type_for(quant_type, k)
-        if kind is None or n % 16 or k % gguf_int4pack.GROUP:
-            continue  # quantize_model takes it (and names a layer no block fits)
+        if kind is None or n % 16 or k % gguf_int4pack.GROUP or module.weight.device.type != "cpu":
+            left.append(name)  # quantize_model takes it (and names a layer no block fits)
+            continue
         w = module.weight.detach().float()
         raw = QUANTIZERS[kind](w).reshape(-1)
         segments = gguf_int4pack.pack([gguf_int4pack.decode(raw, kind.upper(), n, k)])
         bias = None if module.bias is None else module.bias.detach().float()
         parent_name, _, child = name.rpartition(".")
         setattr(model.get_submodule(parent_name), child, GGUFLinear(segments, k, n, bias))
-        replaced.append(name)
+        packed.append(name)
         if kind != quant_type:
             fallbacks[name] = kind
     if fallbacks:
         warn_fallbacks(quant_type, fallbacks)
-    return replaced
+    return packed, left

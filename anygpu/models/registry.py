@@ -99,12 +99,13 @@ def build_model(config: ModelConfig, weights: Iterable[tuple[str, torch.Tensor]]
     if quantize is not None:
         # int8 is LLM.int8() with transformers' outlier threshold: activations' outlier columns stay in 16 bits.
         extra = {"threshold": 6.0} if quantize == "int8" else {}
-        packed, where = [], torch.device(device)
+        where, packed, left = torch.device(device), [], []
         if quantize in QUANTIZERS and where.type == "cpu" and gguf_packed.enabled(where, tp.world_size if tp else 1):
-            packed = pack_quantized(model, quantize)  # packed GGUFLinear layers, as a GGUF file loads on the CPU
-        if not packed or any(type(m) is torch.nn.Linear for name, m in model.named_modules() if name != "lm_head"):
+            # packed GGUFLinear layers, as a GGUF file loads on the CPU
+            packed, left = pack_quantized(model, quantize)
+        if not packed or left:  # (nothing packed: quantize_model quantizes, or names why it cannot)
             quantize_model(model, quantize, progress=progress, **extra)
-        if quantize in GGUF_HEAD_TYPES and torch.device(device).type != "cpu":
+        if quantize in GGUF_HEAD_TYPES and where.type != "cpu":
             quantize_head(model, GGUF_HEAD_TYPES[quantize])
     return model.eval()
 
