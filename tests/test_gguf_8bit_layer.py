@@ -125,10 +125,11 @@ def test_quantize_model_to_q8_0():
 
 
 def test_gguf_types_give_the_head_llama_cpp_s_type():
-    """``quantize_head``: the head as llama.cpp's mixes store it (Q6_K below Q8_0; Q8_0 where a row is not whole
+    """``head_type``: the head as llama.cpp's mixes store it (Q6_K below Q8_0; Q8_0 where a row is not whole
     256-blocks); a tied head and a CPU build (``build_model``) keep theirs."""
     from anygpu.bench.model import random_config
-    from anygpu.models.registry import GGUF_HEAD_TYPES, build_model, quantize_head
+    from anygpu.models.quantize_at_load import GGUF_HEAD_TYPES, head_type
+    from anygpu.models.registry import build_model
 
     from .test_models_llama import full_logits
 
@@ -139,7 +140,8 @@ def test_gguf_types_give_the_head_llama_cpp_s_type():
     assert type(model.lm_head) is torch.nn.Linear  # built on the CPU: the head stays
     w = model.lm_head.weight.detach().clone()
     before = full_logits(model, [1, 5, 9])
-    assert quantize_head(model, "Q6_K")
+    assert head_type(model, "Q6_K") == "Q6_K"
+    model.lm_head = GGUF8bitLinear.from_linear(model.lm_head, "Q6_K")
     head = model.lm_head
     assert isinstance(head, GGUF8bitLinear) and head.blocksize == 16 and head.scale.dtype == torch.float32
     assert torch.equal(head.dequantize(), gguf_values(gguf_8bit.quantize_q6_k(w).numpy(), "Q6_K", *w.shape))
@@ -148,11 +150,12 @@ def test_gguf_types_give_the_head_llama_cpp_s_type():
 
     narrow = torch.nn.Module()  # a 288-wide head: not whole 256-blocks, so Q8_0
     narrow.embed_tokens, narrow.lm_head = torch.nn.Embedding(8, 288), torch.nn.Linear(288, 8, bias=False)
-    assert quantize_head(narrow, "Q6_K") and narrow.lm_head.blocksize == 32
+    assert head_type(narrow, "Q6_K") == "Q8_0"
+    assert GGUF8bitLinear.from_linear(narrow.lm_head, "Q8_0").blocksize == 32
     tied = torch.nn.Module()
     tied.embed_tokens, tied.lm_head = torch.nn.Embedding(8, 256), torch.nn.Linear(256, 8, bias=False)
     tied.lm_head.weight = tied.embed_tokens.weight
-    assert not quantize_head(tied, "Q6_K") and type(tied.lm_head) is torch.nn.Linear
+    assert head_type(tied, "Q6_K") is None
 
 
 def test_bench_takes_q8_0():

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from anygpu.bench.model import random_config
-from anygpu.models.quantize_packed import pack_quantized
+from anygpu.models.quantize_packed import pack_linear, packed_types
 from anygpu.models.registry import build_model
 from anygpu.nn.linear_gguf import GGUFLinear
 from anygpu.nn.linear_gguf_4bit import GGUF4bitLinear
@@ -39,8 +39,10 @@ def test_cpu_build_is_packed_and_close_to_the_unpacked_layers(quant_type, monkey
 def test_q4_k_falls_back_and_odd_rows_are_left_to_quantize_model():
     model = torch.nn.Sequential(torch.nn.Linear(256, 64), torch.nn.Linear(96, 32), torch.nn.Linear(256, 40))
     with pytest.warns(UserWarning, match="1 layer in q8_0 instead of q4_k"):
-        packed, left = pack_quantized(model, "q4_k")
-    assert packed == ["0", "1"] and left == ["2"]  # layer 2: 40 rows, not the int4 layout's multiple of 16
+        packed, left = packed_types(model, "q4_k")
+    assert packed == {"0": "q4_k", "1": "q8_0"} and left == ["2"]  # layer 2: 40 rows, not the layout's multiple of 16
+    for name, kind in packed.items():
+        model[int(name)] = pack_linear(model[int(name)], kind)
     assert isinstance(model[0], GGUFLinear) and isinstance(model[1], GGUFLinear)
     quantize_model(model, "q4_k", progress=False)  # the rest: only layer 2 is an nn.Linear still
     assert isinstance(model[2], GGUF4bitLinear)

@@ -36,9 +36,8 @@ def build_prequantized(model_cls, config: ModelConfig, weights: Iterable[tuple[s
     placements = model._placements()  # HF projection -> (our Linear, its first row)
     groups = _linear_groups(model, placements, config, where)
     # Made on meta, the model skipped its memory check: check here what it will hold, quantized.
-    check_model_fits(config, _quantized_bytes(model, groups, config), model.rotary.shape[0], device)
-    _materialize(model, device, {id(model.get_submodule(m).weight) for m in groups})
-    model.build_rotary(model.rotary.shape[0], device)  # made on meta with the model
+    check_model_fits(config, _quantized_bytes(model, groups, config), model.max_position, device)
+    model.allocate(device, lazy=groups)  # (and the rotary table: none is made on meta)
 
     params = dict(model.named_parameters())
     fused_starts: dict[str, set[int]] = {}
@@ -123,14 +122,3 @@ def _quantized_bytes(model: nn.Module, groups: dict[str, FusedPieces], config: M
         total += w.numel() // 2 + w.numel() // 64 * 4 if config.quantization.bits == 4 else w.numel() + w.shape[0] * 4
     return total
 
-
-def _materialize(model: nn.Module, device: torch.device, keep_meta: set[int]) -> None:
-    """Allocate every meta parameter but ``keep_meta``'s on ``device``; a tied parameter stays one."""
-    made: dict[int, nn.Parameter] = {}
-    for module in model.modules():
-        for key, p in list(module._parameters.items()):
-            if p is None or not p.is_meta or id(p) in keep_meta:
-                continue
-            if id(p) not in made:
-                made[id(p)] = nn.Parameter(torch.empty_like(p, device=device), requires_grad=p.requires_grad)
-            module._parameters[key] = made[id(p)]

@@ -28,7 +28,7 @@ returns the full logits.  ``load_weights`` cuts each rank's shard out of the ful
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Collection, Iterable, Mapping
 from dataclasses import dataclass
 
 import torch
@@ -210,20 +210,51 @@ class LlamaForCausalLM(nn.Module):
         # for sqrt(3072) = 55.43): the checkpoint was trained with the rounded factor.
         self.embed_scale = (float(torch.tensor(cfg.hidden_size ** 0.5, dtype=dtype))
                             if cfg.family.scaled_embeddings else None)
+        self.max_position = max_position
         # Sized from the config on the meta device: refuse here, naming the field, what would not fit.
         check_model_fits(cfg, sum(p.numel() * p.element_size() for p in self.parameters()), max_position, device)
-        _materialize(self, device)
-        if cfg.tie_word_embeddings and tp.world_size == 1:
+        self.allocate(device)
+
+    def allocate(self, device: torch.device | str, lazy: Collection[str] = ()) -> None:
+        """Allocate the weights on ``device`` (uninitialised: ``load_weights`` fills them) and build the rotary
+        table there.  The weights of the Linears named in ``lazy`` stay on the meta device until ``load_weights``
+        writes their first rows: a model built on meta can be allocated whole but for the layers that
+        ``build_model`` quantizes as they load, so their full-precision weights never all exist."""
+        cfg = self.config
+        self._device = device = torch.device(device)
+        _materialize(self, device, {id(self.get_submodule(name).weight) for name in lazy})
+        if cfg.tie_word_embeddings and self.tp.world_size == 1:
             self.lm_head.weight = self.embed_tokens.weight
         # (Tied under tp > 1: lm_head is this rank's rows of the embedding, a copy that load_weights fills.)
+        if not self.lm_head.weight.is_meta:
+            self._zero_head_padding()
+        # Made after _materialize (which would leave it uninitialised) and kept fp32 whatever the model's dtype.  None
+        # on meta (a model built there is allocated again for its device): its arange would run torch._refs there.
+        self.rotary = None
+        if device.type != "meta":
+            self.build_rotary(self.max_position, device)
+
+    def _zero_head_padding(self) -> None:
+        """Zero the head's padding rows (tp: the last rank's vocab chunk): their logits are cut off anyway."""
+        shard = self.shard
         if shard.vocab_real < shard.vocab_rows:
-            self.lm_head.weight.data[shard.vocab_real:].zero_()  # padding rows: their logits are cut off anyway
-        # Made after _materialize (which would leave it uninitialised) and kept fp32 whatever the model's dtype.
-        self.build_rotary(max_position, device)
+            self.lm_head.weight.data[shard.vocab_real:].zero_()
+
+    def _allocate_lazy(self, target: str) -> nn.Parameter:
+        """Parameter ``target``, left on the meta device by ``allocate(lazy=...)``, allocated on the model's
+        device at its first write."""
+        module_name, _, attr = target.rpartition(".")
+        module = self.get_submodule(module_name)
+        meta = getattr(module, attr)
+        setattr(module, attr, nn.Parameter(torch.empty(meta.shape, dtype=meta.dtype, device=self._device),
+                                           requires_grad=meta.requires_grad))
+        if target == "lm_head.weight":
+            self._zero_head_padding()
+        return getattr(module, attr)
 
     def build_rotary(self, max_position: int, device: torch.device) -> None:
-        """The rotary table the layers share, on ``device`` (a model built on meta, as bnb_load does, calls this
-        again for the real device); with ``rope_local_theta`` (Gemma 3), the sliding layers share a second one."""
+        """The rotary table the layers share, on ``device`` (``allocate`` builds it); with ``rope_local_theta``
+        (Gemma 3), the sliding layers share a second one."""
         cfg = self.config
         self.rotary = rotary_table(cfg, max_position, device)
         local = rotary_table(cfg, max_position, device, local=True) if cfg.rope_local_theta is not None else None
@@ -271,25 +302,22 @@ class LlamaForCausalLM(nn.Module):
                 "down_proj": _Placement("down_proj", 0, _Cut(1, cfg.intermediate_size, s.intermediate_start, inter)),
                 "lm_head": _Placement("lm_head", 0, _Cut(0, cfg.vocab_size, s.vocab_start, s.vocab_real))}
 
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]],
+                     replace: Mapping[str, Callable[[nn.Module], nn.Module]] | None = None) -> None:
         """Copy HF-named full tensors in (``Checkpoint.weights()``): q/k/v land in their rows of qkv_proj, gate/up
         in theirs of gate_up_proj, each cut to this rank's shard under tensor parallelism.  Every parameter must
         be written exactly once; an unknown name, a wrong shape or a missing tensor is a ValueError naming it (a
-        silently half-loaded model would generate garbage)."""
-        params = dict(self.named_parameters())  # a tied lm_head (tp == 1) appears once, as embed_tokens.weight
+        silently half-loaded model would generate garbage).  A weight left on the meta device (``allocate(lazy=
+        ...)``) is allocated at its first write.  ``replace``: {module name: make}: that module is swapped for
+        ``make(module)`` as soon as all its parameters' rows are written, dropping its full-precision weight then
+        (``build_model(quantize=...)`` quantizes each projection so); a tensor of it that comes after is an
+        error."""
         cfg = self.config
-        placements = self._placements()
+        loading = _Loading(self, replace or {})
+        placements = loading.placements
+        tied_copy = cfg.tie_word_embeddings and "lm_head.weight" in loading.params  # tp > 1: see below
         if cfg.family.fused_checkpoint:
             weights = split_fused(weights, cfg)
-        fused_starts: dict[str, set[int]] = {}
-        for p in placements.values():
-            fused_starts.setdefault(p.module, set()).add(p.row)
-        expected = set()
-        for pname in params:
-            parts = pname.split(".")
-            module = parts[-2] if len(parts) >= 2 else ""
-            expected |= {(pname, s) for s in fused_starts.get(module, {0})}
-        written: set[tuple[str, int]] = set()
         for name, tensor in weights:
             target = name.removeprefix("model.")
             if cfg.tie_word_embeddings and target == "lm_head.weight":
@@ -298,16 +326,11 @@ class LlamaForCausalLM(nn.Module):
             placement = placements.get(parts[-2]) if len(parts) >= 2 else None
             if placement is not None:
                 target = ".".join([*parts[:-2], placement.module, parts[-1]])
-            self._copy_in(params, name, target, tensor, placement)
-            written.add((target, placement.row if placement else 0))
-            if cfg.tie_word_embeddings and target == "embed_tokens.weight" and "lm_head.weight" in params:
+            loading.write(name, target, tensor, placement)
+            if tied_copy and target == "embed_tokens.weight":
                 # tp > 1: the tied head is a separate parameter holding this rank's vocab rows
-                self._copy_in(params, name, "lm_head.weight", tensor, placements["lm_head"])
-                written.add(("lm_head.weight", 0))
-        missing = sorted(expected - written)
-        if missing:
-            raise ValueError(f"weights: {len(missing)} tensor(s) missing from the checkpoint, e.g. "
-                             f"{[f'{n} rows {s}:' if s else n for n, s in missing[:3]]}")
+                loading.write(name, "lm_head.weight", tensor, placements["lm_head"])
+        loading.check_complete()
 
     def _copy_in(self, params, name: str, target: str, tensor: torch.Tensor, placement: _Placement | None) -> None:
         param = params.get(target)
@@ -330,11 +353,78 @@ class LlamaForCausalLM(nn.Module):
         dest.copy_(tensor if cut is None else tensor.narrow(cut.dim, cut.start, cut.size))
 
 
-def _materialize(module: nn.Module, device: torch.device) -> None:
-    """``module.to_empty(device=device)`` without its ``torch.empty_like``: on a meta tensor that runs PyTorch's
-    Python reference (``torch._refs``), whose import pulls in sympy and the symbolic-shape machinery, hundreds of
-    modules held for the life of the process.  ``torch.empty`` from the shape and dtype is a plain factory call."""
-    module._apply(lambda t: torch.empty(t.shape, dtype=t.dtype, device=device))
+class _Loading:
+    """One ``load_weights`` call's bookkeeping: the (parameter, first row) pairs expected and written (q/k/v and
+    gate/up fill rows of one parameter), and the modules to replace once all of theirs are written."""
+
+    def __init__(self, model: LlamaForCausalLM, replace: Mapping[str, Callable[[nn.Module], nn.Module]]):
+        self.model, self.replace = model, dict(replace)
+        self.params = dict(model.named_parameters())  # a tied lm_head (tp == 1) appears once, as embed_tokens.weight
+        self.placements = model._placements()
+        fused_starts: dict[str, set[int]] = {}
+        for p in self.placements.values():
+            fused_starts.setdefault(p.module, set()).add(p.row)
+        self.expected = set()
+        for pname in self.params:
+            parts = pname.split(".")
+            module = parts[-2] if len(parts) >= 2 else ""
+            self.expected |= {(pname, s) for s in fused_starts.get(module, {0})}
+        self.written: set[tuple[str, int]] = set()
+        self.pending = {m: {key for key in self.expected if key[0].rpartition(".")[0] == m} for m in self.replace}
+        nothing = [m for m, keys in self.pending.items() if not keys]
+        if nothing:  # it would never be replaced
+            raise ValueError(f"replace: {nothing[:3]} are not modules with parameters to load")
+        self.replaced: set[str] = set()
+
+    def write(self, name: str, target: str, tensor: torch.Tensor, placement: _Placement | None) -> None:
+        """Checkpoint tensor ``name`` into parameter ``target`` (at ``placement``); replaces its module if that
+        completes one of ``replace``'s."""
+        owner = target.rpartition(".")[0]
+        if owner in self.replaced:
+            raise ValueError(f"weights: {name!r} comes after {owner} was loaded whole and replaced (a tensor "
+                             "given twice?)")
+        if target in self.params and self.params[target].is_meta:
+            self.params[target] = self.model._allocate_lazy(target)
+        self.model._copy_in(self.params, name, target, tensor, placement)
+        key = (target, placement.row if placement else 0)
+        self.written.add(key)
+        pending = self.pending.get(owner)
+        if pending is not None:
+            pending.discard(key)
+            if not pending:
+                self._replace(owner)
+
+    def _replace(self, module_name: str) -> None:
+        """Swap the complete module for its ``replace`` stand-in; nothing here keeps its old parameters alive."""
+        parent_name, _, child = module_name.rpartition(".")
+        parent = self.model.get_submodule(parent_name)
+        setattr(parent, child, self.replace[module_name](getattr(parent, child)))
+        for pname in [p for p in self.params if p.rpartition(".")[0] == module_name]:
+            del self.params[pname]
+        del self.pending[module_name]
+        self.replaced.add(module_name)
+
+    def check_complete(self) -> None:
+        missing = sorted(self.expected - self.written)
+        if missing:
+            raise ValueError(f"weights: {len(missing)} tensor(s) missing from the checkpoint, e.g. "
+                             f"{[f'{n} rows {s}:' if s else n for n, s in missing[:3]]}")
+
+
+def _materialize(module: nn.Module, device: torch.device, keep: set[int] = frozenset()) -> None:
+    """Allocate every parameter of ``module`` (but those whose id is in ``keep``) on ``device``, uninitialised; a
+    shared parameter stays shared.  ``torch.empty`` from the shape and dtype, not ``module.to_empty``: its
+    ``torch.empty_like`` on a meta tensor runs PyTorch's Python reference (``torch._refs``), whose import pulls in
+    sympy and the symbolic-shape machinery, hundreds of modules held for the life of the process."""
+    made: dict[int, nn.Parameter] = {}
+    for m in module.modules():
+        for key, p in m._parameters.items():
+            if p is None or id(p) in keep:
+                continue
+            if id(p) not in made:
+                made[id(p)] = nn.Parameter(torch.empty(p.shape, dtype=p.dtype, device=device),
+                                           requires_grad=p.requires_grad)
+            m._parameters[key] = made[id(p)]
 
 
 def split_fused(weights: Iterable[tuple[str, torch.Tensor]], cfg: ModelConfig):

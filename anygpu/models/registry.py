@@ -3,16 +3,20 @@
 ``build_model(config, weights=..., dtype=..., device=..., quantize=...)``: the model class comes from
 ``ARCHITECTURES`` (one entry per supported ``ModelConfig.architecture``); weights are a checkpoint's
 ``weights()`` iterator or ``"random"`` (vLLM's dummy weights: uniform in [-1e-3, 1e-3], norms at 1, for
-benchmarks in real shapes without a download).  ``quantize`` re-quantizes every linear but the output head with
-``anygpu.nn.quantize_model`` (nf4, fp4, int8 = LLM.int8() at threshold 6.0, q4_0 / q4_k / q8_0 = GGUF blocks),
-with a progress bar.  The GGUF types also quantize an untied head on a GPU, to the type llama.cpp's mixes give
-it (``GGUF_HEAD_TYPES``), so the model reads per step what a llama.cpp file of that type would.  A bitsandbytes
-checkpoint (``config.quantization``) is not re-quantized: its stored layers load as they are (``bnb_load.py``).
+benchmarks in real shapes without a download).  ``quantize`` quantizes every linear but the output head as
+``anygpu.nn.quantize_model`` would (nf4, fp4, int8 = LLM.int8() at threshold 6.0, q4_0 / q4_k / q8_0 = GGUF blocks;
+on the CPU the GGUF types packed: ``quantize_packed.py``), each as soon as it is loaded (``quantize_at_load.py``),
+with a progress bar: the model is built on the meta device, the layers to quantize are planned there (and the
+plan's refusals raised) before any weight is read, and the model must fit quantized, not in full precision.  The
+GGUF types also quantize an untied head on a GPU, to the type llama.cpp's mixes give it
+(``quantize_at_load.GGUF_HEAD_TYPES``), so the model reads per step what a llama.cpp file of that type would.  A
+bitsandbytes checkpoint (``config.quantization``) is not re-quantized: its stored layers load as they are
+(``bnb_load.py``).
 
 ``tp``: build one rank's shard of a tensor-parallel model.  Random weights are generated as full HF-named
 tensors, each from a seed derived from its name, and go through ``load_weights`` like a checkpoint's: every
 rank cuts its shard out of the same full tensors, so a model is the same whatever the number of ranks (and
-TP=2 can be checked against TP=1 on a random model).  Quantizing after sharding quantizes each rank's shards.
+TP=2 can be checked against TP=1 on a random model).  Quantizing quantizes each rank's shards.
 """
 
 from __future__ import annotations
@@ -21,15 +25,16 @@ import zlib
 from collections.abc import Callable, Iterable, Iterator
 
 import torch
+from torch import nn
+from tqdm.auto import tqdm
 
-from ..nn import quantize_model
-from ..nn.linear_gguf_8bit import GGUF8bitLinear
-from . import gguf_packed
+from .._progress import disabled
+from . import quantize_at_load
 from .bnb_load import build_prequantized
 from .config import SUPPORTED_ARCHITECTURES, ModelConfig
 from .llama import LlamaForCausalLM
+from .memory_check import check_model_fits
 from .parallel import TensorParallel
-from .quantize_packed import QUANTIZERS, pack_quantized
 from .shape_check import expected_shapes
 
 # Every family shares one implementation: what each changes is declared in families.py and read from the config
@@ -37,12 +42,6 @@ from .shape_check import expected_shapes
 ARCHITECTURES = {arch: LlamaForCausalLM for arch in SUPPORTED_ARCHITECTURES}
 # q4_*, q8_0: GGUF blocks (nn.GGUF4bitLinear, nn.GGUF8bitLinear)
 QUANT_TYPES = ("nf4", "fp4", "int8", "q4_0", "q4_k", "q8_0")
-# The output head of a GGUF type's model, as llama.cpp's quantizer stores it: Q6_K in every mix below Q8_0 (Q8_0
-# where a row is not whole 256-blocks), Q8_0 in a Q8_0 file.  bitsandbytes' types leave it alone, as transformers
-# does.  A tied head (it reads the embedding's weight) and a CPU model (no packed int8-block kernel there: the
-# reference would rebuild the head every step) keep theirs.
-GGUF_HEAD_TYPES = {"q4_0": "Q6_K", "q4_k": "Q6_K", "q8_0": "Q8_0"}
-
 
 def model_class(config: ModelConfig):
     try:
@@ -92,31 +91,36 @@ def build_model(config: ModelConfig, weights: Iterable[tuple[str, torch.Tensor]]
                              f"({config.quantization.bits}-bit); load it without quantize={quantize!r}")
         where = getattr(weights, "where", "the checkpoint")  # HFCheckpoint.weights() says which folder
         return build_prequantized(model_class(config), config, weights, dtype, device, tp, max_position, where)
+    if quantize is not None:
+        if prepare is not None:
+            raise ValueError("prepare: not with quantize= (prepare swaps layers for a file's own quantized ones; "
+                             "quantize= quantizes the layers as they load)")
+        return _build_quantized(config, weights, dtype, torch.device(device), quantize, progress, tp, max_position)
     model = model_class(config)(config, dtype=dtype, device=device, tp=tp, max_position=max_position)
     if prepare is not None:
         prepare(model)
     model.load_weights(weights)
-    if quantize is not None:
-        # int8 is LLM.int8() with transformers' outlier threshold: activations' outlier columns stay in 16 bits.
-        extra = {"threshold": 6.0} if quantize == "int8" else {}
-        where, packed, left = torch.device(device), [], []
-        if quantize in QUANTIZERS and where.type == "cpu" and gguf_packed.enabled(where, tp.world_size if tp else 1):
-            # packed GGUFLinear layers, as a GGUF file loads on the CPU
-            packed, left = pack_quantized(model, quantize)
-        if not packed or left:  # (nothing packed: quantize_model quantizes, or names why it cannot)
-            quantize_model(model, quantize, progress=progress, **extra)
-        if quantize in GGUF_HEAD_TYPES and where.type != "cpu":
-            quantize_head(model, GGUF_HEAD_TYPES[quantize])
     return model.eval()
 
 
-def quantize_head(model: LlamaForCausalLM, type_name: str) -> bool:
-    """``model.lm_head`` as a ``GGUF8bitLinear`` of ``type_name`` (Q6_K, or Q8_0 where a row is not whole
-    256-blocks), unless tied to the embedding or its rows are not whole 32-blocks.  Returns whether it did."""
-    head = model.lm_head
-    if head.weight is model.embed_tokens.weight or head.in_features % 32:
-        return False
-    if type_name == "Q6_K" and head.in_features % 256:
-        type_name = "Q8_0"
-    model.lm_head = GGUF8bitLinear.from_linear(head, type_name)
-    return True
+def _build_quantized(config: ModelConfig, weights: Iterable[tuple[str, torch.Tensor]], dtype: torch.dtype,
+                     device: torch.device, quantize: str, progress: bool, tp: TensorParallel | None,
+                     max_position: int | None) -> LlamaForCausalLM:
+    """The model built on meta, its layers planned (``quantize_at_load.plan``: refusals raised before any weight
+    is read) and checked to fit quantized, then loaded with each planned layer's weight allocated at its first
+    write and quantized once all its rows are in.  An error on the way leaves no model to anyone."""
+    model = model_class(config)(config, dtype=dtype, device="meta", tp=tp, max_position=max_position)
+    layers = quantize_at_load.plan(model, quantize, device, tp.world_size if tp else 1)
+    check_model_fits(config, quantize_at_load.loaded_bytes(model, layers), model.max_position, device)
+    model.allocate(device, lazy=layers)
+    with tqdm(total=len(layers), desc=f"quantize {quantize}", unit="layer", disable=disabled(progress)) as bar:
+        model.load_weights(weights, replace={name: _counted(q.make, bar) for name, q in layers.items()})
+    return model.eval()
+
+
+def _counted(make: Callable[[nn.Module], nn.Module], bar) -> Callable[[nn.Module], nn.Module]:
+    def counted(module: nn.Module) -> nn.Module:
+        layer = make(module)
+        bar.update()
+        return layer
+    return counted

@@ -28,7 +28,9 @@ quantizing a CPU-loaded model with ``device="cuda"`` puts only the small 4-bit w
 ``model.to("cuda")`` afterwards moves the rest.
 
 The quant_type dispatch is a table (``LINEAR_QUANTIZERS``) from name to how one nn.Linear is replaced,
-so another format plugs in with one entry.
+so another format plugs in with one entry.  ``plan_quantize`` makes every check and choice of ``quantize_model``
+and replaces nothing (a ``QuantizePlan``): the engine's loader (``anygpu.models.quantize_at_load``) uses it to
+quantize each layer as soon as its weight is loaded, so a model's full-precision weights never all exist.
 """
 
 from __future__ import annotations
@@ -279,14 +281,29 @@ def _linears(model: nn.Module) -> tuple[list[str], list[str]]:
     return list(dict.fromkeys(candidates)), list(dict.fromkeys(unsafe))  # a shared layer appears once
 
 
-def quantize_model(model: nn.Module, quant_type: str = "nf4", *, skip=None, compute_dtype=None, blocksize: int = 64,
-                   compress_statistics: bool = True, quant_storage: torch.dtype = torch.uint8, device=None,
-                   progress: bool = True, threshold: float = 0.0) -> QuantizeReport:
-    """Replace every ``nn.Linear`` of ``model`` (but ``skip``'s) in place by a quantized layer; returns (and logs
-    at INFO) a ``QuantizeReport``.  ``skip``: module-name patterns (default ``("lm_head",)``; see the module doc).
-    ``threshold`` (int8 only) is ``Linear8bitLt``'s LLM.int8() outlier threshold (0 = pure int8; transformers
-    uses 6.0); the int8 layers are inference layers (``has_fp16_weights=False``).  The other arguments are
-    ``Linear4bit``'s.  ``progress``: show a tqdm bar."""
+@dataclass(frozen=True)
+class QuantizePlan:
+    """What ``quantize_model`` does to a model, decided from its layers' names and shapes alone (the weights may
+    still be on the meta device: ``anygpu.models`` quantizes each layer as it loads): the layers replaced
+    (``chosen``), those left (``skipped``), the GGUF fallbacks, and ``quantize``, which makes one layer's stand-in."""
+
+    quant_type: str
+    options: QuantizeOptions
+    replace: Callable[[nn.Linear, QuantizeOptions], nn.Module]
+    chosen: list[str]
+    skipped: list[str]
+    fallbacks: dict[str, str]
+
+    def quantize(self, linear: nn.Linear) -> nn.Module:
+        """The quantized layer standing in for ``linear`` (one of ``chosen``, its weight loaded)."""
+        return self.replace(linear, self.options)
+
+
+def plan_quantize(model: nn.Module, quant_type: str = "nf4", *, skip=None, compute_dtype=None, blocksize: int = 64,
+                  compress_statistics: bool = True, quant_storage: torch.dtype = torch.uint8, device=None,
+                  threshold: float = 0.0) -> QuantizePlan:
+    """``quantize_model``'s checks and choices, with nothing replaced: every ValueError it raises about its
+    arguments or the model's layers (a layer no GGUF block fits included) is raised here, before any work."""
     if not isinstance(model, nn.Module):
         raise ValueError(f"model: expected a torch.nn.Module, got {type(model).__name__}")
     if isinstance(model, nn.Linear):
@@ -321,26 +338,39 @@ def quantize_model(model: nn.Module, quant_type: str = "nf4", *, skip=None, comp
     if not chosen:
         raise ValueError(f"skip: the patterns {list(patterns)} exclude every nn.Linear of the model "
                          f"({len(candidates)}): nothing to quantize")
-    on_meta = [name for name in chosen if model.get_submodule(name).weight.is_meta]
+    fallbacks = _gguf_fallbacks(model, chosen, quant_type) if quantizer.replace is _to_gguf else {}
+    skipped = [n for n in candidates if n not in chosen] + unsafe
+    return QuantizePlan(quant_type, options, quantizer.replace, chosen, skipped, fallbacks)
+
+
+def quantize_model(model: nn.Module, quant_type: str = "nf4", *, skip=None, compute_dtype=None, blocksize: int = 64,
+                   compress_statistics: bool = True, quant_storage: torch.dtype = torch.uint8, device=None,
+                   progress: bool = True, threshold: float = 0.0) -> QuantizeReport:
+    """Replace every ``nn.Linear`` of ``model`` (but ``skip``'s) in place by a quantized layer; returns (and logs
+    at INFO) a ``QuantizeReport``.  ``skip``: module-name patterns (default ``("lm_head",)``; see the module doc).
+    ``threshold`` (int8 only) is ``Linear8bitLt``'s LLM.int8() outlier threshold (0 = pure int8; transformers
+    uses 6.0); the int8 layers are inference layers (``has_fp16_weights=False``).  The other arguments are
+    ``Linear4bit``'s.  ``progress``: show a tqdm bar."""
+    plan = plan_quantize(model, quant_type, skip=skip, compute_dtype=compute_dtype, blocksize=blocksize,
+                         compress_statistics=compress_statistics, quant_storage=quant_storage, device=device,
+                         threshold=threshold)
+    on_meta = [name for name in plan.chosen if model.get_submodule(name).weight.is_meta]
     if on_meta:
         raise ValueError(f"model: the nn.Linear layers {on_meta[:3]} have their weights on the meta device: "
                          f"load the weights first (or load a quantized state_dict into Linear4bit layers)")
-
-    fallbacks = _gguf_fallbacks(model, chosen, quant_type) if quantizer.replace is _to_gguf else {}
-    if fallbacks:
-        warn_fallbacks(quant_type, fallbacks)
-    report = QuantizeReport(quant_type, skipped=[n for n in candidates if n not in chosen] + unsafe,
-                            fallbacks=fallbacks,
+    if plan.fallbacks:
+        warn_fallbacks(quant_type, plan.fallbacks)
+    report = QuantizeReport(quant_type, skipped=plan.skipped, fallbacks=plan.fallbacks,
                             parameter_bytes_before=parameter_bytes(model),
                             active_memory_before=backend.get_active_memory(), backend=backend.name())
     start = time.perf_counter()
     done: dict[int, nn.Module] = {}  # a layer registered under two names is quantized once and stays shared
-    for name in tqdm(chosen, desc=f"quantize {quant_type}", unit="layer", disable=disabled(progress)):
+    for name in tqdm(plan.chosen, desc=f"quantize {quant_type}", unit="layer", disable=disabled(progress)):
         parent_name, _, child_name = name.rpartition(".")
         parent = model.get_submodule(parent_name)
         linear = getattr(parent, child_name)
         if id(linear) not in done:
-            done[id(linear)] = quantizer.replace(linear, options)
+            done[id(linear)] = plan.quantize(linear)
         setattr(parent, child_name, done[id(linear)])
         report.replaced.append(name)
     report.seconds = time.perf_counter() - start

@@ -36,7 +36,7 @@ a weight for Q8_0 (exact: its d is an fp16), 1.125 for Q6_K.
 
 ``quantize_q8_0``: float weights to Q8_0 blocks in torch, on any device (gguf-py's bytes; the model bench and
 ``quantize_model(model, "q8_0")`` use it); ``quantize_q6_k``: to Q6_K blocks (the output head of a GGUF-type
-model, ``models/registry.GGUF_HEAD_TYPES``).
+model, ``models/quantize_at_load.GGUF_HEAD_TYPES``).
 """
 
 from __future__ import annotations
