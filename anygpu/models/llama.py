@@ -370,7 +370,10 @@ class _Loading:
             module = parts[-2] if len(parts) >= 2 else ""
             self.expected |= {(pname, s) for s in fused_starts.get(module, {0})}
         self.written: set[tuple[str, int]] = set()
-        self.pending = {m: {key for key in self.expected if key[0].rpartition(".")[0] == m} for m in self.replace}
+        by_module: dict[str, set[tuple[str, int]]] = {}
+        for key in self.expected:
+            by_module.setdefault(key[0].rpartition(".")[0], set()).add(key)
+        self.pending = {m: by_module.get(m, set()) for m in self.replace}
         nothing = [m for m, keys in self.pending.items() if not keys]
         if nothing:  # it would never be replaced
             raise ValueError(f"replace: {nothing[:3]} are not modules with parameters to load")

@@ -25,7 +25,7 @@ import torch
 from torch import nn
 
 from ..nn.linear_gguf_8bit import GGUF8bitLinear
-from ..nn.quantize_model import gguf_type_for, plan_quantize, warn_fallbacks
+from ..nn.quantize_model import plan_quantize, warn_fallbacks
 from . import gguf_packed
 from .quantize_packed import QUANTIZERS, pack_linear, packed_types
 
@@ -73,9 +73,7 @@ def _unpacked(model: nn.Module, quant_type: str, packed: set[str]) -> dict[str, 
     fallbacks = {name: kind for name, kind in chosen.fallbacks.items() if name in names}
     if fallbacks:
         warn_fallbacks(quant_type, fallbacks)
-    kinds = {name: gguf_type_for(quant_type, model.get_submodule(name).in_features) if quant_type in QUANTIZERS
-             else quant_type for name in names}
-    return {name: LayerQuantizer(chosen.quantize, kinds[name]) for name in names}
+    return {name: LayerQuantizer(chosen.quantize, chosen.fallbacks.get(name, quant_type)) for name in names}
 
 
 def head_type(model: nn.Module, type_name: str) -> str | None:
