@@ -63,16 +63,7 @@ def test_from_linear_in_16_bits_keeps_fp16_scales(type_name):
     torch.testing.assert_close(layer(x), F.linear(x, got.bfloat16()), rtol=0, atol=0)
 
 
-@pytest.mark.parametrize("type_name", ["Q8_0", "Q6_K"])
-def test_from_linear_in_row_slices_is_the_whole(monkeypatch, type_name):
-    """A large layer (an output head) is quantized a slice of rows at a time: the same bytes as at once."""
-    from anygpu.nn import linear_gguf_8bit
-
-    linear = torch.nn.Linear(256, 20)
-    whole = GGUF8bitLinear.from_linear(linear, type_name)
-    monkeypatch.setattr(linear_gguf_8bit, "_ROWS_AT_A_TIME", 7)
-    sliced = GGUF8bitLinear.from_linear(linear, type_name)
-    assert torch.equal(sliced.codes, whole.codes) and torch.equal(sliced.scale, whole.scale)
+# (quantizing in slices of rows: tests/test_row_slices.py)
 
 
 def test_bad_layer_arguments_name_them():

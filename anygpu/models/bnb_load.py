@@ -20,6 +20,7 @@ from .bnb_weights import FusedPieces, check_weight_format
 from .config import ModelConfig
 from .memory_check import check_model_fits
 from .parallel import TensorParallel
+from .quantized_size import loaded_bytes
 
 # "<prefix>.<projection>.<item>": a linear's weight, one of its quant-state items, or an 8-bit SCB/weight_format.
 _LINEAR_ITEM = re.compile(r"(?P<prefix>(?:.*\.)?)(?P<proj>[a-z_]+)\.(?P<item>weight(?:\..+)?|SCB|weight_format)")
@@ -36,7 +37,8 @@ def build_prequantized(model_cls, config: ModelConfig, weights: Iterable[tuple[s
     placements = model._placements()  # HF projection -> (our Linear, its first row)
     groups = _linear_groups(model, placements, config, where)
     # Made on meta, the model skipped its memory check: check here what it will hold, quantized.
-    check_model_fits(config, _quantized_bytes(model, groups, config), model.max_position, device)
+    kind = "nf4" if config.quantization.bits == 4 else "int8"  # (nf4 and fp4 take the same bytes)
+    check_model_fits(config, loaded_bytes(model, dict.fromkeys(groups, kind)), model.max_position, device)
     model.allocate(device, lazy=groups)  # (and the rotary table: none is made on meta)
 
     params = dict(model.named_parameters())
@@ -110,15 +112,3 @@ def _linear_groups(model, placements, config: ModelConfig, where: str) -> dict[s
             rows = [module.out_features if r is None else r for _, r in projs]
             groups[name] = FusedPieces(name, [p for p, _ in projs], rows, module.in_features, where)
     return groups
-
-
-def _quantized_bytes(model: nn.Module, groups: dict[str, FusedPieces], config: ModelConfig) -> int:
-    """Bytes the loaded model will hold: its full-precision parameters, and its Linears at 4 bits a weight plus an
-    fp32 absmax per 64 (bitsandbytes' default block), or 8 bits plus a scale per row."""
-    linear = {id(model.get_submodule(m).weight): model.get_submodule(m).weight for m in groups}
-    dense = {id(p): p for p in model.parameters() if id(p) not in linear}
-    total = sum(p.numel() * p.element_size() for p in dense.values())
-    for w in linear.values():
-        total += w.numel() // 2 + w.numel() // 64 * 4 if config.quantization.bits == 4 else w.numel() + w.shape[0] * 4
-    return total
-

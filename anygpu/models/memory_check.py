@@ -42,22 +42,25 @@ def _gib(n: int) -> str:
 
 
 def check_model_fits(config, param_bytes: int, max_position: int, device: torch.device,
-                     free: int | None = None) -> None:
-    """ValueError naming the field(s) when the weights (``param_bytes``) plus the rotary table for
-    ``max_position`` positions cannot fit in what ``device`` has free (``free``: that number, when known)."""
+                     free: int | None = None, transient: int = 0) -> None:
+    """ValueError naming the field(s) when the weights (``param_bytes``, plus ``transient`` held for a while on
+    the way: a layer being quantized) plus the rotary table for ``max_position`` positions cannot fit in what
+    ``device`` has free (``free``: that number, when known)."""
     free = available_bytes(device) if free is None else free
     if free is None:
         return
     rotary = max_position * config.head_dim * ROTARY_PEAK_BYTES_PER_ELEMENT
-    if rotary + param_bytes <= free:
+    if rotary + param_bytes + transient <= free:
         return
     if rotary > free // 2:  # the table is the problem, not the weights
         raise ValueError(f"max_position: the rotary table for {max_position} positions (head_dim {config.head_dim}) "
-                         f"needs {_gib(rotary)} while it is built, and the weights {_gib(param_bytes)}, but "
+                         f"needs {_gib(rotary)} while it is built, and the weights {_gib(param_bytes + transient)}, "
+                         f"but "
                          f"{device} has {_gib(free)} free; serve a shorter context (max_model_len) or fix "
                          "max_position_embeddings")
     c = config
-    raise ValueError(f"the weights need {_gib(param_bytes)} (num_layers {c.num_layers}, hidden_size {c.hidden_size}, "
-                     f"intermediate_size {c.intermediate_size}, vocab_size {c.vocab_size}) and the rotary table "
-                     f"{_gib(rotary)}, but {device} has {_gib(free)} free; use a smaller model or dtype, more "
-                     "GPUs (tensor parallelism) or free memory")
+    during = f" (and {_gib(transient)} more while a layer is quantized)" if transient else ""
+    raise ValueError(f"the weights need {_gib(param_bytes)}{during} (num_layers {c.num_layers}, hidden_size "
+                     f"{c.hidden_size}, intermediate_size {c.intermediate_size}, vocab_size {c.vocab_size}) and the "
+                     f"rotary table {_gib(rotary)}, but {device} has {_gib(free)} free; use a smaller model or dtype, "
+                     "more GPUs (tensor parallelism) or free memory")

@@ -34,10 +34,6 @@ from .quantize_packed import QUANTIZERS, pack_linear, packed_types
 # does.  A tied head (it reads the embedding's weight) and a CPU model (no packed int8-block kernel there: the
 # reference would rebuild the head every step) keep theirs.
 GGUF_HEAD_TYPES = {"q4_0": "Q6_K", "q4_k": "Q6_K", "q8_0": "Q8_0"}
-# Bytes a weight takes once quantized, scales included (4-bit codes with fp32 scales and offsets per 32 at most;
-# int8 codes with a scale per row or per 16; the small code tables aside): what the memory check counts.
-_BYTES_PER_WEIGHT = {"nf4": 0.75, "fp4": 0.75, "q4_0": 0.75, "q4_k": 0.75, "int8": 1.25, "q8_0": 1.25,
-                     "Q6_K": 1.25, "Q8_0": 1.25}
 
 
 class LayerQuantizer(NamedTuple):
@@ -83,14 +79,3 @@ def head_type(model: nn.Module, type_name: str) -> str | None:
     if head.weight is model.embed_tokens.weight or head.in_features % 32:
         return None
     return "Q8_0" if type_name == "Q6_K" and head.in_features % 256 else type_name
-
-
-def loaded_bytes(model: nn.Module, layers: dict[str, LayerQuantizer]) -> int:
-    """Bytes ``model``'s parameters will hold once loaded: the planned Linears' weights quantized, the rest as
-    they are (a shared parameter counted once)."""
-    quantized = {id(model.get_submodule(name).weight): q.kind for name, q in layers.items()}
-    total = 0
-    for p in model.parameters():  # (each shared parameter once)
-        kind = quantized.get(id(p))
-        total += p.numel() * p.element_size() if kind is None else int(p.numel() * _BYTES_PER_WEIGHT[kind])
-    return total

@@ -23,6 +23,7 @@ from torch import nn
 from ..nn.linear_gguf import GGUFLinear
 from ..nn.quantize_model import DEFAULT_SKIP, gguf_type_for, warn_fallbacks
 from ..quant import gguf_4bit, gguf_8bit, gguf_int4pack
+from ..ops.row_slices import by_rows
 
 QUANTIZERS = {"q4_0": gguf_4bit.quantize_q4_0, "q4_k": gguf_4bit.quantize_q4_k, "q8_0": gguf_8bit.quantize_q8_0}
 
@@ -52,7 +53,7 @@ def packed_types(model: nn.Module, quant_type: str,
 def pack_linear(linear: nn.Linear, kind: str) -> GGUFLinear:
     """``linear`` (a CPU weight) quantized to GGUF ``kind`` blocks (``packed_types``' choice) and packed."""
     n, k = linear.weight.shape
-    raw = QUANTIZERS[kind](linear.weight.detach().float()).reshape(-1)
+    raw = by_rows(lambda rows: QUANTIZERS[kind](rows.float()), linear.weight.detach()).reshape(-1)
     segments = gguf_int4pack.pack([gguf_int4pack.decode(raw, kind.upper(), n, k)])
     bias = None if linear.bias is None else linear.bias.detach().float()
     return GGUFLinear(segments, k, n, bias)

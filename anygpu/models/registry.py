@@ -29,7 +29,7 @@ from torch import nn
 from tqdm.auto import tqdm
 
 from .._progress import disabled
-from . import quantize_at_load
+from . import quantize_at_load, quantized_size
 from .bnb_load import build_prequantized
 from .config import SUPPORTED_ARCHITECTURES, ModelConfig
 from .llama import LlamaForCausalLM
@@ -111,7 +111,9 @@ def _build_quantized(config: ModelConfig, weights: Iterable[tuple[str, torch.Ten
     write and quantized once all its rows are in.  An error on the way leaves no model to anyone."""
     model = model_class(config)(config, dtype=dtype, device="meta", tp=tp, max_position=max_position)
     layers = quantize_at_load.plan(model, quantize, device, tp.world_size if tp else 1)
-    check_model_fits(config, quantize_at_load.loaded_bytes(model, layers), model.max_position, device)
+    kinds = {name: q.kind for name, q in layers.items()}
+    check_model_fits(config, quantized_size.loaded_bytes(model, kinds), model.max_position, device,
+                     transient=quantized_size.transient_bytes(model, kinds))
     model.allocate(device, lazy=layers)
     with tqdm(total=len(layers), desc=f"quantize {quantize}", unit="layer", disable=disabled(progress)) as bar:
         model.load_weights(weights, replace={name: _counted(q.make, bar) for name, q in layers.items()})

@@ -20,6 +20,7 @@ import copy
 import torch
 
 from ..quant.int8 import int8_vectorwise_quant
+from ..ops.row_slices import by_rows
 
 
 class Int8Params(torch.nn.Parameter):
@@ -61,11 +62,12 @@ class Int8Params(torch.nn.Parameter):
         if self.has_fp16_weights:
             self.data = self.data.to(device)
             return self
-        weight = self.data.contiguous().to(device=device, dtype=torch.float16)
-        if weight.dim() != 2:
+        if self.data.dim() != 2:
             raise ValueError(f"weight: expected a 2-D [out_features, in_features] tensor, got shape "
-                             f"{tuple(weight.shape)}")
-        CB, SCB, _ = int8_vectorwise_quant(weight)
+                             f"{tuple(self.data.shape)}")
+        # (row scales: a slice of rows at a time, converted and moved as it goes, bounds the temporaries)
+        CB, SCB, _ = by_rows(
+            lambda rows: int8_vectorwise_quant(rows.to(device=device, dtype=torch.float16).contiguous()), self.data)
         self.requires_grad_(False)
         self.data = CB  # the full-precision tensor is released here unless someone else holds it
         self.SCB = SCB

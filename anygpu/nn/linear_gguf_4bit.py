@@ -18,6 +18,7 @@ from torch import nn
 from ..ops import matmul_4bit
 from ..ops.matmul_4bit import dequantize_weight
 from ..quant import gguf_4bit
+from ..ops.row_slices import by_rows
 from . import _cpu_weight_cache as cpu_cache
 
 BLOCKSIZE = gguf_4bit.BLOCKSIZE
@@ -45,10 +46,12 @@ class GGUF4bitLinear(cpu_cache.CachesCPUWeight, nn.Module):
         quantizers = {"Q4_0": gguf_4bit.quantize_q4_0, "Q4_K": gguf_4bit.quantize_q4_k}
         if type_name not in quantizers:
             raise ValueError(f"type_name: expected one of {tuple(quantizers)}, got {type_name!r}")
-        w = linear.weight.detach().to(device or linear.weight.device)
+        w = linear.weight.detach()
+        device = torch.device(device) if device is not None else w.device
         n, k = w.shape
-        raw = quantizers[type_name](w).reshape(-1)
-        bias = None if linear.bias is None else linear.bias.detach().to(w.device)
+        quantize = quantizers[type_name]
+        raw = by_rows(lambda rows: quantize(rows.to(device)), w).reshape(-1)  # (bounded fp32 temporaries)
+        bias = None if linear.bias is None else linear.bias.detach().to(device)
         half = linear.weight.dtype in (torch.float16, torch.bfloat16)
         return cls(gguf_4bit.convert(raw, type_name, n, k, half_scales=half), k, n, bias)
 

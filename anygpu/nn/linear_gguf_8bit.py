@@ -19,10 +19,9 @@ from torch import nn
 from ..ops import matmul_int8_block
 from ..ops.matmul_int8_block import dequantize_weight
 from ..quant import gguf_8bit
+from ..ops.row_slices import by_rows
 from . import _cpu_weight_cache as cpu_cache
 
-
-_ROWS_AT_A_TIME = 4096
 
 
 class GGUF8bitLinear(cpu_cache.CachesCPUWeight, nn.Module):
@@ -57,13 +56,14 @@ class GGUF8bitLinear(cpu_cache.CachesCPUWeight, nn.Module):
         if type_name not in quantizers:
             raise ValueError(f"type_name: expected one of {tuple(quantizers)}, got {type_name!r}")
         quantize, step = quantizers[type_name]
-        w = linear.weight.detach().to(device or linear.weight.device)
+        w = linear.weight.detach()
+        device = torch.device(device) if device is not None else w.device
         n, k = w.shape
         if k % step:
             raise ValueError(f"linear: {type_name} needs in_features a multiple of {step}, got {k}")
-        # A slice of rows at a time: the quantizers' fp32 temporaries of a whole output head would be several GB.
-        raw = torch.cat([quantize(w[i: i + _ROWS_AT_A_TIME]) for i in range(0, n, _ROWS_AT_A_TIME)]).reshape(-1)
-        bias = None if linear.bias is None else linear.bias.detach().to(w.device)
+        # (a slice of rows at a time, moved as it goes: the quantizers' fp32 temporaries of a whole head are GBs)
+        raw = by_rows(lambda rows: quantize(rows.to(device)), w).reshape(-1)
+        bias = None if linear.bias is None else linear.bias.detach().to(device)
         half = w.dtype in (torch.float16, torch.bfloat16)
         return cls(gguf_8bit.convert(raw, type_name, n, k, half_scales=half), k, n, bias)
 

@@ -14,11 +14,13 @@ Kernel: ``anygpu/kernels/quant_4bit.py``, bit-identical to this.
 from __future__ import annotations
 
 import functools
+import math
 
 import torch
 
 from .quant_common import (QUANT_STORAGES, bucket, check_blocksize, check_input, check_quant_type, num_blocks,
                             scale_blocks, sorted_4bit)
+from . import row_slices
 from .define import define_op
 
 
@@ -100,8 +102,24 @@ def pack(codes: torch.Tensor, quant_storage: torch.dtype) -> torch.Tensor:
 
 def reference(A: torch.Tensor, blocksize: int, quant_type: str,
               quant_storage: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    codes, absmax = codes_4bit(A, blocksize, quant_type, fp4_rule(A.device))
-    return pack(codes, quant_storage), absmax
+    # NOTE: a slice at a time (row_slices: its fp32 temporaries, 13 bytes a weight, of a whole projection are GBs);
+    # a slice is whole blocks and whole packed words, so the bytes are the same
+    flat, rule = A.reshape(-1), fp4_rule(A.device)
+    unit = math.lcm(blocksize, 2 * quant_storage.itemsize)
+    step = max(unit, row_slices.SLICE_ELEMENTS // unit * unit)
+    if flat.numel() <= step:
+        codes, absmax = codes_4bit(flat, blocksize, quant_type, rule)
+        return pack(codes, quant_storage), absmax
+    n = flat.numel()
+    packed = A.new_empty(packed_rows(n, quant_storage), 1, dtype=quant_storage)
+    absmax = A.new_empty(num_blocks(n, blocksize), dtype=torch.float32)
+    words = 2 * quant_storage.itemsize
+    for i in range(0, n, step):
+        codes, part = codes_4bit(flat[i: i + step], blocksize, quant_type, rule)
+        part_packed = pack(codes, quant_storage)
+        packed[i // words: i // words + part_packed.shape[0]] = part_packed
+        absmax[i // blocksize: i // blocksize + part.numel()] = part
+    return packed, absmax
 
 
 def fake(A: torch.Tensor, blocksize: int, quant_type: str,
