@@ -112,7 +112,7 @@ def test_the_memory_check_counts_the_layer_being_quantized(quant_type, monkeypat
     with the check's error (naming both) before anything is read; with the transient free, it loads."""
     model, kinds = _kinds(TINY, quant_type)
     loaded = quantized_size.loaded_bytes(model, kinds)
-    transient = quantized_size.transient_bytes(model, kinds)
+    transient = quantized_size.transient_bytes(model, kinds, torch.device("cpu"))
     rotary = model.max_position * TINY.head_dim * memory_check.ROTARY_PEAK_BYTES_PER_ELEMENT
     assert transient > max(model.get_submodule(n).weight.numel() * 4 for n in kinds)  # at least its fp32 weight
     monkeypatch.setattr(memory_check, "available_bytes", lambda device: loaded + rotary + transient - 1)
@@ -145,7 +145,8 @@ def test_a_gpu_build_stays_within_what_the_check_counts(quant_type):
     config = dataclasses.replace(random_config("llama3-8b"), num_layers=2)
     meta = LlamaForCausalLM(config, dtype=torch.bfloat16, device="meta", max_position=4096)
     kinds = {n: q.kind for n, q in plan(meta, quant_type, torch.device("cuda")).items()}
-    counted = quantized_size.loaded_bytes(meta, kinds) + quantized_size.transient_bytes(meta, kinds)
+    counted = (quantized_size.loaded_bytes(meta, kinds)
+               + quantized_size.transient_bytes(meta, kinds, torch.device("cuda")))
     torch.cuda.empty_cache()
     base = torch.cuda.memory_allocated()
     torch.cuda.reset_peak_memory_stats()
@@ -157,3 +158,27 @@ def test_a_gpu_build_stays_within_what_the_check_counts(quant_type):
     # the embedding, is held beside the model once; 64 MiB: the rotary table and small buffers
     source = config.vocab_size * config.hidden_size * 2
     assert peak <= counted + source + (64 << 20), (peak / 2**30, counted / 2**30)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("type_name", ["Q4_0", "Q4_K", "Q8_0", "Q6_K"])
+def test_the_gguf_layers_hold_what_convert_makes_of_the_whole_weight(type_name, dtype, small_slices):
+    """Quantized and laid out a slice at a time, narrowed to fp16 scales over the whole layer: the tensors the
+    GGUF loader's ``convert`` makes of the whole raw blocks."""
+    torch.manual_seed(1)
+    linear = nn.Linear(256, 40, dtype=dtype)
+    linear.weight.data[3] *= 1e-6  # a row of tiny scales: fp16 cannot hold them (the narrowing keeps fp32)
+    half = dtype == torch.bfloat16
+    if type_name in ("Q4_0", "Q4_K"):
+        raw = {"Q4_0": gguf_4bit.quantize_q4_0, "Q4_K": gguf_4bit.quantize_q4_k}[type_name](linear.weight.detach())
+        want = gguf_4bit.convert(raw.reshape(-1), type_name, 40, 256, half_scales=half)
+        got = GGUF4bitLinear.from_linear(linear, type_name)
+        pairs = [(got.packed, want.packed), (got.absmax, want.absmax), (got.offset, want.offset),
+                 (got.code, want.code)]
+    else:
+        raw = {"Q8_0": gguf_8bit.quantize_q8_0, "Q6_K": gguf_8bit.quantize_q6_k}[type_name](linear.weight.detach())
+        want = gguf_8bit.convert(raw.reshape(-1), type_name, 40, 256, half_scales=half)
+        got = GGUF8bitLinear.from_linear(linear, type_name)
+        pairs = [(got.codes, want.codes), (got.scale, want.scale), (got.offset, want.offset)]
+    for a, b in pairs:
+        _same(a, b)

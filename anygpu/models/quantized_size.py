@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
+import torch
 from torch import nn
 
 from ..ops import row_slices
@@ -20,11 +21,16 @@ from ..ops import row_slices
 # per 32 or 16 (GGUF's 8-bit blocks, Q6_K).  Exact for bitsandbytes checkpoints without double quant.
 _STORED = {"nf4": (0.5625, 0), "fp4": (0.5625, 0), "int8": (1.0, 4), "q4_0": (0.625, 0), "q4_k": (0.75, 0),
            "q8_0": (1.25, 0), "Q6_K": (1.25, 0), "Q8_0": (1.125, 0)}
-# Quantizing one Linear holds, besides its full-precision weight: (bytes a weight of the whole layer, bytes a
-# weight of one row slice, ``row_slices``).  The largest measured over the GPU (bf16) and CPU (fp32, packed and
-# not) paths, rounded up (docs/perf/2026-12-07-s34-quantize-transient.md); the slice's fp32 temporaries dominate.
-_WORKING = {"nf4": (1.5, 12.5), "fp4": (1.5, 12.5), "int8": (1.5, 11.0), "q4_0": (3.6, 12.0), "q4_k": (3.6, 12.0),
-            "q8_0": (6.6, 27.0), "Q6_K": (4.6, 9.0), "Q8_0": (2.0, 27.0)}
+# Quantizing one Linear holds, besides its full-precision weight and its result: (bytes a weight of the whole
+# layer, bytes a weight of one row slice, ``row_slices``), on GPUs (the Triton / torch quantizers from 16-bit
+# weights) and on the CPU (fp32 weights; the packed GGUF layers' repacking is the whole-layer part there).
+# Measured (docs/perf/2026-12-07-s34-quantize-transient.md) and rounded up; a slice's fp32 temporaries dominate.
+_WORKING = {
+    "gpu": {"nf4": (0.2, 0.0), "fp4": (0.2, 0.0), "int8": (0.6, 11.0), "q4_0": (0.5, 12.0), "q4_k": (0.6, 12.0),
+            "q8_0": (0.7, 27.0), "Q6_K": (1.4, 12.0), "Q8_0": (0.7, 27.0)},
+    "cpu": {"nf4": (1.0, 12.5), "fp4": (1.0, 12.5), "int8": (0.6, 11.0), "q4_0": (3.2, 8.0), "q4_k": (3.0, 8.0),
+            "q8_0": (5.5, 23.5), "Q6_K": (2.5, 6.5), "Q8_0": (1.1, 23.5)},
+}
 
 
 def loaded_bytes(model: nn.Module, kinds: Mapping[str, str]) -> int:
@@ -42,14 +48,15 @@ def loaded_bytes(model: nn.Module, kinds: Mapping[str, str]) -> int:
     return total
 
 
-def transient_bytes(model: nn.Module, kinds: Mapping[str, str]) -> int:
-    """The most that quantizing one of ``kinds``' Linears as it loads holds beyond ``loaded_bytes``: its
-    full-precision weight and the quantizer's temporaries (the largest layer's; one layer is quantized at a
+def transient_bytes(model: nn.Module, kinds: Mapping[str, str], device: torch.device) -> int:
+    """The most that quantizing one of ``kinds``' Linears on ``device`` as it loads holds beyond ``loaded_bytes``:
+    its full-precision weight and the quantizer's temporaries (the largest layer's; one layer is quantized at a
     time)."""
+    working = _WORKING["cpu" if device.type == "cpu" else "gpu"]
     most = 0
     for name, kind in kinds.items():
         w = model.get_submodule(name).weight
-        whole, per_slice = _WORKING[kind]
+        whole, per_slice = working[kind]
         n = w.numel()
         most = max(most, n * w.element_size() + int(n * whole + min(n, row_slices.SLICE_ELEMENTS) * per_slice))
     return most

@@ -113,7 +113,7 @@ def _build_quantized(config: ModelConfig, weights: Iterable[tuple[str, torch.Ten
     layers = quantize_at_load.plan(model, quantize, device, tp.world_size if tp else 1)
     kinds = {name: q.kind for name, q in layers.items()}
     check_model_fits(config, quantized_size.loaded_bytes(model, kinds), model.max_position, device,
-                     transient=quantized_size.transient_bytes(model, kinds))
+                     transient=quantized_size.transient_bytes(model, kinds, device))
     model.allocate(device, lazy=layers)
     with tqdm(total=len(layers), desc=f"quantize {quantize}", unit="layer", disable=disabled(progress)) as bar:
         model.load_weights(weights, replace={name: _counted(q.make, bar) for name, q in layers.items()})

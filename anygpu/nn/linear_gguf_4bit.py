@@ -50,10 +50,23 @@ class GGUF4bitLinear(cpu_cache.CachesCPUWeight, nn.Module):
         device = torch.device(device) if device is not None else w.device
         n, k = w.shape
         quantize = quantizers[type_name]
-        raw = by_rows(lambda rows: quantize(rows.to(device)), w).reshape(-1)  # (bounded fp32 temporaries)
+
+        def blocks(rows: torch.Tensor) -> tuple:
+            """A slice of rows quantized and laid out (fp32 scales), a row of each tensor per weight row."""
+            r = rows.shape[0]
+            part = gguf_4bit.convert(quantize(rows.to(device)).reshape(-1), type_name, r, k)
+            return tuple(None if t is None else t.reshape(r, -1) for t in (part.packed, part.absmax, part.offset))
+
+        # (a slice at a time, moved as it goes: the quantizer's fp32 temporaries of a whole head are GBs); the
+        # fp16 narrowing looks at the whole layer, as convert(half_scales=True) does
+        packed, absmax, offset = (None if t is None else t.reshape(-1) for t in by_rows(blocks, w))
+        if linear.weight.dtype in (torch.float16, torch.bfloat16):
+            absmax, offset = gguf_4bit.narrow(absmax, offset)
+        table = gguf_4bit.TABLES[type_name]
+        weight = gguf_4bit.Packed4bit(packed, absmax.contiguous(), None if offset is None else offset.contiguous(),
+                                      gguf_4bit.code_table(table, device), table)
         bias = None if linear.bias is None else linear.bias.detach().to(device)
-        half = linear.weight.dtype in (torch.float16, torch.bfloat16)
-        return cls(gguf_4bit.convert(raw, type_name, n, k, half_scales=half), k, n, bias)
+        return cls(weight, k, n, bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         bias = None if self.bias is None else self.bias.to(x.dtype)

@@ -61,11 +61,24 @@ class GGUF8bitLinear(cpu_cache.CachesCPUWeight, nn.Module):
         n, k = w.shape
         if k % step:
             raise ValueError(f"linear: {type_name} needs in_features a multiple of {step}, got {k}")
-        # (a slice of rows at a time, moved as it goes: the quantizers' fp32 temporaries of a whole head are GBs)
-        raw = by_rows(lambda rows: quantize(rows.to(device)), w).reshape(-1)
+
+        def blocks(rows: torch.Tensor) -> tuple:
+            """A slice of rows quantized and laid out (fp32 scales), a row of each tensor per weight row."""
+            r = rows.shape[0]
+            part = gguf_8bit.convert(quantize(rows.to(device)).reshape(-1), type_name, r, k)
+            return tuple(None if t is None else t.reshape(r, -1) for t in (part.codes, part.scale, part.offset))
+
+        # (a slice at a time, moved as it goes: the quantizers' fp32 temporaries of a whole head are GBs); the fp16
+        # narrowing looks at the whole layer, as convert(half_scales=True) does
+        codes, scale, offset = by_rows(blocks, w)
+        scale, offset = scale.reshape(-1), None if offset is None else offset.reshape(-1)
+        blocksize = gguf_8bit.NATIVE_BLOCK[type_name]
+        if w.dtype in (torch.float16, torch.bfloat16):
+            scale, offset = gguf_8bit.narrow(codes, scale, offset, blocksize)
+        weight = gguf_8bit.PackedInt8Block(codes, scale.contiguous(), None if offset is None else offset.contiguous(),
+                                           blocksize)
         bias = None if linear.bias is None else linear.bias.detach().to(device)
-        half = w.dtype in (torch.float16, torch.bfloat16)
-        return cls(gguf_8bit.convert(raw, type_name, n, k, half_scales=half), k, n, bias)
+        return cls(weight, k, n, bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         bias = None if self.bias is None else self.bias.to(x.dtype)
