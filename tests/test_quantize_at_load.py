@@ -20,6 +20,8 @@ from anygpu.models.registry import build_model, random_weights
 from anygpu.nn.linear_gguf_8bit import GGUF8bitLinear
 from anygpu.nn.quantize_model import quantize_model
 
+from ._staging import force_staging
+
 TYPES = ("nf4", "fp4", "int8", "q4_0", "q4_k", "q8_0")
 GGUF_TYPES = ("q4_0", "q4_k", "q8_0")
 TINY = random_config("tiny")
@@ -179,3 +181,25 @@ def test_a_tensor_after_its_layer_was_quantized_is_an_error():
 def test_prepare_is_not_taken_with_quantize():
     with pytest.raises(ValueError, match="prepare: not with quantize="):
         build_model(TINY, "random", progress=False, quantize="nf4", prepare=lambda m: None)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+@pytest.mark.parametrize("staged", [False, True], ids=["on-gpu", "staged"])
+@pytest.mark.parametrize("quant_type", TYPES)
+def test_a_gpu_build_is_quantizing_after(quant_type, staged, monkeypatch):
+    """On a GPU: the same model, bit for bit, as loading in bf16 on the GPU and quantizing there (the GGUF types'
+    head as ``plan`` chose it), whether the full-precision weights load on the GPU or, where it is too tight
+    for one, into host memory (the 4-bit formats move a whole weight to quantize it: never staged)."""
+    if staged:
+        force_staging(monkeypatch, TINY, quant_type)
+    kwargs = {"dtype": torch.bfloat16, "device": "cuda"}
+    got = build_model(TINY, "random", progress=False, quantize=quant_type, **kwargs)
+    assert got._staging.type == ("cpu" if staged and quant_type not in ("nf4", "fp4") else "cuda")
+    monkeypatch.undo()
+    want = _quantized_after_loading(TINY, quant_type, **kwargs)
+    head = plan(LlamaForCausalLM(TINY, device="meta"), quant_type, torch.device("cuda")).get("lm_head")
+    if head is not None:
+        want.lm_head = GGUF8bitLinear.from_linear(want.lm_head, head.kind)
+    assert all(t.device.type == "cuda" for t in [*got.parameters(), *got.buffers()])
+    assert_same_model(got, want)

@@ -215,13 +215,16 @@ class LlamaForCausalLM(nn.Module):
         check_model_fits(cfg, sum(p.numel() * p.element_size() for p in self.parameters()), max_position, device)
         self.allocate(device)
 
-    def allocate(self, device: torch.device | str, lazy: Collection[str] = ()) -> None:
+    def allocate(self, device: torch.device | str, lazy: Collection[str] = (),
+                 staging: torch.device | str | None = None) -> None:
         """Allocate the weights on ``device`` (uninitialised: ``load_weights`` fills them) and build the rotary
         table there.  The weights of the Linears named in ``lazy`` stay on the meta device until ``load_weights``
-        writes their first rows: a model built on meta can be allocated whole but for the layers that
-        ``build_model`` quantizes as they load, so their full-precision weights never all exist."""
+        writes their first rows, and are then allocated on ``staging`` (default: ``device``): a model built on
+        meta can be allocated whole but for the layers that ``build_model`` quantizes as they load, so their
+        full-precision weights never all exist (and, staged on the host, never exist on the GPU at all)."""
         cfg = self.config
         self._device = device = torch.device(device)
+        self._staging = device if staging is None else torch.device(staging)
         _materialize(self, device, {id(self.get_submodule(name).weight) for name in lazy})
         if cfg.tie_word_embeddings and self.tp.world_size == 1:
             self.lm_head.weight = self.embed_tokens.weight
@@ -241,12 +244,12 @@ class LlamaForCausalLM(nn.Module):
             self.lm_head.weight.data[shard.vocab_real:].zero_()
 
     def _allocate_lazy(self, target: str) -> nn.Parameter:
-        """Parameter ``target``, left on the meta device by ``allocate(lazy=...)``, allocated on the model's
-        device at its first write."""
+        """Parameter ``target``, left on the meta device by ``allocate(lazy=...)``, allocated on the staging
+        device (``allocate``'s) at its first write."""
         module_name, _, attr = target.rpartition(".")
         module = self.get_submodule(module_name)
         meta = getattr(module, attr)
-        setattr(module, attr, nn.Parameter(torch.empty(meta.shape, dtype=meta.dtype, device=self._device),
+        setattr(module, attr, nn.Parameter(torch.empty(meta.shape, dtype=meta.dtype, device=self._staging),
                                            requires_grad=meta.requires_grad))
         if target == "lm_head.weight":
             self._zero_head_padding()

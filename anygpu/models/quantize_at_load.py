@@ -43,28 +43,30 @@ class LayerQuantizer(NamedTuple):
     kind: str
 
 
-def plan(model: nn.Module, quant_type: str, device: torch.device,
-         tp_world_size: int = 1) -> dict[str, LayerQuantizer]:
+def plan(model: nn.Module, quant_type: str, device: torch.device, tp_world_size: int = 1,
+         to: torch.device | None = None) -> dict[str, LayerQuantizer]:
     """{Linear name: its LayerQuantizer} for ``model`` (its weights may be on meta) to be loaded on ``device``.
-    Raises, before any weight is read, what quantizing after loading would raise."""
+    ``to``: where the layers quantize to (default: where each loaded weight is; ``device`` when the weights are
+    staged on the host).  Raises, before any weight is read, what quantizing after loading would raise."""
     layers: dict[str, LayerQuantizer] = {}
     packed, left = {}, []
     if quant_type in QUANTIZERS and device.type == "cpu" and gguf_packed.enabled(device, tp_world_size):
         packed, left = packed_types(model, quant_type)
         layers.update({name: LayerQuantizer(partial(pack_linear, kind=kind), kind) for name, kind in packed.items()})
     if not packed or left:  # (nothing packed: quantize_model's plan takes every layer, or names why it cannot)
-        layers.update(_unpacked(model, quant_type, set(packed)))
+        layers.update(_unpacked(model, quant_type, set(packed), to))
     if quant_type in GGUF_HEAD_TYPES and device.type != "cpu":  # (no packed int8-block kernel on the CPU)
         head = head_type(model, GGUF_HEAD_TYPES[quant_type])
         if head is not None:
-            layers["lm_head"] = LayerQuantizer(partial(GGUF8bitLinear.from_linear, type_name=head), head)
+            layers["lm_head"] = LayerQuantizer(partial(GGUF8bitLinear.from_linear, type_name=head, device=to), head)
     return layers
 
 
-def _unpacked(model: nn.Module, quant_type: str, packed: set[str]) -> dict[str, LayerQuantizer]:
+def _unpacked(model: nn.Module, quant_type: str, packed: set[str],
+              to: torch.device | None) -> dict[str, LayerQuantizer]:
     """``quantize_model``'s layers for the Linears ``packed`` leaves out, with its warning of their fallbacks."""
     extra = {"threshold": 6.0} if quant_type == "int8" else {}  # LLM.int8() at transformers' outlier threshold
-    chosen = plan_quantize(model, quant_type, **extra)
+    chosen = plan_quantize(model, quant_type, device=to, **extra)
     names = [name for name in chosen.chosen if name not in packed]
     fallbacks = {name: kind for name, kind in chosen.fallbacks.items() if name in names}
     if fallbacks:

@@ -32,6 +32,10 @@ _WORKING = {
             "q8_0": (5.5, 23.5), "Q6_K": (2.5, 6.5), "Q8_0": (1.1, 23.5)},
 }
 
+# bitsandbytes' 4-bit layers move the whole weight to the device, then quantize it there (its Triton kernel's
+# temporaries are small); the others move a slice of rows at a time (``row_slices``).
+_MOVES_WHOLE = frozenset({"nf4", "fp4"})
+
 
 def loaded_bytes(model: nn.Module, kinds: Mapping[str, str]) -> int:
     """Bytes ``model``'s parameters will hold once loaded: the Linears named in ``kinds`` quantized, the rest as
@@ -48,15 +52,17 @@ def loaded_bytes(model: nn.Module, kinds: Mapping[str, str]) -> int:
     return total
 
 
-def transient_bytes(model: nn.Module, kinds: Mapping[str, str], device: torch.device) -> int:
-    """The most that quantizing one of ``kinds``' Linears on ``device`` as it loads holds beyond ``loaded_bytes``:
-    its full-precision weight and the quantizer's temporaries (the largest layer's; one layer is quantized at a
-    time)."""
+def transient_bytes(model: nn.Module, kinds: Mapping[str, str], device: torch.device, staged: bool = False) -> int:
+    """The most that quantizing one of ``kinds``' Linears on ``device`` as it loads holds there beyond
+    ``loaded_bytes``: its full-precision weight and the quantizer's temporaries (the largest layer's; one layer is
+    quantized at a time).  ``staged``: the full-precision weights are loaded into host memory, and only the
+    formats that move a whole weight to quantize it (``_MOVES_WHOLE``) bring it to ``device``."""
     working = _WORKING["cpu" if device.type == "cpu" else "gpu"]
     most = 0
     for name, kind in kinds.items():
         w = model.get_submodule(name).weight
         whole, per_slice = working[kind]
         n = w.numel()
-        most = max(most, n * w.element_size() + int(n * whole + min(n, row_slices.SLICE_ELEMENTS) * per_slice))
+        weight = n * w.element_size() if not staged or kind in _MOVES_WHOLE else 0
+        most = max(most, weight + int(n * whole + min(n, row_slices.SLICE_ELEMENTS) * per_slice))
     return most

@@ -107,14 +107,27 @@ def _build_quantized(config: ModelConfig, weights: Iterable[tuple[str, torch.Ten
                      device: torch.device, quantize: str, progress: bool, tp: TensorParallel | None,
                      max_position: int | None) -> LlamaForCausalLM:
     """The model built on meta, its layers planned (``quantize_at_load.plan``: refusals raised before any weight
-    is read) and checked to fit quantized, then loaded with each planned layer's weight allocated at its first
-    write and quantized once all its rows are in.  An error on the way leaves no model to anyone."""
+    is read) and checked to fit quantized with one projection being quantized (``quantized_size``), then loaded
+    with each planned layer's weight allocated at its first write (in host memory where the GPU is too tight
+    for one beside the model) and quantized once all its rows are in.  An error on the way leaves no model to
+    anyone."""
     model = model_class(config)(config, dtype=dtype, device="meta", tp=tp, max_position=max_position)
-    layers = quantize_at_load.plan(model, quantize, device, tp.world_size if tp else 1)
+    gpu = device.type != "cpu"
+    layers = quantize_at_load.plan(model, quantize, device, tp.world_size if tp else 1, to=device if gpu else None)
     kinds = {name: q.kind for name, q in layers.items()}
-    check_model_fits(config, quantized_size.loaded_bytes(model, kinds), model.max_position, device,
-                     transient=quantized_size.transient_bytes(model, kinds, device))
-    model.allocate(device, lazy=layers)
+    loaded, staging = quantized_size.loaded_bytes(model, kinds), None
+    try:
+        check_model_fits(config, loaded, model.max_position, device,
+                         transient=quantized_size.transient_bytes(model, kinds, device))
+    except ValueError:
+        if not gpu:
+            raise
+        # Too tight for a full-precision projection beside the model: load those into host memory and quantize
+        # them onto the GPU a slice of rows at a time (bitsandbytes' way; slower, the weights cross twice).
+        check_model_fits(config, loaded, model.max_position, device,
+                         transient=quantized_size.transient_bytes(model, kinds, device, staged=True))
+        staging = torch.device("cpu")
+    model.allocate(device, lazy=layers, staging=staging)
     with tqdm(total=len(layers), desc=f"quantize {quantize}", unit="layer", disable=disabled(progress)) as bar:
         model.load_weights(weights, replace={name: _counted(q.make, bar) for name, q in layers.items()})
     return model.eval()
