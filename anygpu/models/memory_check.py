@@ -55,8 +55,7 @@ def check_model_fits(config, param_bytes: int, max_position: int, device: torch.
     if rotary > free // 2:  # the table is the problem, not the weights
         raise ValueError(f"max_position: the rotary table for {max_position} positions (head_dim {config.head_dim}) "
                          f"needs {_gib(rotary)} while it is built, and the weights {_gib(param_bytes + transient)}, "
-                         f"but "
-                         f"{device} has {_gib(free)} free; serve a shorter context (max_model_len) or fix "
+                         f"but {device} has {_gib(free)} free; serve a shorter context (max_model_len) or fix "
                          "max_position_embeddings")
     c = config
     during = f" (and {_gib(transient)} more while a layer is quantized)" if transient else ""

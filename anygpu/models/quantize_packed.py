@@ -22,8 +22,8 @@ from torch import nn
 
 from ..nn.linear_gguf import GGUFLinear
 from ..nn.quantize_model import DEFAULT_SKIP, gguf_type_for, warn_fallbacks
-from ..quant import gguf_4bit, gguf_8bit, gguf_int4pack
 from ..ops.row_slices import by_rows
+from ..quant import gguf_4bit, gguf_8bit, gguf_int4pack
 
 QUANTIZERS = {"q4_0": gguf_4bit.quantize_q4_0, "q4_k": gguf_4bit.quantize_q4_k, "q8_0": gguf_8bit.quantize_q8_0}
 

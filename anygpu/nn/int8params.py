@@ -19,8 +19,8 @@ import copy
 
 import torch
 
-from ..quant.int8 import int8_vectorwise_quant
 from ..ops.row_slices import by_rows
+from ..quant.int8 import int8_vectorwise_quant
 
 
 class Int8Params(torch.nn.Parameter):

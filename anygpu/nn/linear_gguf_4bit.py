@@ -17,8 +17,8 @@ from torch import nn
 
 from ..ops import matmul_4bit
 from ..ops.matmul_4bit import dequantize_weight
-from ..quant import gguf_4bit
 from ..ops.row_slices import by_rows
+from ..quant import gguf_4bit
 from . import _cpu_weight_cache as cpu_cache
 
 BLOCKSIZE = gguf_4bit.BLOCKSIZE

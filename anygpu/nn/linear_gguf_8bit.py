@@ -18,8 +18,8 @@ from torch import nn
 
 from ..ops import matmul_int8_block
 from ..ops.matmul_int8_block import dequantize_weight
-from ..quant import gguf_8bit
 from ..ops.row_slices import by_rows
+from ..quant import gguf_8bit
 from . import _cpu_weight_cache as cpu_cache
 
 
