@@ -43,6 +43,7 @@ ARCHITECTURES = {arch: LlamaForCausalLM for arch in SUPPORTED_ARCHITECTURES}
 # q4_*, q8_0: GGUF blocks (nn.GGUF4bitLinear, nn.GGUF8bitLinear)
 QUANT_TYPES = ("nf4", "fp4", "int8", "q4_0", "q4_k", "q8_0")
 
+
 def model_class(config: ModelConfig):
     try:
         return ARCHITECTURES[config.architecture]

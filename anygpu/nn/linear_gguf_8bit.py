@@ -23,7 +23,6 @@ from ..quant import gguf_8bit
 from . import _cpu_weight_cache as cpu_cache
 
 
-
 class GGUF8bitLinear(cpu_cache.CachesCPUWeight, nn.Module):
     def __init__(self, weight: gguf_8bit.PackedInt8Block, in_features: int, out_features: int,
                  bias: torch.Tensor | None = None):
