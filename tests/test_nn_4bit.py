@@ -379,6 +379,27 @@ def test_copy_deepcopy_pickle():
     x = torch.randn(2, IN)
     for other in (deep, loaded):
         assert isinstance(other.weight, Params4bit) and torch.equal(other(x), layer(x))
+    assert loaded.weight.module is loaded
+
+
+@pytest.mark.parametrize("make", [lambda: Linear4bit.from_linear(fp_linear(), "nf4"),
+                                  lambda: Linear4bit(IN, OUT, quant_type="fp4").to("cpu")])
+def test_a_dropped_layer_is_freed_without_the_garbage_collector(make):
+    # The param's reference to its layer is weak: no layer <-> weight cycle, so `del model` frees the memory at
+    # once (with a strong one, as in bitsandbytes, only the next gc.collect() would).
+    gc.collect()
+    gc.disable()
+    try:
+        layer = make()
+        layer(torch.randn(2, IN))
+        assert layer.weight.module is layer and layer.weight.bnb_quantized
+        rebuilt = Params4bit(layer.weight.data, requires_grad=False, **layer.weight.__dict__)
+        assert rebuilt.module is layer  # PEFT's rebuild from __dict__ keeps the link
+        freed = weakref.ref(layer), weakref.ref(layer.weight), weakref.ref(rebuilt)
+        del layer, rebuilt
+        assert all(ref() is None for ref in freed)
+    finally:
+        gc.enable()
 
 
 def test_fsdp_facing_attributes_match_bitsandbytes(bnb_reference):
@@ -715,3 +736,25 @@ def test_quantize_model_onto_the_gpu():
     with torch.no_grad():
         out = model(ids.cuda()).cpu()
     assert (out - reference).norm() / reference.norm() < 0.1
+
+
+@pytest.mark.gpu
+def test_a_dropped_gpu_model_gives_its_memory_back_at_once():
+    def run_one():
+        model = TinyLM().eval()
+        quantize_model(model, "nf4", device="cuda", progress=False)
+        with torch.no_grad():
+            model.to("cuda")(torch.randint(0, 100, (2, 8), device="cuda"))
+        return model
+
+    run_one()  # a first model makes the per-device tables and buffers kept for the process
+    gc.collect()
+    before = torch.cuda.memory_allocated()
+    gc.disable()
+    try:
+        model = run_one()
+        assert torch.cuda.memory_allocated() > before
+        del model
+        assert torch.cuda.memory_allocated() == before  # no gc.collect(): nothing held by a reference cycle
+    finally:
+        gc.enable()

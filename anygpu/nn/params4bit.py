@@ -26,11 +26,17 @@ Life of one (bitsandbytes' contract, which transformers, PEFT and accelerate rel
   (``quant_state``, ``module``, ``bnb_quantized``, ...), as bitsandbytes' do, for sharding code that splits a
   param and expects the pieces to be the param's kind; every other op gives plain tensors (``nn.Parameter``'s
   rule).
+- ``module`` (the layer that owns the param, whose ``quant_state`` it keeps in step) is held weakly, so a dropped
+  layer and its weight are freed at once, not at the next garbage collection (a layer and its param refer to
+  each other; bitsandbytes' strong reference makes that a cycle, and GPU memory then stays allocated after
+  ``del model`` until ``gc.collect()``).  ``__dict__["module"]`` holds the weak reference; the attribute and the
+  constructor give and take the layer itself (or the weak reference, for ``Params4bit(data, **old.__dict__)``).
 """
 
 from __future__ import annotations
 
 import copy
+import weakref
 from typing import Any
 
 import torch
@@ -73,6 +79,17 @@ class Params4bit(torch.nn.Parameter):
         self.bnb_quantized = bnb_quantized
         self.module = module
         return self
+
+    @property
+    def module(self):
+        ref = self.__dict__.get("module")
+        return ref() if ref is not None else None
+
+    @module.setter
+    def module(self, module) -> None:
+        if isinstance(module, weakref.ref):
+            module = module()
+        self.__dict__["module"] = weakref.ref(module) if module is not None else None
 
     @classmethod
     def from_prequantized(cls, data: torch.Tensor, quantized_stats: dict[str, Any], requires_grad: bool = False,
@@ -176,7 +193,7 @@ class Params4bit(torch.nn.Parameter):
     # -- copy / deepcopy / pickle -----------------------------------------------------------------
 
     def __getstate__(self) -> dict:
-        return {name: self.__dict__.get(name) for name in _ATTRIBUTES}
+        return {name: getattr(self, name) if name == "module" else self.__dict__.get(name) for name in _ATTRIBUTES}
 
     def __setstate__(self, state: dict) -> None:
         for name in _ATTRIBUTES:
