@@ -1,7 +1,0 @@
-unset TRITON_INTERPRET
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target .gpu-site .whl/*.whl 2>&1 | tail -2
-export PYTHONPATH=$PWD:$PWD/.gpu-site
-which ncu || ls /usr/local/cuda*/bin/ncu
-NCU=$(which ncu || ls /usr/local/cuda*/bin/ncu | head -1)
-M="smsp__average_warp_latency_issue_stalled_barrier,smsp__average_warp_latency_issue_stalled_long_scoreboard,smsp__average_warp_latency_issue_stalled_short_scoreboard,smsp__average_warp_latency_issue_stalled_wait,smsp__average_warp_latency_issue_stalled_math_pipe_throttle,smsp__average_warp_latency_issue_stalled_mio_throttle,smsp__average_warp_latency_issue_stalled_lg_throttle,smsp__average_warp_latency_issue_stalled_membar,smsp__average_warp_latency_issue_stalled_sleeping,smsp__average_warp_latency_issue_stalled_dispatch_stall,smsp__issue_active.avg.pct_of_peak_sustained_active,sm__warps_active.avg.pct_of_peak_sustained_active,dram__throughput.avg.pct_of_peak_sustained_elapsed,lts__t_sectors.avg.pct_of_peak_sustained_elapsed,l1tex__data_pipe_lsu_wavefronts_mem_shared.sum,l1tex__data_bank_conflicts_pipe_lsu_mem_shared.sum,sm__inst_executed.sum,gpu__time_duration.sum,sm__pipe_tensor_op_gmma_cycles_active.avg.pct_of_peak_sustained_active,launch__occupancy_limit_shared_mem,launch__occupancy_limit_registers,sm__maximum_warps_per_active_cycle_pct"
-timeout 250 $NCU --launch-skip 2 --launch-count 2 -k regex:"wgmma_4bit|gemm_4bit" --metrics $M python3 probes/gluon_wgmma_4bit/prof.py 28672 4096 2>&1 | grep -v "^==PROF==\|Warn" | tail -70
