@@ -151,10 +151,15 @@ def test_nan_inf_and_zero_blocks(kdevice):
     from anygpu.kernels.quant_4bit import dequantize_4bit, quantize_4bit
     from anygpu.kernels.quant_blockwise import quantize_blockwise
 
-    x = torch.randn(4, 32)
+    x = torch.randn(6, 32)
     x[0, 5] = float("nan")
     x[1, 7], x[1, 9] = float("inf"), -float("inf")
     x[2] = 0.0
+    x[4] = -x[4].abs()  # negative values, a NaN with its sign bit set, a -0.0: the top code and the code of 0
+    x[4, 3] = -0.0
+    x[4, 8] = torch.tensor(float("nan")).view(torch.int32).bitwise_or(-(2 ** 31)).view(torch.float32)
+    x[5] = -x[5].abs()  # -inf alone: inf * 0 is NaN, the rest -0.0 (the code of +0)
+    x[5, 0], x[5, 1] = -float("inf"), -0.0
     x = torch.cat([x.flatten(), torch.zeros(5)]).to(kdevice)  # a zero partial block
     code = dynamic_map(kdevice)
     codes, absmax = quantize_blockwise(x, code, 32)
@@ -162,7 +167,9 @@ def test_nan_inf_and_zero_blocks(kdevice):
     assert same_bits(codes, ref_codes) and same_bits(absmax, ref_absmax)
     assert torch.isnan(absmax[0]) and torch.all(codes[:32] == 255)
     assert absmax[1] == float("inf") and codes[39] == 255 and codes[41] == 255 and codes[32] == 127
-    assert absmax[2] == 0 and torch.all(codes[64:96] == 127) and absmax[4] == torch.tensor(1e-38)
+    assert absmax[2] == 0 and torch.all(codes[64:96] == 127) and absmax[6] == torch.tensor(1e-38)
+    assert torch.isnan(absmax[4]) and torch.all(codes[128:160] == 255)
+    assert absmax[5] == float("inf") and codes[160] == 255 and torch.all(codes[161:192] == 127)
     for quant_type in ("nf4", "fp4"):
         packed, absmax = quantize_4bit(x, 32, quant_type, torch.uint8)
         assert same_bits(packed, quantize_4bit_reference(x, 32, quant_type, torch.uint8)[0])
@@ -172,7 +179,8 @@ def test_nan_inf_and_zero_blocks(kdevice):
         inf = float("nan") if quant_type == "fp4" and fp4_rule(x.device) != FP4_REFERENCE else float("inf")
         assert torch.allclose(out[[39, 41]].cpu(), torch.tensor([inf] * 2), 0, 0, equal_nan=True)
         assert torch.isnan(out[32])
-        assert torch.all(out[64:96] == 0) and torch.all(out[128:] == 0) and torch.isfinite(out[96:128]).all()
+        assert torch.all(out[64:96] == 0) and torch.all(out[192:] == 0) and torch.isfinite(out[96:128]).all()
+        assert torch.isnan(out[128:160]).all() and torch.isnan(out[161:192]).all()  # code of 0 * inf
 
 
 def test_kernels_read_non_contiguous_inputs_in_row_major_order(kdevice):
