@@ -108,8 +108,7 @@ def _attend_tile(q, m_i, l_i, acc, tile, lo, hi, table, k_head, v_head, dims, di
 
 
 @triton.jit
-def _merge_splits(part_out_ptr, part_lse_ptr, out_ptr, lo, hi, num_splits, used, HEAD_DIM: tl.constexpr,
-                  BLOCK: tl.constexpr = MERGE_BLOCK):
+def _merge_splits(part_out_ptr, part_lse_ptr, out_ptr, lo, hi, num_splits, used, HEAD_DIM: tl.constexpr):
     """Output elements [lo, hi) of the flat [batch * num_q_heads * HEAD_DIM] output, from the first ``used`` of
     the num_splits partials of their rows (the rest hold no key: lse -inf, weight 0, so leaving them out changes
     no bit): an online softmax over the splits' log2-sum-exps, one split at a time in order.
@@ -119,19 +118,19 @@ def _merge_splits(part_out_ptr, part_lse_ptr, out_ptr, lo, hi, num_splits, used,
     # while, not for: see the note in _paged_decode_kernel.
     start = lo
     while start < hi:
-        e = start + tl.arange(0, BLOCK)
+        e = start + tl.arange(0, MERGE_BLOCK)
         mask = e < hi
         row = e // HEAD_DIM  # batch * num_q_heads + head
         lse_at = part_lse_ptr + row * num_splits
         part_at = part_out_ptr + row * num_splits * HEAD_DIM + e % HEAD_DIM
-        m = tl.full([BLOCK], float("-inf"), tl.float32)
-        total = tl.zeros([BLOCK], tl.float32)
-        acc = tl.zeros([BLOCK], tl.float32)
+        m = tl.full([MERGE_BLOCK], float("-inf"), tl.float32)
+        total = tl.zeros([MERGE_BLOCK], tl.float32)
+        acc = tl.zeros([MERGE_BLOCK], tl.float32)
         s = 0
         while s < used:
             for u in tl.static_range(MERGE_UNROLL):
                 # (a block-shaped condition: the interpreter's mask cannot be a scalar and'ed into a block)
-                live = mask & (tl.full([BLOCK], s + u, tl.int32) < used)
+                live = mask & (tl.full([MERGE_BLOCK], s + u, tl.int32) < used)
                 lse = tl.load(lse_at + (s + u), mask=live, other=float("-inf"), cache_modifier=".cg")
                 part = tl.load(part_at + (s + u) * HEAD_DIM, mask=live, other=0.0, cache_modifier=".cg")
                 m_new = tl.maximum(m, lse)
@@ -144,7 +143,7 @@ def _merge_splits(part_out_ptr, part_lse_ptr, out_ptr, lo, hi, num_splits, used,
             s += MERGE_UNROLL
         o = tl.div_rn(acc, tl.where(total == 0.0, 1.0, total))  # every split empty (seqlen 0): output 0
         tl.store(out_ptr + e, o.to(out_ptr.dtype.element_ty), mask=mask)
-        start += BLOCK
+        start += MERGE_BLOCK
 
 
 # merge (0 or 1) is not specialised: the capture fallback runs the kernel the warm-up compiled, not a new one.
@@ -229,14 +228,12 @@ def _paged_decode_kernel(q_ptr, key_cache_ptr, value_cache_ptr, block_tables_ptr
 
 
 @triton.jit
-def _paged_decode_reduce_kernel(part_out_ptr, part_lse_ptr, out_ptr, num_splits, numel, HEAD_DIM: tl.constexpr,
-                                BLOCK: tl.constexpr, PDL: tl.constexpr):
-    """The combine as a second launch: BLOCK output elements per program (the same helper as the in-launch
-    combine, so the same bits)."""
-    wait_then_release(PDL)
-    lo = tl.program_id(0).to(tl.int64) * BLOCK
-    _merge_splits(part_out_ptr, part_lse_ptr, out_ptr, lo, tl.minimum(lo + BLOCK, numel), num_splits,
-                  num_splits, HEAD_DIM, BLOCK)
+def _paged_decode_reduce_kernel(part_out_ptr, part_lse_ptr, out_ptr, num_splits, numel, HEAD_DIM: tl.constexpr):
+    """The fallback's second launch (a decode step captured before the device had counters): MERGE_BLOCK
+    output elements per program."""
+    lo = tl.program_id(0).to(tl.int64) * MERGE_BLOCK
+    _merge_splits(part_out_ptr, part_lse_ptr, out_ptr, lo, tl.minimum(lo + MERGE_BLOCK, numel), num_splits,
+                  num_splits, HEAD_DIM)
 
 
 # --- split planning: a pure function, unit-tested -------------------------------------------------------
@@ -327,8 +324,7 @@ LARGE_HEAD_CONFIGS = {
     "rdna4": _decode(_AOT_SHAPE_D256, 16, num_warps=16, num_stages=1),
 }
 
-REDUCE_CONFIGS = {"default": (LaunchConfig({"HEAD_DIM": 128, "BLOCK": 512}, num_warps=4),),
-                  "nvidia": (LaunchConfig({"HEAD_DIM": 128, "BLOCK": 128}, num_warps=1),)}
+REDUCE_CONFIGS = {"default": (LaunchConfig({"HEAD_DIM": 128}, num_warps=4),)}
 
 # The launcher takes fp16, bf16 and fp32.  CI cross-compiles, to stay under a minute on two cores, the
 # 16-bit dtypes decode runs in (fp32 is the same code with wider loads, compiled on first use), and at head
@@ -353,7 +349,7 @@ def _signature(dtype: torch.dtype) -> dict:
 
 def _reduce_signature(dtype: torch.dtype) -> dict:
     return {"part_out_ptr": "*fp32", "part_lse_ptr": "*fp32", "out_ptr": f"*{TRITON_DTYPE[dtype]}",
-            "num_splits": "i32", "numel": "i32", "HEAD_DIM": "constexpr", "BLOCK": "constexpr", "PDL": "constexpr"}
+            "num_splits": "i32", "numel": "i32", "HEAD_DIM": "constexpr"}
 
 
 SPEC = register(KernelSpec("paged_decode", _paged_decode_kernel, _signature, AOT_DTYPES, CONFIGS))
@@ -444,9 +440,7 @@ def paged_decode(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Te
             HEAD_DIM_PAD=head_dim_pad, GROUP_PAD=max(16, 1 << (group - 1).bit_length()), BLOCK_SIZE=block_size,
             TILE_N=tile, USE_SOFTCAP=softcap > 0, **options, **pdl_args(q.device))
         if num_splits > 1 and not merge:  # captured without counters: the partials are combined here
-            rcfg, roptions = launch_config(REDUCE_CONFIGS, q.device)
-            block = rcfg.constexprs["BLOCK"]
-            _paged_decode_reduce_kernel[(triton.cdiv(out.numel(), block),)](
-                part_out, part_lse, out, num_splits, out.numel(), HEAD_DIM=head_dim, BLOCK=block, **roptions,
-                **pdl_args(q.device))
+            _, roptions = launch_config(REDUCE_CONFIGS, q.device)
+            _paged_decode_reduce_kernel[(triton.cdiv(out.numel(), MERGE_BLOCK.value),)](
+                part_out, part_lse, out, num_splits, out.numel(), HEAD_DIM=head_dim, **roptions)
     return out
