@@ -1,17 +1,14 @@
 """Nearest-code search in an 8-bit map (bitsandbytes' dynamic maps) by a bucket table over the bits of |x|,
 shared by the 8-bit optimizers (``optim_8bit.py``) and 8-bit blockwise quantization (``quant_blockwise.py``).
 
-``x`` lies in [-1, 1].  Its magnitude's fp32 bits, clamped to [2^-24, 1.0], are the 32-bit ``key`` (for x <= -0
-all bits flipped: larger |x| is smaller x, and the keys of the two signs fall in disjoint ranges); ``key >> 16``
-(8 exponent bits and 7 mantissa bits: 3073 buckets a sign) indexes a table of 65536 int32 entries, of which the
-two ranges of the keys are used.  An entry holds the code of its bucket's lowest x and, where one of the 255
-midpoints falls inside the bucket, the step to the next code at that midpoint, biased so that one add does
-the whole lookup: ``code = (entry + key) >> 16`` (unsigned 32-bit; the low half's carry is the step, and the
-entry has its own index's ``<< 16`` subtracted so that the key's high half cancels).  One gather and about eight
-integer operations per element, instead of a binary search (8 compares) and its gathers.  ``build_search_table``
-builds the table for a map and proves it exact against the reference's rule (the number of midpoints strictly
-below x; with ``sign_fix``, the optimizers' first state's rule: a code of the other sign moves one step towards
-x); a map it cannot serve gets None.  Entry ``LUT_ZERO`` (an index no key reaches) holds the code of +0.0.
+``x`` lies in [-1, 1]; its magnitude's fp32 bits, clamped to [2^-24, 1.0], shifted right by 16, pick one of 3073
+buckets (7 mantissa bits per binade), for x >= +0 and for x <= -0 separately.  Each int32 entry holds the code
+of the bucket's lowest x in its high half and, where one of the 255 midpoints falls inside the bucket, that
+midpoint's low 16 bits in its low half: ``code = base + (low16(x) > low16(mid))`` (the low bits are mirrored
+for negative x).  One gather and a dozen integer operations per element, instead of a binary search (8
+compares) and its gathers.  ``build_search_table`` builds the table for a map and proves it exact against the
+reference's rule (the number of midpoints strictly below x; with ``sign_fix``, the optimizers' first state's
+rule: a code of the other sign moves one step towards x); a map it cannot serve gets None.
 """
 
 from __future__ import annotations
@@ -29,9 +26,7 @@ _HIGH = 0x3F800000  # 1.0
 LUT_SHIFT = 16
 _BASE = _LOW >> LUT_SHIFT
 _HALF = ((_HIGH - _LOW) >> LUT_SHIFT) + 1  # 3073
-_SIZE = 1 << (32 - LUT_SHIFT)  # every key >> 16 is an index: no key can read out of bounds
-_ZERO = 0  # keys >> 16 span [_BASE, 0x3F80] (x >= +0) and [0xC07F, 0xFFFF - _BASE] (x <= -0): 0 is free
-LUT_LOW, LUT_HIGH, LUT_ZERO = (tl.constexpr(v) for v in (_LOW, _HIGH, _ZERO))
+LUT_LOW, LUT_HIGH, LUT_BASE, LUT_HALF = (tl.constexpr(v) for v in (_LOW, _HIGH, _BASE, _HALF))
 NO_STEP = 0xFFFF  # a low half no bucket-local value exceeds: the bucket holds no midpoint
 
 
@@ -55,11 +50,13 @@ def lut_search(q, neg, lut_ptr, SIGNED: tl.constexpr, PTX: tl.constexpr = False)
     (see the module docstring); ``neg`` is -1 where x carries the sign bit (-0.0 too), else 0."""
     clamped = tl.minimum(tl.maximum(q.to(tl.int32, bitcast=True) & 0x7FFFFFFF, LUT_LOW), LUT_HIGH)
     if SIGNED:
-        key = (clamped ^ neg).to(tl.uint32, bitcast=True)  # mirrored for x < 0: larger |x| is smaller x
+        index = (clamped >> 16) + ((neg & LUT_HALF) - LUT_BASE)  # the negative half follows the positive
+        low = (clamped ^ neg) & 0xFFFF  # mirrored for x < 0: larger |x| is smaller x
     else:  # the second state is never negative
-        key = clamped.to(tl.uint32, bitcast=True)
-    entry = table_load(lut_ptr + (key >> 16), PTX).to(tl.uint32, bitcast=True)  # fp32 bits (one signature)
-    return ((entry + key) >> 16).to(tl.int32)
+        index = (clamped >> 16) - LUT_BASE
+        low = clamped & 0xFFFF
+    entry = table_load(lut_ptr + index, PTX).to(tl.int32, bitcast=True)  # passed as fp32 bits (one signature)
+    return (entry >> 16) + (low > (entry & 0xFFFF)).to(tl.int32)
 
 
 
@@ -82,23 +79,28 @@ def lut_codes(x: torch.Tensor, lut: torch.Tensor, signed: bool) -> torch.Tensor:
     """``lut_search`` in PyTorch, operation for operation (int64, so shifts and masks match int32's), for
     x's magnitude and (signed) its sign bit."""
     bits = x.view(torch.int32).long()
-    key = (bits & 0x7FFFFFFF).clamp(_LOW, _HIGH)
+    clamped = (bits & 0x7FFFFFFF).clamp(_LOW, _HIGH)
     if signed:
-        key = torch.where(bits < 0, key ^ 0xFFFFFFFF, key)
-    entry = lut.view(torch.int32).long() & 0xFFFFFFFF
-    return ((entry[key >> 16] + key) & 0xFFFFFFFF) >> 16
+        neg = torch.where(bits < 0, -1, 0)
+        index = (clamped >> 16) + ((neg & _HALF) - _BASE)
+        low = (clamped ^ neg) & 0xFFFF
+    else:
+        index = (clamped >> 16) - _BASE
+        low = clamped & 0xFFFF
+    entry = lut.view(torch.int32).long()[index]
+    return (entry >> 16) + (low > (entry & 0xFFFF)).long()
 
 
 def _build_lut(code: torch.Tensor, signed: bool, sign_fix: bool = True) -> torch.Tensor:
-    """int32 [65536] (as fp32 bits; entry LUT_ZERO: the index of +0.0, or -1) for the sorted fp32 map ``code`` on
-    the CPU; exact only where every bucket holds at most one midpoint, which ``search_table`` proves before
-    using it."""
+    """int32 [2 * LUT_HALF + 1] (as fp32 bits; the last: the index of +0.0, or -1) for the sorted fp32 map
+    ``code`` on the CPU; exact only where every bucket holds at most one midpoint, which ``search_table``
+    proves before using it."""
     mids = (code[:-1] + code[1:]) / 2  # fp32, exactly as the reference
     i = torch.arange(_HALF, dtype=torch.int64)
     lo_bits = (_BASE + i) << LUT_SHIFT  # the bucket's smallest magnitude (bucket 0 takes all below)
     hi_bits = torch.where(i == _HALF - 1, lo_bits, lo_bits + 0xFFFF)  # the top bucket is 1.0 alone
     lo_mag, hi_mag = _f32(lo_bits), _f32(hi_bits)
-    table = torch.zeros(_SIZE, dtype=torch.int64)
+    entries = []
     for negative in (False, True):
         if negative:  # x from -hi_mag up to -lo_mag: the midpoint m in [-hi, -lo) steps at |x| < |m|
             start = torch.searchsorted(mids, -hi_mag, right=False)
@@ -121,12 +123,10 @@ def _build_lut(code: torch.Tensor, signed: bool, sign_fix: bool = True) -> torch
                 c1 = torch.where(neg_value[c1], c1 + 1, c1)
         has_step = has_step & (c1 != c0)  # the fix can merge the two codes
         threshold = torch.where(has_step, threshold, NO_STEP)
-        index = (0xFFFF - (_BASE + i)) if negative else (_BASE + i)  # the keys' high halves
-        # (entry + key) >> 16 = c0 + carry(0xFFFF - threshold + low): the step where low > threshold.
-        table[index] = ((c0.clamp(0, 255) << 16) + (0xFFFF - threshold) - (index << 16)) & 0xFFFFFFFF
+        entries.append((c0.clamp(0, 255) << 16) | threshold)
     zero = (code == 0) & ~torch.signbit(code)  # +0.0: what elements past the end load (see _dequantize)
-    table[_ZERO] = int(zero.long().argmax()) if bool(zero.any()) else 0xFFFFFFFF
-    return (table - ((table >> 31) << 32)).to(torch.int32).view(torch.float32)
+    entries.append(torch.where(zero.any(), zero.long().argmax(), -1).reshape(1))
+    return torch.cat(entries).to(torch.int32).view(torch.float32)
 
 
 def _f32_bits(x: torch.Tensor) -> torch.Tensor:
@@ -157,7 +157,7 @@ def build_search_table(code: torch.Tensor, signed: bool, sign_fix: bool = True) 
     if code.numel() != 256 or code.device.type != "cpu" or not bool((code[1:] >= code[:-1]).all()):
         return None
     lut = _build_lut(code, signed, sign_fix)
-    if int(lut[_ZERO].view(torch.int32)) < 0:  # no +0.0 in the map
+    if int(lut[-1].view(torch.int32)) < 0:  # no +0.0 in the map
         return None
     x = _probe_points(code)
     if not signed:  # the second state is never negative: the table serves magnitudes

@@ -20,7 +20,7 @@ is most of them, so the code search has two forms, both exactly the reference's 
   ``search_table`` builds the table for a map and proves it exact (see there); a map it cannot serve (more
   than one midpoint in a bucket, no +0.0) gets None.  The division by absmax is one reciprocal per block
   and two FMA corrections per element (``_scaled_magnitude``: correctly rounded, like the reference's
-  division), and elements past the end load the code of +0.0 (the table's entry ``LUT_ZERO``), so they need no
+  division), and elements past the end load the code of +0.0 (the table's last entry), so they need no
   selects.  On sm_90 this path compiles to ~125 SASS instructions per element for Adam (the tree: ~215).
 - the breadth-first search tree of ``quant_blockwise.py`` (any sorted map): 4 levels by selects among
   15 values held in registers, 4 by gathers from the 1 KiB tree, and a gather of the code for the sign fix.
@@ -46,7 +46,7 @@ import triton
 import triton.language as tl
 
 from .launch import TRITON_DTYPE, KernelSpec, LaunchConfig, device_target, launch_config, on_device, register
-from .code_lut import (LUT_ZERO, build_search_table, lut_codes, lut_search, reference_codes,  # noqa: F401
+from .code_lut import (LUT_HALF, build_search_table, lut_codes, lut_search, reference_codes,  # noqa: F401
                        search_table, table_load)
 from .quant_blockwise import above, position16, search_tree, to_output
 
@@ -100,7 +100,7 @@ def _dequantize(q_ptr, absmax_ptr, code_ptr, search_ptr, first, base, rows, loca
     zero (its index is the table's last entry), so every later value there stays 0 without a select."""
     absmax = tl.load(absmax_ptr + first + rows, mask=rows * 256 < left, other=0.0)
     if LUT:
-        zero = tl.load(search_ptr + LUT_ZERO).to(tl.int32, bitcast=True)
+        zero = tl.load(search_ptr + 2 * LUT_HALF).to(tl.int32, bitcast=True)
         q = tl.load(q_ptr + base + local, mask=in_range, other=zero.to(tl.uint8)).to(tl.int32)
         return table_load(code_ptr + q, PTX) * absmax[:, None]
     else:

@@ -41,9 +41,8 @@ def _max_keep_nan(a, b):
 @triton.jit
 def _scaled_blocks(a_ptr, absmax_ptr, n, n_full_blocks, BS: tl.constexpr, BLOCKS: tl.constexpr):
     """Load this program's BLOCKS blocks, store their absmax, return (scaled fp32 [BLOCKS, BS], mask of
-    the elements that exist, first element, offsets within the tile, whether each block's absmax is finite).
-    Everything as the reference (see ``ops/quant_common.py``); elements past the end scale to 0.  A block whose
-    absmax is inf or NaN scales to +-0 and NaN only (x / inf, inf / inf, NaN)."""
+    the elements that exist, first element, offsets within the tile).  Everything as the reference (see
+    ``ops/quant_common.py``); elements past the end scale to 0."""
     first = tl.program_id(0).to(tl.int64) * BLOCKS  # int64: tensors can pass 2**31 elements
     base = first * BS
     rows = tl.arange(0, BLOCKS)
@@ -63,7 +62,7 @@ def _scaled_blocks(a_ptr, absmax_ptr, n, n_full_blocks, BS: tl.constexpr, BLOCKS
     if first + BLOCKS > n_full_blocks:  # the last program: its partial block divides, and elements past
         scaled = tl.where(is_tail[:, None], tl.div_rn(x, clamped[:, None]), scaled)  # the end scale to 0
         scaled = tl.where(in_range, scaled, 0.0)  # (4 bits pad an odd count with the code of 0)
-    return scaled, in_range, base, local, clamped < float("inf")
+    return scaled, in_range, base, local
 
 
 @triton.jit
@@ -88,13 +87,10 @@ def position16(s, t0, t1, t2, t3, t4, t5, t6, t7, t8, t9, t10, t11, t12, t13, t1
 @triton.jit
 def _quantize_blockwise_kernel(a_ptr, tree_ptr, q_ptr, absmax_ptr, n, n_full_blocks, BS: tl.constexpr,
                                BLOCKS: tl.constexpr, LUT: tl.constexpr = False, PTX: tl.constexpr = False):
-    s, in_range, base, local, finite = _scaled_blocks(a_ptr, absmax_ptr, n, n_full_blocks, BS, BLOCKS)
+    s, in_range, base, local = _scaled_blocks(a_ptr, absmax_ptr, n, n_full_blocks, BS, BLOCKS)
     if LUT:  # tree_ptr is the map's bucket table (code_lut.py): one gather an element
-        # The sign bit picks the table's half, except in a block whose absmax is not finite: its +-0 take the
-        # code of +0 (the reference compares -0.0 equal to 0.0) and its NaN, of either sign, the top code (as
-        # |x| = 1 does).  A per-block mask, not a NaN test an element: no select, no predicate to keep alive.
-        neg = (s.to(tl.int32, bitcast=True) >> 31) & tl.where(finite, -1, 0)[:, None]
-        code = lut_search(tl.abs(s), neg, tree_ptr, True, PTX)
+        neg = s.to(tl.int32, bitcast=True) >> 31
+        code = tl.where(s != s, 255, lut_search(tl.abs(s), neg, tree_ptr, True, PTX))  # NaN: the top code
         tl.store(q_ptr + base + local, code.to(tl.uint8), mask=in_range)
     else:
         # The tree's top 4 levels (nodes 1..15, in sorted order here) from registers, with selects ...
