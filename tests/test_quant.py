@@ -155,7 +155,7 @@ def test_nan_inf_and_zero_blocks(kdevice):
     x[0, 5] = float("nan")
     x[1, 7], x[1, 9] = float("inf"), -float("inf")
     x[2] = 0.0
-    x[4] = -x[4].abs()  # negative values, a NaN with its sign bit set, a -0.0: the top code and the code of 0
+    x[4] = -x[4].abs()  # negative values, a -0.0 and a NaN with its sign bit set: all the top code (NaN block)
     x[4, 3] = -0.0
     x[4, 8] = torch.tensor(float("nan")).view(torch.int32).bitwise_or(-(2 ** 31)).view(torch.float32)
     x[5] = -x[5].abs()  # -inf alone: inf * 0 is NaN, the rest -0.0 (the code of +0)
