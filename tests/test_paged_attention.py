@@ -356,8 +356,9 @@ def test_paged_decode_kernel_merges_splits_as_the_reduce_launch_did(  # the comb
     tile = select(pd.CONFIGS, device_target(kdevice))[0].constexprs["TILE_N"]
     assert pd.fixed_splits(max_seqlen, 10, math.lcm(tile, 16)).num_splits == 10
 
-    def run():
-        return pd.paged_decode(q, kc, vc, tables, lens, max_seqlen, None, window_left, softcap, num_splits=10)
+    def run():  # the combines of targets without PDL (forced off: a Hopper GPU would run the wide one)
+        return pd.paged_decode(q, kc, vc, tables, lens, max_seqlen, None, window_left, softcap, num_splits=10,
+                               wide_combine=False)
 
     with monkeypatch.context() as mp:
         mp.setattr(pd, "counters", lambda device, tiles: None)  # as under capture without counters
@@ -368,6 +369,30 @@ def test_paged_decode_kernel_merges_splits_as_the_reduce_launch_did(  # the comb
     assert torch.equal(bits(first), bits(reduced)) and torch.equal(bits(second), bits(reduced))
     assert not _split_k._COUNTERS[q.device].any()
     check_decode(first, q, kc, vc, tables, lens, None, window_left, softcap, what="merged in the kernel")
+
+
+@pytest.mark.parametrize("q_heads,kv_heads,head_dim,window_left,softcap",
+                         [(8, 2, 64, -1, 0.0), (16, 2, 80, 20, 2.5)])  # the second: D not a multiple of the tile
+def test_paged_decode_wide_combine_sums_every_split(kdevice, q_heads, kv_heads, head_dim, window_left, softcap):
+    """The wide second launch (targets with PDL): every split of a ragged batch combined, several tiles of splits
+    (the interpreter's 4 a step; 70 splits on a GPU's 64), in fp32 as the single pass does, and in bf16 with the
+    same bits on every call."""
+    from anygpu.kernels import paged_decode as pd
+
+    for dtype in (torch.float32, torch.bfloat16):
+        q, kc, vc, tables, lens, max_seqlen = _ragged_split_case(kdevice, q_heads, kv_heads, head_dim, dtype)
+        single = pd.paged_decode(q, kc, vc, tables, lens, max_seqlen, None, window_left, softcap, num_splits=1)
+        for splits in (3, 10) if kdevice.type != "cuda" else (10, 70):
+            def run():
+                return pd.paged_decode(q, kc, vc, tables, lens, max_seqlen, None, window_left, softcap,
+                                       num_splits=splits, wide_combine=True)
+
+            wide = run()
+            what = f"{dtype} {splits} splits, combined wide"
+            check_decode(wide, q, kc, vc, tables, lens, None, window_left, softcap, what=what)
+            if dtype == torch.float32:
+                torch.testing.assert_close(wide, single, rtol=1e-5, atol=1e-5, msg=what)
+            assert torch.equal(bits(run()), bits(wide)), what
 
 
 def test_paged_decode_unsplit_call_makes_the_counters(kdevice, monkeypatch):
@@ -395,9 +420,11 @@ def test_paged_decode_merged_splits_in_a_cuda_graph_are_deterministic(monkeypatc
     def run(splits=None):
         return pd.paged_decode(q, kc, vc, tables, lens, max_seqlen, num_splits=splits)
 
+    wide = pd.uses_wide_combine(q.device)  # Hopper on: every split launch is combined by the second, wide one
     for splits in (None, 10):
         with monkeypatch.context() as mp:
-            _no_second_launch(mp, pd)
+            if not wide:
+                _no_second_launch(mp, pd)
             eager = run(splits)
             for _ in range(4):
                 assert torch.equal(bits(run(splits)), bits(eager)), f"splits {splits}: not deterministic"
@@ -408,7 +435,7 @@ def test_paged_decode_merged_splits_in_a_cuda_graph_are_deterministic(monkeypatc
                 out.zero_()
                 graph.replay()
                 assert torch.equal(bits(out), bits(eager)), f"splits {splits}: replay differs from eager"
-        assert not _split_k._COUNTERS[q.device].any()
+        assert not _split_k._COUNTERS.get(q.device, torch.zeros(1)).any()
         check_decode(eager, q, kc, vc, tables, lens, what=f"splits {splits}")
         with monkeypatch.context() as mp:
             mp.setattr(pd, "counters", lambda device, tiles: None)

@@ -48,9 +48,26 @@ def test_launchers_ask_for_pdl_only_where_the_target_has_it(monkeypatch):
     assert _pdl.pdl_args(torch.device("cuda", 0)) == {"PDL": False}
 
 
+def test_paged_decode_combines_wide_exactly_where_pdl_exists(monkeypatch):
+    """Split paged decode is combined by the wide second launch on targets with PDL, even with ``ANYGPU_PDL=0``
+    (the switch must not change a step's sums), and in the launch elsewhere."""
+    from anygpu.kernels import _pdl
+    from anygpu.kernels import paged_decode as pd
+
+    assert not pd.uses_wide_combine(torch.device("cpu"))  # the interpreter
+    for flag in ("1", "0"):
+        monkeypatch.setenv("ANYGPU_PDL", flag)
+        monkeypatch.setattr(_pdl, "_ARGS", {})
+        for arch, want in (("sm_90", True), ("sm_100", True), ("sm_80", False), ("gfx942", False),
+                           ("gfx1100", False)):
+            monkeypatch.setattr(pd, "_WIDE", {})
+            monkeypatch.setattr(pd, "device_target", lambda device, arch=arch: TARGETS[arch])
+            assert pd.uses_wide_combine(torch.device("cuda", 0)) == want, (flag, arch)
+
+
 @pytest.mark.aot
 @pytest.mark.parametrize("module,spec", [("rms_norm", "FUSED_SPEC"), ("matmul_4bit", "GEMV_SPEC"),
-                                         ("matmul_int8_block", "GEMV_SPEC")])
+                                         ("matmul_int8_block", "GEMV_SPEC"), ("paged_decode_combine", "SPEC")])
 def test_the_pdl_variant_compiles_for_hopper_and_not_elsewhere(module, spec):
     """The AOT compile passes what the launcher would: PDL on sm_90 (griddepcontrol in the PTX), off on sm_80."""
     import importlib

@@ -27,6 +27,11 @@ arithmetic per byte.  The design follows from that:
   Fallback: a launch captured in a CUDA graph before the device had its counters, and every launch on AMD GPUs
   (``_split_k.counters`` is None there: its docstring says why), writes the partials only, and
   ``_paged_decode_reduce_kernel`` combines them in a second launch, with the same helper.
+- On targets with programmatic dependent launch (Hopper on) the splits write their partials only and
+  ``paged_decode_combine.py`` combines them in a second, wide launch that starts while this one drains: at
+  batch 1 the in-launch combine's walk over the splits, one after another, is what keeps a long context
+  from copy bandwidth (measured: docs/perf/2026-12-07-s36.md).  Every launch there, eager or captured, with or
+  without ``ANYGPU_PDL=0``, takes that path.
 - No host synchronisation: the grid comes from shapes and the caller's ``max_seqlen``; each program reads
   its own sequence length, so a max_seqlen above the true one (a decode graph's) costs no speed, and a low one
   never costs correctness.
@@ -44,9 +49,10 @@ import torch
 import triton
 import triton.language as tl
 
-from ._pdl import pdl_args, wait_then_release
+from ._pdl import pdl_args, target_supports_pdl, wait_then_release
 from ._split_k import counters, last_arrival, unused_counters
-from .launch import TRITON_DTYPE, KernelSpec, LaunchConfig, launch_config, on_device, register
+from .launch import TRITON_DTYPE, KernelSpec, LaunchConfig, device_target, launch_config, on_device, register
+from .paged_decode_combine import combine_splits
 
 LOG2E = 1.4426950408889634
 # Triton picks interpreter or compiler from this variable when a kernel is decorated; so do we.
@@ -213,7 +219,7 @@ def _paged_decode_kernel(q_ptr, key_cache_ptr, value_cache_ptr, block_tables_ptr
         out_rows = b * num_q_heads + q_heads
         tl.store(out_ptr + out_rows[:, None] * HEAD_DIM + dims[None, :], o.to(out_ptr.dtype.element_ty),
                  mask=out_mask)
-    elif (split < used) | (merge == 0):  # the reduce launch (merge 0) reads every split's partial
+    elif (split < used) | (merge == 0):  # a second launch (merge 0) reads every split's partial
         part_rows = (b * num_q_heads + q_heads) * num_splits + split
         tl.store(part_out_ptr + part_rows[:, None] * HEAD_DIM + dims[None, :], o, mask=out_mask)
         lse = tl.where(l_i == 0.0, float("-inf"), m_i + tl.log2(l_safe))
@@ -393,11 +399,26 @@ def planned_splits(batch: int, num_kv_heads: int, block_size: int, head_dim: int
     return plan_splits(batch, num_kv_heads, max_seqlen, num_cus, math.lcm(tile, block_size)).num_splits
 
 
+_WIDE: dict = {}
+
+
+def uses_wide_combine(device: torch.device) -> bool:
+    """Whether split launches on ``device`` are combined by ``paged_decode_combine`` (targets that have PDL,
+    whether or not ``ANYGPU_PDL`` turns it off) rather than in the launch: one or the other on a target, never
+    both, so a step's bits depend on neither the path nor the switch.  Cached: the launcher runs every step."""
+    hit = _WIDE.get(device)
+    if hit is None:
+        hit = _WIDE[device] = target_supports_pdl(device_target(device))
+    return hit
+
+
 def paged_decode(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, block_tables: torch.Tensor,
                  seqlens: torch.Tensor, max_seqlen: int, scale: float | None = None, window_left: int = -1,
-                 softcap: float = 0.0, num_splits: int | None = None) -> torch.Tensor:
+                 softcap: float = 0.0, num_splits: int | None = None,
+                 wide_combine: bool | None = None) -> torch.Tensor:
     """Launch on q's device (a GPU, or the CPU under TRITON_INTERPRET=1).  Arguments as in the op;
-    ``num_splits``: None plans with ``plan_splits``, k >= 1 launches exactly k splits (1: the single pass)."""
+    ``num_splits``: None plans with ``plan_splits``, k >= 1 launches exactly k splits (1: the single pass);
+    ``wide_combine``: None takes the target's combine (``uses_wide_combine``), a bool forces one (tests)."""
     batch, q_heads, head_dim = q.shape
     _, block_size, kv_heads, _ = key_cache.shape
     out = q.new_empty(batch, q_heads, head_dim)
@@ -427,10 +448,11 @@ def paged_decode(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Te
     else:  # not written by the single pass
         part_out = part_lse = no_workspace
     kc, vc = key_cache, value_cache
+    wide = uses_wide_combine(q.device) if wide_combine is None else wide_combine
     with on_device(q.device):  # counters() checks the current stream for a capture
         # One counter per (sequence, KV head) when splitting.  Asked for on an unsplit call too (one), so that a
         # warm-up step that does not split still makes the device's counters before a captured step that does.
-        arrivals = counters(q.device, batch * kv_heads if num_splits > 1 else 1)
+        arrivals = None if wide else counters(q.device, batch * kv_heads if num_splits > 1 else 1)
         merge = num_splits > 1 and arrivals is not None
         _paged_decode_kernel[(batch, kv_heads, num_splits)](
             q, kc, vc, block_tables, seqlens, out, part_out, part_lse, arrivals if merge else unused_counters(q.device),
@@ -439,7 +461,9 @@ def paged_decode(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Te
             kc.stride(2), vc.stride(0), vc.stride(1), vc.stride(2), block_tables.stride(0), HEAD_DIM=head_dim,
             HEAD_DIM_PAD=head_dim_pad, GROUP_PAD=max(16, 1 << (group - 1).bit_length()), BLOCK_SIZE=block_size,
             TILE_N=tile, USE_SOFTCAP=softcap > 0, **options, **pdl_args(q.device))
-        if num_splits > 1 and not merge:  # captured without counters: the partials are combined here
+        if num_splits > 1 and wide:
+            combine_splits(part_out, part_lse, out)
+        elif num_splits > 1 and not merge:  # captured without counters: the partials are combined here
             _, roptions = launch_config(REDUCE_CONFIGS, q.device)
             _paged_decode_reduce_kernel[(triton.cdiv(out.numel(), MERGE_BLOCK.value),)](
                 part_out, part_lse, out, num_splits, out.numel(), HEAD_DIM=head_dim, **roptions)
