@@ -41,18 +41,28 @@ def test_a_map_the_table_cannot_serve_takes_the_tree(kdevice):
     assert _codes(kdevice, x, code, 64) is None  # two midpoints in one bucket: the tree, and still exact
 
 
+@pytest.mark.parametrize("keyed", [False, True])  # the optimizers' compact form, quantize's keyed form
 @pytest.mark.parametrize("sign_fix", [True, False])
-def test_tables_of_the_dynamic_maps_are_proven_for_both_rules(sign_fix):
-    from anygpu.kernels.code_lut import build_search_table, lut_codes, reference_codes
+def test_tables_of_the_dynamic_maps_are_proven_for_both_rules(sign_fix, keyed):
+    from anygpu.kernels.code_lut import KEYED_SIZE, build_search_table, lut_codes, reference_codes
 
     code = create_dynamic_map(signed=True)
-    lut = build_search_table(code, signed=True, sign_fix=sign_fix)
-    assert lut is not None
+    lut = build_search_table(code, signed=True, sign_fix=sign_fix, keyed=keyed)
+    assert lut is not None and (lut.numel() == KEYED_SIZE) == keyed
     x = torch.cat([torch.linspace(-1, 1, 100_001), torch.tensor([-0.0, 0.0, 1e-30, -1e-30])])
     assert torch.equal(lut_codes(x, lut, True), reference_codes(x, code, True, sign_fix))
     # the two rules differ (the sign fix moves codes of small negative values), so neither table serves the other
-    other = build_search_table(code, signed=True, sign_fix=not sign_fix)
+    other = build_search_table(code, signed=True, sign_fix=not sign_fix, keyed=keyed)
     assert not torch.equal(lut, other)
+
+
+def test_keyed_table_serves_signed_maps_only_and_refuses_what_the_compact_one_refuses():
+    from anygpu.kernels.code_lut import build_search_table
+
+    with pytest.raises(ValueError, match="keyed"):
+        build_search_table(create_dynamic_map(signed=False), signed=False, keyed=True)
+    assert build_search_table(torch.linspace(-1, 1, 256), True, keyed=True) is None  # a midpoint at 0
+    assert build_search_table(create_dynamic_map(signed=True) + 1e-3, True, keyed=True) is None  # no +0.0
 
 
 def test_cached_per_tensor_keeps_live_entries_and_remembers_no_uncached_answer():

@@ -9,6 +9,14 @@ for negative x).  One gather and a dozen integer operations per element, instead
 compares) and its gathers.  ``build_search_table`` builds the table for a map and proves it exact against the
 reference's rule (the number of midpoints strictly below x; with ``sign_fix``, the optimizers' first state's
 rule: a code of the other sign moves one step towards x); a map it cannot serve gets None.
+
+Blockwise quantize reads the same buckets in a second form, ``keyed`` (``lut_search_keyed``): the 32-bit ``key``
+is the clamped magnitude's bits, all flipped for x <= -0 (the two signs' keys fall in disjoint ranges); ``key >>
+16`` indexes a 65536-entry table (every index in bounds), whose entries are biased so that one add does the
+lookup: ``code = (entry + key) >> 16`` (unsigned; the low half's carry is the step at the midpoint, and the
+entry has its own index's ``<< 16`` subtracted so that the key's high half cancels).  About eight integer
+operations an element instead of a dozen; the optimizers keep the compact form, whose 24 KiB table stays in L1
+beside their other loads (the 256 KiB keyed table made AdamW8bit slower: docs/perf/2026-12-07-s36.md).
 """
 
 from __future__ import annotations
@@ -28,6 +36,9 @@ _BASE = _LOW >> LUT_SHIFT
 _HALF = ((_HIGH - _LOW) >> LUT_SHIFT) + 1  # 3073
 LUT_LOW, LUT_HIGH, LUT_BASE, LUT_HALF = (tl.constexpr(v) for v in (_LOW, _HIGH, _BASE, _HALF))
 NO_STEP = 0xFFFF  # a low half no bucket-local value exceeds: the bucket holds no midpoint
+# The keyed form: every key >> 16 is an index.  Keys >> 16 span [_BASE, 0x3F80] (x >= +0) and
+# [0xC07F, 0xFFFF - _BASE] (x <= -0), so entry 0 is free: it holds the code of +0.0 there.
+KEYED_SIZE = 1 << (32 - LUT_SHIFT)
 
 
 @triton.jit
@@ -59,6 +70,14 @@ def lut_search(q, neg, lut_ptr, SIGNED: tl.constexpr, PTX: tl.constexpr = False)
     return (entry >> 16) + (low > (entry & 0xFFFF)).to(tl.int32)
 
 
+@triton.jit
+def lut_search_keyed(q, neg, lut_ptr, PTX: tl.constexpr = False):
+    """``lut_search`` (signed) from the keyed table (see the module docstring)."""
+    clamped = tl.minimum(tl.maximum(q.to(tl.int32, bitcast=True) & 0x7FFFFFFF, LUT_LOW), LUT_HIGH)
+    key = (clamped ^ neg).to(tl.uint32, bitcast=True)  # mirrored for x < 0: larger |x| is smaller x
+    entry = table_load(lut_ptr + (key >> 16), PTX).to(tl.uint32, bitcast=True)  # fp32 bits (one signature)
+    return ((entry + key) >> 16).to(tl.int32)
+
 
 def _f32(bits: torch.Tensor) -> torch.Tensor:
     return bits.to(torch.int32).view(torch.float32)
@@ -76,10 +95,14 @@ def reference_codes(x: torch.Tensor, code: torch.Tensor, signed: bool, sign_fix:
 
 
 def lut_codes(x: torch.Tensor, lut: torch.Tensor, signed: bool) -> torch.Tensor:
-    """``lut_search`` in PyTorch, operation for operation (int64, so shifts and masks match int32's), for
-    x's magnitude and (signed) its sign bit."""
+    """``lut_search`` (or, for a keyed table, ``lut_search_keyed``) in PyTorch, operation for operation (int64,
+    so shifts and masks match int32's), for x's magnitude and (signed) its sign bit."""
     bits = x.view(torch.int32).long()
     clamped = (bits & 0x7FFFFFFF).clamp(_LOW, _HIGH)
+    if lut.numel() == KEYED_SIZE:  # lut_search_keyed
+        key = torch.where(bits < 0, clamped ^ 0xFFFFFFFF, clamped)
+        entry = lut.view(torch.int32).long() & 0xFFFFFFFF
+        return ((entry[key >> 16] + key) & 0xFFFFFFFF) >> 16
     if signed:
         neg = torch.where(bits < 0, -1, 0)
         index = (clamped >> 16) + ((neg & _HALF) - _BASE)
@@ -91,16 +114,17 @@ def lut_codes(x: torch.Tensor, lut: torch.Tensor, signed: bool) -> torch.Tensor:
     return (entry >> 16) + (low > (entry & 0xFFFF)).long()
 
 
-def _build_lut(code: torch.Tensor, signed: bool, sign_fix: bool = True) -> torch.Tensor:
+def _build_lut(code: torch.Tensor, signed: bool, sign_fix: bool = True, keyed: bool = False) -> torch.Tensor:
     """int32 [2 * LUT_HALF + 1] (as fp32 bits; the last: the index of +0.0, or -1) for the sorted fp32 map
-    ``code`` on the CPU; exact only where every bucket holds at most one midpoint, which ``search_table``
-    proves before using it."""
+    ``code`` on the CPU, or keyed: int32 [KEYED_SIZE] (entry 0: the index of +0.0, or -1); exact only where
+    every bucket holds at most one midpoint, which ``search_table`` proves before using it."""
     mids = (code[:-1] + code[1:]) / 2  # fp32, exactly as the reference
     i = torch.arange(_HALF, dtype=torch.int64)
     lo_bits = (_BASE + i) << LUT_SHIFT  # the bucket's smallest magnitude (bucket 0 takes all below)
     hi_bits = torch.where(i == _HALF - 1, lo_bits, lo_bits + 0xFFFF)  # the top bucket is 1.0 alone
     lo_mag, hi_mag = _f32(lo_bits), _f32(hi_bits)
     entries = []
+    keyed_table = torch.zeros(KEYED_SIZE, dtype=torch.int64)
     for negative in (False, True):
         if negative:  # x from -hi_mag up to -lo_mag: the midpoint m in [-hi, -lo) steps at |x| < |m|
             start = torch.searchsorted(mids, -hi_mag, right=False)
@@ -124,8 +148,16 @@ def _build_lut(code: torch.Tensor, signed: bool, sign_fix: bool = True) -> torch
         has_step = has_step & (c1 != c0)  # the fix can merge the two codes
         threshold = torch.where(has_step, threshold, NO_STEP)
         entries.append((c0.clamp(0, 255) << 16) | threshold)
+        index = (0xFFFF - (_BASE + i)) if negative else (_BASE + i)  # the keys' high halves
+        # (entry + key) >> 16 = c0 + carry(0xFFFF - threshold + low): the step where low > threshold.
+        keyed_table[index] = ((c0.clamp(0, 255) << 16) + (0xFFFF - threshold) - (index << 16)) & 0xFFFFFFFF
     zero = (code == 0) & ~torch.signbit(code)  # +0.0: what elements past the end load (see _dequantize)
-    entries.append(torch.where(zero.any(), zero.long().argmax(), -1).reshape(1))
+    zero_index = torch.where(zero.any(), zero.long().argmax(), -1).reshape(1)
+    if keyed:
+        keyed_table[0] = zero_index
+        keyed_table = torch.where(keyed_table >= 1 << 31, keyed_table - (1 << 32), keyed_table)  # int32 bits
+        return keyed_table.to(torch.int32).view(torch.float32)
+    entries.append(zero_index)
     return torch.cat(entries).to(torch.int32).view(torch.float32)
 
 
@@ -149,15 +181,19 @@ def _probe_points(code: torch.Tensor) -> torch.Tensor:
     return torch.cat([magnitudes, -magnitudes, near]).float()
 
 
-def build_search_table(code: torch.Tensor, signed: bool, sign_fix: bool = True) -> torch.Tensor | None:
-    """The bucket table of the CPU map ``code`` (fp32 [256], sorted), proven exact against
-    ``reference_codes`` on every point where either could change its answer; None where it is not
-    (a map with two midpoints in one bucket, or midpoints below 2^-24): such maps use the search tree."""
+def build_search_table(code: torch.Tensor, signed: bool, sign_fix: bool = True,
+                       keyed: bool = False) -> torch.Tensor | None:
+    """The bucket table of the CPU map ``code`` (fp32 [256], sorted; ``keyed``: the keyed form, signed only),
+    proven exact against ``reference_codes`` on every point where either could change its answer; None where
+    it is not (a map with two midpoints in one bucket, or midpoints below 2^-24): such maps use the search
+    tree."""
     code = code.detach().float().contiguous()
     if code.numel() != 256 or code.device.type != "cpu" or not bool((code[1:] >= code[:-1]).all()):
         return None
-    lut = _build_lut(code, signed, sign_fix)
-    if int(lut[-1].view(torch.int32)) < 0:  # no +0.0 in the map
+    if keyed and not signed:
+        raise ValueError("keyed: the keyed table serves signed maps only")
+    lut = _build_lut(code, signed, sign_fix, keyed)
+    if int(lut[0 if keyed else -1].view(torch.int32)) < 0:  # no +0.0 in the map
         return None
     x = _probe_points(code)
     if not signed:  # the second state is never negative: the table serves magnitudes
@@ -192,8 +228,8 @@ def cached_per_tensor(cache: dict, code: torch.Tensor, key, build, limit: int = 
 _TABLES: dict = {}
 
 
-def search_table(code: torch.Tensor, signed: bool, sign_fix: bool = True) -> torch.Tensor | None:
+def search_table(code: torch.Tensor, signed: bool, sign_fix: bool = True, keyed: bool = False) -> torch.Tensor | None:
     """``build_search_table`` for a CPU map, cached while that very tensor lives unmodified.  Device maps are
     the caller's business (reading one would sync): see ``optim.optimizer``, which knows the default maps."""
-    return cached_per_tensor(_TABLES, code, (id(code), signed, sign_fix),
-                             lambda: build_search_table(code, signed, sign_fix))
+    return cached_per_tensor(_TABLES, code, (id(code), signed, sign_fix, keyed),
+                             lambda: build_search_table(code, signed, sign_fix, keyed))

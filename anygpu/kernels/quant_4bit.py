@@ -111,7 +111,7 @@ def _code4(s, mid_ptr, QUANT_TYPE: tl.constexpr, FP4_RULE: tl.constexpr, PTX: tl
 def _quantize_4bit_kernel(a_ptr, q_ptr, absmax_ptr, mid_ptr, n, n_words, n_full_blocks, QUANT_TYPE: tl.constexpr,
                           BS: tl.constexpr, BLOCKS: tl.constexpr, FP4_RULE: tl.constexpr = 0,
                           PTX: tl.constexpr = False):
-    scaled, in_range, base, local = _scaled_blocks(a_ptr, absmax_ptr, n, n_full_blocks, BS, BLOCKS)
+    scaled, in_range, base, local, _ = _scaled_blocks(a_ptr, absmax_ptr, n, n_full_blocks, BS, BLOCKS)
     if QUANT_TYPE == 1 and FP4_RULE == 2:
         # nvcc's flush-to-zero makes +-0 of a subnormal input, of 1 / absmax once absmax > 2**126 (the whole
         # block), and of a subnormal product; dQuantizeFP4 codes +-0 as 0.  The input again (from cache):

@@ -6,9 +6,8 @@ reduction in registers and loads and stores are wide.  Quantize does the referen
 its order: absmax (NaN kept, as torch's max keeps it), 1 / max(absmax, 1e-38) as an IEEE division
 (``/`` is approximate on NVIDIA), one multiply (the partial last block divides instead, as the reference
 does), then the code: for a map ``code_lut.py``'s bucket table can serve (bitsandbytes' dynamic maps; proven
-exact for the map when it is first used) one gather from that table an element, else by a branch-free binary
-search: the 255 midpoints of the sorted code are stored in
-breadth-first (Eytzinger) order, so 8 steps ``node = 2 * node + (s > tree[node])`` give the number of
+exact for the map when it is first used) one gather from its keyed form and one add an element, else by a
+branch-free binary search: the 255 midpoints of the sorted code are stored in breadth-first (Eytzinger) order, so 8 steps ``node = 2 * node + (s > tree[node])`` give the number of
 midpoints strictly below s (ties go to the lower code; NaN goes right every time: the top code).  The
 top 4 levels use selects among 15 values held in registers, the last 4 gather from the 1 KiB tree.
 Dequantize: ``code[q] * absmax`` in fp32, one rounding.
@@ -24,7 +23,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .code_lut import cached_per_tensor, lut_search, search_table
+from .code_lut import cached_per_tensor, lut_search_keyed, search_table
 from .launch import TRITON_DTYPE, KernelSpec, LaunchConfig, device_target, on_device, register, select
 
 # The reference's absmax floor, 1e-38 (an fp32 subnormal), as its bit pattern: a Python float that small
@@ -41,8 +40,9 @@ def _max_keep_nan(a, b):
 @triton.jit
 def _scaled_blocks(a_ptr, absmax_ptr, n, n_full_blocks, BS: tl.constexpr, BLOCKS: tl.constexpr):
     """Load this program's BLOCKS blocks, store their absmax, return (scaled fp32 [BLOCKS, BS], mask of
-    the elements that exist, first element, offsets within the tile).  Everything as the reference (see
-    ``ops/quant_common.py``); elements past the end scale to 0."""
+    the elements that exist, first element, offsets within the tile, whether each block's absmax is finite).
+    Everything as the reference (see ``ops/quant_common.py``); elements past the end scale to 0.  A block whose
+    absmax is inf or NaN scales to +-0 and NaN only (x / inf, inf / inf, NaN)."""
     first = tl.program_id(0).to(tl.int64) * BLOCKS  # int64: tensors can pass 2**31 elements
     base = first * BS
     rows = tl.arange(0, BLOCKS)
@@ -62,7 +62,7 @@ def _scaled_blocks(a_ptr, absmax_ptr, n, n_full_blocks, BS: tl.constexpr, BLOCKS
     if first + BLOCKS > n_full_blocks:  # the last program: its partial block divides, and elements past
         scaled = tl.where(is_tail[:, None], tl.div_rn(x, clamped[:, None]), scaled)  # the end scale to 0
         scaled = tl.where(in_range, scaled, 0.0)  # (4 bits pad an odd count with the code of 0)
-    return scaled, in_range, base, local
+    return scaled, in_range, base, local, clamped < float("inf")
 
 
 @triton.jit
@@ -87,10 +87,13 @@ def position16(s, t0, t1, t2, t3, t4, t5, t6, t7, t8, t9, t10, t11, t12, t13, t1
 @triton.jit
 def _quantize_blockwise_kernel(a_ptr, tree_ptr, q_ptr, absmax_ptr, n, n_full_blocks, BS: tl.constexpr,
                                BLOCKS: tl.constexpr, LUT: tl.constexpr = False, PTX: tl.constexpr = False):
-    s, in_range, base, local = _scaled_blocks(a_ptr, absmax_ptr, n, n_full_blocks, BS, BLOCKS)
-    if LUT:  # tree_ptr is the map's bucket table (code_lut.py): one gather an element
-        neg = s.to(tl.int32, bitcast=True) >> 31
-        code = tl.where(s != s, 255, lut_search(tl.abs(s), neg, tree_ptr, True, PTX))  # NaN: the top code
+    s, in_range, base, local, finite = _scaled_blocks(a_ptr, absmax_ptr, n, n_full_blocks, BS, BLOCKS)
+    if LUT:  # tree_ptr is the map's keyed bucket table (code_lut.py): one gather and one add an element
+        # The sign bit picks the keys' half, except in a block whose absmax is not finite: its +-0 take the code
+        # of +0 (the reference compares -0.0 equal to 0.0) and its NaN, of either sign, the top code (as |x| = 1
+        # does).  A per-block mask, not a NaN test an element: no select, no predicate to keep alive.
+        neg = (s.to(tl.int32, bitcast=True) >> 31) & tl.where(finite, -1, 0)[:, None]
+        code = lut_search_keyed(tl.abs(s), neg, tree_ptr, PTX)
         tl.store(q_ptr + base + local, code.to(tl.uint8), mask=in_range)
     else:
         # The tree's top 4 levels (nodes 1..15, in sorted order here) from registers, with selects ...
@@ -248,7 +251,7 @@ def device_lut(code: torch.Tensor) -> torch.Tensor | None:
     serve the map (then the search tree does).  Built from a host copy of the map once per map tensor (one
     small device-to-host copy the first time a map is used), then cached while that tensor lives unmodified."""
     def build():
-        table = search_table(code.detach().float().cpu(), signed=True, sign_fix=False)
+        table = search_table(code.detach().float().cpu(), signed=True, sign_fix=False, keyed=True)
         return None if table is None else table.to(code.device)
 
     return cached_per_tensor(_LUTS, code, id(code), build)
