@@ -6,7 +6,8 @@
 # linear-q4 (the arithmetic Q4 decoder's GPU tests, then the engine's q4_k decode with it off and on: ANYGPU_LINEAR_4BIT)
 # sweep-gemm-rows (tools/sweep_gemm_rows.py: the 64-row GEMM tile for Q4_K, NF4, Q8_0),
 # quant-matmul (the quant suite's NF4 and Q4_K matmul rows only), bench-formats (bf16, nf4, int8, q4_k, q8_0 in one
-# engine run, batch 1 and 64 prompts)
+# engine run, batch 1 and 64 prompts), tests-decode-quantize and bench-decode-quantize (paged decode, blockwise
+# quantize, the 8-bit optimizers; AB_OLD=DIR: an older tree's numbers beside these)
 # (tests-tp and bench-tp need two GPUs: the nvidia-h200-x2 kind.)
 set -u
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target .gpu-site .whl/*.whl \
@@ -71,5 +72,19 @@ for step in "$@"; do
         2>&1 | tail -40 ;;
     bench-optim)
       timeout 300 python3 -m anygpu.cli bench optim --json "$OUT/optim.json" 2>&1 | tail -12 ;;
+    tests-decode-quantize)
+      # paged decode's combines (the wide one on Hopper), PDL, blockwise quantize's keyed table, the optimizers
+      timeout 400 python3 -m pytest -q -x -m "not aot" tests/test_paged_attention.py tests/test_pdl.py \
+        tests/test_quant_blockwise_lut.py tests/test_quant.py tests/test_optim_8bit.py 2>&1 | tail -8 ;;
+    bench-decode-quantize)
+      # paged decode, 8-bit blockwise quantize and the 8-bit optimizer step; AB_OLD=DIR (a `git archive REV anygpu`
+      # unpacked there) runs each suite in that tree first, then here, then both again
+      root=$PWD
+      for tree in ${AB_OLD:+$AB_OLD} . ${AB_OLD:+$AB_OLD .}; do
+        for suite in "attention --op paged_decode" "quant --op quantize_blockwise" optim; do
+          echo "--- $tree: bench $suite"
+          (cd $tree && PYTHONPATH=$PWD:$root/.gpu-site timeout 200 python3 -m anygpu.cli bench $suite 2>&1 | tail -8)
+        done
+      done ;;
   esac
 done
