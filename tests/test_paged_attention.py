@@ -395,6 +395,32 @@ def test_paged_decode_wide_combine_sums_every_split(kdevice, q_heads, kv_heads, 
             assert torch.equal(bits(run()), bits(wide)), what
 
 
+def test_paged_decode_combine_weights_each_split_by_its_log2_sum_exp(kdevice):
+    """The wide combine alone, on partials made here: each split weighted by 2^lse, empty splits (lse -inf) left
+    out, a row with no key at all 0, more splits than one tile holds (11 > the interpreter's 4, 70 > a GPU's 64),
+    a head dim that is not a multiple of the dim tile."""
+    from anygpu.kernels.paged_decode_combine import combine_splits
+
+    gen = torch.Generator().manual_seed(0)
+    for splits in (2, 11, 70):
+        part = torch.randn(2, 3, splits, 80, generator=gen)
+        lse = torch.randn(2, 3, splits, generator=gen) * 4
+        lse[0, 0, 1:] = float("-inf")  # one split holds keys
+        lse[1, 2] = float("-inf")  # none does: the row is 0
+        top = lse.amax(-1, keepdim=True)
+        w = torch.exp2(lse - torch.where(top == float("-inf"), 0.0, top))
+        total = w.sum(-1, keepdim=True)
+        want = (w.unsqueeze(-1) * part).sum(-2) / torch.where(total == 0, 1.0, total)
+        for dtype in (torch.float32, torch.bfloat16):
+            out = torch.full((2, 3, 80), float("nan"), dtype=dtype, device=kdevice)
+            combine_splits(part.to(kdevice), lse.to(kdevice), out)
+            tol = 1e-5 if dtype == torch.float32 else 1e-2
+            torch.testing.assert_close(out.float().cpu(), want, rtol=tol, atol=tol, msg=f"{splits} splits, {dtype}")
+            assert (out[1, 2] == 0).all()
+            if dtype == torch.float32:  # one split with keys: its partial exactly (weight 1, the others 0)
+                assert torch.equal(out[0, 0].cpu(), part[0, 0, 0])
+
+
 def test_paged_decode_unsplit_call_makes_the_counters(kdevice, monkeypatch):
     """A warm-up step that does not split still makes the device's counters, so a decode graph captured later
     with splits combines them in the kernel."""
