@@ -124,7 +124,7 @@ def _build_lut(code: torch.Tensor, signed: bool, sign_fix: bool = True, keyed: b
     hi_bits = torch.where(i == _HALF - 1, lo_bits, lo_bits + 0xFFFF)  # the top bucket is 1.0 alone
     lo_mag, hi_mag = _f32(lo_bits), _f32(hi_bits)
     entries = []
-    keyed_table = torch.zeros(KEYED_SIZE, dtype=torch.int64)
+    keyed_table = torch.zeros(KEYED_SIZE, dtype=torch.int64) if keyed else None
     for negative in (False, True):
         if negative:  # x from -hi_mag up to -lo_mag: the midpoint m in [-hi, -lo) steps at |x| < |m|
             start = torch.searchsorted(mids, -hi_mag, right=False)
@@ -147,10 +147,12 @@ def _build_lut(code: torch.Tensor, signed: bool, sign_fix: bool = True, keyed: b
                 c1 = torch.where(neg_value[c1], c1 + 1, c1)
         has_step = has_step & (c1 != c0)  # the fix can merge the two codes
         threshold = torch.where(has_step, threshold, NO_STEP)
-        entries.append((c0.clamp(0, 255) << 16) | threshold)
-        index = (0xFFFF - (_BASE + i)) if negative else (_BASE + i)  # the keys' high halves
-        # (entry + key) >> 16 = c0 + carry(0xFFFF - threshold + low): the step where low > threshold.
-        keyed_table[index] = ((c0.clamp(0, 255) << 16) + (0xFFFF - threshold) - (index << 16)) & 0xFFFFFFFF
+        if keyed:
+            index = (0xFFFF - (_BASE + i)) if negative else (_BASE + i)  # the keys' high halves
+            # (entry + key) >> 16 = c0 + carry(0xFFFF - threshold + low): the step where low > threshold.
+            keyed_table[index] = ((c0.clamp(0, 255) << 16) + (0xFFFF - threshold) - (index << 16)) & 0xFFFFFFFF
+        else:
+            entries.append((c0.clamp(0, 255) << 16) | threshold)
     zero = (code == 0) & ~torch.signbit(code)  # +0.0: what elements past the end load (see _dequantize)
     zero_index = torch.where(zero.any(), zero.long().argmax(), -1).reshape(1)
     if keyed:

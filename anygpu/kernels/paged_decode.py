@@ -452,6 +452,7 @@ def paged_decode(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Te
     with on_device(q.device):  # counters() checks the current stream for a capture
         # One counter per (sequence, KV head) when splitting.  Asked for on an unsplit call too (one), so that a
         # warm-up step that does not split still makes the device's counters before a captured step that does.
+        # The wide combine needs none.
         arrivals = None if wide else counters(q.device, batch * kv_heads if num_splits > 1 else 1)
         merge = num_splits > 1 and arrivals is not None
         _paged_decode_kernel[(batch, kv_heads, num_splits)](

@@ -7,9 +7,10 @@ its order: absmax (NaN kept, as torch's max keeps it), 1 / max(absmax, 1e-38) as
 (``/`` is approximate on NVIDIA), one multiply (the partial last block divides instead, as the reference
 does), then the code: for a map ``code_lut.py``'s bucket table can serve (bitsandbytes' dynamic maps; proven
 exact for the map when it is first used) one gather from its keyed form and one add an element, else by a
-branch-free binary search: the 255 midpoints of the sorted code are stored in breadth-first (Eytzinger) order, so 8 steps ``node = 2 * node + (s > tree[node])`` give the number of
-midpoints strictly below s (ties go to the lower code; NaN goes right every time: the top code).  The
-top 4 levels use selects among 15 values held in registers, the last 4 gather from the 1 KiB tree.
+branch-free binary search: the 255 midpoints of the sorted code are stored in breadth-first (Eytzinger)
+order, so 8 steps ``node = 2 * node + (s > tree[node])`` give the number of midpoints strictly below s (ties go
+to the lower code; NaN goes right every time: the top code).  The top 4 levels use selects among 15 values held
+in registers, the last 4 gather from the 1 KiB tree.
 Dequantize: ``code[q] * absmax`` in fp32, one rounding.
 
 ``_scaled_blocks``, ``position16``, ``to_output`` and ``tile_for`` are shared with ``quant_4bit.py``.
